@@ -1,0 +1,1 @@
+"""How to run nodeshare: the bundled broker launcher, compose file and local scripts."""

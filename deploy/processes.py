@@ -1,0 +1,40 @@
+"""Starting and stopping nodeshare's own child processes (stream workers) without orphans."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from nodeshare.config import Settings
+
+from .broker import die_with_parent
+
+
+def start_worker(settings: Settings, datadir: Path, log_path: Path, loglevel: str = "info") -> subprocess.Popen[bytes]:
+    """Start a faust stream worker (``nodeshare worker``) that dies with its parent."""
+    datadir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODESHARE_")}
+    env.update(settings.as_env())
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "nodeshare", "worker", "--datadir", str(datadir), "--loglevel", loglevel],
+            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )
+    finally:
+        log.close()
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:
+    """SIGTERM, wait, then SIGKILL. Returns the exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -1,0 +1,3 @@
+from nodeshare.cli import main
+
+main()

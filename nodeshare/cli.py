@@ -1,0 +1,287 @@
+"""The ``nodeshare`` command line."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from nodeshare import __version__
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="nodeshare: fair, measured and safe node sharing for HPC clusters.")
+topics_app = typer.Typer(no_args_is_help=True, help="The topic catalog on the broker.")
+schemas_app = typer.Typer(no_args_is_help=True, help="The record contract as JSON Schema.")
+sink_app = typer.Typer(no_args_is_help=True, help="Run a sink in the foreground.")
+app.add_typer(topics_app, name="topics")
+app.add_typer(schemas_app, name="schemas")
+app.add_typer(sink_app, name="sink")
+
+out = Console()
+if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
+    out = Console(width=140)
+err = Console(stderr=True)
+
+
+def _settings(**overrides: Any) -> Any:
+    from nodeshare.config import Settings
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        err.print(f"[red]configuration error[/red]: NODESHARE_{field.upper()}: {first['msg']}")
+        raise typer.Exit(2) from None
+
+
+def _require_bootstrap(settings: Any) -> None:
+    if not settings.bootstrap:
+        err.print("[red]no broker[/red]: pass --bootstrap or set NODESHARE_BOOTSTRAP "
+                  "(or run `nodeshare broker` to start the bundled one)")
+        raise typer.Exit(2)
+
+
+Bootstrap = Annotated[str | None, typer.Option(help="Kafka bootstrap servers (default: NODESHARE_BOOTSTRAP)")]
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, transient=False)
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    out.print(__version__)
+
+
+@app.command()
+def demo(
+    nodes: Annotated[int, typer.Option(min=1, help="simulated nodes")] = 6,
+    jobs: Annotated[int, typer.Option(min=1, help="simulated jobs")] = 12,
+    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    out_dir: Annotated[Path, typer.Option("--out", help="where the ledger, archive and logs go")] = Path(
+        "nodeshare-demo"),
+    timeout: Annotated[float, typer.Option(help="seconds to wait for every charge")] = 180.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Run the whole pipeline locally: simulator -> broker -> stream worker -> ledger + archive -> audit.
+
+    Uses the bundled Tansu broker unless a bootstrap server is configured.
+    """
+    from nodeshare.demo import DemoError, run_demo
+    from nodeshare.producers.simulator import SimConfig
+
+    settings = _settings(bootstrap=bootstrap)
+    cfg = SimConfig(nodes=nodes, jobs=jobs, seed=seed)
+    tasks: dict[str, Any] = {}
+    with _progress() as bar:
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        try:
+            result = run_demo(settings, cfg, out_dir, timeout_s=timeout, progress=progress)
+        except DemoError as exc:
+            err.print(f"[red]demo failed[/red]: {exc}")
+            raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2, default=str))
+    else:
+        _print_charges(result.charges)
+        d = result.as_dict()
+        out.print(f"\n{d['jobs_ended']} jobs ended, {d['charges']} charges; "
+                  f"standard price {d['total_standard_price']:.4f} SU, charged {d['total_price']:.4f} SU, "
+                  f"co-location dividend {d['total_dividend']:.4f} SU")
+        verdict = "[green]0 mismatches[/green]" if result.audit.ok else (
+            f"[red]{d['audit_mismatches']} mismatches[/red]")
+        out.print(f"audit: {result.audit.charges_checked} charges recomputed from "
+                  f"{result.audit.events_read} archived events, {verdict}")
+        out.print(f"ledger:  {result.ledger}\narchive: {result.archive}\ntruth:   {result.truth}  "
+                  f"(ground truth, never read by pricing)\nbroker:  {result.broker} at {result.bootstrap}; "
+                  f"{result.elapsed_s:.1f} s")
+    if not result.audit.ok:
+        raise typer.Exit(1)
+
+
+def _print_charges(charges: list[Any]) -> None:
+    table = Table(title="Charges (service units; L = rate per core-hour)")
+    for col in ("job", "user", "account", "program", "cores", "T_co s", "D", "blocks used/all",
+                "SOP", "price", "dividend"):
+        table.add_column(col, justify="left" if col in ("job", "user", "account", "program") else "right")
+    for c in charges:
+        d = f"{c.degradation:.3f}" if c.estimate_status.value == "ok" else f"0 ({c.estimate_status.value})"
+        table.add_row(c.job_id, c.user, c.account, c.program, str(c.cores), f"{c.run_time_s:.1f}", d,
+                      f"{c.blocks_used}/{c.blocks_used + c.blocks_rejected}",
+                      f"{c.standard_price:.4f}", f"{c.price:.4f}", f"{c.dividend:.4f}")
+    out.print(table)
+
+
+@app.command()
+def broker(port: Annotated[int | None, typer.Option(help="port on 127.0.0.1 (default: a free one)")] = None) -> None:
+    """Run the bundled Tansu broker in the foreground (in-memory storage) until Ctrl-C."""
+    from nodeshare.deploy.broker import BundledBroker
+
+    with BundledBroker(port=port) as b:
+        out.print(f"Tansu broker on {b.bootstrap} (pid {b.pid}); export NODESHARE_BOOTSTRAP={b.bootstrap}")
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+
+
+@topics_app.command("create")
+def topics_create(bootstrap: Bootstrap = None) -> None:
+    """Create every catalog topic that is missing (safe to run again)."""
+    from nodeshare.deploy.topics import create_topics
+
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    for name, status in sorted(create_topics(settings).items()):
+        out.print(f"{status:8} {name}")
+
+
+@topics_app.command("list")
+def topics_list() -> None:
+    """Print the topic catalog."""
+    from nodeshare.schemas import TOPICS
+
+    settings = _settings()
+    table = Table(title="Topics")
+    for col in ("topic", "key", "value", "cleanup", "role", "what"):
+        table.add_column(col)
+    for t in TOPICS:
+        value = " | ".join(r.__name__ for r in t.record_types)
+        table.add_row(settings.topic(t.name), t.key_field, value, t.cleanup_policy, t.role.value, t.description)
+    out.print(table)
+
+
+@schemas_app.command("export")
+def schemas_export(
+    directory: Annotated[Path | None, typer.Option("--dir", help="target directory")] = None,
+) -> None:
+    """Write one JSON Schema file per topic (default: the package's schemas/json)."""
+    from nodeshare.schemas.jsonschema import export_schemas, schema_dir
+
+    for path in export_schemas(directory or schema_dir()):
+        out.print(f"wrote {path}")
+
+
+@app.command()
+def worker(
+    datadir: Annotated[Path, typer.Option(help="faust data directory")] = Path(".nodeshare-worker"),
+    loglevel: Annotated[str, typer.Option(help="faust log level")] = "warning",
+) -> None:
+    """Run one stream worker (faust) in the foreground."""
+    from nodeshare.streams.app import run_worker
+
+    settings = _settings()
+    _require_bootstrap(settings)
+    run_worker(settings, datadir, loglevel)
+
+
+def _run_sink(sink: Any) -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    sink.run(stop)
+
+
+@sink_app.command("ledger")
+def sink_ledger(ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+                bootstrap: Bootstrap = None) -> None:
+    """Consume ledger.charges into the DuckDB ledger (idempotent on job id and revision)."""
+    from nodeshare.producers.kafka_producer import EventProducer
+    from nodeshare.sinks.ledger import LedgerSink
+
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    with EventProducer(settings, client_id="nodeshare-ledger-dlq") as dlq:
+        _run_sink(LedgerSink(settings, ledger, dead_letters=dlq))
+
+
+@sink_app.command("archive")
+def sink_archive(archive: Annotated[Path, typer.Option(help="archive root directory")] = Path("archive"),
+                 bootstrap: Bootstrap = None) -> None:
+    """Consume every input topic into the Parquet archive."""
+    from nodeshare.sinks.archive import ArchiveSink
+
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    _run_sink(ArchiveSink(settings, archive))
+
+
+@app.command()
+def simulate(
+    nodes: Annotated[int, typer.Option(min=1)] = 6,
+    jobs: Annotated[int, typer.Option(min=1)] = 12,
+    seed: int = 7,
+    truth: Annotated[Path, typer.Option(help="where the ground truth goes")] = Path("truth.parquet"),
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Simulate a cluster and publish its events to the broker."""
+    from nodeshare.demo import publish, write_truth
+    from nodeshare.producers.simulator import SimConfig
+    from nodeshare.producers.simulator import simulate as run_simulation
+
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    sim = run_simulation(SimConfig(nodes=nodes, jobs=jobs, seed=seed))
+    write_truth(sim.truth, truth)
+    tasks: dict[str, Any] = {}
+    with _progress() as bar:
+        def progress(stage: str, done: int, total: int) -> None:
+            tasks.setdefault(stage, bar.add_task(stage, total=total))
+            bar.update(tasks[stage], completed=done)
+
+        publish(settings, sim, progress)
+    out.print(f"published {len(sim.events)} events of {len(sim.truth)} jobs; truth in {truth}")
+
+
+@app.command()
+def audit(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Recompute every charge from the archive and compare with the ledger. Exit 1 on any mismatch."""
+    from nodeshare.sinks.audit import audit as run_audit
+
+    settings = _settings()
+    try:
+        report = run_audit(archive, ledger, settings.policy(), settings.topic_prefix)
+    except FileNotFoundError as exc:
+        err.print(f"[red]audit failed[/red]: {exc}")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(report.as_dict(), indent=2, default=str))
+    else:
+        out.print(f"{report.charges_checked} charges checked against {report.events_read} archived events: "
+                  f"{report.matches} match, {len(report.mismatches)} mismatches, "
+                  f"{len(report.missing_in_ledger)} missing from the ledger")
+        for m in report.mismatches[:20]:
+            out.print(f"  {m.job_id}#{m.revision} {m.field}: ledger {m.ledger!r} != recomputed {m.recomputed!r}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)

@@ -1,0 +1,154 @@
+"""The local demo: the whole pipeline on one machine, from simulated nodes to an audited ledger."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from nodeshare.config import Settings
+from nodeshare.deploy.broker import broker_for
+from nodeshare.deploy.processes import start_worker, stop_process
+from nodeshare.deploy.topics import create_topics
+from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.producers.simulator import JobTruth, SimConfig, Simulation, simulate
+from nodeshare.schemas import Charge
+from nodeshare.sinks.archive import ArchiveSink
+from nodeshare.sinks.audit import AuditReport, audit
+from nodeshare.sinks.consumer import run_in_thread
+from nodeshare.sinks.ledger import Ledger, LedgerSink
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+@dataclass
+class DemoResult:
+    bootstrap: str
+    broker: str
+    events_published: int
+    events_archived: int
+    jobs_ended: int
+    charges: list[Charge]
+    audit: AuditReport
+    ledger: Path
+    archive: Path
+    truth: Path
+    elapsed_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bootstrap": self.bootstrap,
+            "broker": self.broker,
+            "events_published": self.events_published,
+            "events_archived": self.events_archived,
+            "jobs_ended": self.jobs_ended,
+            "charges": len(self.charges),
+            "audit_mismatches": len(self.audit.mismatches) + len(self.audit.missing_in_ledger),
+            "audit": self.audit.as_dict(),
+            "total_standard_price": sum(c.standard_price for c in self.charges),
+            "total_price": sum(c.price for c in self.charges),
+            "total_dividend": sum(c.dividend for c in self.charges),
+            "ledger": str(self.ledger),
+            "archive": str(self.archive),
+            "truth": str(self.truth),
+            "elapsed_s": round(self.elapsed_s, 2),
+        }
+
+
+def write_truth(truth: list[JobTruth], path: Path) -> None:
+    """Ground truth goes to its own file; nothing on the pricing path reads it."""
+    rows = [asdict(t) for t in truth]
+    table = pa.Table.from_pylist([{**r, "nodes": list(r["nodes"])} for r in rows])
+    pq.write_table(table, path)
+
+
+def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float = 180.0,
+             progress: Progress | None = None) -> DemoResult:
+    report = progress or (lambda stage, done, total: None)
+    t0 = time.monotonic()
+    out = out.resolve()
+    ledger_path, archive_path, truth_path = out / "ledger.duckdb", out / "archive", out / "truth.parquet"
+    for stale in (ledger_path, out / "ledger.duckdb.wal", archive_path, out / "worker"):
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        elif stale.exists():
+            stale.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    external = settings.bootstrap is not None
+    report("simulating the cluster", 0, 1)
+    sim = simulate(cfg)
+    write_truth(sim.truth, truth_path)
+    report("simulating the cluster", 1, 1)
+
+    with broker_for(settings.bootstrap, out) as bootstrap:
+        run_id = f"demo-{int(time.time())}"
+        s = settings.model_copy(update={
+            "bootstrap": bootstrap,
+            # On a shared broker a run gets topics and groups of its own; the bundled one is fresh anyway.
+            "topic_prefix": f"{settings.topic_prefix}{run_id}." if external else settings.topic_prefix,
+            "app_id": f"{settings.app_id}-{run_id}" if external else settings.app_id,
+        })
+        create_topics(s)
+        worker = start_worker(s, out / "worker", out / "worker.log")
+        stop = threading.Event()
+        dlq_producer = EventProducer(s, client_id="nodeshare-ledger-dlq")
+        ledger_sink = LedgerSink(s, ledger_path, dead_letters=dlq_producer)
+        archive_sink = ArchiveSink(s, archive_path)
+        threads = [run_in_thread(ledger_sink, stop, "ledger-sink"), run_in_thread(archive_sink, stop, "archive-sink")]
+        try:
+            publish(s, sim, report)
+            expected_charges = len(sim.truth)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                report("waiting for charges", ledger_sink.rows_inserted, expected_charges)
+                if ledger_sink.rows_inserted >= expected_charges and archive_sink.messages_written >= len(sim.events):
+                    break
+                if worker.poll() is not None:
+                    raise DemoError(f"the stream worker exited with {worker.returncode}; see {out / 'worker.log'}")
+                for t in threads:
+                    if t.errors:  # type: ignore[attr-defined]
+                        raise DemoError(f"{t.name} failed: {t.errors[0]}")  # type: ignore[attr-defined]
+                if time.monotonic() > deadline:
+                    raise DemoError(
+                        f"timed out after {timeout_s:.0f} s with {ledger_sink.rows_inserted}/{expected_charges} "
+                        f"charges and {archive_sink.messages_written}/{len(sim.events)} events archived; "
+                        f"see {out / 'worker.log'}")
+                time.sleep(0.2)
+            report("waiting for charges", ledger_sink.rows_inserted, expected_charges)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+            stop_process(worker)
+            dlq_producer.flush()
+    report("auditing", 0, 1)
+    result = audit(archive_path, ledger_path, s.policy(), s.topic_prefix)
+    report("auditing", 1, 1)
+    with Ledger(ledger_path, read_only=True) as ledger:
+        charges = ledger.charges()
+    return DemoResult(
+        bootstrap=bootstrap, broker="configured" if external else "bundled tansu",
+        events_published=len(sim.events), events_archived=archive_sink.messages_written,
+        jobs_ended=len(sim.truth), charges=charges, audit=result, ledger=ledger_path, archive=archive_path,
+        truth=truth_path, elapsed_s=time.monotonic() - t0,
+    )
+
+
+def publish(settings: Settings, sim: Simulation, report: Progress, every: int = 500) -> None:
+    total = len(sim.events)
+    with EventProducer(settings, client_id="nodeshare-simulator") as producer:
+        for i, record in enumerate(sim.events, 1):
+            producer.send(record)
+            if i % every == 0 or i == total:
+                report("publishing events", i, total)

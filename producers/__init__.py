@@ -1,0 +1,1 @@
+"""What writes events: the cluster simulator and the Kafka producer wrapper."""

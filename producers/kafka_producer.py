@@ -1,0 +1,76 @@
+"""The one producer wrapper: every record goes to its catalog topic, keyed by its key field,
+through an idempotent confluent-kafka producer whose delivery reports are checked."""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any
+
+from confluent_kafka import KafkaError, Message, Producer
+
+from nodeshare.config import Settings
+from nodeshare.schemas import TOPIC_OF_RECORD, Record, encode, key_of
+
+
+class DeliveryError(RuntimeError):
+    """Some records were not acknowledged by the broker."""
+
+
+class EventProducer:
+    """Publishes records; ``flush()`` raises if any record was not delivered."""
+
+    def __init__(self, settings: Settings, *, client_id: str = "nodeshare-producer", **overrides: Any) -> None:
+        self._settings = settings
+        self._producer = Producer(settings.client_config(**{
+            "client.id": client_id,
+            "enable.idempotence": True,  # acks=all, no duplicates or reordering on retry
+            "linger.ms": 5,
+            "batch.size": 1_000_000,
+            "compression.type": "lz4",
+            # Java clients and faust (aiokafka) hash keys with murmur2; so must we, or the same
+            # job id would land on different partitions depending on who wrote it.
+            "partitioner": "murmur2_random",
+            **overrides,
+        }))
+        self._lock = threading.Lock()
+        self.delivered = 0
+        self.failed: list[str] = []
+
+    def send(self, record: Record) -> None:
+        spec = TOPIC_OF_RECORD[type(record)]
+        self.send_raw(self._settings.topic(spec.name), key_of(record), encode(record))
+
+    def send_raw(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+        """Publish bytes as they are (used by replay and by tests that inject bad input)."""
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, on_delivery=self._on_delivery)
+                break
+            except BufferError:  # local queue full: serve delivery reports, then retry
+                self._producer.poll(0.1)
+        self._producer.poll(0)
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        with self._lock:
+            if err is None:
+                self.delivered += 1
+            else:
+                self.failed.append(f"{msg.topic()}: {err.str()}")
+
+    def flush(self, timeout: float = 30.0) -> None:
+        remaining = self._producer.flush(timeout)
+        if remaining:
+            raise DeliveryError(f"{remaining} records still undelivered after {timeout:.0f} s")
+        if self.failed:
+            raise DeliveryError(f"{len(self.failed)} records failed, first: {self.failed[0]}")
+
+    def __enter__(self) -> EventProducer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.flush()
+        else:  # do not mask the original error, but still try to deliver what was accepted
+            self._producer.flush(5.0)

@@ -1,0 +1,130 @@
+"""The topic catalog: every topic's name, key, value model, partitioning and cleanup policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter
+
+from .events import (
+    Charge,
+    DeadLetter,
+    DegradationEstimate,
+    JobEvent,
+    JobLeftNode,
+    NodeInventory,
+    PlacementDecision,
+    PowerDecision,
+    PowerReading,
+    ProgramProfile,
+    Record,
+    ShutterBlock,
+    ShutterWindow,
+)
+
+
+class Role(StrEnum):
+    INPUT = "input"  # written by producers; archived; replayable
+    OUTPUT = "output"  # derived by stream processors
+    DEAD_LETTER = "dead_letter"
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    key_field: str  # the record field whose value is the message key
+    value: Any  # a Record subclass, or an annotated discriminated union of them
+    role: Role
+    cleanup_policy: str
+    description: str
+    partitions: int | None = None  # None: the configured default
+
+    @property
+    def record_types(self) -> tuple[type[Record], ...]:
+        args = getattr(self.value, "__args__", None)
+        if args is None:  # a plain model
+            return (self.value,)
+        union = args[0]  # Annotated[Union[...], Field(...)]
+        return tuple(union.__args__)
+
+    def full_name(self, prefix: str = "") -> str:
+        return f"{prefix}{self.name}"
+
+
+NodeIpcValue = Annotated[ShutterBlock | JobLeftNode, Field(discriminator="kind")]
+
+NODE_IPC = TopicSpec(
+    "node.ipc", "job_id", NodeIpcValue, Role.INPUT, "delete",
+    "shutter blocks (K samples before/during/after) and end-of-stream markers, per job per node",
+)
+NODE_SHUTTER = TopicSpec(
+    "node.shutter", "node", ShutterWindow, Role.INPUT, "delete",
+    "shutter windows: the lone job, the paused jobs, start and end",
+)
+NODE_POWER = TopicSpec(
+    "node.power", "node", PowerReading, Role.INPUT, "delete",
+    "per-processor power readings (watts, cap, instructions)",
+)
+JOBS_LIFECYCLE = TopicSpec(
+    "jobs.lifecycle", "job_id", JobEvent, Role.INPUT, "delete",
+    "submitted / started / ended / failed / cancelled",
+)
+CLUSTER_INVENTORY = TopicSpec(
+    "cluster.inventory", "node", NodeInventory, Role.INPUT, "compact",
+    "node capacity and processor characterization",
+)
+ESTIMATES_DEGRADATION = TopicSpec(
+    "estimates.degradation", "job_id", DegradationEstimate, Role.OUTPUT, "compact",
+    "running and final degradation estimate per job",
+)
+PROFILES_PROGRAM = TopicSpec(
+    "profiles.program", "program", ProgramProfile, Role.OUTPUT, "compact",
+    "rolling program profiles",
+)
+DECISIONS_POWER = TopicSpec(
+    "decisions.power", "job_id", PowerDecision, Role.OUTPUT, "delete",
+    "power budgets and per-processor caps",
+)
+DECISIONS_PLACEMENT = TopicSpec(
+    "decisions.placement", "job_id", PlacementDecision, Role.OUTPUT, "delete",
+    "scale factor, nodes, pairing or delay",
+)
+LEDGER_CHARGES = TopicSpec(
+    "ledger.charges", "job_id", Charge, Role.OUTPUT, "delete",
+    "charge rows, one per job revision",
+)
+DLQ = TopicSpec(
+    "dlq", "origin_topic", DeadLetter, Role.DEAD_LETTER, "delete",
+    "rejected bytes with the reason and origin",
+)
+
+TOPICS: tuple[TopicSpec, ...] = (
+    NODE_IPC, NODE_SHUTTER, NODE_POWER, JOBS_LIFECYCLE, CLUSTER_INVENTORY,
+    ESTIMATES_DEGRADATION, PROFILES_PROGRAM, DECISIONS_POWER, DECISIONS_PLACEMENT,
+    LEDGER_CHARGES, DLQ,
+)
+INPUT_TOPICS: tuple[TopicSpec, ...] = tuple(t for t in TOPICS if t.role is Role.INPUT)
+BY_NAME: dict[str, TopicSpec] = {t.name: t for t in TOPICS}
+TOPIC_OF_RECORD: dict[type[Record], TopicSpec] = {rt: t for t in TOPICS for rt in t.record_types}
+
+_ADAPTERS: dict[str, TypeAdapter[Any]] = {t.name: TypeAdapter(t.value) for t in TOPICS}
+
+
+def adapter(spec: TopicSpec) -> TypeAdapter[Any]:
+    return _ADAPTERS[spec.name]
+
+
+def spec_for_topic(topic: str, prefix: str = "") -> TopicSpec:
+    """The catalog entry of a (possibly prefixed) topic name."""
+    name = topic[len(prefix):] if prefix and topic.startswith(prefix) else topic
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"topic {topic!r} is not in the catalog (prefix {prefix!r})") from None
+
+
+def key_of(record: Record) -> bytes:
+    """The message key of a record: the value of its topic's key field."""
+    return str(getattr(record, TOPIC_OF_RECORD[type(record)].key_field)).encode()

@@ -1,0 +1,448 @@
+"""The contract: every event, decision and ledger row that crosses a topic.
+
+Every record carries ``event_id``, ``schema_version``, ``source`` and ``event_time`` and a
+``kind`` tag, so an archived record explains itself. Validation is strict: unknown fields,
+non-finite numbers, wrong types and inconsistent lengths are errors that name the field.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+#: The schema version this build writes. It reads every version from 1 up to this one.
+SCHEMA_VERSION = 1
+
+#: Upper bound on K (samples per shutter region). POPPA fixes K = 1 (Seed 002, Section 5.1 footnote);
+#: anything beyond this is a broken agent, not a measurement.
+MAX_SAMPLES_PER_REGION = 64
+
+JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$")]
+NodeName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosInt = Annotated[int, Field(gt=0)]
+Fraction01 = Annotated[float, Field(ge=0.0, le=1.0)]
+Watts = Annotated[float, Field(ge=0.0)]
+
+
+class Record(BaseModel):
+    """Fields common to every record on every topic."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    event_id: Annotated[str, Field(min_length=1, max_length=128)]
+    schema_version: int = SCHEMA_VERSION
+    source: Name
+    event_time: AwareDatetime
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if not 1 <= v <= SCHEMA_VERSION:
+            raise ValueError(f"unknown schema version {v}; this build reads versions 1..{SCHEMA_VERSION}")
+        return v
+
+
+# --------------------------------------------------------------------------- node.ipc
+
+
+class CounterSource(StrEnum):
+    """Where the progress counts of a sample came from (the estimator treats them alike)."""
+
+    HARDWARE = "hardware"  # instructions and cycles from the PMU (perf_event_open)
+    APPLICATION = "application"  # an application progress counter against elapsed cycles
+    SIMULATED = "simulated"  # the cluster simulator
+
+
+class IpcSample(BaseModel):
+    """One counter reading over one sampling window of S microseconds, summed over the job's threads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    instructions: NonNegInt
+    cycles: PosInt
+    threads: PosInt = 1
+
+    @property
+    def ipc(self) -> float:
+        return self.instructions / self.cycles
+
+
+class ShutterBlock(Record):
+    """POPPA's block B_l for one job on one node: K samples before, during and after a shutter
+    in which this job ran alone (Seed 002, Section 6.3)."""
+
+    kind: Literal["shutter_block"] = "shutter_block"
+    job_id: JobId
+    node: NodeName
+    cycle: NonNegInt  # the node agent's shutter cycle counter; strictly increasing per node
+    k: Annotated[int, Field(ge=1, le=MAX_SAMPLES_PER_REGION)]
+    sample_us: PosInt  # S, the length of each sample
+    counter: CounterSource
+    before: tuple[IpcSample, ...]
+    during: tuple[IpcSample, ...]
+    after: tuple[IpcSample, ...]
+
+    @field_validator("before", "during", "after")
+    @classmethod
+    def _k_samples(cls, v: tuple[IpcSample, ...], info: ValidationInfo) -> tuple[IpcSample, ...]:
+        k = info.data.get("k")
+        if k is not None and len(v) != k:
+            raise ValueError(f"expected k={k} samples, got {len(v)}")
+        return v
+
+
+class JobLeftNode(Record):
+    """The node agent will send no more blocks for this job from this node.
+
+    Sent after the job's last block by the same producer with the same key, so it arrives
+    after every block it counts: it closes the (job, node) block stream."""
+
+    kind: Literal["job_left_node"] = "job_left_node"
+    job_id: JobId
+    node: NodeName
+    blocks_sent: NonNegInt
+    last_cycle: Annotated[int, Field(ge=-1)]  # -1 when no block was sent
+
+
+# --------------------------------------------------------------------------- node.shutter
+
+
+class ShutterWindow(Record):
+    """One shutter on one node: which job ran alone and which were paused, and when."""
+
+    kind: Literal["shutter_window"] = "shutter_window"
+    node: NodeName
+    cycle: NonNegInt
+    lone_job: JobId
+    paused_jobs: Annotated[tuple[JobId, ...], Field(min_length=1)]
+    start: AwareDatetime
+    end: AwareDatetime
+
+    @field_validator("paused_jobs")
+    @classmethod
+    def _lone_not_paused(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        if info.data.get("lone_job") in v:
+            raise ValueError("the lone job cannot also be paused")
+        if len(set(v)) != len(v):
+            raise ValueError("paused jobs must be distinct")
+        return v
+
+    @field_validator("end")
+    @classmethod
+    def _end_after_start(cls, v: datetime, info: ValidationInfo) -> datetime:
+        start = info.data.get("start")
+        if start is not None and v < start:
+            raise ValueError("end precedes start")
+        return v
+
+
+# --------------------------------------------------------------------------- node.power
+
+
+class PowerReading(Record):
+    """Power of one processor over an interval. Where the node has no power interface the reading
+    is marked unavailable and carries no numbers: absent data is never reported as zero."""
+
+    kind: Literal["power_reading"] = "power_reading"
+    node: NodeName
+    processor: NonNegInt
+    available: bool
+    watts: Watts | None = None
+    cap_watts: Watts | None = None
+    instructions: NonNegInt | None = None
+    interval_s: Annotated[float, Field(gt=0.0)] | None = None
+
+    @model_validator(mode="after")
+    def _numbers_iff_available(self) -> PowerReading:
+        if self.available and self.watts is None:
+            raise ValueError("watts: required when the reading is available")
+        if not self.available and (self.watts is not None or self.cap_watts is not None):
+            raise ValueError("watts: an unavailable reading carries no numbers")
+        return self
+
+
+# --------------------------------------------------------------------------- jobs.lifecycle
+
+
+class JobState(StrEnum):
+    SUBMITTED = "submitted"
+    STARTED = "started"
+    ENDED = "ended"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+#: States after which a job has stopped running.
+TERMINAL_STATES = frozenset({JobState.ENDED, JobState.FAILED, JobState.CANCELLED})
+
+
+class JobEvent(Record):
+    """A job's lifecycle transition as the resource manager reports it."""
+
+    kind: Literal["job_event"] = "job_event"
+    job_id: JobId
+    state: JobState
+    user: Name
+    account: Name
+    program: Name
+    cores: PosInt  # cores allocated to the job, over all its nodes
+    nodes: tuple[NodeName, ...] = ()
+    alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9  # Seed 001: slowdown threshold, default 0.9
+    submit_time: AwareDatetime | None = None
+    start_time: AwareDatetime | None = None
+    end_time: AwareDatetime | None = None
+
+    @model_validator(mode="after")
+    def _times_fit_state(self) -> JobEvent:
+        ran = self.state in (JobState.STARTED, JobState.ENDED, JobState.FAILED) or (
+            self.state is JobState.CANCELLED and self.start_time is not None
+        )
+        if ran and self.start_time is None:
+            raise ValueError(f"start_time: required when state is {self.state.value}")
+        if ran and not self.nodes:
+            raise ValueError(f"nodes: required when state is {self.state.value}")
+        if self.state in TERMINAL_STATES and self.start_time is not None:
+            if self.end_time is None:
+                raise ValueError(f"end_time: required when state is {self.state.value}")
+            if self.end_time < self.start_time:
+                raise ValueError("end_time: precedes start_time")
+        return self
+
+    @property
+    def ran(self) -> bool:
+        """True when the job occupied nodes (and so must be charged when it stops)."""
+        return self.start_time is not None and self.end_time is not None
+
+
+# --------------------------------------------------------------------------- cluster.inventory
+
+
+class ProcessorSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    processor: NonNegInt
+    min_watts: Watts
+    max_watts: Watts
+
+    @field_validator("max_watts")
+    @classmethod
+    def _max_ge_min(cls, v: float, info: ValidationInfo) -> float:
+        lo = info.data.get("min_watts")
+        if lo is not None and v < lo:
+            raise ValueError("max_watts below min_watts")
+        return v
+
+
+class NodeInventory(Record):
+    kind: Literal["node_inventory"] = "node_inventory"
+    node: NodeName
+    cores: PosInt
+    sockets: PosInt = 1
+    llc_ways: PosInt
+    mem_bandwidth_gbps: Annotated[float, Field(gt=0.0)]
+    processors: tuple[ProcessorSpec, ...] = ()
+
+
+# --------------------------------------------------------------------------- estimates.degradation
+
+
+class EstimateStatus(StrEnum):
+    OK = "ok"  # at least one block passed the filter
+    NO_ACCEPTED_BLOCKS = "no_accepted_blocks"  # blocks arrived but Alg. 4 rejected them all
+    NO_BLOCKS = "no_blocks"  # the job never shared a node with a shuttered co-runner
+
+
+class DegradationEstimate(Record):
+    kind: Literal["degradation_estimate"] = "degradation_estimate"
+    job_id: JobId
+    status: EstimateStatus
+    degradation: Fraction01  # the value pricing applies
+    filtered: float | None  # Alg. 4 over accepted blocks; None when none accepted
+    unfiltered: float | None  # Eq. 7-8 over all blocks; None when there are none
+    blocks_used: NonNegInt
+    blocks_rejected: NonNegInt
+    delta: Annotated[float, Field(gt=0.0)]
+    final: bool
+
+
+# --------------------------------------------------------------------------- profiles.program
+
+
+class ProgramClass(StrEnum):
+    """Seed 001, Section 4.2: how a program's run time changes when spread over more nodes."""
+
+    SCALING = "scaling"
+    COMPACT = "compact"
+    NEUTRAL = "neutral"
+    UNKNOWN = "unknown"
+
+
+class FeatureSummary(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    mean: float
+    min: float
+    max: float
+    sd: Annotated[float, Field(ge=0.0)]
+
+
+class ProgramProfile(Record):
+    kind: Literal["program_profile"] = "program_profile"
+    program: Name
+    program_class: ProgramClass = ProgramClass.UNKNOWN
+    runtime_s_by_scale: dict[str, Annotated[float, Field(gt=0.0)]] = {}
+    ipc_by_llc_ways: tuple[Annotated[float, Field(ge=0.0)], ...] = ()
+    bandwidth_gbps_by_llc_ways: tuple[Annotated[float, Field(ge=0.0)], ...] = ()
+    features: dict[str, FeatureSummary] = {}
+    degradation_next_to: dict[str, float] = {}
+    samples: NonNegInt = 0
+
+
+# --------------------------------------------------------------------------- decisions.power
+
+
+class ProcessorCap(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    node: NodeName
+    processor: NonNegInt
+    cap_watts: Watts
+
+
+class JobPowerPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    job_id: JobId
+    budget_watts: Watts
+    caps: tuple[ProcessorCap, ...]
+
+
+class PowerAction(StrEnum):
+    START = "start"
+    DEFER = "defer"
+    RELEASE = "release"
+
+
+class PowerDecision(Record):
+    kind: Literal["power_decision"] = "power_decision"
+    job_id: JobId
+    action: PowerAction
+    plan: JobPowerPlan | None
+    running_updates: tuple[JobPowerPlan, ...] = ()
+    machine_budget_watts: Watts
+    machine_allocated_watts: Watts
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- decisions.placement
+
+
+class PlacementAction(StrEnum):
+    PLACE = "place"
+    PAIR = "pair"
+    SERIALIZE = "serialize"
+    DELAY = "delay"
+
+
+class PlacementDecision(Record):
+    kind: Literal["placement_decision"] = "placement_decision"
+    job_id: JobId
+    action: PlacementAction
+    policy: Name
+    scale_factor: PosInt | None = None
+    nodes: tuple[NodeName, ...] = ()
+    cores_per_node: PosInt | None = None
+    llc_ways: PosInt | None = None
+    bandwidth_gbps: Annotated[float, Field(ge=0.0)] | None = None
+    paired_with: JobId | None = None
+    predicted_slowdown: Annotated[float, Field(ge=0.0)] | None = None
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- ledger.charges
+
+
+class OffsetRange(BaseModel):
+    """A contiguous range of one topic partition's offsets that a charge was computed from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    topic: Name
+    partition: NonNegInt
+    first_offset: NonNegInt
+    last_offset: NonNegInt
+
+
+class NodeBlocks(BaseModel):
+    """The blocks of one (job, node) stream that a charge used."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    node: NodeName
+    blocks: NonNegInt
+    first_cycle: Annotated[int, Field(ge=-1)]
+    last_cycle: Annotated[int, Field(ge=-1)]
+    blocks_sent: NonNegInt  # what the node agent said it sent (JobLeftNode)
+
+
+class Charge(Record):
+    """One ledger row: a job's price and everything needed to recompute it."""
+
+    kind: Literal["charge"] = "charge"
+    job_id: JobId
+    revision: NonNegInt
+    final_state: JobState
+    user: Name
+    account: Name
+    program: Name
+    cores: PosInt
+    start_time: AwareDatetime
+    end_time: AwareDatetime
+    run_time_s: Annotated[float, Field(ge=0.0)]  # T_co
+    solo_time_s: Annotated[float, Field(ge=0.0)]  # T_solo = (1 - D) * T_co
+    degradation: Fraction01  # D applied
+    estimate_status: EstimateStatus
+    degradation_filtered: float | None
+    degradation_unfiltered: float | None
+    blocks_used: NonNegInt
+    blocks_rejected: NonNegInt
+    blocks_ignored: NonNegInt  # duplicates, out-of-order and foreign-node blocks not counted
+    nodes: tuple[NodeBlocks, ...]
+    rate_function: Name
+    rate_per_core_hour: Annotated[float, Field(gt=0.0)]  # L
+    delta: Annotated[float, Field(gt=0.0)]
+    standard_price: Annotated[float, Field(ge=0.0)]  # SOP = L * C * T_co (Eq. 1)
+    solo_price: Annotated[float, Field(ge=0.0)]  # P_solo = L * C * T_solo
+    price: Annotated[float, Field(ge=0.0)]  # what the job is charged
+    dividend: Annotated[float, Field(ge=0.0)]  # standard_price - price: the co-location discount
+    event_range: tuple[OffsetRange, ...]
+    code_version: Name
+
+
+# --------------------------------------------------------------------------- dlq
+
+
+class DeadLetter(Record):
+    """Bytes the pipeline refused, why, and where they came from. Nothing is silently dropped."""
+
+    kind: Literal["dead_letter"] = "dead_letter"
+    origin_topic: Name
+    origin_partition: int | None
+    origin_offset: int | None
+    reason: Name
+    field: str | None = None
+    key_b64: str | None = None
+    value_b64: str  # the raw bytes, base64, exactly as received

@@ -1,0 +1,1 @@
+"""What reads results out: the DuckDB ledger, the Parquet archive and the audit."""

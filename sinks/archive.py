@@ -1,0 +1,156 @@
+"""The archive: every input event, verbatim, in Parquet, hive-partitioned by topic and date.
+
+Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offset>-<last offset>.parquet``
+
+* each file is written to a temporary name, fsynced, then renamed: readers never see half a file;
+* a file's name states its offset range, so on start the sink resumes after the highest offset
+  it holds per partition, whatever Kafka's committed offset says: no duplicates, no gaps;
+* a row is (kafka_topic, partition, offset, timestamp_ms, key, value) with the value's bytes as
+  they were received, so the audit decodes exactly what the stream worker decoded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+from confluent_kafka import Message, TopicPartition
+
+from nodeshare.config import Settings
+from nodeshare.schemas import INPUT_TOPICS, spec_for_topic
+
+from .consumer import BatchSink
+
+ARCHIVE_SCHEMA = pa.schema([
+    ("kafka_topic", pa.string()),
+    ("partition", pa.int32()),
+    ("offset", pa.int64()),
+    ("timestamp_ms", pa.int64()),
+    ("key", pa.binary()),
+    ("value", pa.binary()),
+])
+_FILE = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
+
+
+@dataclass(frozen=True)
+class ArchivedEvent:
+    kafka_topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+
+
+class ParquetArchive:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def files(self) -> list[Path]:
+        return sorted(self.root.glob("topic=*/date=*/p*.parquet"))
+
+    def high_water(self) -> dict[tuple[str, int], int]:
+        """(catalog topic, partition) -> the highest offset archived."""
+        hw: dict[tuple[str, int], int] = {}
+        for f in self.files():
+            m = _FILE.match(f.name)
+            if m:
+                topic = f.parent.parent.name.removeprefix("topic=")
+                key = (topic, int(m.group(1)))
+                hw[key] = max(hw.get(key, -1), int(m.group(3)))
+        return hw
+
+    def write(self, topic: str, rows: list[ArchivedEvent]) -> list[Path]:
+        """Durably write rows of one catalog topic; one file per (date, partition)."""
+        groups: dict[tuple[str, int], list[ArchivedEvent]] = defaultdict(list)
+        for r in rows:
+            day = datetime.fromtimestamp(r.timestamp_ms / 1000, UTC).strftime("%Y-%m-%d")
+            groups[(day, r.partition)].append(r)
+        written = []
+        for (day, partition), group in sorted(groups.items()):
+            group.sort(key=lambda r: r.offset)
+            d = self.root / f"topic={topic}" / f"date={day}"
+            d.mkdir(parents=True, exist_ok=True)
+            path = d / f"p{partition:04d}-{group[0].offset:012d}-{group[-1].offset:012d}.parquet"
+            table = pa.Table.from_pydict({
+                "kafka_topic": [r.kafka_topic for r in group],
+                "partition": [r.partition for r in group],
+                "offset": [r.offset for r in group],
+                "timestamp_ms": [r.timestamp_ms for r in group],
+                "key": [r.key for r in group],
+                "value": [r.value for r in group],
+            }, schema=ARCHIVE_SCHEMA)
+            _atomic_write(table, path)
+            written.append(path)
+        return written
+
+    def events(self, topics: Iterable[str]) -> Iterator[tuple[str, ArchivedEvent]]:
+        """Archived events of the given catalog topics, each once, in (topic, partition, offset) order."""
+        wanted = [t for t in topics if (self.root / f"topic={t}").is_dir()]
+        if not wanted:
+            return
+        con = duckdb.connect()
+        glob = str(self.root / "topic=*" / "date=*" / "p*.parquet")
+        rows = con.execute(
+            f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
+                FROM read_parquet('{glob}', hive_partitioning = true)
+                WHERE topic IN ({", ".join("?" for _ in wanted)})
+                QUALIFY row_number() OVER (PARTITION BY topic, "partition", "offset") = 1
+                ORDER BY topic, "partition", "offset" """,
+            wanted,
+        ).fetchall()
+        for topic, kt, p, o, ts, k, v in rows:
+            yield topic, ArchivedEvent(kt, p, o, ts, k, v)
+
+    def count(self) -> int:
+        if not self.files():
+            return 0
+        glob = str(self.root / "topic=*" / "date=*" / "p*.parquet")
+        row = duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{glob}')").fetchone()
+        return int(row[0]) if row else 0
+
+
+def _atomic_write(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")  # not matched by the *.parquet globs readers use
+    pq.write_table(table, tmp, compression="zstd")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class ArchiveSink(BatchSink):
+    """Consumes every input topic into the archive; offsets are committed after the files are durable."""
+
+    def __init__(self, settings: Settings, root: Path, topics: Iterable[str] | None = None) -> None:
+        names = list(topics) if topics is not None else [t.name for t in INPUT_TOPICS]
+        super().__init__(settings, names, group_id=f"{settings.app_id}-archive-sink")
+        self.archive = ParquetArchive(root)
+
+    def resume_offsets(self, partitions: list[TopicPartition]) -> None:
+        hw = self.archive.high_water()
+        for p in partitions:
+            last = hw.get((spec_for_topic(p.topic, self.settings.topic_prefix).name, p.partition))
+            if last is not None:
+                p.offset = last + 1
+
+    def write(self, messages: list[Message]) -> None:
+        by_topic: dict[str, list[ArchivedEvent]] = defaultdict(list)
+        for m in messages:
+            _, ts = m.timestamp()
+            by_topic[spec_for_topic(m.topic(), self.settings.topic_prefix).name].append(
+                ArchivedEvent(m.topic(), m.partition(), m.offset(), ts, m.key(), m.value()))
+        for topic, rows in by_topic.items():
+            self.archive.write(topic, rows)

@@ -1,0 +1,109 @@
+"""The audit: recompute every charge from the archive with the stream's own functions and diff.
+
+Each job is folded separately, through ``streams.accounting.process_message``, with the
+pricing policy its ledger row states (so a later change of L or delta does not make old
+charges look wrong), or the configured policy for a job the ledger lacks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeshare.schemas import Charge
+from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
+from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
+
+from .archive import ParquetArchive
+from .ledger import Ledger
+
+#: Fields that describe where a charge was computed, not what it is.
+_PROVENANCE = frozenset({"source"})
+
+Message = tuple[Origin, bytes | None, bytes | None, float]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    job_id: str
+    revision: int
+    field: str
+    ledger: Any
+    recomputed: Any
+
+
+@dataclass
+class AuditReport:
+    charges_checked: int = 0
+    matches: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    missing_in_ledger: list[str] = field(default_factory=list)  # the archive yields a charge the ledger lacks
+    events_read: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.missing_in_ledger
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "charges_checked": self.charges_checked,
+            "matches": self.matches,
+            "mismatches": len(self.mismatches),
+            "missing_in_ledger": len(self.missing_in_ledger),
+            "events_read": self.events_read,
+            "mismatch_details": [m.__dict__ for m in self.mismatches[:50]],
+            "missing_details": self.missing_in_ledger[:50],
+        }
+
+
+def archived_messages(archive: ParquetArchive) -> dict[bytes | None, list[Message]]:
+    """The archived input messages of job accounting, per message key, each topic in offset order."""
+    per_key: dict[bytes | None, list[Message]] = defaultdict(list)
+    for _, ev in archive.events([NODE_IPC.name, JOBS_LIFECYCLE.name]):
+        per_key[ev.key].append((Origin(ev.kafka_topic, ev.partition, ev.offset), ev.key, ev.value,
+                                ev.timestamp_ms / 1000))
+    return per_key
+
+
+def recompute(messages: dict[bytes | None, list[Message]], policies: dict[str, PricingPolicy],
+              default: PricingPolicy, prefix: str = "") -> dict[tuple[str, int], Charge]:
+    out: dict[tuple[str, int], Charge] = {}
+    for key, msgs in messages.items():
+        job = key.decode(errors="replace") if key is not None else ""
+        for c in fold_messages(msgs, policies.get(job, default), prefix):
+            out[(c.job_id, c.revision)] = c
+    return out
+
+
+def policy_of(charge: Charge) -> PricingPolicy:
+    return PricingPolicy(rate_per_core_hour=charge.rate_per_core_hour, delta=charge.delta,
+                         rate_function=charge.rate_function)
+
+
+def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, prefix: str = "") -> AuditReport:
+    with Ledger(ledger_path, read_only=True) as ledger:
+        ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
+    messages = archived_messages(ParquetArchive(archive_root))
+    policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}
+    recomputed = recompute(messages, policies, default, prefix)
+    report = AuditReport(events_read=sum(len(m) for m in messages.values()))
+    for key, row in sorted(ledger_rows.items()):
+        report.charges_checked += 1
+        again = recomputed.get(key)
+        if again is None:
+            report.mismatches.append(Mismatch(key[0], key[1], "*", "charged", "no charge from the archive"))
+            continue
+        diffs = diff_charges(row, again)
+        report.mismatches += diffs
+        report.matches += not diffs
+    report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(recomputed) if (j, r) not in ledger_rows]
+    return report
+
+
+def diff_charges(ledger: Charge, recomputed: Charge) -> list[Mismatch]:
+    a, b = ledger.model_dump(), recomputed.model_dump()
+    return [Mismatch(ledger.job_id, ledger.revision, f, a[f], b[f])
+            for f in a if f not in _PROVENANCE and a[f] != b[f]]

@@ -1,0 +1,109 @@
+"""The sinks' consumer loop: read a batch, write it durably, and only then commit offsets."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from nodeshare.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+class BatchSink:
+    """Subclasses implement ``write(messages)``, which must be durable when it returns.
+
+    Offsets are committed after ``write`` returns, so a crash redelivers at most the batch
+    being written; ``write`` must therefore be idempotent (the ledger keys on job and revision,
+    the archive resumes after the offsets it already holds).
+    """
+
+    def __init__(self, settings: Settings, topics: Sequence[str], group_id: str, *,
+                 max_batch: int = 10_000, max_delay_s: float = 0.5) -> None:
+        self.settings = settings
+        self.topics = [settings.topic(t) for t in topics]
+        self.group_id = group_id
+        self.max_batch = max_batch
+        self.max_delay_s = max_delay_s
+        self.messages_written = 0
+        self.batches_written = 0
+
+    def write(self, messages: list[Message]) -> None:
+        raise NotImplementedError
+
+    def resume_offsets(self, partitions: list[TopicPartition]) -> None:
+        """Hook: set ``p.offset`` on partitions to override the committed position."""
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.resume_offsets(partitions)
+        consumer.assign(partitions)
+
+    def consumer(self) -> Consumer:
+        return Consumer(self.settings.client_config(**{
+            "group.id": self.group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": self.settings.session_timeout_ms,
+            "heartbeat.interval.ms": min(1000, self.settings.session_timeout_ms // 3),
+            "fetch.max.bytes": 52_428_800,
+        }))
+
+    def run(self, stop: threading.Event) -> None:
+        consumer = self.consumer()
+        consumer.subscribe(self.topics, on_assign=self._on_assign)
+        batch: list[Message] = []
+        first_at = 0.0
+        try:
+            while not stop.is_set():
+                for msg in consumer.consume(num_messages=self.max_batch, timeout=0.2):
+                    err = msg.error()
+                    if err is None:
+                        if not batch:
+                            first_at = time.monotonic()
+                        batch.append(msg)
+                    elif err.code() != KafkaError._PARTITION_EOF:
+                        if err.fatal():
+                            raise KafkaException(err)
+                        log.warning("consumer error on %s: %s", self.topics, err)
+                if batch and (len(batch) >= self.max_batch or time.monotonic() - first_at >= self.max_delay_s):
+                    self._flush(consumer, batch)
+                    batch = []
+            if batch:
+                self._flush(consumer, batch)
+        finally:
+            consumer.close()
+
+    def _flush(self, consumer: Consumer, batch: list[Message]) -> None:
+        self.write(batch)
+        consumer.commit(offsets=_next_offsets(batch), asynchronous=False)
+        self.messages_written += len(batch)
+        self.batches_written += 1
+
+
+def _next_offsets(batch: list[Message]) -> list[TopicPartition]:
+    last: dict[tuple[str, int], int] = {}
+    for m in batch:
+        key = (m.topic(), m.partition())
+        last[key] = max(last.get(key, -1), m.offset())
+    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
+
+
+def run_in_thread(sink: BatchSink, stop: threading.Event, name: str) -> threading.Thread:
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            sink.run(stop)
+        except BaseException as exc:  # surfaced to the caller through .errors
+            errors.append(exc)
+            log.exception("sink %s failed", name)
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.errors = errors  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+

@@ -1,0 +1,145 @@
+"""The ledger: charges in a DuckDB file, one row per (job id, revision), never updated in place."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import duckdb
+from confluent_kafka import Message
+
+from nodeshare.config import Settings
+from nodeshare.schemas import Charge, DecodeError, decode_model
+from nodeshare.schemas.catalog import LEDGER_CHARGES
+
+from .consumer import BatchSink
+
+SINK_SOURCE = "nodeshare.sinks.ledger"
+
+#: Scalar columns copied from each charge for SQL; the full charge is kept verbatim in ``record``.
+_COLUMNS: dict[str, str] = {
+    "job_id": "VARCHAR NOT NULL",
+    "revision": "INTEGER NOT NULL",
+    "event_id": "VARCHAR NOT NULL",
+    "final_state": "VARCHAR NOT NULL",
+    "user": "VARCHAR NOT NULL",
+    "account": "VARCHAR NOT NULL",
+    "program": "VARCHAR NOT NULL",
+    "cores": "INTEGER NOT NULL",
+    "start_time": "TIMESTAMPTZ NOT NULL",
+    "end_time": "TIMESTAMPTZ NOT NULL",
+    "run_time_s": "DOUBLE NOT NULL",
+    "solo_time_s": "DOUBLE NOT NULL",
+    "degradation": "DOUBLE NOT NULL",
+    "estimate_status": "VARCHAR NOT NULL",
+    "degradation_filtered": "DOUBLE",
+    "degradation_unfiltered": "DOUBLE",
+    "blocks_used": "INTEGER NOT NULL",
+    "blocks_rejected": "INTEGER NOT NULL",
+    "blocks_ignored": "INTEGER NOT NULL",
+    "rate_function": "VARCHAR NOT NULL",
+    "rate_per_core_hour": "DOUBLE NOT NULL",
+    "delta": "DOUBLE NOT NULL",
+    "standard_price": "DOUBLE NOT NULL",
+    "solo_price": "DOUBLE NOT NULL",
+    "price": "DOUBLE NOT NULL",
+    "dividend": "DOUBLE NOT NULL",
+    "code_version": "VARCHAR NOT NULL",
+}
+_DDL = (
+    "CREATE TABLE IF NOT EXISTS charges ("
+    + ", ".join(f'"{c}" {t}' for c, t in _COLUMNS.items())
+    + ", record JSON NOT NULL, kafka_partition INTEGER, kafka_offset BIGINT,"
+    " PRIMARY KEY (job_id, revision))"
+)
+_INSERT = (
+    "INSERT OR IGNORE INTO charges ("
+    + ", ".join(f'"{c}"' for c in _COLUMNS)
+    + ", record, kafka_partition, kafka_offset) VALUES ("
+    + ", ".join("?" for _ in range(len(_COLUMNS) + 3)) + ")"
+)
+
+
+class Ledger:
+    """A DuckDB ledger file. Writers append; readers open it with ``read_only=True``."""
+
+    def __init__(self, path: Path, *, read_only: bool = False) -> None:
+        self.path = Path(path)
+        if read_only and not self.path.exists():
+            raise FileNotFoundError(f"no ledger at {self.path}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.con = duckdb.connect(str(self.path), read_only=read_only)
+        if not read_only:
+            self.con.execute(_DDL)
+
+    def append(self, rows: list[tuple[Charge, bytes, int | None, int | None]]) -> int:
+        """Insert charges (with their raw bytes and origin); returns how many were new."""
+        before = self.count()
+        params: list[list[Any]] = []
+        for charge, raw, partition, offset in rows:
+            data = charge.model_dump()
+            params.append([_sql_value(data[c]) for c in _COLUMNS] + [raw.decode(), partition, offset])
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            self.con.executemany(_INSERT, params)
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        return self.count() - before
+
+    def count(self) -> int:
+        row = self.con.execute("SELECT count(*) FROM charges").fetchone()
+        return int(row[0]) if row else 0
+
+    def charges(self) -> list[Charge]:
+        """Every row, as the charge records that were published, ordered by job and revision."""
+        rows = self.con.execute("SELECT record FROM charges ORDER BY job_id, revision").fetchall()
+        return [Charge.model_validate_json(r[0]) for r in rows]
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _sql_value(v: Any) -> Any:
+    return v.value if hasattr(v, "value") else v  # enums as their string values
+
+
+class LedgerSink(BatchSink):
+    """Consumes ``ledger.charges`` into the ledger. A record that does not decode as a charge goes
+    to the dead-letter topic; a redelivered charge is ignored by the (job id, revision) key."""
+
+    def __init__(self, settings: Settings, ledger_path: Path, dead_letters: Any = None) -> None:
+        super().__init__(settings, [LEDGER_CHARGES.name], group_id=f"{settings.app_id}-ledger-sink")
+        self.ledger_path = ledger_path
+        self.dead_letters = dead_letters  # an EventProducer, or None to raise instead
+        self.rows_inserted = 0
+        self._lock = threading.Lock()
+
+    def write(self, messages: list[Message]) -> None:
+        rows: list[tuple[Charge, bytes, int | None, int | None]] = []
+        for m in messages:
+            try:
+                rows.append((decode_model(Charge, m.value()), m.value(), m.partition(), m.offset()))
+            except DecodeError as exc:
+                self._reject(m, exc)
+        with self._lock, Ledger(self.ledger_path) as ledger:
+            self.rows_inserted += ledger.append(rows)
+        if self.dead_letters is not None:
+            self.dead_letters.flush()
+
+    def _reject(self, m: Message, exc: DecodeError) -> None:
+        from nodeshare.schemas.dead_letters import dead_letter
+
+        if self.dead_letters is None:
+            raise exc
+        _, ts = m.timestamp()
+        self.dead_letters.send(dead_letter(m.topic(), m.partition(), m.offset(), m.key(), m.value(), ts / 1000,
+                                           exc.reason, field=exc.field, source=SINK_SOURCE))

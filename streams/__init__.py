@@ -1,0 +1,1 @@
+"""Stream processors: faust agents that are thin shells over pure functions."""

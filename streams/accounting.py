@@ -1,0 +1,317 @@
+"""The per-job account: a pure reducer from a job's input events to its charge.
+
+The stream worker folds events into a ``JobAccount`` as they arrive; the audit folds the
+archived events through the same function. The charge is emitted exactly when the job has
+ended *and* every node it ran on has closed its block stream (``JobLeftNode``), so its
+content depends only on the set of events, never on how the two input topics interleave:
+
+* blocks of a (job, node) stream and their closing marker share key, topic and producer,
+  so the marker arrives after every block it counts;
+* the end event carries the job's node list, start and end, so it is self-sufficient;
+* blocks from nodes the end event does not list are ignored, whenever they arrive.
+
+Redelivery (faust is at-least-once) is recognized by offset: an event at or below the
+highest offset already applied for its topic is skipped, so each event counts once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict
+
+from nodeshare import __version__
+from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, spec_for_topic
+from nodeshare.schemas.dead_letters import NODESHARE_NAMESPACE, dead_letter
+from nodeshare.schemas.events import (
+    Charge,
+    DegradationEstimate,
+    JobEvent,
+    JobLeftNode,
+    NodeBlocks,
+    OffsetRange,
+    Record,
+    ShutterBlock,
+)
+from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
+
+from .degradation import DEFAULT_DELTA, DegradationResult, DegradationSums, ExactSum, estimate
+from .pricing import POPPA_EQ4, fair_charge
+
+SOURCE = "nodeshare.streams.accounting"
+
+
+@dataclass(frozen=True)
+class PricingPolicy:
+    rate_per_core_hour: float = 1.0  # L
+    delta: float = DEFAULT_DELTA
+    rate_function: str = POPPA_EQ4
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an event was read from."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """What applying one event produced."""
+
+    charge: Charge | None = None
+    estimate: DegradationEstimate | None = None
+    rejected: str | None = None  # a reason: the event goes to the dead-letter topic
+    redelivered: bool = False  # already applied: skipped silently
+
+
+class _State(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class NodeStream(_State):
+    """One (job, node) block stream."""
+
+    blocks: int = 0
+    first_cycle: int = -1
+    last_cycle: int = -1
+    closed: bool = False
+    blocks_sent: int = 0
+    # Exact partial sums of Alg. 4 (see degradation.ExactSum); kept per node so that blocks
+    # of nodes outside the job's final node list can be left out at charge time.
+    solo_filtered: list[float] = []
+    co_filtered: list[float] = []
+    solo_all: list[float] = []
+    co_all: list[float] = []
+    accepted: int = 0
+    rejected: int = 0
+
+    def sums(self) -> DegradationSums:
+        return DegradationSums(
+            ExactSum(self.solo_filtered), ExactSum(self.co_filtered),
+            ExactSum(self.solo_all), ExactSum(self.co_all), self.accepted, self.rejected,
+        )
+
+    def store(self, s: DegradationSums) -> None:
+        self.solo_filtered, self.co_filtered = s.solo_filtered.partials, s.co_filtered.partials
+        self.solo_all, self.co_all = s.solo_all.partials, s.co_all.partials
+        self.accepted, self.rejected = s.accepted, s.rejected
+
+
+class JobAccount(_State):
+    job_id: str
+    nodes: dict[str, NodeStream] = {}
+    end: JobEvent | None = None
+    revision: int = -1  # the last charge revision emitted; -1 before the first
+    blocks_ignored: int = 0
+    applied: dict[str, int] = {}  # topic -> highest offset applied
+    ranges: dict[str, list[int]] = {}  # topic -> [partition, first offset, last offset] of used events
+    latest_event_time: datetime | None = None  # event time of the newest event applied
+
+    # ------------------------------------------------------------------ the reducer
+
+    def apply(self, record: Record, origin: Origin, policy: PricingPolicy) -> Step:
+        """Fold one event into the account (mutates it) and say what it produced."""
+        if origin.offset <= self.applied.get(origin.topic, -1):
+            return Step(redelivered=True)
+        self.applied[origin.topic] = origin.offset
+        if self.latest_event_time is None or record.event_time > self.latest_event_time:
+            self.latest_event_time = record.event_time
+        if isinstance(record, ShutterBlock):
+            return self._apply_block(record, origin, policy)
+        if isinstance(record, JobLeftNode):
+            return self._apply_left(record, origin, policy)
+        if isinstance(record, JobEvent):
+            return self._apply_lifecycle(record, origin, policy)
+        return Step(rejected=f"{type(record).__name__} is not a job accounting event")
+
+    def _apply_block(self, block: ShutterBlock, origin: Origin, policy: PricingPolicy) -> Step:
+        if self.revision >= 0:
+            self.blocks_ignored += 1
+            return Step(rejected="shutter block after the job's charge was final")
+        ns = self.nodes.setdefault(block.node, NodeStream())
+        if ns.closed:
+            self.blocks_ignored += 1
+            return Step(rejected="shutter block after the job left the node")
+        if block.cycle <= ns.last_cycle:
+            self.blocks_ignored += 1
+            return Step(rejected=f"cycle {block.cycle} out of order (last was {ns.last_cycle})")
+        sums = ns.sums()
+        sums.add(block, policy.delta)
+        ns.store(sums)
+        ns.blocks += 1
+        ns.last_cycle = block.cycle
+        if ns.first_cycle < 0:
+            ns.first_cycle = block.cycle
+        self._used(origin)
+        return Step()
+
+    def _apply_left(self, left: JobLeftNode, origin: Origin, policy: PricingPolicy) -> Step:
+        ns = self.nodes.setdefault(left.node, NodeStream())
+        if ns.closed:
+            return Step(rejected="job already left this node")
+        if self.revision >= 0:
+            return Step(rejected="job left a node after its charge was final")
+        ns.closed = True
+        ns.blocks_sent = left.blocks_sent
+        self._used(origin)
+        charge = self._maybe_charge(policy)
+        return Step(charge=charge, estimate=self._estimate(policy, final=charge is not None))
+
+    def _apply_lifecycle(self, event: JobEvent, origin: Origin, policy: PricingPolicy) -> Step:
+        if not event.ran:  # submitted, started, or cancelled before it started: nothing to charge
+            return Step()
+        if self.end is not None:
+            return Step(rejected=f"job already {self.end.state.value}; second terminal event ignored")
+        self.end = event
+        self._used(origin)
+        charge = self._maybe_charge(policy)
+        return Step(charge=charge, estimate=self._estimate(policy, final=True) if charge else None)
+
+    # ------------------------------------------------------------------ derived values
+
+    def _used(self, origin: Origin) -> None:
+        r = self.ranges.get(origin.topic)
+        if r is None:
+            self.ranges[origin.topic] = [origin.partition, origin.offset, origin.offset]
+        else:
+            r[1], r[2] = min(r[1], origin.offset), max(r[2], origin.offset)
+
+    def _charged_nodes(self) -> list[str]:
+        return sorted(self.end.nodes) if self.end else sorted(self.nodes)
+
+    def degradation(self) -> DegradationResult:
+        total = DegradationSums()
+        for node in self._charged_nodes():
+            if node in self.nodes:
+                total.merge(self.nodes[node].sums())
+        return estimate(total)
+
+    def _estimate(self, policy: PricingPolicy, final: bool) -> DegradationEstimate:
+        res = self.degradation()
+        assert self.latest_event_time is not None  # set by apply() before any estimate
+        when = self.end.end_time if final and self.end and self.end.end_time else self.latest_event_time
+        return DegradationEstimate(
+            event_id=str(uuid.uuid5(NODESHARE_NAMESPACE, f"estimate:{self.job_id}:{self._evidence_key()}")),
+            source=SOURCE,
+            event_time=when,
+            job_id=self.job_id, status=res.status, degradation=res.degradation,
+            filtered=res.filtered, unfiltered=res.unfiltered, blocks_used=res.blocks_used,
+            blocks_rejected=res.blocks_rejected, delta=policy.delta, final=final,
+        )
+
+    def _evidence_key(self) -> str:
+        return ",".join(f"{n}:{s.blocks}:{int(s.closed)}" for n, s in sorted(self.nodes.items()))
+
+    def _maybe_charge(self, policy: PricingPolicy) -> Charge | None:
+        end = self.end
+        if end is None or self.revision >= 0:
+            return None
+        if not all(n in self.nodes and self.nodes[n].closed for n in end.nodes):
+            return None
+        assert end.start_time is not None and end.end_time is not None  # guaranteed by JobEvent.ran
+        self.revision = 0
+        res = self.degradation()
+        run_time_s = (end.end_time - end.start_time).total_seconds()
+        amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, res.degradation)
+        foreign = sum(s.blocks for n, s in self.nodes.items() if n not in end.nodes)
+        return Charge(
+            event_id=str(uuid.uuid5(NODESHARE_NAMESPACE, f"charge:{self.job_id}:{self.revision}")),
+            source=SOURCE,
+            event_time=end.end_time,
+            job_id=self.job_id, revision=self.revision, final_state=end.state,
+            user=end.user, account=end.account, program=end.program, cores=end.cores,
+            start_time=end.start_time, end_time=end.end_time,
+            run_time_s=run_time_s, solo_time_s=amounts.solo_time_s,
+            degradation=res.degradation, estimate_status=res.status,
+            degradation_filtered=res.filtered, degradation_unfiltered=res.unfiltered,
+            blocks_used=res.blocks_used, blocks_rejected=res.blocks_rejected,
+            blocks_ignored=self.blocks_ignored + foreign,
+            nodes=tuple(
+                NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
+                           blocks_sent=s.blocks_sent)
+                for n in sorted(end.nodes) for s in [self.nodes[n]]
+            ),
+            rate_function=policy.rate_function, rate_per_core_hour=policy.rate_per_core_hour,
+            delta=policy.delta,
+            standard_price=amounts.standard_price, solo_price=amounts.solo_price,
+            price=amounts.price, dividend=amounts.dividend,
+            event_range=tuple(
+                OffsetRange(topic=t, partition=p, first_offset=a, last_offset=b)
+                for t, (p, a, b) in sorted(self.ranges.items())
+            ),
+            code_version=__version__,
+        )
+
+    # ------------------------------------------------------------------ persistence
+
+    def dumps(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def loads(cls, raw: bytes | None, job_id: str) -> JobAccount:
+        return cls(job_id=job_id) if raw is None else cls.model_validate_json(raw)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    topic: str  # catalog name, without prefix
+    key: bytes
+    value: bytes
+
+
+def process_message(
+    state: bytes | None, origin: Origin, key: bytes | None, value: bytes | None, timestamp_s: float,
+    policy: PricingPolicy, prefix: str = "",
+) -> tuple[bytes | None, list[Outgoing]]:
+    """One input message in, the job's new state and the messages to publish out.
+
+    Pure: the faust agent only does the table and topic I/O around it; the audit folds the
+    archive through it too, so both apply the same rules to the same bytes.
+    """
+    def reject(reason: str, field: str | None = None) -> list[Outgoing]:
+        dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, timestamp_s, reason,
+                         field=field, source=SOURCE)
+        return [Outgoing(DLQ.name, origin.topic.encode(), encode(dl))]
+
+    try:
+        record: Record = decode(spec_for_topic(origin.topic, prefix), value)
+    except DecodeError as exc:
+        return None, reject(exc.reason, exc.field)
+    job_id: str = record.job_id  # type: ignore[attr-defined]  # both input topics carry job_id
+    if key != job_id.encode():
+        return None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key")
+    account = JobAccount.loads(state, job_id)
+    step = account.apply(record, origin, policy)
+    if step.redelivered:
+        return None, []
+    out: list[Outgoing] = []
+    if step.rejected:
+        out += reject(step.rejected)
+    if step.estimate is not None:
+        out.append(Outgoing(ESTIMATES_DEGRADATION.name, job_id.encode(), encode(step.estimate)))
+    if step.charge is not None:
+        out.append(Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(step.charge)))
+    return account.dumps(), out
+
+
+def fold_messages(messages: Iterable[tuple[Origin, bytes | None, bytes | None, float]], policy: PricingPolicy,
+                  prefix: str = "") -> list[Charge]:
+    """Fold raw input messages (in the order given) as the stream worker does; every charge produced.
+
+    Redeliveries are recognized by offset exactly as in the worker, so replaying a message
+    twice changes nothing.
+    """
+    states: dict[bytes | None, bytes | None] = {}
+    charges: list[Charge] = []
+    for origin, key, value, ts in messages:
+        new_state, out = process_message(states.get(key), origin, key, value, ts, policy, prefix)
+        if new_state is not None:
+            states[key] = new_state
+        charges += [decode_model(Charge, o.value) for o in out if o.topic == LEDGER_CHARGES.name]
+    return charges

@@ -1,0 +1,154 @@
+"""Degradation from shutter blocks: POPPA's filtered prediction (Seed 002, Alg. 4) and the
+unfiltered estimate (Eq. 7-8).
+
+A block's contribution is added to exact sums (Shewchuk's algorithm, the one ``math.fsum``
+uses), so an estimate is a function of the *set* of blocks: the stream worker, the audit
+and any vectorized twin get bit-identical numbers whatever order they add blocks in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from nodeshare.schemas.events import EstimateStatus, IpcSample, ShutterBlock
+
+#: Seed 002, Section 6.3: "We empirically determined delta = 0.05 to be a reasonable value."
+DEFAULT_DELTA = 0.05
+
+
+@dataclass(frozen=True)
+class BlockMeans:
+    """Mean IPC of a block's K samples before, during and after its shutter."""
+
+    before: float
+    during: float
+    after: float
+
+
+def mean_ipc(samples: Iterable[IpcSample]) -> float:
+    ipcs = [s.instructions / s.cycles for s in samples]
+    return math.fsum(ipcs) / len(ipcs)
+
+
+def block_means(block: ShutterBlock) -> BlockMeans:
+    return BlockMeans(mean_ipc(block.before), mean_ipc(block.during), mean_ipc(block.after))
+
+
+def passes_filter(m: BlockMeans, delta: float = DEFAULT_DELTA) -> bool:
+    """Alg. 4, line 3: the IPC before and after agree within delta (same phase), and the shutter
+    raised IPC above both (a shutter can only relieve contention)."""
+    return abs(m.before - m.after) < delta and m.before < m.during and m.after < m.during
+
+
+def co_located_ipc(m: BlockMeans) -> float:
+    """Alg. 4, line 4: the block's co-located IPC, the mean of before and after."""
+    return 0.5 * (m.before + m.after)
+
+
+def degradation_from_sums(ipc_solo: float, ipc_co: float) -> float:
+    """Alg. 4, line 8: (IPC_solo - IPC_co) / IPC_solo, i.e. 1 - Perf_norm of Eq. 6."""
+    return (ipc_solo - ipc_co) / ipc_solo
+
+
+class ExactSum:
+    """A running float sum without rounding error: ``value`` is the correctly rounded sum of
+    everything added, independent of the order of addition (Shewchuk, 1997)."""
+
+    __slots__ = ("partials",)
+
+    def __init__(self, partials: Iterable[float] = ()) -> None:
+        self.partials: list[float] = list(partials)
+
+    def add(self, x: float) -> None:
+        i = 0
+        partials = self.partials
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo:
+                partials[i] = lo
+                i += 1
+            x = hi
+        partials[i:] = [x]
+
+    def merge(self, other: ExactSum) -> None:
+        for p in other.partials:
+            self.add(p)
+
+    @property
+    def value(self) -> float:
+        return math.fsum(self.partials)
+
+
+@dataclass
+class DegradationSums:
+    """The accumulated evidence of one job (or one job on one node)."""
+
+    solo_filtered: ExactSum = field(default_factory=ExactSum)
+    co_filtered: ExactSum = field(default_factory=ExactSum)
+    solo_all: ExactSum = field(default_factory=ExactSum)
+    co_all: ExactSum = field(default_factory=ExactSum)
+    accepted: int = 0
+    rejected: int = 0
+
+    def add(self, block: ShutterBlock, delta: float = DEFAULT_DELTA) -> bool:
+        """Add one block; returns whether Alg. 4 accepted it."""
+        m = block_means(block)
+        co = co_located_ipc(m)
+        self.solo_all.add(m.during)
+        self.co_all.add(co)
+        if passes_filter(m, delta):
+            self.solo_filtered.add(m.during)
+            self.co_filtered.add(co)
+            self.accepted += 1
+            return True
+        self.rejected += 1
+        return False
+
+    def merge(self, other: DegradationSums) -> None:
+        self.solo_filtered.merge(other.solo_filtered)
+        self.co_filtered.merge(other.co_filtered)
+        self.solo_all.merge(other.solo_all)
+        self.co_all.merge(other.co_all)
+        self.accepted += other.accepted
+        self.rejected += other.rejected
+
+
+@dataclass(frozen=True)
+class DegradationResult:
+    status: EstimateStatus
+    degradation: float  # what pricing applies: the filtered estimate, clamped to [0, 1]; 0 without one
+    filtered: float | None
+    unfiltered: float | None
+    blocks_used: int
+    blocks_rejected: int
+
+
+def estimate(sums: DegradationSums) -> DegradationResult:
+    """The filtered estimate with its fallback rule.
+
+    When no block passed the filter there is no evidence of interference that survived
+    Alg. 4, so the job is charged as if undisturbed (D = 0, i.e. the standard price):
+    a discount is only ever granted on measured evidence. The unfiltered number is still
+    recorded for the auditor.
+    """
+    n = sums.accepted + sums.rejected
+    unfiltered = degradation_from_sums(sums.solo_all.value, sums.co_all.value) if n else None
+    if sums.accepted == 0:
+        status = EstimateStatus.NO_BLOCKS if n == 0 else EstimateStatus.NO_ACCEPTED_BLOCKS
+        return DegradationResult(status, 0.0, None, unfiltered, 0, sums.rejected)
+    filtered = degradation_from_sums(sums.solo_filtered.value, sums.co_filtered.value)
+    applied = min(1.0, max(0.0, filtered))  # Alg. 4's acceptance rule already keeps it in (0, 1)
+    return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, sums.accepted, sums.rejected)
+
+
+def filtered_degradation(blocks: Iterable[ShutterBlock], delta: float = DEFAULT_DELTA) -> DegradationResult:
+    """Alg. 4 over a batch of blocks (the same accumulator the stream uses block by block)."""
+    sums = DegradationSums()
+    for b in blocks:
+        sums.add(b, delta)
+    return estimate(sums)
