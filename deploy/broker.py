@@ -70,11 +70,11 @@ def wait_for_metadata(bootstrap: str, timeout_s: float = 20.0, config: dict[str,
 class BundledBroker:
     """Tansu with in-memory storage on 127.0.0.1. Use as a context manager."""
 
-    def __init__(self, *, port: int | None = None, log_path: Path | None = None,
+    def __init__(self, *, port: int | None = None, log_path: Path | str | None = None,
                  cert: Path | None = None, key: Path | None = None) -> None:
         self.port = port or free_port()
         self.bootstrap = f"127.0.0.1:{self.port}"
-        self.log_path = log_path or Path(tempfile.gettempdir()) / f"nodeshare-tansu-{self.port}.log"
+        self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"nodeshare-tansu-{self.port}.log"
         self._tls = (cert, key) if cert and key else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ class DemoError(RuntimeError):
 
 @dataclass
 class DemoResult:
+    settings: Settings  # as the run used them (bootstrap, topic prefix, app id)
     bootstrap: str
     broker: str
     events_published: int
@@ -74,7 +75,13 @@ def write_truth(truth: list[JobTruth], path: Path) -> None:
 
 
 def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float = 180.0,
-             progress: Progress | None = None) -> DemoResult:
+             progress: Progress | None = None,
+             extra_inputs: Sequence[tuple[str, bytes | None, bytes | None]] = ()) -> DemoResult:
+    """Run the pipeline on a simulated cluster and audit the result.
+
+    ``extra_inputs`` are raw (catalog topic, key, value) messages published before the
+    simulation, e.g. malformed bytes that must end in the dead-letter topic.
+    """
     report = progress or (lambda stage, done, total: None)
     t0 = time.monotonic()
     out = out.resolve()
@@ -107,12 +114,17 @@ def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float 
         archive_sink = ArchiveSink(s, archive_path)
         threads = [run_in_thread(ledger_sink, stop, "ledger-sink"), run_in_thread(archive_sink, stop, "archive-sink")]
         try:
+            if extra_inputs:
+                with EventProducer(s, client_id="nodeshare-demo-extra") as producer:
+                    for topic, key, value in extra_inputs:
+                        producer.send_raw(s.topic(topic), key, value)
             publish(s, sim, report)
+            expected_archive = len(sim.events) + len(extra_inputs)
             expected_charges = len(sim.truth)
             deadline = time.monotonic() + timeout_s
             while True:
                 report("waiting for charges", ledger_sink.rows_inserted, expected_charges)
-                if ledger_sink.rows_inserted >= expected_charges and archive_sink.messages_written >= len(sim.events):
+                if ledger_sink.rows_inserted >= expected_charges and archive_sink.messages_written >= expected_archive:
                     break
                 if worker.poll() is not None:
                     raise DemoError(f"the stream worker exited with {worker.returncode}; see {out / 'worker.log'}")
@@ -122,7 +134,7 @@ def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float 
                 if time.monotonic() > deadline:
                     raise DemoError(
                         f"timed out after {timeout_s:.0f} s with {ledger_sink.rows_inserted}/{expected_charges} "
-                        f"charges and {archive_sink.messages_written}/{len(sim.events)} events archived; "
+                        f"charges and {archive_sink.messages_written}/{expected_archive} events archived; "
                         f"see {out / 'worker.log'}")
                 time.sleep(0.2)
             report("waiting for charges", ledger_sink.rows_inserted, expected_charges)
@@ -138,7 +150,7 @@ def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float 
     with Ledger(ledger_path, read_only=True) as ledger:
         charges = ledger.charges()
     return DemoResult(
-        bootstrap=bootstrap, broker="configured" if external else "bundled tansu",
+        settings=s, bootstrap=bootstrap, broker="configured" if external else "bundled tansu",
         events_published=len(sim.events), events_archived=archive_sink.messages_written,
         jobs_ended=len(sim.truth), charges=charges, audit=result, ledger=ledger_path, archive=archive_path,
         truth=truth_path, elapsed_s=time.monotonic() - t0,

@@ -1,0 +1,65 @@
+"""The bundled broker launcher and idempotent topic creation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from nodeshare.config import Settings
+from nodeshare.deploy.broker import BundledBroker, pid_alive, wait_for_metadata
+from nodeshare.deploy.topics import create_topics
+from nodeshare.schemas import TOPICS
+
+pytestmark = pytest.mark.integration
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not pid_alive(pid):
+            return True
+        try:  # reap it if it is our child (zombies count as alive to kill(0))
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return not pid_alive(pid)
+
+
+def test_bundled_broker_answers_and_stops_cleanly(tmp_path):
+    with BundledBroker(log_path=tmp_path / "t.log") as b:
+        wait_for_metadata(b.bootstrap, 5)
+        pid = b.pid
+    assert pid is not None and _gone_within(pid, 5)
+
+
+def test_bundled_broker_dies_with_a_killed_parent(tmp_path):
+    script = textwrap.dedent(f"""
+        from nodeshare.deploy.broker import BundledBroker
+        import time, sys
+        b = BundledBroker(log_path={str(tmp_path / 'c.log')!r}).start()
+        print(b.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert pid_alive(child)
+        parent.send_signal(signal.SIGKILL)  # no cleanup code can run in the parent
+        parent.wait(10)
+        assert _gone_within(child, 10), "tansu outlived its parent"
+    finally:
+        parent.kill()
+
+
+def test_topics_create_is_idempotent(settings: Settings):
+    first = create_topics(settings)
+    assert set(first) == {settings.topic(t.name) for t in TOPICS} and set(first.values()) == {"created"}
+    second = create_topics(settings)
+    assert set(second.values()) == {"exists"}

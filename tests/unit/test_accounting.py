@@ -1,0 +1,161 @@
+"""The per-job reducer: one charge per job, whatever the interleaving, redelivery or bad input."""
+
+import json
+
+import pytest
+from factories import block, job_event, left
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeshare.schemas import Charge, DeadLetter, JobState, Record, decode_model, encode
+from nodeshare.streams.accounting import JobAccount, Origin, PricingPolicy, fold_messages, process_message
+from nodeshare.streams.degradation import filtered_degradation
+from nodeshare.streams.pricing import fair_charge
+
+POLICY = PricingPolicy(rate_per_core_hour=2.0)
+IPC, LIFE = "node.ipc", "jobs.lifecycle"
+
+
+def two_node_job(job: str = "j1") -> tuple[list[Record], list[Record]]:
+    """(node.ipc records, jobs.lifecycle records) of a job on n1 and n2."""
+    n1 = [block(1.0, 2.0, 1.0, job=job, node="n1", cycle=0), block(0.8, 1.0, 0.82, job=job, node="n1", cycle=3)]
+    n2 = [block(1.0, 0.9, 1.0, job=job, node="n2", cycle=1), block(0.9, 1.2, 0.9, job=job, node="n2", cycle=2)]
+    ipc = [n1[0], n2[0], n1[1], n2[1], left(job, "n1", 2, 3), left(job, "n2", 2, 2)]
+    life = [job_event(job, JobState.SUBMITTED), job_event(job, JobState.STARTED, nodes=("n1", "n2")),
+            job_event(job, JobState.ENDED, nodes=("n1", "n2"), cores=32, run_s=7200)]
+    return ipc, life
+
+
+def as_messages(records: list[Record], topic: str, start: int = 0) -> list[tuple]:
+    return [(Origin(topic, 0, start + i), r.job_id.encode(), encode(r), 0.0) for i, r in enumerate(records)]
+
+
+def test_charge_equals_the_pure_functions_on_the_blocks():
+    ipc, life = two_node_job()
+    [charge] = fold_messages(as_messages(ipc, IPC) + as_messages(life, LIFE), POLICY)
+    blocks = [r for r in ipc if r.kind == "shutter_block"]
+    d = filtered_degradation(blocks)
+    amounts = fair_charge(2.0, 32, 7200, d.degradation)
+    assert charge.degradation == d.degradation and d.blocks_used == 3 and d.blocks_rejected == 1
+    assert (charge.standard_price, charge.price, charge.dividend) == (
+        amounts.standard_price, amounts.price, amounts.dividend)
+    assert charge.standard_price == 2.0 * 32 * 2  # L * C * T_co with T_co = 2 h
+    assert [n.node for n in charge.nodes] == ["n1", "n2"] and charge.revision == 0
+    assert {(r.topic, r.first_offset, r.last_offset) for r in charge.event_range} == {(IPC, 0, 5), (LIFE, 2, 2)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_same_charge_for_every_interleaving_of_the_two_topics(data):
+    ipc, life = two_node_job()
+    a, b = as_messages(ipc, IPC), as_messages(life, LIFE)
+    # Merge the two topics at random positions, each keeping its own order (as Kafka guarantees).
+    order = data.draw(st.permutations([0] * len(a) + [1] * len(b)))
+    ia, ib, merged = iter(a), iter(b), []
+    for which in order:
+        merged.append(next(ia) if which == 0 else next(ib))
+    reference = fold_messages(a + b, POLICY)
+    assert fold_messages(merged, POLICY) == reference and len(reference) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(0, 9), replay_from=st.integers(0, 9))
+def test_redelivery_after_a_crash_changes_nothing(cut, replay_from):
+    ipc, life = two_node_job()
+    msgs = as_messages(ipc, IPC) + as_messages(life, LIFE)
+    replay_from = min(replay_from, cut)
+    # The worker applied msgs[:cut], crashed, and faust redelivers from an older committed offset.
+    redelivered = msgs[:cut] + msgs[replay_from:]
+    assert fold_messages(redelivered, POLICY) == fold_messages(msgs, POLICY)
+
+
+def _run(msgs: list[tuple]) -> tuple[JobAccount, list]:
+    state, outs = None, []
+    for origin, key, value, ts in msgs:
+        new, out = process_message(state, origin, key, value, ts, POLICY)
+        state = new if new is not None else state
+        outs += out
+    return JobAccount.model_validate_json(state), outs
+
+
+def _dead_letters(outs: list) -> list[DeadLetter]:
+    return [decode_model(DeadLetter, o.value) for o in outs if o.topic == "dlq"]
+
+
+def test_out_of_order_cycle_is_dead_lettered_and_not_counted():
+    job = job_event("j1", JobState.ENDED)
+    ipc = [block(1, 2, 1, cycle=5), block(1, 2, 1, cycle=4), left("j1", "n1", 2, 5)]
+    acc, outs = _run(as_messages(ipc, IPC) + as_messages([job], LIFE))
+    [dl] = _dead_letters(outs)
+    assert "out of order" in dl.reason and dl.origin_offset == 1
+    [charge] = [decode_model(Charge, o.value) for o in outs if o.topic == "ledger.charges"]
+    assert charge.blocks_used == 1 and charge.blocks_ignored == 1
+
+
+def test_second_end_event_is_dead_lettered_and_charges_once():
+    ended = job_event("j1", JobState.ENDED)
+    failed = job_event("j1", JobState.FAILED)
+    _, outs = _run(as_messages([left("j1", "n1", 0, -1)], IPC) + as_messages([ended, failed], LIFE))
+    assert len([o for o in outs if o.topic == "ledger.charges"]) == 1
+    assert "already ended" in _dead_letters(outs)[0].reason
+
+
+def test_block_after_the_job_left_the_node_is_dead_lettered():
+    msgs = as_messages([left("j1", "n1", 0, -1), block(1, 2, 1, cycle=9)], IPC)
+    _, outs = _run(msgs)
+    assert "left the node" in _dead_letters(outs)[0].reason
+
+
+def test_blocks_after_the_charge_do_not_change_it():
+    msgs = as_messages([left("j1", "n1", 0, -1)], IPC) + as_messages([job_event("j1", JobState.ENDED)], LIFE)
+    msgs += as_messages([block(1, 2, 1, node="n9", cycle=1)], IPC, start=1)
+    acc, outs = _run(msgs)
+    assert "after the job's charge" in _dead_letters(outs)[0].reason
+    assert len([o for o in outs if o.topic == "ledger.charges"]) == 1
+
+
+def test_blocks_from_nodes_the_job_did_not_run_on_are_ignored():
+    ipc = [block(1, 2, 1, node="n1", cycle=0), block(0.5, 2, 0.5, node="rogue", cycle=0), left("j1", "n1", 1, 0)]
+    [charge] = fold_messages(as_messages(ipc, IPC) + as_messages([job_event("j1", JobState.ENDED)], LIFE), POLICY)
+    assert charge.degradation == 0.5 and charge.blocks_used == 1 and charge.blocks_ignored == 1
+
+
+def test_charge_waits_for_every_node_to_close():
+    ipc = [block(1, 2, 1, node="n1", cycle=0), left("j1", "n1", 1, 0)]
+    end = job_event("j1", JobState.ENDED, nodes=("n1", "n2"))
+    assert fold_messages(as_messages(ipc, IPC) + as_messages([end], LIFE), POLICY) == []
+    closing = as_messages([left("j1", "n2", 0, -1)], IPC, start=2)
+    assert len(fold_messages(as_messages(ipc, IPC) + as_messages([end], LIFE) + closing, POLICY)) == 1
+
+
+def test_job_cancelled_before_it_started_is_not_charged():
+    cancelled = job_event("j1", JobState.SUBMITTED).model_copy(update={"state": JobState.CANCELLED})
+    assert fold_messages(as_messages([cancelled], LIFE), POLICY) == []
+
+
+def test_job_without_blocks_pays_the_standard_price():
+    [c] = fold_messages(as_messages([left("j1", "n1", 0, -1)], IPC)
+                        + as_messages([job_event("j1", JobState.ENDED, cores=4, run_s=1800)], LIFE), POLICY)
+    assert c.estimate_status.value == "no_blocks" and c.price == c.standard_price == 2.0 * 4 * 0.5
+
+
+@pytest.mark.parametrize("value", [b"\xde\xad\xbe\xef", b'{"kind":"shutter_block"', b'{"kind":"job_event"}'])
+def test_undecodable_bytes_go_to_the_dead_letter_topic_with_origin(value):
+    new_state, out = process_message(None, Origin(IPC, 3, 42), b"j1", value, 1.7e9, POLICY)
+    assert new_state is None
+    [dl] = _dead_letters(out)
+    assert (dl.origin_topic, dl.origin_partition, dl.origin_offset) == (IPC, 3, 42)
+    assert dl.reason and dl.value_b64
+
+
+def test_key_must_match_the_job_id():
+    rec = block(1, 2, 1, job="j1")
+    new_state, out = process_message(None, Origin(IPC, 0, 0), b"j2", encode(rec), 0.0, POLICY)
+    assert new_state is None and _dead_letters(out)[0].field == "key"
+
+
+def test_state_round_trips_through_json():
+    ipc, life = two_node_job()
+    acc, _ = _run(as_messages(ipc[:3], IPC))
+    assert JobAccount.model_validate_json(acc.dumps()) == acc
+    assert json.loads(acc.dumps())["nodes"]["n1"]["blocks"] == 2  # n1 cycles 0 and 3

@@ -1,0 +1,60 @@
+"""POPPA Eq. 1-4 and Eq. 9-10 on hand-computed numbers."""
+
+import pytest
+
+from nodeshare.streams.pricing import fair_charge, poppa_price, solo_time, standard_price
+from nodeshare.streams.shutter_overhead import dilated_run_time, sleep_fraction
+
+
+def test_eq1_standard_price():
+    # L = 2 SU per core-hour, C = 16 cores, T = 3 h
+    assert standard_price(2.0, 16, 3 * 3600) == 96.0
+
+
+def test_eq3_solo_time():
+    assert solo_time(10_800, 0.25) == 8_100
+
+
+def test_eq4_by_hand():
+    # T_solo = 0.75 * 3 h = 2.25 h; P_solo = 2 * 16 * 2.25 = 72; P = (T_solo / T_co) * P_solo = 0.75 * 72 = 54
+    assert poppa_price(2.0, 16, 10_800, 0.25) == 54.0
+    c = fair_charge(2.0, 16, 10_800, 0.25)
+    assert (c.standard_price, c.solo_time_s, c.solo_price, c.price, c.dividend) == (96.0, 8100.0, 72.0, 54.0, 42.0)
+
+
+def test_eq4_equals_its_expanded_form():
+    # L * (T_solo / T_co) * C * T_solo with T_solo = (1 - D) T_co, i.e. L C T_co (1 - D)^2
+    L, C, T, D = 1.7, 24, 5000.0, 0.137
+    t_solo = (1 - D) * T
+    assert poppa_price(L, C, T, D) == pytest.approx(L * (t_solo / T) * C * t_solo / 3600, rel=1e-14)
+
+
+def test_no_degradation_means_the_standard_price():
+    c = fair_charge(1.0, 8, 7200, 0.0)
+    assert c.price == c.standard_price == 16.0 and c.dividend == 0.0
+
+
+def test_price_stays_between_zero_and_the_standard_price():
+    for d in (0.0, 0.01, 0.5, 0.99, 1.0):
+        c = fair_charge(3.0, 4, 1000, d)
+        assert 0.0 <= c.price <= c.standard_price
+        assert c.price + c.dividend == pytest.approx(c.standard_price)
+
+
+@pytest.mark.parametrize("d", [-0.01, 1.01, float("nan")])
+def test_degradation_outside_0_1_is_refused(d):
+    with pytest.raises(ValueError, match="degradation"):
+        fair_charge(1.0, 1, 1.0, d)
+
+
+def test_eq9_sleep_fraction_by_hand():
+    # n = 2, S = 3.2 ms, P = 200 ms: Z = 1 * 0.0032 / (2 * (0.0096 + 0.2)) = 0.0032 / 0.4192
+    assert sleep_fraction(2, 0.0032, 0.2) == pytest.approx(0.0032 / 0.4192, rel=1e-12)
+    assert sleep_fraction(1, 0.0032, 0.2) == 0.0  # a lone job is never paused
+
+
+def test_eq10_dilation_matches_the_papers_closed_form():
+    n, S, P, T = 4, 0.0256, 0.2, 100.0
+    closed = T * n * (3 * S + P) / (2 * n * S + n * P + S)
+    assert dilated_run_time(T, n, S, P) == pytest.approx(closed, rel=1e-12)
+    assert dilated_run_time(100.0, 2, 0.0032, 0.2) == pytest.approx(100 * 0.4192 / 0.416, rel=1e-12)
