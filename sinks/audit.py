@@ -86,10 +86,13 @@ def policy_of(charge: Charge) -> PricingPolicy:
 def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, prefix: str = "") -> AuditReport:
     with Ledger(ledger_path, read_only=True) as ledger:
         ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
+        drift = ledger.column_drift()
     messages = archived_messages(ParquetArchive(archive_root))
     policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}
     recomputed = recompute(messages, policies, default, prefix)
     report = AuditReport(events_read=sum(len(m) for m in messages.values()))
+    # A SQL column edited behind the record's back is tampering too: analysts read the columns.
+    report.mismatches += [Mismatch(j, r, f"column {c}", v, want) for j, r, c, v, want in drift]
     for key, row in sorted(ledger_rows.items()):
         report.charges_checked += 1
         again = recomputed.get(key)

@@ -98,6 +98,19 @@ class Ledger:
         rows = self.con.execute("SELECT record FROM charges ORDER BY job_id, revision").fetchall()
         return [Charge.model_validate_json(r[0]) for r in rows]
 
+    def column_drift(self) -> list[tuple[str, int, str, Any, Any]]:
+        """Rows whose SQL columns disagree with their charge record: (job, revision, column, column, record)."""
+        names = list(_COLUMNS)
+        cols = ", ".join(f'"{c}"' for c in names)
+        out = []
+        for row in self.con.execute(f"SELECT {cols}, record FROM charges ORDER BY job_id, revision").fetchall():
+            data = Charge.model_validate_json(row[-1]).model_dump()
+            for name, value in zip(names, row[:-1], strict=True):
+                expected = _sql_value(data[name])
+                if value != expected:
+                    out.append((data["job_id"], data["revision"], name, value, expected))
+        return out
+
     def close(self) -> None:
         self.con.close()
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# nodeshare on this machine, no Docker needed: installs into .venv (once, and again when
+# pyproject.toml changes), then runs
+#   deploy/local.sh demo [options]   the whole pipeline on the bundled broker
+#   deploy/local.sh test [pytest args]   the test suite
+#   deploy/local.sh <any nodeshare command>
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${NODESHARE_VENV:-$root/.venv}
+python=${PYTHON:-python3}
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "nodeshare needs Python 3.11 or newer; '$python' is $("$python" --version 2>&1 || echo missing)." >&2
+  echo "Set PYTHON=/path/to/python3.11 and try again." >&2
+  exit 2
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "creating $venv" >&2
+  if ! "$python" -m venv "$venv" 2>/dev/null; then
+    # Debian and Ubuntu ship venv separately.
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "installing python3-venv with apt-get" >&2
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+      rm -rf "$venv"
+      "$python" -m venv "$venv"
+    else
+      echo "'$python -m venv' failed: install your distribution's python3-venv package." >&2
+      exit 2
+    fi
+  fi
+fi
+
+cmd=${1:-demo}
+extra=""
+[ "$cmd" = test ] && extra="[test]"
+stamp="$venv/.nodeshare-installed$extra"
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+  echo "installing nodeshare$extra into $venv (first run takes a minute)" >&2
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$root$extra"
+  touch "$stamp"
+fi
+
+case "$cmd" in
+  test)
+    shift
+    cd "$root"
+    exec "$venv/bin/python" -m pytest "$@"
+    ;;
+  demo)
+    shift || true
+    exec "$venv/bin/nodeshare" demo "$@"
+    ;;
+  *)
+    exec "$venv/bin/nodeshare" "$@"
+    ;;
+esac

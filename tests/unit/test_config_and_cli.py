@@ -1,0 +1,63 @@
+"""Settings precedence, clear configuration errors, and the CLI surface."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nodeshare.cli import app
+from nodeshare.config import Settings
+
+runner = CliRunner()
+
+
+def test_environment_overrides_defaults(monkeypatch):
+    monkeypatch.setenv("NODESHARE_BOOTSTRAP", "kafka-1:9092,kafka-2:9092")
+    monkeypatch.setenv("NODESHARE_RATE_PER_CORE_HOUR", "2.5")
+    monkeypatch.setenv("NODESHARE_KAFKA", '{"security.protocol": "SASL_SSL", "sasl.password": "hunter2"}')
+    s = Settings()
+    assert s.bootstrap == "kafka-1:9092,kafka-2:9092" and s.policy().rate_per_core_hour == 2.5
+    cfg = s.client_config()
+    assert cfg["bootstrap.servers"] == s.bootstrap and cfg["security.protocol"] == "SASL_SSL"
+    assert s.masked()["kafka"]["sasl.password"] == "***"
+    assert "hunter2" not in json.dumps(s.masked())
+
+
+def test_settings_survive_the_trip_to_a_child_process(monkeypatch):
+    s = Settings(bootstrap="b:1", topic_prefix="x.", kafka={"ssl.ca.location": "/ca.pem"}, delta=0.1)
+    for k, v in s.as_env().items():
+        monkeypatch.setenv(k, v)
+    assert Settings() == s
+
+
+def test_a_bad_value_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("NODESHARE_DELTA", "-1")
+    result = runner.invoke(app, ["topics", "list"])
+    assert result.exit_code == 2 and "NODESHARE_DELTA" in result.output
+
+
+def test_commands_that_need_a_broker_say_so(monkeypatch):
+    monkeypatch.delenv("NODESHARE_BOOTSTRAP", raising=False)
+    result = runner.invoke(app, ["topics", "create"])
+    assert result.exit_code == 2 and "NODESHARE_BOOTSTRAP" in result.output
+
+
+@pytest.mark.parametrize("command", [
+    [], ["demo"], ["audit"], ["topics", "create"], ["topics", "list"], ["schemas", "export"], ["worker"],
+    ["sink", "ledger"], ["sink", "archive"], ["simulate"], ["broker"],
+])
+def test_every_command_has_help(command):
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_topics_list_prints_the_catalog():
+    result = runner.invoke(app, ["topics", "list"])
+    assert result.exit_code == 0
+    for name in ("node.ipc", "jobs.lifecycle", "ledger.charges", "dlq", "decisions.power"):
+        assert name in result.output
+
+
+def test_audit_of_a_missing_ledger_is_a_clear_error(tmp_path):
+    result = runner.invoke(app, ["audit", "--archive", str(tmp_path), "--ledger", str(tmp_path / "none.duckdb")])
+    assert result.exit_code == 2 and "no ledger" in result.output

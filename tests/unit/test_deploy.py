@@ -1,0 +1,47 @@
+"""The compose file for Apache Kafka cannot run here (no Docker engine): check it is consistent."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from nodeshare.cli import app
+
+COMPOSE = Path(__file__).parents[2] / "deploy" / "docker-compose.yml"
+NEEDED = {"kafka", "topics", "worker", "ledger-sink", "archive-sink"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_every_service_the_pipeline_needs_is_there(compose):
+    assert NEEDED <= set(compose["services"])
+
+
+def test_kafka_runs_in_kraft_mode(compose):
+    env = compose["services"]["kafka"]["environment"]
+    assert "controller" in env["KAFKA_PROCESS_ROLES"] and "KAFKA_ZOOKEEPER_CONNECT" not in env
+    assert "healthcheck" in compose["services"]["kafka"]
+
+
+def test_nodeshare_services_use_real_commands_and_reach_kafka(compose):
+    runner = CliRunner()
+    for name, svc in compose["services"].items():
+        if name == "kafka":
+            continue
+        cmd = svc["command"]
+        assert cmd[0] == "nodeshare"
+        words = [w for w in cmd[1:] if not w.startswith("-")][:2]
+        result = runner.invoke(app, [*words, "--help"])
+        assert result.exit_code == 0, f"{name}: `nodeshare {' '.join(words)}` is not a command"
+        for flag in (w for w in cmd[1:] if w.startswith("--")):
+            assert flag in result.output, f"{name}: {flag} is not an option of {words}"
+        assert svc["environment"]["NODESHARE_BOOTSTRAP"] == "kafka:9092"
+
+
+def test_topics_are_created_before_the_pipeline_starts(compose):
+    for name in ("worker", "ledger-sink", "archive-sink"):
+        assert compose["services"][name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"

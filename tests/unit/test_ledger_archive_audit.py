@@ -1,0 +1,137 @@
+"""Ledger idempotence, archive layout and the audit's verdicts, on real DuckDB and Parquet files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from nodeshare.cli import app
+from nodeshare.producers.simulator import SimConfig, simulate
+from nodeshare.schemas import TOPIC_OF_RECORD, encode, key_of
+from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
+from nodeshare.sinks.audit import audit
+from nodeshare.sinks.ledger import Ledger
+from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
+
+POLICY = PricingPolicy(rate_per_core_hour=1.5)
+
+
+def build(tmp: Path, *, batch: int = 400) -> tuple[Path, Path, int]:
+    """Archive a simulated run as the archive sink would, and price it into a ledger."""
+    sim = simulate(SimConfig(nodes=4, jobs=8, seed=5))
+    offsets: dict[str, int] = {}
+    rows: dict[str, list[ArchivedEvent]] = {}
+    for i, rec in enumerate(sim.events):
+        topic = TOPIC_OF_RECORD[type(rec)].name
+        off = offsets[topic] = offsets.get(topic, -1) + 1
+        rows.setdefault(topic, []).append(
+            ArchivedEvent(topic, 0, off, 1_767_225_600_000 + i, key_of(rec), encode(rec)))
+    archive = ParquetArchive(tmp / "archive")
+    for topic, evs in rows.items():
+        for start in range(0, len(evs), batch):
+            archive.write(topic, evs[start:start + batch])
+    msgs = [(Origin(e.kafka_topic, e.partition, e.offset), e.key, e.value, e.timestamp_ms / 1000)
+            for t in ("node.ipc", "jobs.lifecycle") for e in rows[t]]
+    charges = fold_messages(msgs, POLICY)
+    with Ledger(tmp / "ledger.duckdb") as ledger:
+        ledger.append([(c, encode(c), 0, i) for i, c in enumerate(charges)])
+    return tmp / "archive", tmp / "ledger.duckdb", len(charges)
+
+
+def test_clean_run_audits_clean(tmp_path):
+    archive, ledger, n = build(tmp_path)
+    report = audit(archive, ledger, POLICY)
+    assert report.ok and report.charges_checked == report.matches == n == 8
+
+
+def test_a_redelivered_charge_never_makes_a_second_row(tmp_path):
+    _, ledger_path, n = build(tmp_path)
+    with Ledger(ledger_path) as ledger:
+        rows = [(c, encode(c), 0, i) for i, c in enumerate(ledger.charges())]
+        assert ledger.append(rows) == 0
+        assert ledger.count() == n
+
+
+def test_an_edited_ledger_row_is_detected(tmp_path):
+    archive, ledger, _ = build(tmp_path)
+    con = duckdb.connect(str(ledger))
+    job = con.execute("SELECT job_id FROM charges ORDER BY job_id LIMIT 1").fetchone()[0]
+    con.execute("UPDATE charges SET record = json_merge_patch(record, '{\"price\": 0.0}') WHERE job_id = ?", [job])
+    con.close()
+    report = audit(archive, ledger, POLICY)
+    assert not report.ok
+    # The record no longer matches the archive, nor the row's own SQL column.
+    assert sorted((m.job_id, m.field) for m in report.mismatches) == [(job, "column price"), (job, "price")]
+
+
+def test_an_edited_sql_column_is_detected(tmp_path):
+    archive, ledger, _ = build(tmp_path)
+    con = duckdb.connect(str(ledger))
+    con.execute("UPDATE charges SET price = price / 2 WHERE job_id = (SELECT min(job_id) FROM charges)")
+    con.close()
+    report = audit(archive, ledger, POLICY)
+    assert not report.ok and [m.field for m in report.mismatches] == ["column price"]
+
+
+def test_an_edited_archive_event_is_detected(tmp_path):
+    archive, ledger, _ = build(tmp_path)
+    f = sorted((archive / "topic=node.ipc").rglob("*.parquet"))[0]
+    table = pq.read_table(f)
+    values = table.column("value").to_pylist()
+    rec = json.loads(values[0])
+    rec["during"][0]["instructions"] *= 2  # the shutter "saw" twice the progress
+    values[0] = json.dumps(rec).encode()
+    pq.write_table(table.set_column(table.schema.get_field_index("value"), "value", [values]), f)
+    report = audit(archive, ledger, POLICY)
+    assert not report.ok and {m.job_id for m in report.mismatches} == {rec["job_id"]}
+
+
+def test_a_deleted_ledger_row_is_reported_missing(tmp_path):
+    archive, ledger, _ = build(tmp_path)
+    con = duckdb.connect(str(ledger))
+    con.execute("DELETE FROM charges WHERE job_id = (SELECT min(job_id) FROM charges)")
+    con.close()
+    report = audit(archive, ledger, POLICY)
+    assert not report.ok and len(report.missing_in_ledger) == 1
+
+
+def test_audit_cli_json_and_exit_status(tmp_path, monkeypatch):
+    archive, ledger, n = build(tmp_path)
+    monkeypatch.setenv("NODESHARE_RATE_PER_CORE_HOUR", "1.5")
+    ok = CliRunner().invoke(app, ["audit", "--archive", str(archive), "--ledger", str(ledger), "--json"])
+    assert ok.exit_code == 0, ok.output
+    body = json.loads(ok.output)
+    assert body["charges_checked"] == n and body["mismatches"] == 0
+    con = duckdb.connect(str(ledger))
+    con.execute("UPDATE charges SET record = json_merge_patch(record, '{\"degradation\": 0.5}')")
+    con.close()
+    bad = CliRunner().invoke(app, ["audit", "--archive", str(archive), "--ledger", str(ledger), "--json"])
+    assert bad.exit_code == 1 and json.loads(bad.output)["mismatches"] == 2 * n  # vs archive and vs column
+
+
+def test_archive_layout_resume_point_and_no_temporary_files(tmp_path):
+    archive, _, _ = build(tmp_path, batch=100)
+    files = ParquetArchive(archive).files()
+    assert all(f.parent.name.startswith("date=") and f.parent.parent.name.startswith("topic=") for f in files)
+    assert not list(archive.rglob("*.tmp"))
+    hw = ParquetArchive(archive).high_water()
+    assert hw[("jobs.lifecycle", 0)] == 3 * 8 - 1  # submitted, started, ended per job
+
+
+def test_overlapping_files_are_read_once(tmp_path):
+    archive = ParquetArchive(tmp_path)
+    evs = [ArchivedEvent("jobs.lifecycle", 0, o, 1_767_225_600_000, b"k", b"v%d" % o) for o in range(10)]
+    archive.write("jobs.lifecycle", evs[:6])
+    archive.write("jobs.lifecycle", evs[4:])  # a crash between write and commit re-wrote offsets 4-5
+    got = [e.offset for _, e in archive.events(["jobs.lifecycle"])]
+    assert got == list(range(10))
+
+
+def test_missing_ledger_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no ledger"):
+        Ledger(tmp_path / "absent.duckdb", read_only=True)
