@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -138,10 +139,8 @@ def broker(port: Annotated[int | None, typer.Option(help="port on 127.0.0.1 (def
         out.print(f"Tansu broker on {b.bootstrap} (pid {b.pid}); export NODESHARE_BOOTSTRAP={b.bootstrap}")
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
-        except KeyboardInterrupt:
-            pass
 
 
 @topics_app.command("create")

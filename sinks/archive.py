@@ -27,7 +27,7 @@ from confluent_kafka import Message, TopicPartition
 from nodeshare.config import Settings
 from nodeshare.schemas import INPUT_TOPICS, spec_for_topic
 
-from .consumer import BatchSink
+from .consumer import BatchSink, position
 
 ARCHIVE_SCHEMA = pa.schema([
     ("kafka_topic", pa.string()),
@@ -149,8 +149,9 @@ class ArchiveSink(BatchSink):
     def write(self, messages: list[Message]) -> None:
         by_topic: dict[str, list[ArchivedEvent]] = defaultdict(list)
         for m in messages:
+            topic, partition, offset = position(m)
             _, ts = m.timestamp()
-            by_topic[spec_for_topic(m.topic(), self.settings.topic_prefix).name].append(
-                ArchivedEvent(m.topic(), m.partition(), m.offset(), ts, m.key(), m.value()))
+            by_topic[spec_for_topic(topic, self.settings.topic_prefix).name].append(
+                ArchivedEvent(topic, partition, offset, ts, m.key(), m.value()))
         for topic, rows in by_topic.items():
             self.archive.write(topic, rows)

@@ -84,11 +84,18 @@ class BatchSink:
         self.batches_written += 1
 
 
+def position(m: Message) -> tuple[str, int, int]:
+    """(topic, partition, offset) of a consumed message (never None once consume() returned it)."""
+    topic, partition, offset = m.topic(), m.partition(), m.offset()
+    assert topic is not None and partition is not None and offset is not None
+    return topic, partition, offset
+
+
 def _next_offsets(batch: list[Message]) -> list[TopicPartition]:
     last: dict[tuple[str, int], int] = {}
     for m in batch:
-        key = (m.topic(), m.partition())
-        last[key] = max(last.get(key, -1), m.offset())
+        topic, partition, offset = position(m)
+        last[(topic, partition)] = max(last.get((topic, partition), -1), offset)
     return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
 
 

@@ -12,8 +12,9 @@ from confluent_kafka import Message
 from nodeshare.config import Settings
 from nodeshare.schemas import Charge, DecodeError, decode_model
 from nodeshare.schemas.catalog import LEDGER_CHARGES
+from nodeshare.schemas.dead_letters import dead_letter
 
-from .consumer import BatchSink
+from .consumer import BatchSink, position
 
 SINK_SOURCE = "nodeshare.sinks.ledger"
 
@@ -139,8 +140,11 @@ class LedgerSink(BatchSink):
     def write(self, messages: list[Message]) -> None:
         rows: list[tuple[Charge, bytes, int | None, int | None]] = []
         for m in messages:
+            raw = m.value()
             try:
-                rows.append((decode_model(Charge, m.value()), m.value(), m.partition(), m.offset()))
+                if raw is None:
+                    raise DecodeError("empty message (tombstone) on the charges topic")
+                rows.append((decode_model(Charge, raw), raw, m.partition(), m.offset()))
             except DecodeError as exc:
                 self._reject(m, exc)
         with self._lock, Ledger(self.ledger_path) as ledger:
@@ -149,10 +153,9 @@ class LedgerSink(BatchSink):
             self.dead_letters.flush()
 
     def _reject(self, m: Message, exc: DecodeError) -> None:
-        from nodeshare.schemas.dead_letters import dead_letter
-
         if self.dead_letters is None:
             raise exc
+        topic, partition, offset = position(m)
         _, ts = m.timestamp()
-        self.dead_letters.send(dead_letter(m.topic(), m.partition(), m.offset(), m.key(), m.value(), ts / 1000,
+        self.dead_letters.send(dead_letter(topic, partition, offset, m.key(), m.value(), ts / 1000,
                                            exc.reason, field=exc.field, source=SINK_SOURCE))

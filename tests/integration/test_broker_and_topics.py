@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,10 +25,8 @@ def _gone_within(pid: int, seconds: float) -> bool:
     while time.monotonic() < end:
         if not pid_alive(pid):
             return True
-        try:  # reap it if it is our child (zombies count as alive to kill(0))
+        with contextlib.suppress(ChildProcessError):  # reap our own child: a zombie still answers kill(0)
             os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
         time.sleep(0.05)
     return not pid_alive(pid)
 

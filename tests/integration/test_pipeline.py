@@ -7,8 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
 from topic_reading import read_until
+
 from nodeshare.config import Settings
 from nodeshare.demo import DemoResult, run_demo
 from nodeshare.producers.simulator import SimConfig

@@ -85,7 +85,7 @@ def _dead_letters(outs: list) -> list[DeadLetter]:
 def test_out_of_order_cycle_is_dead_lettered_and_not_counted():
     job = job_event("j1", JobState.ENDED)
     ipc = [block(1, 2, 1, cycle=5), block(1, 2, 1, cycle=4), left("j1", "n1", 2, 5)]
-    acc, outs = _run(as_messages(ipc, IPC) + as_messages([job], LIFE))
+    _acc, outs = _run(as_messages(ipc, IPC) + as_messages([job], LIFE))
     [dl] = _dead_letters(outs)
     assert "out of order" in dl.reason and dl.origin_offset == 1
     [charge] = [decode_model(Charge, o.value) for o in outs if o.topic == "ledger.charges"]
@@ -109,7 +109,7 @@ def test_block_after_the_job_left_the_node_is_dead_lettered():
 def test_blocks_after_the_charge_do_not_change_it():
     msgs = as_messages([left("j1", "n1", 0, -1)], IPC) + as_messages([job_event("j1", JobState.ENDED)], LIFE)
     msgs += as_messages([block(1, 2, 1, node="n9", cycle=1)], IPC, start=1)
-    acc, outs = _run(msgs)
+    _acc, outs = _run(msgs)
     assert "after the job's charge" in _dead_letters(outs)[0].reason
     assert len([o for o in outs if o.topic == "ledger.charges"]) == 1
 
@@ -155,7 +155,7 @@ def test_key_must_match_the_job_id():
 
 
 def test_state_round_trips_through_json():
-    ipc, life = two_node_job()
+    ipc, _life = two_node_job()
     acc, _ = _run(as_messages(ipc[:3], IPC))
     assert JobAccount.model_validate_json(acc.dumps()) == acc
     assert json.loads(acc.dumps())["nodes"]["n1"]["blocks"] == 2  # n1 cycles 0 and 3
