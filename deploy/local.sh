@@ -39,7 +39,7 @@ stamp="$venv/.nodeshare-installed$extra"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   echo "installing nodeshare$extra into $venv (first run takes a minute)" >&2
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$root$extra"
+  "$venv/bin/python" -m pip install -qq --disable-pip-version-check -e "$root$extra"
   touch "$stamp"
 fi
 
