@@ -7,12 +7,8 @@ the caller is killed with SIGKILL: no orphan brokers.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -22,7 +18,7 @@ from typing import IO
 
 from confluent_kafka.admin import AdminClient
 
-_PR_SET_PDEATHSIG = 1
+from .processes import die_with_parent, stop_process
 
 
 class BrokerError(RuntimeError):
@@ -42,11 +38,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def wait_for_metadata(bootstrap: str, timeout_s: float = 20.0, config: dict[str, str] | None = None) -> None:
@@ -107,13 +98,8 @@ class BundledBroker:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_process(proc, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -144,11 +130,3 @@ def broker_for(bootstrap: str | None, log_dir: Path | None = None):  # type: ign
         return
     with BundledBroker(log_path=(log_dir / "tansu.log") if log_dir else None) as broker:
         yield broker.bootstrap
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from nodeshare.config import Settings
 
-from .broker import die_with_parent
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Runs in a child between fork and exec: the kernel sends it SIGTERM when its parent dies,
+    even by SIGKILL, so no child of nodeshare is ever orphaned."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def start_worker(settings: Settings, datadir: Path, log_path: Path, loglevel: str = "info") -> subprocess.Popen[bytes]:

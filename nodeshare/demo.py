@@ -129,8 +129,8 @@ def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float 
                 if worker.poll() is not None:
                     raise DemoError(f"the stream worker exited with {worker.returncode}; see {out / 'worker.log'}")
                 for t in threads:
-                    if t.errors:  # type: ignore[attr-defined]
-                        raise DemoError(f"{t.name} failed: {t.errors[0]}")  # type: ignore[attr-defined]
+                    if t.errors:
+                        raise DemoError(f"{t.name} failed: {t.errors[0]}")
                 if time.monotonic() > deadline:
                     raise DemoError(
                         f"timed out after {timeout_s:.0f} s with {ledger_sink.rows_inserted}/{expected_charges} "

@@ -68,6 +68,10 @@ class ParquetArchive:
                 hw[key] = max(hw.get(key, -1), int(m.group(3)))
         return hw
 
+    def _glob(self) -> str:
+        """The files' glob as a SQL string literal body (quotes doubled)."""
+        return str(self.root / "topic=*" / "date=*" / "p*.parquet").replace("'", "''")
+
     def write(self, topic: str, rows: list[ArchivedEvent]) -> list[Path]:
         """Durably write rows of one catalog topic; one file per (date, partition)."""
         groups: dict[tuple[str, int], list[ArchivedEvent]] = defaultdict(list)
@@ -98,10 +102,9 @@ class ParquetArchive:
         if not wanted:
             return
         con = duckdb.connect()
-        glob = str(self.root / "topic=*" / "date=*" / "p*.parquet")
         rows = con.execute(
             f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
-                FROM read_parquet('{glob}', hive_partitioning = true)
+                FROM read_parquet('{self._glob()}', hive_partitioning = true)
                 WHERE topic IN ({", ".join("?" for _ in wanted)})
                 QUALIFY row_number() OVER (PARTITION BY topic, "partition", "offset") = 1
                 ORDER BY topic, "partition", "offset" """,
@@ -113,8 +116,7 @@ class ParquetArchive:
     def count(self) -> int:
         if not self.files():
             return 0
-        glob = str(self.root / "topic=*" / "date=*" / "p*.parquet")
-        row = duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{glob}')").fetchone()
+        row = duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{self._glob()}')").fetchone()
         return int(row[0]) if row else 0
 
 

@@ -99,18 +99,25 @@ def _next_offsets(batch: list[Message]) -> list[TopicPartition]:
     return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
 
 
-def run_in_thread(sink: BatchSink, stop: threading.Event, name: str) -> threading.Thread:
-    errors: list[BaseException] = []
+class SinkThread(threading.Thread):
+    """Runs a sink until ``stop`` is set; an exception is kept in ``errors`` for the caller."""
 
-    def target() -> None:
+    def __init__(self, sink: BatchSink, stop: threading.Event, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.sink = sink
+        self.stop_event = stop
+        self.errors: list[BaseException] = []
+
+    def run(self) -> None:
         try:
-            sink.run(stop)
-        except BaseException as exc:  # surfaced to the caller through .errors
-            errors.append(exc)
-            log.exception("sink %s failed", name)
+            self.sink.run(self.stop_event)
+        except BaseException as exc:
+            self.errors.append(exc)
+            log.exception("sink %s failed", self.name)
 
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.errors = errors  # type: ignore[attr-defined]
+
+def run_in_thread(sink: BatchSink, stop: threading.Event, name: str) -> SinkThread:
+    thread = SinkThread(sink, stop, name)
     thread.start()
     return thread
 

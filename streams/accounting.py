@@ -11,7 +11,7 @@ content depends only on the set of events, never on how the two input topics int
 * blocks from nodes the end event does not list are ignored, whenever they arrive.
 
 Redelivery (faust is at-least-once) is recognized by offset: an event at or below the
-highest offset already applied for its topic is skipped, so each event counts once.
+highest offset already applied for its topic partition is skipped, so each event counts once.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class JobAccount(_State):
     end: JobEvent | None = None
     revision: int = -1  # the last charge revision emitted; -1 before the first
     blocks_ignored: int = 0
-    applied: dict[str, int] = {}  # topic -> highest offset applied
+    applied: dict[str, int] = {}  # "topic:partition" -> highest offset applied
     ranges: dict[str, list[int]] = {}  # topic -> [partition, first offset, last offset] of used events
     latest_event_time: datetime | None = None  # event time of the newest event applied
 
@@ -117,9 +117,10 @@ class JobAccount(_State):
 
     def apply(self, record: Record, origin: Origin, policy: PricingPolicy) -> Step:
         """Fold one event into the account (mutates it) and say what it produced."""
-        if origin.offset <= self.applied.get(origin.topic, -1):
+        position = f"{origin.topic}:{origin.partition}"
+        if origin.offset <= self.applied.get(position, -1):
             return Step(redelivered=True)
-        self.applied[origin.topic] = origin.offset
+        self.applied[position] = origin.offset
         if self.latest_event_time is None or record.event_time > self.latest_event_time:
             self.latest_event_time = record.event_time
         if isinstance(record, ShutterBlock):

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from nodeshare.config import Settings
-from nodeshare.deploy.broker import BundledBroker, pid_alive, wait_for_metadata
+from nodeshare.deploy.broker import BundledBroker, wait_for_metadata
+from nodeshare.deploy.processes import pid_alive
 from nodeshare.deploy.topics import create_topics
 from nodeshare.schemas import TOPICS
 
