@@ -161,11 +161,12 @@ def topics_list() -> None:
 
     settings = _settings()
     table = Table(title="Topics")
-    for col in ("topic", "key", "value", "cleanup", "role", "what"):
+    for col in ("topic", "key", "value", "partitions", "cleanup", "role", "what"):
         table.add_column(col)
     for t in TOPICS:
         value = " | ".join(r.__name__ for r in t.record_types)
-        table.add_row(settings.topic(t.name), t.key_field, value, t.cleanup_policy, t.role.value, t.description)
+        table.add_row(settings.topic(t.name), t.key_field, value, str(t.partitions or settings.partitions),
+                      t.cleanup_policy, t.role.value, t.description)
     out.print(table)
 
 
