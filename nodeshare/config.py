@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from nodeshare.streams.accounting import PricingPolicy
 from nodeshare.streams.degradation import DEFAULT_DELTA
+from nodeshare.streams.pricing import POPPA_EQ4
 
 #: Kafka client settings whose values must never be printed or logged.
 SECRET_KAFKA_KEYS = frozenset({"sasl.password", "ssl.key.password", "ssl.keystore.password"})
@@ -34,12 +35,14 @@ class Settings(BaseSettings):
     session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000  # BROKER.md: ~3 s to join at 6 s
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
     delta: Annotated[float, Field(gt=0.0)] = DEFAULT_DELTA
+    rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = POPPA_EQ4  # streams.pricing.RATE_FUNCTIONS
 
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}{name}"
 
     def policy(self) -> PricingPolicy:
-        return PricingPolicy(rate_per_core_hour=self.rate_per_core_hour, delta=self.delta)
+        return PricingPolicy(rate_per_core_hour=self.rate_per_core_hour, delta=self.delta,
+                             rate_function=self.rate_function)
 
     def client_config(self, **extra: Any) -> dict[str, Any]:
         """librdkafka configuration for a confluent-kafka client."""

@@ -219,7 +219,7 @@ class JobAccount(_State):
         self.revision = 0
         res = self.degradation()
         run_time_s = (end.end_time - end.start_time).total_seconds()
-        amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, res.degradation)
+        amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, res.degradation, policy.rate_function)
         foreign = sum(s.blocks for n, s in self.nodes.items() if n not in end.nodes)
         return Charge(
             event_id=str(uuid.uuid5(NODESHARE_NAMESPACE, f"charge:{self.job_id}:{self.revision}")),

@@ -10,12 +10,16 @@ L is in service units per core-hour, times are in seconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 SECONDS_PER_HOUR = 3600.0
 
-#: The rate function of Eq. 3-4; the name is written into every charge.
-POPPA_EQ4 = "poppa_eq4"
+#: Rate functions by the name written into every charge (Seed 002 Section 4.2: "supercomputing
+#: facilities will have to decide what F makes sense for each of their systems").
+POPPA_EQ4 = "poppa_eq4"  # (1 - D) * P_solo: the discount of Eq. 4
+SOLO_BASELINE = "solo_baseline"  # P_solo: pay for the time the job would have taken alone
+STANDARD = "sop"  # L * C * T_co: today's price, no discount (co-location measured but not priced)
 
 
 def standard_price(rate_per_core_hour: float, cores: int, run_time_s: float) -> float:
@@ -42,13 +46,24 @@ class ChargeAmounts:
     dividend: float  # SOP - price, the co-location discount
 
 
+RATE_FUNCTIONS: dict[str, Callable[[float, int, float, float], float]] = {
+    POPPA_EQ4: poppa_price,
+    SOLO_BASELINE: lambda rate, cores, t_co, d: standard_price(rate, cores, solo_time(t_co, d)),
+    STANDARD: lambda rate, cores, t_co, d: standard_price(rate, cores, t_co),
+}
+
+
 def fair_charge(
-    rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float
+    rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float, rate_function: str = POPPA_EQ4
 ) -> ChargeAmounts:
-    """Every amount of a POPPA charge. Requires 0 <= D <= 1, so 0 <= price <= SOP."""
+    """Every amount of a charge. Requires 0 <= D <= 1, so 0 <= price <= SOP for every rate function."""
     if not 0.0 <= degradation <= 1.0:
         raise ValueError(f"degradation must be within [0, 1], got {degradation}")
+    try:
+        price_of = RATE_FUNCTIONS[rate_function]
+    except KeyError:
+        raise ValueError(f"unknown rate function {rate_function!r}; known: {sorted(RATE_FUNCTIONS)}") from None
     sop = standard_price(rate_per_core_hour, cores, run_time_s)
     t_solo = solo_time(run_time_s, degradation)
-    price = poppa_price(rate_per_core_hour, cores, run_time_s, degradation)
+    price = price_of(rate_per_core_hour, cores, run_time_s, degradation)
     return ChargeAmounts(sop, t_solo, standard_price(rate_per_core_hour, cores, t_solo), price, sop - price)

@@ -61,3 +61,12 @@ def test_topics_list_prints_the_catalog():
 def test_audit_of_a_missing_ledger_is_a_clear_error(tmp_path):
     result = runner.invoke(app, ["audit", "--archive", str(tmp_path), "--ledger", str(tmp_path / "none.duckdb")])
     assert result.exit_code == 2 and "no ledger" in result.output
+
+
+def test_configurable_rate_functions_are_exactly_the_implemented_ones():
+    from typing import get_args
+
+    from nodeshare.streams.pricing import RATE_FUNCTIONS
+
+    assert set(get_args(Settings.model_fields["rate_function"].annotation)) == set(RATE_FUNCTIONS)
+    assert Settings(rate_function="sop").policy().rate_function == "sop"

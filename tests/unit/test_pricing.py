@@ -58,3 +58,18 @@ def test_eq10_dilation_matches_the_papers_closed_form():
     closed = T * n * (3 * S + P) / (2 * n * S + n * P + S)
     assert dilated_run_time(T, n, S, P) == pytest.approx(closed, rel=1e-12)
     assert dilated_run_time(100.0, 2, 0.0032, 0.2) == pytest.approx(100 * 0.4192 / 0.416, rel=1e-12)
+
+
+def test_rate_functions_by_hand():
+    # L = 2, C = 16, T_co = 3 h, D = 0.25: SOP 96, P_solo 72, POPPA 54
+    from nodeshare.streams.pricing import POPPA_EQ4, SOLO_BASELINE, STANDARD
+
+    assert fair_charge(2.0, 16, 10_800, 0.25, POPPA_EQ4).price == 54.0
+    assert fair_charge(2.0, 16, 10_800, 0.25, SOLO_BASELINE).price == 72.0
+    sop = fair_charge(2.0, 16, 10_800, 0.25, STANDARD)
+    assert sop.price == sop.standard_price == 96.0 and sop.dividend == 0.0
+
+
+def test_unknown_rate_function_is_refused():
+    with pytest.raises(ValueError, match="unknown rate function"):
+        fair_charge(1.0, 1, 1.0, 0.1, "free_lunch")
