@@ -258,7 +258,8 @@ def audit(
     ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """Recompute every charge from the archive and compare with the ledger. Exit 1 on any mismatch."""
+    """Verify the ledger's hash chain and conservation, recompute every charge from the archive and
+    compare. Exit 1 on any failure."""
     from nodeshare.sinks.audit import audit as run_audit
 
     settings = _settings()
@@ -275,6 +276,11 @@ def audit(
                   f"{len(report.missing_in_ledger)} missing from the ledger")
         for m in report.mismatches[:20]:
             out.print(f"  {m.job_id}#{m.revision} {m.field}: ledger {m.ledger!r} != recomputed {m.recomputed!r}")
+        out.print("hash chain: " + ("intact" if report.chain_ok else f"[red]broken[/red]: {report.chain_error}"))
+        out.print("conservation (SOP = charged + dividend, 0 <= price <= SOP): "
+                  + ("holds" if report.conservation_ok else "[red]violated[/red]"))
+        for v in report.conservation_violations[:20]:
+            out.print(f"  {v}")
     if not report.ok:
         raise typer.Exit(1)
 

@@ -7,8 +7,10 @@ charges look wrong), or the configured policy for a job the ledger lacks.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +43,17 @@ class AuditReport:
     mismatches: list[Mismatch] = field(default_factory=list)
     missing_in_ledger: list[str] = field(default_factory=list)  # the archive yields a charge the ledger lacks
     events_read: int = 0
+    chain_ok: bool = True
+    chain_error: str | None = None
+    conservation_violations: list[str] = field(default_factory=list)
+
+    @property
+    def conservation_ok(self) -> bool:
+        return not self.conservation_violations
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches and not self.missing_in_ledger
+        return not self.mismatches and not self.missing_in_ledger and self.chain_ok and self.conservation_ok
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +62,10 @@ class AuditReport:
             "matches": self.matches,
             "mismatches": len(self.mismatches),
             "missing_in_ledger": len(self.missing_in_ledger),
+            "chain_ok": self.chain_ok,
+            "chain_error": self.chain_error,
+            "conservation_ok": self.conservation_ok,
+            "conservation_violations": self.conservation_violations[:50],
             "events_read": self.events_read,
             "mismatch_details": [m.__dict__ for m in self.mismatches[:50]],
             "missing_details": self.missing_in_ledger[:50],
@@ -87,10 +100,13 @@ def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, prefix:
     with Ledger(ledger_path, read_only=True) as ledger:
         ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
         drift = ledger.column_drift()
+        chain = ledger.verify_chain()
     messages = archived_messages(ParquetArchive(archive_root))
     policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}
     recomputed = recompute(messages, policies, default, prefix)
-    report = AuditReport(events_read=sum(len(m) for m in messages.values()))
+    report = AuditReport(events_read=sum(len(m) for m in messages.values()), chain_ok=chain.ok,
+                         chain_error=chain.error,
+                         conservation_violations=conservation_violations(list(ledger_rows.values())))
     # A SQL column edited behind the record's back is tampering too: analysts read the columns.
     report.mismatches += [Mismatch(j, r, f"column {c}", v, want) for j, r, c, v, want in drift]
     for key, row in sorted(ledger_rows.items()):
@@ -104,6 +120,32 @@ def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, prefix:
         report.matches += not diffs
     report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(recomputed) if (j, r) not in ledger_rows]
     return report
+
+
+def current_revisions(charges: list[Charge]) -> list[Charge]:
+    latest: dict[str, Charge] = {}
+    for c in charges:
+        if c.job_id not in latest or c.revision > latest[c.job_id].revision:
+            latest[c.job_id] = c
+    return [latest[j] for j in sorted(latest)]
+
+
+def conservation_violations(charges: list[Charge], rel_tol: float = 1e-9) -> list[str]:
+    """For every day (of job end, UTC): total standard price = total charged + total dividend;
+    and every job's charge lies within [0, its standard price]. Only current revisions count."""
+    out: list[str] = []
+    by_day: dict[str, list[Charge]] = defaultdict(list)
+    for c in current_revisions(charges):
+        by_day[c.end_time.astimezone(UTC).date().isoformat()].append(c)
+        if not 0.0 <= c.price <= c.standard_price * (1 + rel_tol):
+            out.append(f"{c.job_id}#{c.revision}: price {c.price} outside [0, standard price {c.standard_price}]")
+    for day, rows in sorted(by_day.items()):
+        sop = math.fsum(c.standard_price for c in rows)
+        charged = math.fsum(c.price for c in rows)
+        dividend = math.fsum(c.dividend for c in rows)
+        if not math.isclose(sop, charged + dividend, rel_tol=rel_tol, abs_tol=1e-12):
+            out.append(f"{day}: standard price {sop} != charged {charged} + dividend {dividend}")
+    return out
 
 
 def diff_charges(ledger: Charge, recomputed: Charge) -> list[Mismatch]:

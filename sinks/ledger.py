@@ -1,8 +1,15 @@
-"""The ledger: charges in a DuckDB file, one row per (job id, revision), never updated in place."""
+"""The ledger: charges in a DuckDB file, one row per (job id, revision), never updated in place.
+
+Rows are chained: ``row_hash = sha256(prev_hash || record)`` in insertion order (``seq``), so
+editing, deleting or reordering any row breaks the chain. The chain assumes one writer per
+ledger file (one ledger sink), which is how the sink is deployed.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +55,58 @@ _COLUMNS: dict[str, str] = {
     "dividend": "DOUBLE NOT NULL",
     "code_version": "VARCHAR NOT NULL",
 }
+_CHAIN_COLUMNS = ("record", "kafka_partition", "kafka_offset", "seq", "prev_hash", "row_hash")
 _DDL = (
     "CREATE TABLE IF NOT EXISTS charges ("
     + ", ".join(f'"{c}" {t}' for c, t in _COLUMNS.items())
     + ", record JSON NOT NULL, kafka_partition INTEGER, kafka_offset BIGINT,"
+    " seq BIGINT NOT NULL UNIQUE, prev_hash VARCHAR NOT NULL, row_hash VARCHAR NOT NULL,"
     " PRIMARY KEY (job_id, revision))"
 )
 _INSERT = (
-    "INSERT OR IGNORE INTO charges ("
-    + ", ".join(f'"{c}"' for c in _COLUMNS)
-    + ", record, kafka_partition, kafka_offset) VALUES ("
-    + ", ".join("?" for _ in range(len(_COLUMNS) + 3)) + ")"
+    "INSERT INTO charges ("
+    + ", ".join(f'"{c}"' for c in (*_COLUMNS, *_CHAIN_COLUMNS))
+    + ") VALUES (" + ", ".join("?" for _ in range(len(_COLUMNS) + len(_CHAIN_COLUMNS))) + ")"
 )
+GENESIS = "0" * 64
+
+#: Views for analysts (documented in the README). Only current revisions are counted.
+VIEWS: dict[str, str] = {
+    "charges_current": """CREATE OR REPLACE VIEW charges_current AS
+        SELECT * EXCLUDE (rn) FROM (
+            SELECT *, row_number() OVER (PARTITION BY job_id ORDER BY revision DESC) AS rn FROM charges)
+        WHERE rn = 1""",
+    "usage_daily": """CREATE OR REPLACE VIEW usage_daily AS
+        SELECT CAST(timezone('UTC', end_time) AS DATE) AS day, "user", account, program,
+               count(*) AS jobs, sum(cores * run_time_s) / 3600 AS core_hours,
+               sum(standard_price) AS standard_price, sum(price) AS charged, sum(dividend) AS dividend,
+               sum(dividend) / nullif(sum(standard_price), 0) AS discount
+        FROM charges_current GROUP BY ALL""",
+    "usage_monthly": """CREATE OR REPLACE VIEW usage_monthly AS
+        SELECT date_trunc('month', day) AS month, "user", account, program, sum(jobs) AS jobs,
+               sum(core_hours) AS core_hours, sum(standard_price) AS standard_price, sum(charged) AS charged,
+               sum(dividend) AS dividend, sum(dividend) / nullif(sum(standard_price), 0) AS discount
+        FROM usage_daily GROUP BY ALL""",
+    "dividend_by_node": """CREATE OR REPLACE VIEW dividend_by_node AS
+        SELECT node.node AS node, count(*) AS jobs,
+               sum(c.dividend / len(c.nodes)) AS dividend,  -- a job's dividend split evenly over its nodes
+               sum(c.standard_price / len(c.nodes)) AS standard_price
+        FROM (SELECT dividend, standard_price,
+                     from_json(record->'nodes', '[{"node": "VARCHAR"}]') AS nodes FROM charges_current) c,
+             unnest(c.nodes) AS t(node)
+        GROUP BY ALL""",
+}
+
+
+def chain_hash(prev_hash: str, record: str) -> str:
+    return hashlib.sha256(f"{prev_hash}\n{record}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ChainCheck:
+    ok: bool
+    rows: int
+    error: str | None = None  # the first break, if any
 
 
 class Ledger:
@@ -73,30 +120,61 @@ class Ledger:
         self.con = duckdb.connect(str(self.path), read_only=read_only)
         if not read_only:
             self.con.execute(_DDL)
+            for ddl in VIEWS.values():
+                self.con.execute(ddl)
 
     def append(self, rows: list[tuple[Charge, bytes, int | None, int | None]]) -> int:
-        """Insert charges (with their raw bytes and origin); returns how many were new."""
-        before = self.count()
-        params: list[list[Any]] = []
-        for charge, raw, partition, offset in rows:
-            data = charge.model_dump()
-            params.append([_sql_value(data[c]) for c in _COLUMNS] + [raw.decode(), partition, offset])
+        """Append charges (with their raw bytes and origin) to the chain; a (job id, revision)
+        already in the ledger is skipped, so redelivery never makes a second row. Returns how
+        many rows were new."""
         self.con.execute("BEGIN TRANSACTION")
         try:
-            self.con.executemany(_INSERT, params)
+            last = self.con.execute("SELECT seq, row_hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
+            seq, prev = (int(last[0]) + 1, str(last[1])) if last else (0, GENESIS)
+            jobs = sorted({c.job_id for c, *_ in rows})
+            present = set(self.con.execute(
+                "SELECT job_id, revision FROM charges WHERE job_id IN (SELECT unnest(?))", [jobs]).fetchall())
+            params: list[list[Any]] = []
+            for charge, raw, partition, offset in rows:
+                if (charge.job_id, charge.revision) in present:
+                    continue
+                present.add((charge.job_id, charge.revision))
+                record = raw.decode()
+                row_hash = chain_hash(prev, record)
+                data = charge.model_dump()
+                params.append([_sql_value(data[c]) for c in _COLUMNS]
+                              + [record, partition, offset, seq, prev, row_hash])
+                seq, prev = seq + 1, row_hash
+            if params:
+                self.con.executemany(_INSERT, params)
             self.con.execute("COMMIT")
         except BaseException:
             self.con.execute("ROLLBACK")
             raise
-        return self.count() - before
+        return len(params)
+
+    def verify_chain(self) -> ChainCheck:
+        """Walk the rows in order and recompute every hash."""
+        prev, n = GENESIS, 0
+        for seq, record, prev_hash, row_hash, job, rev in self.con.execute(
+                "SELECT seq, record, prev_hash, row_hash, job_id, revision FROM charges ORDER BY seq").fetchall():
+            where = f"row seq={seq} ({job}#{rev})"
+            if seq != n:
+                return ChainCheck(False, n, f"{where}: expected seq {n} (a row was removed or reordered)")
+            if prev_hash != prev:
+                return ChainCheck(False, n, f"{where}: prev_hash does not match the row before it")
+            if chain_hash(prev, record) != row_hash:
+                return ChainCheck(False, n, f"{where}: record does not match its hash (edited)")
+            prev, n = row_hash, n + 1
+        return ChainCheck(True, n)
 
     def count(self) -> int:
         row = self.con.execute("SELECT count(*) FROM charges").fetchone()
         return int(row[0]) if row else 0
 
     def charges(self) -> list[Charge]:
-        """Every row, as the charge records that were published, ordered by job and revision."""
-        rows = self.con.execute("SELECT record FROM charges ORDER BY job_id, revision").fetchall()
+        """Every row, as the charge records that were published, in ledger order."""
+        rows = self.con.execute("SELECT record FROM charges ORDER BY seq").fetchall()
         return [Charge.model_validate_json(r[0]) for r in rows]
 
     def column_drift(self) -> list[tuple[str, int, str, Any, Any]]:

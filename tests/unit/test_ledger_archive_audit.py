@@ -135,3 +135,57 @@ def test_overlapping_files_are_read_once(tmp_path):
 def test_missing_ledger_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no ledger"):
         Ledger(tmp_path / "absent.duckdb", read_only=True)
+
+
+def _exec(ledger: Path, sql: str, params: list | None = None) -> None:
+    con = duckdb.connect(str(ledger))
+    con.execute(sql, params or [])
+    con.close()
+
+
+def test_the_chain_holds_for_an_untouched_ledger(tmp_path):
+    archive, ledger, n = build(tmp_path)
+    with Ledger(ledger, read_only=True) as led:
+        check = led.verify_chain()
+    assert check.ok and check.rows == n
+    report = audit(archive, ledger, POLICY)
+    assert report.chain_ok and report.conservation_ok and report.as_dict()["chain_ok"] is True
+
+
+@pytest.mark.parametrize(("tamper", "expect"), [
+    ("UPDATE charges SET record = json_merge_patch(record, '{\"user\": \"mallory\"}') WHERE seq = 3", "edited"),
+    ("DELETE FROM charges WHERE seq = 2", "removed or reordered"),
+    ("UPDATE charges SET seq = 100 WHERE seq = 1; UPDATE charges SET seq = 1 WHERE seq = 4;"
+     " UPDATE charges SET seq = 4 WHERE seq = 100", "prev_hash"),
+])
+def test_editing_deleting_or_reordering_a_row_breaks_the_chain(tmp_path, tamper, expect):
+    archive, ledger, _ = build(tmp_path)
+    _exec(ledger, tamper)
+    report = audit(archive, ledger, POLICY)
+    assert not report.chain_ok and expect in report.chain_error and not report.ok
+
+
+def test_conservation_is_checked_per_day_and_per_job(tmp_path):
+    archive, ledger, _ = build(tmp_path)
+    assert audit(archive, ledger, POLICY).conservation_ok
+    # A charge above its standard price, kept self-consistent (record and column), still breaks conservation.
+    _exec(ledger, "UPDATE charges SET record = json_merge_patch(record, '{\"price\": 99.0}'), price = 99.0 "
+                  "WHERE seq = 0")
+    report = audit(archive, ledger, POLICY)
+    assert not report.conservation_ok
+    assert any("outside [0, standard price" in v for v in report.conservation_violations)
+    assert any("!= charged" in v for v in report.conservation_violations)
+
+
+def test_analyst_views_add_up_to_the_ledger(tmp_path):
+    _, ledger, n = build(tmp_path)
+    con = duckdb.connect(str(ledger), read_only=True)
+    total_sop, total_price, total_div = con.execute(
+        "SELECT sum(standard_price), sum(price), sum(dividend) FROM charges").fetchone()
+    daily = con.execute("SELECT sum(jobs), sum(standard_price), sum(charged), sum(dividend) FROM usage_daily").fetchone()
+    assert daily[0] == n and daily[1:] == pytest.approx((total_sop, total_price, total_div))
+    monthly = con.execute("SELECT sum(jobs), sum(dividend) FROM usage_monthly").fetchone()
+    assert monthly == (n, pytest.approx(total_div))
+    by_node = con.execute("SELECT sum(dividend), count(DISTINCT node) FROM dividend_by_node").fetchone()
+    assert by_node[0] == pytest.approx(total_div) and by_node[1] == 4
+    assert con.execute("SELECT count(*) FROM charges_current").fetchone()[0] == n
