@@ -182,7 +182,8 @@ def test_analyst_views_add_up_to_the_ledger(tmp_path):
     con = duckdb.connect(str(ledger), read_only=True)
     total_sop, total_price, total_div = con.execute(
         "SELECT sum(standard_price), sum(price), sum(dividend) FROM charges").fetchone()
-    daily = con.execute("SELECT sum(jobs), sum(standard_price), sum(charged), sum(dividend) FROM usage_daily").fetchone()
+    daily = con.execute(
+        "SELECT sum(jobs), sum(standard_price), sum(charged), sum(dividend) FROM usage_daily").fetchone()
     assert daily[0] == n and daily[1:] == pytest.approx((total_sop, total_price, total_div))
     monthly = con.execute("SELECT sum(jobs), sum(dividend) FROM usage_monthly").fetchone()
     assert monthly == (n, pytest.approx(total_div))
