@@ -404,6 +404,7 @@ class Charge(Record):
     kind: Literal["charge"] = "charge"
     job_id: JobId
     revision: NonNegInt
+    revision_reason: str = ""  # why this revision supersedes the previous one; empty for revision 0
     final_state: JobState
     user: Name
     account: Name

@@ -64,7 +64,7 @@ class Origin:
 class Step:
     """What applying one event produced."""
 
-    charge: Charge | None = None
+    charges: tuple[Charge, ...] = ()
     estimate: DegradationEstimate | None = None
     rejected: str | None = None  # a reason: the event goes to the dead-letter topic
     redelivered: bool = False  # already applied: skipped silently
@@ -75,15 +75,18 @@ class _State(BaseModel):
 
 
 class NodeStream(_State):
-    """One (job, node) block stream."""
+    """One (job, node) block stream, from its first block to its JobLeftNode marker."""
 
     blocks: int = 0
     first_cycle: int = -1
     last_cycle: int = -1
+    ignored: int = 0  # duplicate or out-of-order blocks (they precede the close, so the set is fixed)
+    first_offset: int = -1  # node.ipc offsets of the stream's first event and of its close
+    close_offset: int = -1
     closed: bool = False
     blocks_sent: int = 0
-    # Exact partial sums of Alg. 4 (see degradation.ExactSum); kept per node so that blocks
-    # of nodes outside the job's final node list can be left out at charge time.
+    # Exact partial sums of Alg. 4 (see degradation.ExactSum); kept per node because only the
+    # nodes named by the terminal event count.
     solo_filtered: list[float] = []
     co_filtered: list[float] = []
     solo_all: list[float] = []
@@ -103,15 +106,30 @@ class NodeStream(_State):
         self.accepted, self.rejected = s.accepted, s.rejected
 
 
+class TerminalEvent(_State):
+    event: JobEvent
+    topic: str
+    partition: int
+    offset: int
+    reason: str  # why this terminal event supersedes the previous one; empty for the first
+
+
 class JobAccount(_State):
+    """Revision r of a job's charge is priced from the r-th distinct terminal event and the block
+    streams of the nodes it names, each up to its JobLeftNode. Both are fixed sets whatever the
+    order the two topics are read in, so every revision is too."""
+
     job_id: str
     nodes: dict[str, NodeStream] = {}
-    end: JobEvent | None = None
+    ends: list[TerminalEvent] = []
     revision: int = -1  # the last charge revision emitted; -1 before the first
-    blocks_ignored: int = 0
     applied: dict[str, int] = {}  # "topic:partition" -> highest offset applied
-    ranges: dict[str, list[int]] = {}  # topic -> [partition, first offset, last offset] of used events
+    ipc_partition: tuple[str, int] | None = None  # where this job's node.ipc events are read from
     latest_event_time: datetime | None = None  # event time of the newest event applied
+
+    @property
+    def end(self) -> JobEvent | None:
+        return self.ends[-1].event if self.ends else None
 
     # ------------------------------------------------------------------ the reducer
 
@@ -123,6 +141,8 @@ class JobAccount(_State):
         self.applied[position] = origin.offset
         if self.latest_event_time is None or record.event_time > self.latest_event_time:
             self.latest_event_time = record.event_time
+        if isinstance(record, ShutterBlock | JobLeftNode):
+            self.ipc_partition = (origin.topic, origin.partition)
         if isinstance(record, ShutterBlock):
             return self._apply_block(record, origin, policy)
         if isinstance(record, JobLeftNode):
@@ -132,15 +152,11 @@ class JobAccount(_State):
         return Step(rejected=f"{type(record).__name__} is not a job accounting event")
 
     def _apply_block(self, block: ShutterBlock, origin: Origin, policy: PricingPolicy) -> Step:
-        if self.revision >= 0:
-            self.blocks_ignored += 1
-            return Step(rejected="shutter block after the job's charge was final")
         ns = self.nodes.setdefault(block.node, NodeStream())
         if ns.closed:
-            self.blocks_ignored += 1
             return Step(rejected="shutter block after the job left the node")
         if block.cycle <= ns.last_cycle:
-            self.blocks_ignored += 1
+            ns.ignored += 1
             return Step(rejected=f"cycle {block.cycle} out of order (last was {ns.last_cycle})")
         sums = ns.sums()
         sums.add(block, policy.delta)
@@ -149,54 +165,51 @@ class JobAccount(_State):
         ns.last_cycle = block.cycle
         if ns.first_cycle < 0:
             ns.first_cycle = block.cycle
-        self._used(origin)
+        if ns.first_offset < 0:
+            ns.first_offset = origin.offset
         return Step()
 
     def _apply_left(self, left: JobLeftNode, origin: Origin, policy: PricingPolicy) -> Step:
         ns = self.nodes.setdefault(left.node, NodeStream())
         if ns.closed:
             return Step(rejected="job already left this node")
-        if self.revision >= 0:
-            return Step(rejected="job left a node after its charge was final")
         ns.closed = True
         ns.blocks_sent = left.blocks_sent
-        self._used(origin)
-        charge = self._maybe_charge(policy)
-        return Step(charge=charge, estimate=self._estimate(policy, final=charge is not None))
+        ns.close_offset = origin.offset
+        if ns.first_offset < 0:
+            ns.first_offset = origin.offset
+        charges = self._ready_charges(policy)
+        return Step(charges=charges, estimate=self._estimate(policy, final=bool(charges)))
 
     def _apply_lifecycle(self, event: JobEvent, origin: Origin, policy: PricingPolicy) -> Step:
         if not event.ran:  # submitted, started, or cancelled before it started: nothing to charge
             return Step()
-        if self.end is not None:
-            return Step(rejected=f"job already {self.end.state.value}; second terminal event ignored")
-        self.end = event
-        self._used(origin)
-        charge = self._maybe_charge(policy)
-        return Step(charge=charge, estimate=self._estimate(policy, final=True) if charge else None)
+        reason = ""
+        if self.ends:
+            changed = _billing_changes(self.ends[-1].event, event)
+            if not changed:
+                return Step(rejected=f"job already {self.ends[-1].event.state.value}; duplicate terminal event")
+            # The resource manager corrected the job's record: a new revision supersedes the last.
+            reason = f"lifecycle correction ({', '.join(changed)}) at {origin.topic}:{origin.partition}:{origin.offset}"
+        self.ends.append(TerminalEvent(event=event, topic=origin.topic, partition=origin.partition,
+                                       offset=origin.offset, reason=reason))
+        charges = self._ready_charges(policy)
+        return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
 
     # ------------------------------------------------------------------ derived values
 
-    def _used(self, origin: Origin) -> None:
-        r = self.ranges.get(origin.topic)
-        if r is None:
-            self.ranges[origin.topic] = [origin.partition, origin.offset, origin.offset]
-        else:
-            r[1], r[2] = min(r[1], origin.offset), max(r[2], origin.offset)
-
-    def _charged_nodes(self) -> list[str]:
-        return sorted(self.end.nodes) if self.end else sorted(self.nodes)
-
-    def degradation(self) -> DegradationResult:
+    def degradation(self, nodes: tuple[str, ...] | None = None) -> DegradationResult:
         total = DegradationSums()
-        for node in self._charged_nodes():
+        for node in sorted(nodes if nodes is not None else self.nodes):
             if node in self.nodes:
                 total.merge(self.nodes[node].sums())
         return estimate(total)
 
     def _estimate(self, policy: PricingPolicy, final: bool) -> DegradationEstimate:
-        res = self.degradation()
+        end = self.end
+        res = self.degradation(end.nodes if end else None)
         assert self.latest_event_time is not None  # set by apply() before any estimate
-        when = self.end.end_time if final and self.end and self.end.end_time else self.latest_event_time
+        when = end.end_time if final and end and end.end_time else self.latest_event_time
         return DegradationEstimate(
             event_id=str(uuid.uuid5(NODESHARE_NAMESPACE, f"estimate:{self.job_id}:{self._evidence_key()}")),
             source=SOURCE,
@@ -207,45 +220,53 @@ class JobAccount(_State):
         )
 
     def _evidence_key(self) -> str:
-        return ",".join(f"{n}:{s.blocks}:{int(s.closed)}" for n, s in sorted(self.nodes.items()))
+        streams = ",".join(f"{n}:{s.blocks}:{int(s.closed)}" for n, s in sorted(self.nodes.items()))
+        return f"{streams}/{len(self.ends)}"
 
-    def _maybe_charge(self, policy: PricingPolicy) -> Charge | None:
-        end = self.end
-        if end is None or self.revision >= 0:
-            return None
-        if not all(n in self.nodes and self.nodes[n].closed for n in end.nodes):
-            return None
+    def _ready_charges(self, policy: PricingPolicy) -> tuple[Charge, ...]:
+        """Every revision whose terminal event has arrived and whose nodes have all closed, in order."""
+        out = []
+        while self.revision + 1 < len(self.ends):
+            terminal = self.ends[self.revision + 1]
+            if not all(n in self.nodes and self.nodes[n].closed for n in terminal.event.nodes):
+                break
+            self.revision += 1
+            out.append(self._charge(terminal, policy))
+        return tuple(out)
+
+    def _charge(self, terminal: TerminalEvent, policy: PricingPolicy) -> Charge:
+        end = terminal.event
         assert end.start_time is not None and end.end_time is not None  # guaranteed by JobEvent.ran
-        self.revision = 0
-        res = self.degradation()
+        streams = [(n, self.nodes[n]) for n in sorted(end.nodes)]
+        res = self.degradation(end.nodes)
         run_time_s = (end.end_time - end.start_time).total_seconds()
         amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, res.degradation, policy.rate_function)
-        foreign = sum(s.blocks for n, s in self.nodes.items() if n not in end.nodes)
+        ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
+                              first_offset=terminal.offset, last_offset=terminal.offset)]
+        if self.ipc_partition is not None and streams:
+            topic, partition = self.ipc_partition
+            ranges.append(OffsetRange(topic=topic, partition=partition,
+                                      first_offset=min(s.first_offset for _, s in streams),
+                                      last_offset=max(s.close_offset for _, s in streams)))
         return Charge(
             event_id=str(uuid.uuid5(NODESHARE_NAMESPACE, f"charge:{self.job_id}:{self.revision}")),
             source=SOURCE,
             event_time=end.end_time,
-            job_id=self.job_id, revision=self.revision, final_state=end.state,
+            job_id=self.job_id, revision=self.revision, revision_reason=terminal.reason, final_state=end.state,
             user=end.user, account=end.account, program=end.program, cores=end.cores,
             start_time=end.start_time, end_time=end.end_time,
             run_time_s=run_time_s, solo_time_s=amounts.solo_time_s,
             degradation=res.degradation, estimate_status=res.status,
             degradation_filtered=res.filtered, degradation_unfiltered=res.unfiltered,
             blocks_used=res.blocks_used, blocks_rejected=res.blocks_rejected,
-            blocks_ignored=self.blocks_ignored + foreign,
-            nodes=tuple(
-                NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
-                           blocks_sent=s.blocks_sent)
-                for n in sorted(end.nodes) for s in [self.nodes[n]]
-            ),
+            blocks_ignored=sum(s.ignored for _, s in streams),
+            nodes=tuple(NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
+                                   blocks_sent=s.blocks_sent) for n, s in streams),
             rate_function=policy.rate_function, rate_per_core_hour=policy.rate_per_core_hour,
             delta=policy.delta,
             standard_price=amounts.standard_price, solo_price=amounts.solo_price,
             price=amounts.price, dividend=amounts.dividend,
-            event_range=tuple(
-                OffsetRange(topic=t, partition=p, first_offset=a, last_offset=b)
-                for t, (p, a, b) in sorted(self.ranges.items())
-            ),
+            event_range=tuple(sorted(ranges, key=lambda r: r.topic)),
             code_version=__version__,
         )
 
@@ -261,9 +282,19 @@ class JobAccount(_State):
 
 @dataclass(frozen=True)
 class Outgoing:
-    topic: str  # catalog name, without prefix
+    """A message to publish: catalog topic (without prefix), key, value."""
+
+    topic: str
     key: bytes
     value: bytes
+
+
+#: The fields of a terminal event that a charge depends on.
+_BILLED_FIELDS = ("state", "user", "account", "program", "cores", "nodes", "start_time", "end_time")
+
+
+def _billing_changes(old: JobEvent, new: JobEvent) -> list[str]:
+    return [f for f in _BILLED_FIELDS if getattr(old, f) != getattr(new, f)]
 
 
 def process_message(
@@ -296,8 +327,7 @@ def process_message(
         out += reject(step.rejected)
     if step.estimate is not None:
         out.append(Outgoing(ESTIMATES_DEGRADATION.name, job_id.encode(), encode(step.estimate)))
-    if step.charge is not None:
-        out.append(Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(step.charge)))
+    out += [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges]
     return account.dumps(), out
 
 
