@@ -253,6 +253,34 @@ def simulate(
 
 
 @app.command()
+def replay(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    bootstrap: Bootstrap = None,
+    topic_prefix: Annotated[str | None, typer.Option(help="prefix of the fresh target topics")] = None,
+) -> None:
+    """Re-publish the archive into a broker (original partition, order, key, bytes and timestamp),
+    creating the target topics first. Run a worker and sinks on them to rebuild every state."""
+    from nodeshare.deploy.topics import create_topics
+    from nodeshare.producers.replay import ReplayError
+    from nodeshare.producers.replay import replay as run_replay
+
+    settings = _settings(bootstrap=bootstrap, topic_prefix=topic_prefix)
+    _require_bootstrap(settings)
+    create_topics(settings)
+    with _progress() as bar:
+        task = bar.add_task("replaying", total=None)
+        try:
+            result = run_replay(archive, settings, progress=lambda done, total: bar.update(
+                task, completed=done, total=total))
+        except ReplayError as exc:
+            err.print(f"[red]replay failed[/red]: {exc}")
+            raise typer.Exit(2) from None
+    for topic, n in sorted(result.per_topic.items()):
+        out.print(f"{n:>10} {settings.topic(topic)}")
+    out.print(f"replayed {result.events} events")
+
+
+@app.command()
 def audit(
     archive: Annotated[Path, typer.Option(help="archive root directory")],
     ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
@@ -264,7 +292,7 @@ def audit(
 
     settings = _settings()
     try:
-        report = run_audit(archive, ledger, settings.policy(), settings.topic_prefix)
+        report = run_audit(archive, ledger, settings.policy())
     except FileNotFoundError as exc:
         err.print(f"[red]audit failed[/red]: {exc}")
         raise typer.Exit(2) from None

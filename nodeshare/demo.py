@@ -5,7 +5,8 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,69 @@ def write_truth(truth: list[JobTruth], path: Path) -> None:
     pq.write_table(table, path)
 
 
+class Pipeline:
+    """A stream worker and both sinks running against one broker (see ``running_pipeline``)."""
+
+    def __init__(self, settings: Settings, out: Path) -> None:
+        self.settings = settings
+        self.out = out
+        self.ledger_path, self.archive_path = out / "ledger.duckdb", out / "archive"
+        self.worker = start_worker(settings, out / "worker", out / "worker.log")
+        self.stop = threading.Event()
+        self.dead_letters = EventProducer(settings, client_id="nodeshare-ledger-dlq")
+        self.ledger_sink = LedgerSink(settings, self.ledger_path, dead_letters=self.dead_letters)
+        self.archive_sink = ArchiveSink(settings, self.archive_path)
+        self.threads = [run_in_thread(self.ledger_sink, self.stop, "ledger-sink"),
+                        run_in_thread(self.archive_sink, self.stop, "archive-sink")]
+
+    def wait(self, charges: int, archived: int, timeout_s: float, report: Progress) -> None:
+        """Until the ledger holds ``charges`` rows and the archive ``archived`` events, or fail."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report("waiting for charges", self.ledger_sink.rows_inserted, charges)
+            if self.ledger_sink.rows_inserted >= charges and self.archive_sink.messages_written >= archived:
+                return
+            if self.worker.poll() is not None:
+                log = self.out / "worker.log"
+                raise DemoError(f"the stream worker exited with {self.worker.returncode}; see {log}")
+            for t in self.threads:
+                if t.errors:
+                    raise DemoError(f"{t.name} failed: {t.errors[0]}")
+            if time.monotonic() > deadline:
+                raise DemoError(
+                    f"timed out after {timeout_s:.0f} s with {self.ledger_sink.rows_inserted}/{charges} charges and "
+                    f"{self.archive_sink.messages_written}/{archived} events archived; see {self.out / 'worker.log'}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+        stop_process(self.worker)
+        self.dead_letters.close()
+
+
+@contextmanager
+def running_pipeline(settings: Settings, out: Path) -> Iterator[Pipeline]:
+    """Create the topics, start a stream worker and both sinks writing under ``out``; stop them on exit."""
+    create_topics(settings)
+    pipeline = Pipeline(settings, out)
+    try:
+        yield pipeline
+    finally:
+        pipeline.close()
+
+
+def clean_outputs(out: Path) -> None:
+    """Remove what an earlier run left in ``out`` (the demo owns that directory)."""
+    for stale in (out / "ledger.duckdb", out / "ledger.duckdb.wal", out / "archive", out / "worker"):
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        elif stale.exists():
+            stale.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
 def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float = 180.0,
              progress: Progress | None = None,
              extra_inputs: Sequence[tuple[str, bytes | None, bytes | None]] = ()) -> DemoResult:
@@ -85,16 +149,11 @@ def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float 
     report = progress or (lambda stage, done, total: None)
     t0 = time.monotonic()
     out = out.resolve()
-    ledger_path, archive_path, truth_path = out / "ledger.duckdb", out / "archive", out / "truth.parquet"
-    for stale in (ledger_path, out / "ledger.duckdb.wal", archive_path, out / "worker"):
-        if stale.is_dir():
-            shutil.rmtree(stale)
-        elif stale.exists():
-            stale.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    clean_outputs(out)
     external = settings.bootstrap is not None
     report("simulating the cluster", 0, 1)
     sim = simulate(cfg)
+    truth_path = out / "truth.parquet"
     write_truth(sim.truth, truth_path)
     report("simulating the cluster", 1, 1)
 
@@ -106,54 +165,24 @@ def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float 
             "topic_prefix": f"{settings.topic_prefix}{run_id}." if external else settings.topic_prefix,
             "app_id": f"{settings.app_id}-{run_id}" if external else settings.app_id,
         })
-        create_topics(s)
-        worker = start_worker(s, out / "worker", out / "worker.log")
-        stop = threading.Event()
-        dlq_producer = EventProducer(s, client_id="nodeshare-ledger-dlq")
-        ledger_sink = LedgerSink(s, ledger_path, dead_letters=dlq_producer)
-        archive_sink = ArchiveSink(s, archive_path)
-        threads = [run_in_thread(ledger_sink, stop, "ledger-sink"), run_in_thread(archive_sink, stop, "archive-sink")]
-        try:
+        with running_pipeline(s, out) as pipeline:
             if extra_inputs:
                 with EventProducer(s, client_id="nodeshare-demo-extra") as producer:
                     for topic, key, value in extra_inputs:
                         producer.send_raw(s.topic(topic), key, value)
             publish(s, sim, report)
-            expected_archive = len(sim.events) + len(extra_inputs)
-            expected_charges = len(sim.truth)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                report("waiting for charges", ledger_sink.rows_inserted, expected_charges)
-                if ledger_sink.rows_inserted >= expected_charges and archive_sink.messages_written >= expected_archive:
-                    break
-                if worker.poll() is not None:
-                    raise DemoError(f"the stream worker exited with {worker.returncode}; see {out / 'worker.log'}")
-                for t in threads:
-                    if t.errors:
-                        raise DemoError(f"{t.name} failed: {t.errors[0]}")
-                if time.monotonic() > deadline:
-                    raise DemoError(
-                        f"timed out after {timeout_s:.0f} s with {ledger_sink.rows_inserted}/{expected_charges} "
-                        f"charges and {archive_sink.messages_written}/{expected_archive} events archived; "
-                        f"see {out / 'worker.log'}")
-                time.sleep(0.2)
-            report("waiting for charges", ledger_sink.rows_inserted, expected_charges)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(30)
-            stop_process(worker)
-            dlq_producer.flush()
+            pipeline.wait(len(sim.truth), len(sim.events) + len(extra_inputs), timeout_s, report)
+            report("waiting for charges", pipeline.ledger_sink.rows_inserted, len(sim.truth))
     report("auditing", 0, 1)
-    result = audit(archive_path, ledger_path, s.policy(), s.topic_prefix)
+    result = audit(pipeline.archive_path, pipeline.ledger_path, s.policy())
     report("auditing", 1, 1)
-    with Ledger(ledger_path, read_only=True) as ledger:
+    with Ledger(pipeline.ledger_path, read_only=True) as ledger:
         charges = ledger.charges()
     return DemoResult(
         settings=s, bootstrap=bootstrap, broker="configured" if external else "bundled tansu",
-        events_published=len(sim.events), events_archived=archive_sink.messages_written,
-        jobs_ended=len(sim.truth), charges=charges, audit=result, ledger=ledger_path, archive=archive_path,
-        truth=truth_path, elapsed_s=time.monotonic() - t0,
+        events_published=len(sim.events), events_archived=pipeline.archive_sink.messages_written,
+        jobs_ended=len(sim.truth), charges=charges, audit=result, ledger=pipeline.ledger_path,
+        archive=pipeline.archive_path, truth=truth_path, elapsed_s=time.monotonic() - t0,
     )
 
 

@@ -41,11 +41,17 @@ class EventProducer:
         spec = TOPIC_OF_RECORD[type(record)]
         self.send_raw(self._settings.topic(spec.name), key_of(record), encode(record))
 
-    def send_raw(self, topic: str, key: bytes | None, value: bytes | None) -> None:
-        """Publish bytes as they are (used by replay and by tests that inject bad input)."""
+    def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
+                 timestamp_ms: int | None = None) -> None:
+        """Publish bytes as they are (replay, and tests that inject bad input); replay also keeps
+        the original partition and timestamp."""
         while True:
             try:
-                self._producer.produce(topic, value=value, key=key, on_delivery=self._on_delivery)
+                self._producer.produce(
+                    topic, value=value, key=key, on_delivery=self._on_delivery,
+                    partition=-1 if partition is None else partition,  # -1: let the partitioner choose
+                    timestamp=timestamp_ms or 0,  # 0: now
+                )
                 break
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self._producer.poll(0.1)
@@ -65,12 +71,22 @@ class EventProducer:
         if self.failed:
             raise DeliveryError(f"{len(self.failed)} records failed, first: {self.failed[0]}")
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush, then release the client (its threads and connections) now rather than at GC."""
+        try:
+            self.flush(timeout)
+        finally:
+            if hasattr(self._producer, "close"):  # confluent-kafka >= 2.13
+                self._producer.close()
+            del self._producer
+
     def __enter__(self) -> EventProducer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if exc_type is None:
-            self.flush()
+            self.close()
         else:  # do not mask the original error, but still try to deliver what was accepted
             self._producer.flush(5.0)
+            del self._producer

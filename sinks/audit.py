@@ -75,18 +75,18 @@ class AuditReport:
 def archived_messages(archive: ParquetArchive) -> dict[bytes | None, list[Message]]:
     """The archived input messages of job accounting, per message key, each topic in offset order."""
     per_key: dict[bytes | None, list[Message]] = defaultdict(list)
-    for _, ev in archive.events([NODE_IPC.name, JOBS_LIFECYCLE.name]):
-        per_key[ev.key].append((Origin(ev.kafka_topic, ev.partition, ev.offset), ev.key, ev.value,
-                                ev.timestamp_ms / 1000))
+    for topic, ev in archive.events([NODE_IPC.name, JOBS_LIFECYCLE.name]):
+        # The catalog name (the archive's topic= partition), so no topic prefix needs configuring.
+        per_key[ev.key].append((Origin(topic, ev.partition, ev.offset), ev.key, ev.value, ev.timestamp_ms / 1000))
     return per_key
 
 
 def recompute(messages: dict[bytes | None, list[Message]], policies: dict[str, PricingPolicy],
-              default: PricingPolicy, prefix: str = "") -> dict[tuple[str, int], Charge]:
+              default: PricingPolicy) -> dict[tuple[str, int], Charge]:
     out: dict[tuple[str, int], Charge] = {}
     for key, msgs in messages.items():
         job = key.decode(errors="replace") if key is not None else ""
-        for c in fold_messages(msgs, policies.get(job, default), prefix):
+        for c in fold_messages(msgs, policies.get(job, default)):
             out[(c.job_id, c.revision)] = c
     return out
 
@@ -96,14 +96,14 @@ def policy_of(charge: Charge) -> PricingPolicy:
                          rate_function=charge.rate_function)
 
 
-def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, prefix: str = "") -> AuditReport:
+def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy) -> AuditReport:
     with Ledger(ledger_path, read_only=True) as ledger:
         ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
         drift = ledger.column_drift()
         chain = ledger.verify_chain()
     messages = archived_messages(ParquetArchive(archive_root))
     policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}
-    recomputed = recompute(messages, policies, default, prefix)
+    recomputed = recompute(messages, policies, default)
     report = AuditReport(events_read=sum(len(m) for m in messages.values()), chain_ok=chain.ok,
                          chain_error=chain.error,
                          conservation_violations=conservation_violations(list(ledger_rows.values())))

@@ -311,15 +311,18 @@ def process_message(
                          field=field, source=SOURCE)
         return [Outgoing(DLQ.name, origin.topic.encode(), encode(dl))]
 
+    spec = spec_for_topic(origin.topic, prefix)
     try:
-        record: Record = decode(spec_for_topic(origin.topic, prefix), value)
+        record: Record = decode(spec, value)
     except DecodeError as exc:
         return None, reject(exc.reason, exc.field)
     job_id: str = record.job_id  # type: ignore[attr-defined]  # both input topics carry job_id
     if key != job_id.encode():
         return None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key")
     account = JobAccount.loads(state, job_id)
-    step = account.apply(record, origin, policy)
+    # Charges name catalog topics: a topic prefix is a deployment detail, and replay into another
+    # prefix must rebuild identical charges.
+    step = account.apply(record, Origin(spec.name, origin.partition, origin.offset), policy)
     if step.redelivered:
         return None, []
     out: list[Outgoing] = []
