@@ -119,12 +119,13 @@ def demo(
 
 def _print_charges(charges: list[Any]) -> None:
     table = Table(title="Charges (service units; L = rate per core-hour)")
-    for col in ("job", "user", "account", "program", "cores", "T_co s", "D", "blocks used/all",
+    for col in ("job", "user", "account", "program", "cores", "T_co s", "paused s", "D", "blocks used/all",
                 "SOP", "price", "dividend"):
         table.add_column(col, justify="left" if col in ("job", "user", "account", "program") else "right")
-    for c in charges:
+    for c in sorted(charges, key=lambda c: (c.job_id, c.revision)):
         d = f"{c.degradation:.3f}" if c.estimate_status.value == "ok" else f"0 ({c.estimate_status.value})"
-        table.add_row(c.job_id, c.user, c.account, c.program, str(c.cores), f"{c.run_time_s:.1f}", d,
+        table.add_row(c.job_id, c.user, c.account, c.program, str(c.cores), f"{c.run_time_s:.1f}",
+                      f"{c.pause_credit_s:.2f}", d,
                       f"{c.blocks_used}/{c.blocks_used + c.blocks_rejected}",
                       f"{c.standard_price:.4f}", f"{c.price:.4f}", f"{c.dividend:.4f}")
     out.print(table)

@@ -286,7 +286,7 @@ def _finish(em: _Emitter, job: _Job, t: float, nodes: list[str], threads: int) -
     for node in nodes:
         em.emit(t, JobLeftNode(event_id=em.eid("left", job.job_id, node), source=f"sim/{node}", event_time=em.at(t),
                                job_id=job.job_id, node=node, blocks_sent=job.blocks.get(node, 0),
-                               last_cycle=job.last_cycle.get(node, -1)))
+                               last_cycle=job.last_cycle.get(node, -1), paused_us=round(job.paused_s * 1e6)))
     em.emit(t, _lifecycle(em, job, JobState.ENDED, t, nodes, threads, end_s=t))
     run = em.at(t) - em.at(job.start_s)  # the run time as the events will state it
     run_s = run.total_seconds()

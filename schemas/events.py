@@ -115,6 +115,7 @@ class JobLeftNode(Record):
     node: NodeName
     blocks_sent: NonNegInt
     last_cycle: Annotated[int, Field(ge=-1)]  # -1 when no block was sent
+    paused_us: NonNegInt = 0  # total time the agent kept this job's processes on this node paused
 
 
 # --------------------------------------------------------------------------- node.shutter
@@ -396,6 +397,7 @@ class NodeBlocks(BaseModel):
     first_cycle: Annotated[int, Field(ge=-1)]
     last_cycle: Annotated[int, Field(ge=-1)]
     blocks_sent: NonNegInt  # what the node agent said it sent (JobLeftNode)
+    paused_s: Annotated[float, Field(ge=0.0)] = 0.0  # what the node agent said it paused the job for
 
 
 class Charge(Record):
@@ -412,8 +414,10 @@ class Charge(Record):
     cores: PosInt
     start_time: AwareDatetime
     end_time: AwareDatetime
-    run_time_s: Annotated[float, Field(ge=0.0)]  # T_co
-    solo_time_s: Annotated[float, Field(ge=0.0)]  # T_solo = (1 - D) * T_co
+    run_time_s: Annotated[float, Field(ge=0.0)]  # T_co, wall time from start to end
+    pause_credit_s: Annotated[float, Field(ge=0.0)] = 0.0  # time shutters kept the job paused: not billed
+    billed_time_s: Annotated[float, Field(ge=0.0)]  # T_co - pause credit
+    solo_time_s: Annotated[float, Field(ge=0.0)]  # T_solo = (1 - D) * billed time
     degradation: Fraction01  # D applied
     estimate_status: EstimateStatus
     degradation_filtered: float | None

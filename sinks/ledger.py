@@ -38,6 +38,8 @@ _COLUMNS: dict[str, str] = {
     "start_time": "TIMESTAMPTZ NOT NULL",
     "end_time": "TIMESTAMPTZ NOT NULL",
     "run_time_s": "DOUBLE NOT NULL",
+    "pause_credit_s": "DOUBLE NOT NULL",
+    "billed_time_s": "DOUBLE NOT NULL",
     "solo_time_s": "DOUBLE NOT NULL",
     "degradation": "DOUBLE NOT NULL",
     "estimate_status": "VARCHAR NOT NULL",

@@ -85,6 +85,7 @@ class NodeStream(_State):
     close_offset: int = -1
     closed: bool = False
     blocks_sent: int = 0
+    paused_us: int = 0
     # Exact partial sums of Alg. 4 (see degradation.ExactSum); kept per node because only the
     # nodes named by the terminal event count.
     solo_filtered: list[float] = []
@@ -175,6 +176,7 @@ class JobAccount(_State):
             return Step(rejected="job already left this node")
         ns.closed = True
         ns.blocks_sent = left.blocks_sent
+        ns.paused_us = left.paused_us
         ns.close_offset = origin.offset
         if ns.first_offset < 0:
             ns.first_offset = origin.offset
@@ -240,7 +242,11 @@ class JobAccount(_State):
         streams = [(n, self.nodes[n]) for n in sorted(end.nodes)]
         res = self.degradation(end.nodes)
         run_time_s = (end.end_time - end.start_time).total_seconds()
-        amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, res.degradation, policy.rate_function)
+        # A job is held up while any of its nodes pauses it; the longest per-node total is a lower
+        # bound of that union, so the credit never exceeds the time really lost.
+        credit_s = max((s.paused_us for _, s in streams), default=0) / 1e6
+        amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, res.degradation,
+                              policy.rate_function, credit_s)
         ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
                               first_offset=terminal.offset, last_offset=terminal.offset)]
         if self.ipc_partition is not None and streams:
@@ -255,13 +261,14 @@ class JobAccount(_State):
             job_id=self.job_id, revision=self.revision, revision_reason=terminal.reason, final_state=end.state,
             user=end.user, account=end.account, program=end.program, cores=end.cores,
             start_time=end.start_time, end_time=end.end_time,
-            run_time_s=run_time_s, solo_time_s=amounts.solo_time_s,
+            run_time_s=run_time_s, pause_credit_s=credit_s, billed_time_s=amounts.billed_time_s,
+            solo_time_s=amounts.solo_time_s,
             degradation=res.degradation, estimate_status=res.status,
             degradation_filtered=res.filtered, degradation_unfiltered=res.unfiltered,
             blocks_used=res.blocks_used, blocks_rejected=res.blocks_rejected,
             blocks_ignored=sum(s.ignored for _, s in streams),
             nodes=tuple(NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
-                                   blocks_sent=s.blocks_sent) for n, s in streams),
+                                   blocks_sent=s.blocks_sent, paused_s=s.paused_us / 1e6) for n, s in streams),
             rate_function=policy.rate_function, rate_per_core_hour=policy.rate_per_core_hour,
             delta=policy.delta,
             standard_price=amounts.standard_price, solo_price=amounts.solo_price,

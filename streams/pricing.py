@@ -39,7 +39,8 @@ def poppa_price(rate_per_core_hour: float, cores: int, run_time_s: float, degrad
 
 @dataclass(frozen=True)
 class ChargeAmounts:
-    standard_price: float  # SOP
+    standard_price: float  # SOP, of the whole run time
+    billed_time_s: float  # run time less the pause credit
     solo_time_s: float
     solo_price: float
     price: float
@@ -53,17 +54,29 @@ RATE_FUNCTIONS: dict[str, Callable[[float, int, float, float], float]] = {
 }
 
 
+def billed_time(run_time_s: float, pause_credit_s: float) -> float:
+    """Run time less the time the shutters kept the job paused (beyond POPPA: nodeshare's own
+    measurement overhead is not the user's to pay). Never negative."""
+    return max(0.0, run_time_s - pause_credit_s)
+
+
 def fair_charge(
-    rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float, rate_function: str = POPPA_EQ4
+    rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float, rate_function: str = POPPA_EQ4,
+    pause_credit_s: float = 0.0,
 ) -> ChargeAmounts:
-    """Every amount of a charge. Requires 0 <= D <= 1, so 0 <= price <= SOP for every rate function."""
+    """Every amount of a charge. The standard price is of the whole run time; the rate function
+    prices the billed time (run time less the pause credit). Requires 0 <= D <= 1 and a credit
+    >= 0, so 0 <= price <= SOP for every rate function."""
     if not 0.0 <= degradation <= 1.0:
         raise ValueError(f"degradation must be within [0, 1], got {degradation}")
+    if not pause_credit_s >= 0.0:
+        raise ValueError(f"pause credit must be >= 0, got {pause_credit_s}")
     try:
         price_of = RATE_FUNCTIONS[rate_function]
     except KeyError:
         raise ValueError(f"unknown rate function {rate_function!r}; known: {sorted(RATE_FUNCTIONS)}") from None
     sop = standard_price(rate_per_core_hour, cores, run_time_s)
-    t_solo = solo_time(run_time_s, degradation)
-    price = price_of(rate_per_core_hour, cores, run_time_s, degradation)
-    return ChargeAmounts(sop, t_solo, standard_price(rate_per_core_hour, cores, t_solo), price, sop - price)
+    billed = billed_time(run_time_s, pause_credit_s)
+    t_solo = solo_time(billed, degradation)
+    price = price_of(rate_per_core_hour, cores, billed, degradation)
+    return ChargeAmounts(sop, billed, t_solo, standard_price(rate_per_core_hour, cores, t_solo), price, sop - price)

@@ -61,20 +61,28 @@ def test_audit_finds_zero_mismatches(run: DemoResult) -> None:
 
 def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult) -> None:
     blocks: dict[str, list[ShutterBlock]] = defaultdict(list)
+    paused: dict[str, list[int]] = defaultdict(list)
     for _, ev in ParquetArchive(run.archive).events(["node.ipc"]):
         try:
             rec = decode(BY_NAME["node.ipc"], ev.value)
         except ValueError:
             continue  # the injected garbage
-        if isinstance(rec, ShutterBlock) and ev.key == rec.job_id.encode():
+        if ev.key != rec.job_id.encode():
+            continue
+        if isinstance(rec, ShutterBlock):
             blocks[rec.job_id].append(rec)
+        else:
+            paused[rec.job_id].append(rec.paused_us)
     assert blocks, "no blocks archived"
     for c in run.charges:
         d = filtered_degradation(blocks[c.job_id], c.delta)
-        amounts = fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, d.degradation)
+        credit = max(paused[c.job_id]) / 1e6
+        amounts = fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, d.degradation, pause_credit_s=credit)
+        assert c.pause_credit_s == credit
         assert (c.degradation, c.blocks_used, c.blocks_rejected) == (d.degradation, d.blocks_used, d.blocks_rejected)
         assert (c.standard_price, c.price, c.dividend) == (amounts.standard_price, amounts.price, amounts.dividend)
     assert sum(c.dividend for c in run.charges) > 0  # co-located jobs were measured and discounted
+    assert sum(c.pause_credit_s > 0 for c in run.charges) > 0  # and paused jobs were credited
 
 
 def test_archive_holds_every_input_event_once(run: DemoResult) -> None:

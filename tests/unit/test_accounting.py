@@ -208,3 +208,13 @@ def test_state_round_trips_through_json():
     acc, _ = _run(as_messages(ipc[:3], IPC))
     assert JobAccount.model_validate_json(acc.dumps()) == acc
     assert json.loads(acc.dumps())["nodes"]["n1"]["blocks"] == 2  # n1 cycles 0 and 3
+
+
+def test_pause_credit_is_the_longest_per_node_pause():
+    n1 = left("j1", "n1", 0, -1).model_copy(update={"paused_us": 2_000_000})
+    n2 = left("j1", "n2", 0, -1).model_copy(update={"paused_us": 3_500_000})
+    end = job_event("j1", JobState.ENDED, nodes=("n1", "n2"), cores=10, run_s=3600)
+    [c] = fold_messages(as_messages([n1, n2], IPC) + as_messages([end], LIFE), POLICY)
+    assert c.pause_credit_s == 3.5 and c.billed_time_s == 3596.5
+    assert c.price == pytest.approx(2.0 * 10 * 3596.5 / 3600) and c.standard_price == 20.0
+    assert [n.paused_s for n in c.nodes] == [2.0, 3.5]

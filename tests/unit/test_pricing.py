@@ -73,3 +73,18 @@ def test_rate_functions_by_hand():
 def test_unknown_rate_function_is_refused():
     with pytest.raises(ValueError, match="unknown rate function"):
         fair_charge(1.0, 1, 1.0, 0.1, "free_lunch")
+
+
+def test_pause_credit_by_hand():
+    # L = 2, C = 16, T_co = 3 h, 0.5 h paused by shutters, D = 0.25:
+    # billed 2.5 h; T_solo = 0.75 * 2.5 = 1.875 h; P_solo = 2 * 16 * 1.875 = 60; price = 0.75 * 60 = 45
+    c = fair_charge(2.0, 16, 10_800, 0.25, pause_credit_s=1_800)
+    assert (c.standard_price, c.billed_time_s, c.solo_time_s, c.solo_price, c.price, c.dividend) == (
+        96.0, 9_000.0, 6_750.0, 60.0, 45.0, 51.0)
+
+
+def test_pause_credit_cannot_make_a_price_negative():
+    c = fair_charge(1.0, 4, 100.0, 0.1, pause_credit_s=500.0)
+    assert c.billed_time_s == 0.0 and c.price == 0.0 and c.dividend == c.standard_price
+    with pytest.raises(ValueError, match="pause credit"):
+        fair_charge(1.0, 4, 100.0, 0.1, pause_credit_s=-1.0)
