@@ -237,45 +237,9 @@ class JobAccount(_State):
         return tuple(out)
 
     def _charge(self, terminal: TerminalEvent, policy: PricingPolicy) -> Charge:
-        end = terminal.event
-        assert end.start_time is not None and end.end_time is not None  # guaranteed by JobEvent.ran
-        streams = [(n, self.nodes[n]) for n in sorted(end.nodes)]
-        res = self.degradation(end.nodes)
-        run_time_s = (end.end_time - end.start_time).total_seconds()
-        # A job is held up while any of its nodes pauses it; the longest per-node total is a lower
-        # bound of that union, so the credit never exceeds the time really lost.
-        credit_s = max((s.paused_us for _, s in streams), default=0) / 1e6
-        amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, res.degradation,
-                              policy.rate_function, credit_s)
-        ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
-                              first_offset=terminal.offset, last_offset=terminal.offset)]
-        if self.ipc_partition is not None and streams:
-            topic, partition = self.ipc_partition
-            ranges.append(OffsetRange(topic=topic, partition=partition,
-                                      first_offset=min(s.first_offset for _, s in streams),
-                                      last_offset=max(s.close_offset for _, s in streams)))
-        return Charge(
-            event_id=str(uuid.uuid5(NODESHARE_NAMESPACE, f"charge:{self.job_id}:{self.revision}")),
-            source=SOURCE,
-            event_time=end.end_time,
-            job_id=self.job_id, revision=self.revision, revision_reason=terminal.reason, final_state=end.state,
-            user=end.user, account=end.account, program=end.program, cores=end.cores,
-            start_time=end.start_time, end_time=end.end_time,
-            run_time_s=run_time_s, pause_credit_s=credit_s, billed_time_s=amounts.billed_time_s,
-            solo_time_s=amounts.solo_time_s,
-            degradation=res.degradation, estimate_status=res.status,
-            degradation_filtered=res.filtered, degradation_unfiltered=res.unfiltered,
-            blocks_used=res.blocks_used, blocks_rejected=res.blocks_rejected,
-            blocks_ignored=sum(s.ignored for _, s in streams),
-            nodes=tuple(NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
-                                   blocks_sent=s.blocks_sent, paused_s=s.paused_us / 1e6) for n, s in streams),
-            rate_function=policy.rate_function, rate_per_core_hour=policy.rate_per_core_hour,
-            delta=policy.delta,
-            standard_price=amounts.standard_price, solo_price=amounts.solo_price,
-            price=amounts.price, dividend=amounts.dividend,
-            event_range=tuple(sorted(ranges, key=lambda r: r.topic)),
-            code_version=__version__,
-        )
+        streams = [(n, self.nodes[n]) for n in sorted(terminal.event.nodes)]
+        return build_charge(self.job_id, self.revision, terminal, streams, self.degradation(terminal.event.nodes),
+                            policy, self.ipc_partition)
 
     # ------------------------------------------------------------------ persistence
 
@@ -285,6 +249,51 @@ class JobAccount(_State):
     @classmethod
     def loads(cls, raw: bytes | None, job_id: str) -> JobAccount:
         return cls(job_id=job_id) if raw is None else cls.model_validate_json(raw)
+
+
+def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: list[tuple[str, NodeStream]],
+                 degradation: DegradationResult, policy: PricingPolicy,
+                 ipc_partition: tuple[str, int] | None) -> Charge:
+    """Revision ``revision`` of a job's charge from its terminal event, the block streams of the
+    nodes it names (sorted by node) and their degradation estimate. Shared by the reducer and
+    the vectorized audit, so both write the same row for the same evidence."""
+    end = terminal.event
+    assert end.start_time is not None and end.end_time is not None  # guaranteed by JobEvent.ran
+    run_time_s = (end.end_time - end.start_time).total_seconds()
+    # A job is held up while any of its nodes pauses it; the longest per-node total is a lower
+    # bound of that union, so the credit never exceeds the time really lost.
+    credit_s = max((s.paused_us for _, s in streams), default=0) / 1e6
+    amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, degradation.degradation,
+                          policy.rate_function, credit_s)
+    ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
+                          first_offset=terminal.offset, last_offset=terminal.offset)]
+    if ipc_partition is not None and streams:
+        topic, partition = ipc_partition
+        ranges.append(OffsetRange(topic=topic, partition=partition,
+                                  first_offset=min(s.first_offset for _, s in streams),
+                                  last_offset=max(s.close_offset for _, s in streams)))
+    return Charge(
+        event_id=str(uuid.uuid5(NODESHARE_NAMESPACE, f"charge:{job_id}:{revision}")),
+        source=SOURCE,
+        event_time=end.end_time,
+        job_id=job_id, revision=revision, revision_reason=terminal.reason, final_state=end.state,
+        user=end.user, account=end.account, program=end.program, cores=end.cores,
+        start_time=end.start_time, end_time=end.end_time,
+        run_time_s=run_time_s, pause_credit_s=credit_s, billed_time_s=amounts.billed_time_s,
+        solo_time_s=amounts.solo_time_s,
+        degradation=degradation.degradation, estimate_status=degradation.status,
+        degradation_filtered=degradation.filtered, degradation_unfiltered=degradation.unfiltered,
+        blocks_used=degradation.blocks_used, blocks_rejected=degradation.blocks_rejected,
+        blocks_ignored=sum(s.ignored for _, s in streams),
+        nodes=tuple(NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
+                               blocks_sent=s.blocks_sent, paused_s=s.paused_us / 1e6) for n, s in streams),
+        rate_function=policy.rate_function, rate_per_core_hour=policy.rate_per_core_hour,
+        delta=policy.delta,
+        standard_price=amounts.standard_price, solo_price=amounts.solo_price,
+        price=amounts.price, dividend=amounts.dividend,
+        event_range=tuple(sorted(ranges, key=lambda r: r.topic)),
+        code_version=__version__,
+    )
 
 
 @dataclass(frozen=True)

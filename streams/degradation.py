@@ -129,21 +129,27 @@ class DegradationResult:
 
 
 def estimate(sums: DegradationSums) -> DegradationResult:
-    """The filtered estimate with its fallback rule.
+    return estimate_from_totals(sums.solo_filtered.value, sums.co_filtered.value, sums.solo_all.value,
+                                sums.co_all.value, sums.accepted, sums.rejected)
+
+
+def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: float, co_all: float,
+                         accepted: int, rejected: int) -> DegradationResult:
+    """The filtered estimate with its fallback rule, from correctly rounded exact sums.
 
     When no block passed the filter there is no evidence of interference that survived
     Alg. 4, so the job is charged as if undisturbed (D = 0, i.e. the standard price):
     a discount is only ever granted on measured evidence. The unfiltered number is still
     recorded for the auditor.
     """
-    n = sums.accepted + sums.rejected
-    unfiltered = degradation_from_sums(sums.solo_all.value, sums.co_all.value) if n else None
-    if sums.accepted == 0:
+    n = accepted + rejected
+    unfiltered = degradation_from_sums(solo_all, co_all) if n else None
+    if accepted == 0:
         status = EstimateStatus.NO_BLOCKS if n == 0 else EstimateStatus.NO_ACCEPTED_BLOCKS
-        return DegradationResult(status, 0.0, None, unfiltered, 0, sums.rejected)
-    filtered = degradation_from_sums(sums.solo_filtered.value, sums.co_filtered.value)
+        return DegradationResult(status, 0.0, None, unfiltered, 0, rejected)
+    filtered = degradation_from_sums(solo_filtered, co_filtered)
     applied = min(1.0, max(0.0, filtered))  # Alg. 4's acceptance rule already keeps it in (0, 1)
-    return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, sums.accepted, sums.rejected)
+    return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, accepted, rejected)
 
 
 def filtered_degradation(blocks: Iterable[ShutterBlock], delta: float = DEFAULT_DELTA) -> DegradationResult:
