@@ -23,9 +23,11 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 topics_app = typer.Typer(no_args_is_help=True, help="The topic catalog on the broker.")
 schemas_app = typer.Typer(no_args_is_help=True, help="The record contract as JSON Schema.")
 sink_app = typer.Typer(no_args_is_help=True, help="Run a sink in the foreground.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print numbers and write them to a JSON file.")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(sink_app, name="sink")
+app.add_typer(bench_app, name="bench")
 
 out = Console()
 if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
@@ -312,6 +314,24 @@ def audit(
             out.print(f"  {v}")
     if not report.ok:
         raise typer.Exit(1)
+
+
+@bench_app.command("audit")
+def bench_audit(
+    blocks: Annotated[int, typer.Option(min=1000, help="shutter blocks in the synthetic archive")] = 1_000_000,
+    workdir: Annotated[Path, typer.Option(help="where the synthetic archive is written")] = Path("bench"),
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/audit.json"),
+) -> None:
+    """Samples per second the vectorized audit recomputes from a large archive, and its ratio to a
+    plain DuckDB scan of the same files (median of 3 runs each)."""
+    from nodeshare.sinks.bench_audit import as_json, run_audit_bench
+
+    err.print(f"writing a synthetic archive of {blocks:,} blocks under {workdir} ...")
+    result = run_audit_bench(workdir, blocks)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(as_json(result) + "\n")
+    out.print(as_json(result))
+    out.print(f"wrote {out_file}")
 
 
 def main() -> None:

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.schemas import (
+    TOPIC_OF_RECORD,
     CounterSource,
     IpcSample,
     JobEvent,
     JobLeftNode,
     JobState,
     ShutterBlock,
+    encode,
+    key_of,
 )
+from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
+from nodeshare.sinks.ledger import Ledger
+from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
+
+POLICY = PricingPolicy(rate_per_core_hour=1.5)
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 CYCLES = 1_000_000  # per sample: IPC x CYCLES is an exact instruction count for IPCs with <= 6 decimals
@@ -46,3 +56,31 @@ def job_event(job: str, state: JobState, *, nodes: tuple[str, ...] = ("n1",), co
         account=account, program="lammps", cores=cores, nodes=nodes if ran else (), submit_time=T0,
         start_time=T0 if ran else None, end_time=T0 + timedelta(seconds=run_s) if ended else None,
     )
+
+
+def build(tmp: Path, *, batch: int = 400) -> tuple[Path, Path, int]:
+    """Archive a simulated run as the archive sink would, and price it into a ledger."""
+    sim = simulate(SimConfig(nodes=4, jobs=8, seed=5))
+    return archive_records(tmp, sim.events, batch=batch)
+
+
+def archive_records(tmp: Path, records: list, *, batch: int = 400) -> tuple[Path, Path, int]:
+    """Archive records on partition 0 of their topics, as the archive sink would, and price them
+    into a ledger with the reference fold."""
+    offsets: dict[str, int] = {}
+    rows: dict[str, list[ArchivedEvent]] = {}
+    for i, rec in enumerate(records):
+        raw = rec if isinstance(rec, tuple) else (TOPIC_OF_RECORD[type(rec)].name, key_of(rec), encode(rec))
+        topic, key, value = raw
+        off = offsets[topic] = offsets.get(topic, -1) + 1
+        rows.setdefault(topic, []).append(ArchivedEvent(topic, 0, off, 1_767_225_600_000 + i, key, value))
+    archive = ParquetArchive(tmp / "archive")
+    for topic, evs in rows.items():
+        for start in range(0, len(evs), batch):
+            archive.write(topic, evs[start:start + batch])
+    msgs = [(Origin(e.kafka_topic, e.partition, e.offset), e.key, e.value, e.timestamp_ms / 1000)
+            for t in ("node.ipc", "jobs.lifecycle") for e in rows.get(t, [])]
+    charges = fold_messages(msgs, POLICY)
+    with Ledger(tmp / "ledger.duckdb") as ledger:
+        ledger.append([(c, encode(c), 0, i) for i, c in enumerate(charges)])
+    return tmp / "archive", tmp / "ledger.duckdb", len(charges)

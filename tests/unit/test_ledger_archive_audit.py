@@ -8,39 +8,14 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 import pytest
+from factories import POLICY, build
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.producers.simulator import SimConfig, simulate
-from nodeshare.schemas import TOPIC_OF_RECORD, encode, key_of
+from nodeshare.schemas import encode
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
-from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
-
-POLICY = PricingPolicy(rate_per_core_hour=1.5)
-
-
-def build(tmp: Path, *, batch: int = 400) -> tuple[Path, Path, int]:
-    """Archive a simulated run as the archive sink would, and price it into a ledger."""
-    sim = simulate(SimConfig(nodes=4, jobs=8, seed=5))
-    offsets: dict[str, int] = {}
-    rows: dict[str, list[ArchivedEvent]] = {}
-    for i, rec in enumerate(sim.events):
-        topic = TOPIC_OF_RECORD[type(rec)].name
-        off = offsets[topic] = offsets.get(topic, -1) + 1
-        rows.setdefault(topic, []).append(
-            ArchivedEvent(topic, 0, off, 1_767_225_600_000 + i, key_of(rec), encode(rec)))
-    archive = ParquetArchive(tmp / "archive")
-    for topic, evs in rows.items():
-        for start in range(0, len(evs), batch):
-            archive.write(topic, evs[start:start + batch])
-    msgs = [(Origin(e.kafka_topic, e.partition, e.offset), e.key, e.value, e.timestamp_ms / 1000)
-            for t in ("node.ipc", "jobs.lifecycle") for e in rows[t]]
-    charges = fold_messages(msgs, POLICY)
-    with Ledger(tmp / "ledger.duckdb") as ledger:
-        ledger.append([(c, encode(c), 0, i) for i, c in enumerate(charges)])
-    return tmp / "archive", tmp / "ledger.duckdb", len(charges)
 
 
 def test_clean_run_audits_clean(tmp_path):

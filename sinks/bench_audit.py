@@ -1,0 +1,138 @@
+"""`nodeshare bench audit`: how fast the vectorized audit recomputes charges from a large archive.
+
+A synthetic archive of valid records (K = 1 shutter blocks around a per-job true IPC ratio,
+JobLeftNode markers and end events) is written the way the archive sink writes, then timed:
+the vectorized recomputation of every charge, and a plain DuckDB scan of the same files
+(reading every value byte) as the yardstick.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import duckdb
+import numpy as np
+
+from nodeshare.schemas import SCHEMA_VERSION
+from nodeshare.streams.accounting import PricingPolicy
+
+from .archive import ArchivedEvent, ParquetArchive
+from .fast_audit import fast_recompute
+
+_T0 = datetime(2026, 1, 1, tzinfo=UTC)
+_CYC = 8_320_000  # cycles of one 3.2 ms sample on 2.6 GHz x 1 thread
+
+
+@dataclass
+class AuditBench:
+    blocks: int
+    jobs: int
+    samples: int
+    files: int
+    archive_mb: float
+    audit_s: float
+    samples_per_s: float
+    scan_s: float
+    ratio_to_scan: float
+    machine: str
+    date: str
+
+
+def write_synthetic_archive(root: Path, blocks: int, blocks_per_job: int = 1000, seed: int = 1,
+                            batch: int = 50_000) -> int:
+    """Write ``blocks`` shutter blocks (plus markers and end events) into an archive at ``root``."""
+    rng = np.random.default_rng(seed)
+    archive = ParquetArchive(root)
+    jobs = max(1, blocks // blocks_per_job)
+    ipc_rows: list[ArchivedEvent] = []
+    life_rows: list[ArchivedEvent] = []
+    offset = 0
+
+    def flush(force: bool = False) -> None:
+        nonlocal ipc_rows
+        if ipc_rows and (force or len(ipc_rows) >= batch):
+            archive.write("node.ipc", ipc_rows)
+            ipc_rows = []
+
+    for j in range(jobs):
+        job = str(1_000_000 + j)
+        n = blocks_per_job if j < jobs - 1 else blocks - blocks_per_job * (jobs - 1)
+        solo = rng.uniform(0.5, 2.0)
+        slow = rng.uniform(0.6, 1.0)
+        noise = rng.normal(1.0, 0.02, size=(n, 3))
+        ipc = np.column_stack([solo * slow * noise[:, 0], solo * noise[:, 1], solo * slow * noise[:, 2]])
+        instr = np.rint(ipc * _CYC).astype(np.int64)
+        ts = int(_T0.timestamp() * 1000) + j
+        for c in range(n):
+            b, d, a = instr[c]
+            value = (
+                f'{{"event_id":"{job}-{c}","schema_version":{SCHEMA_VERSION},"source":"bench","event_time":'
+                f'"2026-01-01T00:00:00Z","kind":"shutter_block","job_id":"{job}","node":"n{j % 97}","cycle":{c},'
+                f'"k":1,"sample_us":3200,"counter":"simulated",'
+                f'"before":[{{"instructions":{b},"cycles":{_CYC},"threads":1}}],'
+                f'"during":[{{"instructions":{d},"cycles":{_CYC},"threads":1}}],'
+                f'"after":[{{"instructions":{a},"cycles":{_CYC},"threads":1}}]}}'
+            )
+            ipc_rows.append(ArchivedEvent("node.ipc", 0, offset, ts, job.encode(), value.encode()))
+            offset += 1
+        left = (f'{{"event_id":"{job}-left","source":"bench","event_time":"2026-01-01T01:00:00Z",'
+                f'"kind":"job_left_node","job_id":"{job}","node":"n{j % 97}","blocks_sent":{n},'
+                f'"last_cycle":{n - 1},"paused_us":{n * 3200}}}')
+        ipc_rows.append(ArchivedEvent("node.ipc", 0, offset, ts, job.encode(), left.encode()))
+        offset += 1
+        end = _T0 + timedelta(hours=1)
+        life = json.dumps({
+            "event_id": f"{job}-end", "source": "bench", "event_time": end.isoformat(), "kind": "job_event",
+            "job_id": job, "state": "ended", "user": "u", "account": "a", "program": "p", "cores": 8,
+            "nodes": [f"n{j % 97}"], "start_time": _T0.isoformat(), "end_time": end.isoformat(),
+        })
+        life_rows.append(ArchivedEvent("jobs.lifecycle", 0, j, ts, job.encode(), life.encode()))
+        flush()
+    flush(force=True)
+    archive.write("jobs.lifecycle", life_rows)
+    return jobs
+
+
+def run_audit_bench(workdir: Path, blocks: int) -> AuditBench:
+    root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
+    jobs = write_synthetic_archive(root, blocks)
+    archive = ParquetArchive(root)
+    files = archive.files()
+    glob = str(root / "topic=*" / "date=*" / "p*.parquet").replace("'", "''")
+    scan = []
+    for _ in range(3):
+        t = time.perf_counter()
+        duckdb.connect().execute(f"SELECT count(*), sum(octet_length(value)) FROM read_parquet('{glob}')").fetchall()
+        scan.append(time.perf_counter() - t)
+    runs = []
+    for _ in range(3):
+        t = time.perf_counter()
+        result = fast_recompute(root, {}, PricingPolicy())
+        runs.append(time.perf_counter() - t)
+    assert not result.ineligible and len(result.charges) == jobs, "the synthetic archive must be all clean"
+    audit_s, scan_s = float(np.median(runs)), float(np.median(scan))
+    samples = result.samples
+    return AuditBench(
+        blocks=blocks, jobs=jobs, samples=samples, files=len(files),
+        archive_mb=round(sum(f.stat().st_size for f in files) / 1e6, 1),
+        audit_s=round(audit_s, 3), samples_per_s=round(samples / audit_s),
+        scan_s=round(scan_s, 4), ratio_to_scan=round(scan_s / audit_s, 4),
+        machine=f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}",
+        date=datetime.now(UTC).date().isoformat(),
+    )
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def as_json(bench: AuditBench) -> str:
+    return json.dumps(asdict(bench), indent=2)
