@@ -23,11 +23,13 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 topics_app = typer.Typer(no_args_is_help=True, help="The topic catalog on the broker.")
 schemas_app = typer.Typer(no_args_is_help=True, help="The record contract as JSON Schema.")
 sink_app = typer.Typer(no_args_is_help=True, help="Run a sink in the foreground.")
+archive_app = typer.Typer(no_args_is_help=True, help="Archive housekeeping.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print numbers and write them to a JSON file.")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(sink_app, name="sink")
 app.add_typer(bench_app, name="bench")
+app.add_typer(archive_app, name="archive")
 
 out = Console()
 if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
@@ -314,6 +316,18 @@ def audit(
             out.print(f"  {v}")
     if not report.ok:
         raise typer.Exit(1)
+
+
+@archive_app.command("compact")
+def archive_compact(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    min_rows: Annotated[int, typer.Option(min=1, help="merge until a file holds this many rows")] = 100_000,
+) -> None:
+    """Merge small archive files into large ones with scan-sized row groups (safe while the sink runs)."""
+    from nodeshare.sinks.archive import ParquetArchive
+
+    before, after = ParquetArchive(archive).compact(min_rows=min_rows)
+    out.print(f"{before} files -> {after} files")
 
 
 @bench_app.command("audit")

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from confluent_kafka import Message, TopicPartition
@@ -113,6 +114,48 @@ class ParquetArchive:
         for topic, kt, p, o, ts, k, v in rows:
             yield topic, ArchivedEvent(kt, p, o, ts, k, v)
 
+    def compact(self, *, min_rows: int = 100_000, row_group_rows: int = 131_072) -> tuple[int, int]:
+        """Merge each (topic, date, partition)'s small files into files of at least ``min_rows`` rows,
+        with row groups of ``row_group_rows`` for scans. Returns (files before, files after).
+
+        Safe against crashes and concurrent readers: the merged file is durable (atomic rename)
+        before the files it replaces are removed; until then readers see overlapping offset
+        ranges, which every reader here de-duplicates by (topic, partition, offset).
+        """
+        before = self.files()
+        groups: dict[tuple[Path, int], list[tuple[int, int, Path]]] = defaultdict(list)
+        for f in before:
+            m = _FILE.match(f.name)
+            if m:
+                groups[(f.parent, int(m.group(1)))].append((int(m.group(2)), int(m.group(3)), f))
+        for (directory, partition), files in sorted(groups.items()):
+            files.sort()
+            run: list[Path] = []
+            rows = 0
+            for _, _, f in files:
+                run.append(f)
+                rows += pq.ParquetFile(f).metadata.num_rows
+                if rows >= min_rows:
+                    self._merge(directory, partition, run, row_group_rows)
+                    run, rows = [], 0
+            self._merge(directory, partition, run, row_group_rows)  # the remainder
+        return len(before), len(self.files())
+
+    def _merge(self, directory: Path, partition: int, files: list[Path], row_group_rows: int) -> None:
+        if len(files) < 2:
+            return
+        table = pa.concat_tables([pq.read_table(f, schema=ARCHIVE_SCHEMA) for f in files])
+        offsets = table.column("offset").to_numpy()
+        order = np.argsort(offsets, kind="stable")
+        keep = order[np.r_[True, offsets[order][1:] != offsets[order][:-1]]]  # first copy of each offset
+        table = table.take(pa.array(keep))
+        first, last = int(table.column("offset")[0].as_py()), int(table.column("offset")[-1].as_py())
+        target = directory / f"p{partition:04d}-{first:012d}-{last:012d}.parquet"
+        _atomic_write(table, target, row_group_rows)
+        for f in files:
+            if f != target:
+                f.unlink()
+
     def count(self) -> int:
         if not self.files():
             return 0
@@ -120,9 +163,9 @@ class ParquetArchive:
         return int(row[0]) if row else 0
 
 
-def _atomic_write(table: pa.Table, path: Path) -> None:
+def _atomic_write(table: pa.Table, path: Path, row_group_rows: int | None = None) -> None:
     tmp = path.with_name(path.name + ".tmp")  # not matched by the *.parquet globs readers use
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_rows)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

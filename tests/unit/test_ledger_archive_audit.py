@@ -165,3 +165,31 @@ def test_analyst_views_add_up_to_the_ledger(tmp_path):
     by_node = con.execute("SELECT sum(dividend), count(DISTINCT node) FROM dividend_by_node").fetchone()
     assert by_node[0] == pytest.approx(total_div) and by_node[1] == 4
     assert con.execute("SELECT count(*) FROM charges_current").fetchone()[0] == n
+
+
+def test_compaction_merges_files_and_the_audit_still_passes(tmp_path):
+    archive, ledger, n = build(tmp_path, batch=25)
+    before_events = [(t, e.offset, e.value) for t, e in ParquetArchive(archive).events(["node.ipc", "jobs.lifecycle"])]
+    files_before, files_after = ParquetArchive(archive).compact(min_rows=200)
+    assert files_after < files_before
+    per_dir: dict = {}
+    for f in ParquetArchive(archive).files():
+        per_dir.setdefault(f.parent, []).append(pq.ParquetFile(f).metadata.num_rows)
+    for rows in per_dir.values():  # every file but a partition's last holds at least min_rows
+        assert all(r >= 200 for r in rows[:-1])
+    after_events = [(t, e.offset, e.value) for t, e in ParquetArchive(archive).events(["node.ipc", "jobs.lifecycle"])]
+    assert after_events == before_events
+    assert not list(archive.rglob("*.tmp"))
+    report = audit(archive, ledger, POLICY)
+    assert report.ok and report.matches == n
+    assert ParquetArchive(archive).compact(min_rows=200)[1] == files_after  # idempotent
+
+
+def test_compaction_resolves_overlapping_files(tmp_path):
+    archive = ParquetArchive(tmp_path)
+    evs = [ArchivedEvent("jobs.lifecycle", 0, o, 1_767_225_600_000, b"k", b"v%d" % o) for o in range(10)]
+    archive.write("jobs.lifecycle", evs[:6])
+    archive.write("jobs.lifecycle", evs[4:])
+    assert archive.compact(min_rows=100) == (2, 1)
+    assert [e.offset for _, e in archive.events(["jobs.lifecycle"])] == list(range(10))
+    assert archive.high_water() == {("jobs.lifecycle", 0): 9}
