@@ -318,6 +318,26 @@ def audit(
         raise typer.Exit(1)
 
 
+@app.command()
+def report(
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
+    out_dir: Annotated[Path, typer.Option("--out", help="directory for the PNG files and index.html")],
+    archive: Annotated[Path | None, typer.Option(help="archive root (for the program-pair heatmap)")] = None,
+    truth: Annotated[Path | None, typer.Option(help="ground-truth parquet of a simulation (oracle prices)")] = None,
+) -> None:
+    """PNG plots and one HTML page: prices per program (with the oracle when truth exists),
+    degradation by program pair, dividend per account over time, estimator confidence."""
+    from nodeshare.sinks.report import build_report
+
+    try:
+        files = build_report(ledger, archive, out_dir, truth)
+    except (FileNotFoundError, ValueError) as exc:
+        err.print(f"[red]report failed[/red]: {exc}")
+        raise typer.Exit(2) from None
+    for p in (files.html, *files.pngs):
+        out.print(f"wrote {p}")
+
+
 @archive_app.command("compact")
 def archive_compact(
     archive: Annotated[Path, typer.Option(help="archive root directory")],
