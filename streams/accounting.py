@@ -124,6 +124,7 @@ class JobAccount(_State):
     nodes: dict[str, NodeStream] = {}
     ends: list[TerminalEvent] = []
     revision: int = -1  # the last charge revision emitted; -1 before the first
+    triggers: list[str] = []  # per revision, the "topic:partition:offset" of the event that completed it
     applied: dict[str, int] = {}  # "topic:partition" -> highest offset applied
     ipc_partition: tuple[str, int] | None = None  # where this job's node.ipc events are read from
     latest_event_time: datetime | None = None  # event time of the newest event applied
@@ -138,7 +139,12 @@ class JobAccount(_State):
         """Fold one event into the account (mutates it) and say what it produced."""
         position = f"{origin.topic}:{origin.partition}"
         if origin.offset <= self.applied.get(position, -1):
-            return Step(redelivered=True)
+            # Already applied. If this event completed charges, they are emitted again: the state that
+            # says so may have been persisted while the charges themselves were lost in a crash. The
+            # ledger's (job id, revision) key absorbs the copies.
+            here = f"{position}:{origin.offset}"
+            again = tuple(self._charge(r, policy) for r, t in enumerate(self.triggers) if t == here)
+            return Step(charges=again, redelivered=True)
         self.applied[position] = origin.offset
         if self.latest_event_time is None or record.event_time > self.latest_event_time:
             self.latest_event_time = record.event_time
@@ -180,7 +186,7 @@ class JobAccount(_State):
         ns.close_offset = origin.offset
         if ns.first_offset < 0:
             ns.first_offset = origin.offset
-        charges = self._ready_charges(policy)
+        charges = self._ready_charges(policy, origin)
         return Step(charges=charges, estimate=self._estimate(policy, final=bool(charges)))
 
     def _apply_lifecycle(self, event: JobEvent, origin: Origin, policy: PricingPolicy) -> Step:
@@ -195,7 +201,7 @@ class JobAccount(_State):
             reason = f"lifecycle correction ({', '.join(changed)}) at {origin.topic}:{origin.partition}:{origin.offset}"
         self.ends.append(TerminalEvent(event=event, topic=origin.topic, partition=origin.partition,
                                        offset=origin.offset, reason=reason))
-        charges = self._ready_charges(policy)
+        charges = self._ready_charges(policy, origin)
         return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
 
     # ------------------------------------------------------------------ derived values
@@ -225,7 +231,7 @@ class JobAccount(_State):
         streams = ",".join(f"{n}:{s.blocks}:{int(s.closed)}" for n, s in sorted(self.nodes.items()))
         return f"{streams}/{len(self.ends)}"
 
-    def _ready_charges(self, policy: PricingPolicy) -> tuple[Charge, ...]:
+    def _ready_charges(self, policy: PricingPolicy, origin: Origin) -> tuple[Charge, ...]:
         """Every revision whose terminal event has arrived and whose nodes have all closed, in order."""
         out = []
         while self.revision + 1 < len(self.ends):
@@ -233,12 +239,14 @@ class JobAccount(_State):
             if not all(n in self.nodes and self.nodes[n].closed for n in terminal.event.nodes):
                 break
             self.revision += 1
-            out.append(self._charge(terminal, policy))
+            self.triggers.append(f"{origin.topic}:{origin.partition}:{origin.offset}")
+            out.append(self._charge(self.revision, policy))
         return tuple(out)
 
-    def _charge(self, terminal: TerminalEvent, policy: PricingPolicy) -> Charge:
+    def _charge(self, revision: int, policy: PricingPolicy) -> Charge:
+        terminal = self.ends[revision]
         streams = [(n, self.nodes[n]) for n in sorted(terminal.event.nodes)]
-        return build_charge(self.job_id, self.revision, terminal, streams, self.degradation(terminal.event.nodes),
+        return build_charge(self.job_id, revision, terminal, streams, self.degradation(terminal.event.nodes),
                             policy, self.ipc_partition)
 
     # ------------------------------------------------------------------ persistence
@@ -339,8 +347,8 @@ def process_message(
     # Charges name catalog topics: a topic prefix is a deployment detail, and replay into another
     # prefix must rebuild identical charges.
     step = account.apply(record, Origin(spec.name, origin.partition, origin.offset), policy)
-    if step.redelivered:
-        return None, []
+    if step.redelivered:  # state unchanged; only charges this event had completed are re-sent
+        return None, [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges]
     out: list[Outgoing] = []
     if step.rejected:
         out += reject(step.rejected)
@@ -352,16 +360,20 @@ def process_message(
 
 def fold_messages(messages: Iterable[tuple[Origin, bytes | None, bytes | None, float]], policy: PricingPolicy,
                   prefix: str = "") -> list[Charge]:
-    """Fold raw input messages (in the order given) as the stream worker does; every charge produced.
+    """Fold raw input messages (in the order given) as the stream worker does; every charge produced,
+    once per (job id, revision) as the ledger keeps them.
 
     Redeliveries are recognized by offset exactly as in the worker, so replaying a message
     twice changes nothing.
     """
     states: dict[bytes | None, bytes | None] = {}
-    charges: list[Charge] = []
+    charges: dict[tuple[str, int], Charge] = {}
     for origin, key, value, ts in messages:
         new_state, out = process_message(states.get(key), origin, key, value, ts, policy, prefix)
         if new_state is not None:
             states[key] = new_state
-        charges += [decode_model(Charge, o.value) for o in out if o.topic == LEDGER_CHARGES.name]
-    return charges
+        for o in out:
+            if o.topic == LEDGER_CHARGES.name:
+                c = decode_model(Charge, o.value)
+                charges.setdefault((c.job_id, c.revision), c)
+    return list(charges.values())

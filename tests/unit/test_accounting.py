@@ -218,3 +218,20 @@ def test_pause_credit_is_the_longest_per_node_pause():
     assert c.pause_credit_s == 3.5 and c.billed_time_s == 3596.5
     assert c.price == pytest.approx(2.0 * 10 * 3596.5 / 3600) and c.standard_price == 20.0
     assert [n.paused_s for n in c.nodes] == [2.0, 3.5]
+
+
+def test_a_charge_lost_in_a_crash_is_sent_again_when_its_trigger_is_redelivered():
+    """The worker persisted the job's state, then died before the charge left its producer buffer:
+    the redelivered event that completed the job must emit the same charge again."""
+    ipc, life = two_node_job()
+    msgs = as_messages(ipc, IPC) + as_messages(life, LIFE)
+    state, outs = None, []
+    for origin, key, value, ts in msgs:
+        new, out = process_message(state, origin, key, value, ts, POLICY)
+        state, outs = (new if new is not None else state), outs + out
+    [charge] = [o for o in outs if o.topic == "ledger.charges"]
+    trigger = msgs[-1]  # the end event arrived last, so it completed the job
+    again_state, again = process_message(state, *trigger, POLICY)
+    assert again_state is None and [o.value for o in again] == [charge.value]
+    _, nothing = process_message(state, *msgs[0], POLICY)  # any other redelivery stays silent
+    assert nothing == []
