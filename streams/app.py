@@ -9,16 +9,67 @@ BROKER.md) but from the reducer's offset de-duplication and the ledger's idempot
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import faust
+from confluent_kafka import Consumer, TopicPartition
 
 from nodeshare.config import Settings
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, JOBS_LIFECYCLE, LEDGER_CHARGES, NODE_IPC
 
-from .accounting import Origin, process_message
+from .accounting import Origin, Outgoing, PricingPolicy, process_message
+
+log = logging.getLogger(__name__)
+
+def read_range(settings: Settings, topic: str, partition: int, start: int, stop: int,
+               timeout_s: float = 60.0) -> list[tuple[Origin, bytes | None, bytes | None, float]]:
+    """Messages [start, stop) of one topic partition, in offset order. Waits on content, never on
+    end offsets (wrong on the bundled broker); raises if the range cannot be read in time."""
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"{settings.app_id}-repair", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    consumer.assign([TopicPartition(topic, partition, start)])
+    out: list[tuple[Origin, bytes | None, bytes | None, float]] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (not out or out[-1][0].offset < stop - 1) and time.monotonic() < deadline:
+            for m in consumer.consume(5000, timeout=0.5):
+                if m.error() is None and start <= (m.offset() or 0) < stop:
+                    out.append((Origin(topic, partition, m.offset() or 0), m.key(), m.value(), m.timestamp()[1] / 1000))
+    finally:
+        consumer.close()
+    if stop > start and (not out or out[-1][0].offset < stop - 1):
+        raise RuntimeError(f"could not re-read {topic}[{partition}] offsets {start}..{stop - 1} within "
+                           f"{timeout_s:.0f} s; rebuild from the archive with `nodeshare replay`")
+    return out
+
+
+def committed_offset(settings: Settings, topic: str, partition: int) -> int:
+    """The stream worker group's committed offset of a partition (0 when none)."""
+    consumer = Consumer(settings.client_config(**{"group.id": settings.app_id, "enable.auto.commit": False}))
+    try:
+        [tp] = consumer.committed([TopicPartition(topic, partition)], timeout=10)
+        return max(0, tp.offset)
+    finally:
+        consumer.close()
+
+
+def rebuild_states(messages: list[tuple[Origin, bytes | None, bytes | None, float]], policy: PricingPolicy,
+                   prefix: str = "") -> tuple[dict[bytes | None, bytes], list[Outgoing]]:
+    """Every job state of a partition folded from scratch from its input messages, and the charges
+    those states completed (to be sent again: the ledger's key absorbs copies). Pure."""
+    states: dict[bytes | None, bytes] = {}
+    charges: list[Outgoing] = []
+    for origin, key, value, ts in messages:
+        new, out = process_message(states.get(key), origin, key, value, ts, policy, prefix)
+        if new is not None:
+            states[key] = new
+        charges += [o for o in out if o.topic == LEDGER_CHARGES.name]
+    return states, charges
 
 
 def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
@@ -48,19 +99,52 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
     inputs = raw_topic(NODE_IPC.name, JOBS_LIFECYCLE.name)
     outputs = {t.name: raw_topic(t.name) for t in (LEDGER_CHARGES, ESTIMATES_DEGRADATION, DLQ)}
     accounts = app.Table("job-accounts", default=None, partitions=settings.partitions)
+    input_topics = [settings.topic(NODE_IPC.name), settings.topic(JOBS_LIFECYCLE.name)]
+
+    async def apply(origin: Origin, key: bytes | None, value: bytes | None, ts: float) -> None:
+        state = accounts.get(key) if key is not None else None
+        new_state, out = process_message(state, origin, key, value, ts, policy, prefix)
+        if new_state is not None:
+            accounts[key] = new_state
+        for o in out:
+            await outputs[o.topic].send(key=o.key, value=o.value)
+
+    async def rebuild(partition: int, topic: str, offset: int) -> None:
+        """Before the first event of a partition since this process started (or since a rebalance):
+        rebuild its job states from the input topics, up to where consumption resumes. The table
+        restored from the changelog is not trusted: after SIGKILLs on the bundled broker it was seen
+        to lack events whose offsets were committed (README, Reliability)."""
+        loop = asyncio.get_running_loop()
+        messages = []
+        for t in input_topics:
+            stop = offset if t == topic else await loop.run_in_executor(None, committed_offset, settings, t, partition)
+            if stop > 0:
+                messages += await loop.run_in_executor(None, read_range, settings, t, partition, 0, stop)
+        states, charges = rebuild_states(messages, policy, prefix)
+        log.warning("job-accounting: rebuilt %d job states of partition %d from %d input messages; "
+                    "re-sending %d charges", len(states), partition, len(messages), len(charges))
+        for key, state in states.items():
+            accounts[key] = state
+        for o in charges:
+            await outputs[o.topic].send(key=o.key, value=o.value)
+
+    checked: set[int] = set()
+    seen_rebalances = [app.rebalancing_count]
 
     @app.agent(inputs, name="job-accounting")
     async def job_accounting(stream: Any) -> None:
         async for event in stream.events():
+            # Never apply an event to a table that is being rebalanced or recovered.
+            while app.rebalancing or app.in_recovery:
+                await asyncio.sleep(0.05)
+            if app.rebalancing_count != seen_rebalances[0]:  # partitions may have moved: check again
+                seen_rebalances[0] = app.rebalancing_count
+                checked.clear()
             msg = event.message
-            origin = Origin(msg.topic, msg.partition, msg.offset)
-            key = event.key
-            state = accounts.get(key) if key is not None else None
-            new_state, out = process_message(state, origin, key, event.value, msg.timestamp, policy, prefix)
-            if new_state is not None:
-                accounts[key] = new_state
-            for o in out:
-                await outputs[o.topic].send(key=o.key, value=o.value)
+            if msg.partition not in checked:
+                await rebuild(msg.partition, msg.topic, msg.offset)
+                checked.add(msg.partition)
+            await apply(Origin(msg.topic, msg.partition, msg.offset), event.key, event.value, msg.timestamp)
 
     return app
 
