@@ -117,7 +117,11 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
         loop = asyncio.get_running_loop()
         messages = []
         for t in input_topics:
-            stop = offset if t == topic else await loop.run_in_executor(None, committed_offset, settings, t, partition)
+            if t == topic:
+                stop = offset  # the event in hand is where consumption resumes
+            else:  # where it resumes for the other topic: at least what this process already applied live
+                committed = await loop.run_in_executor(None, committed_offset, settings, t, partition)
+                stop = max(committed, applied_live.get((t, partition), -1) + 1)
             if stop > 0:
                 messages += await loop.run_in_executor(None, read_range, settings, t, partition, 0, stop)
         states, charges = rebuild_states(messages, policy, prefix)
@@ -129,6 +133,7 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
             await outputs[o.topic].send(key=o.key, value=o.value)
 
     checked: set[int] = set()
+    applied_live: dict[tuple[str, int], int] = {}  # (topic, partition) -> last offset this process applied
     seen_rebalances = [app.rebalancing_count]
 
     @app.agent(inputs, name="job-accounting")
@@ -145,6 +150,7 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
                 await rebuild(msg.partition, msg.topic, msg.offset)
                 checked.add(msg.partition)
             await apply(Origin(msg.topic, msg.partition, msg.offset), event.key, event.value, msg.timestamp)
+            applied_live[(msg.topic, msg.partition)] = msg.offset
 
     return app
 
