@@ -25,6 +25,8 @@ schemas_app = typer.Typer(no_args_is_help=True, help="The record contract as JSO
 sink_app = typer.Typer(no_args_is_help=True, help="Run a sink in the foreground.")
 archive_app = typer.Typer(no_args_is_help=True, help="Archive housekeeping.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print numbers and write them to a JSON file.")
+config_app = typer.Typer(no_args_is_help=True, help="The effective configuration.")
+app.add_typer(config_app, name="config")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(sink_app, name="sink")
@@ -34,18 +36,34 @@ app.add_typer(archive_app, name="archive")
 out = Console()
 if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
     out = Console(width=140)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # one line per message: greppable
+
+
+@app.callback()
+def _global_options(
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="TOML configuration file (default: NODESHARE_CONFIG); environment variables win over it",
+        dir_okay=False)] = None,
+) -> None:
+    from nodeshare.config import CONFIG_FILE
+
+    CONFIG_FILE.set(config)  # None: fall back to NODESHARE_CONFIG
 
 
 def _settings(**overrides: Any) -> Any:
-    from nodeshare.config import Settings
+    from nodeshare.config import Settings, config_file
 
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        err.print(f"[red]configuration error[/red]: NODESHARE_{field.upper()}: {first['msg']}")
+        where = f" or '{field}' in {config_file()}" if config_file() else ""
+        err.print(f"[red]configuration error[/red]: NODESHARE_{field.upper().replace('.', '_')}{where}: "
+                  f"{first['msg']}")
+        raise typer.Exit(2) from None
+    except (FileNotFoundError, ValueError) as exc:  # a missing or malformed TOML file
+        err.print(f"[red]configuration error[/red]: {exc}")
         raise typer.Exit(2) from None
 
 
@@ -62,6 +80,23 @@ Bootstrap = Annotated[str | None, typer.Option(help="Kafka bootstrap servers (de
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=False)
+
+
+@config_app.command("show")
+def config_show(as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
+    """Print the effective configuration (defaults < config file < environment), secrets masked."""
+    from nodeshare.config import config_file
+
+    data = _settings().masked()
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+        return
+    table = Table(title=f"Effective configuration (file: {config_file() or 'none'})")
+    table.add_column("key")
+    table.add_column("value")
+    for k, v in data.items():
+        table.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
+    out.print(table)
 
 
 @app.command()
@@ -89,7 +124,8 @@ def demo(
     from nodeshare.producers.simulator import SimConfig
 
     settings = _settings(bootstrap=bootstrap)
-    cfg = SimConfig(nodes=nodes, jobs=jobs, seed=seed)
+    cfg = SimConfig(nodes=nodes, jobs=jobs, seed=seed, k=settings.samples_per_region,
+                    sample_us=settings.sample_us, period_ms=settings.period_ms)
     tasks: dict[str, Any] = {}
     with _progress() as bar:
         def progress(stage: str, done: int, total: int) -> None:
@@ -245,7 +281,8 @@ def simulate(
 
     settings = _settings(bootstrap=bootstrap)
     _require_bootstrap(settings)
-    sim = run_simulation(SimConfig(nodes=nodes, jobs=jobs, seed=seed))
+    sim = run_simulation(SimConfig(nodes=nodes, jobs=jobs, seed=seed, k=settings.samples_per_region,
+                                   sample_us=settings.sample_us, period_ms=settings.period_ms))
     write_truth(sim.truth, truth)
     tasks: dict[str, Any] = {}
     with _progress() as bar:

@@ -1,16 +1,27 @@
-"""The one settings object: defaults, overridden by NODESHARE_* environment variables."""
+"""The one settings object.
+
+Precedence, highest first: explicit arguments, NODESHARE_* environment variables, the TOML file
+named by --config or NODESHARE_CONFIG, defaults. Unknown keys and bad values are errors that
+name the key. deploy/nodeshare.example.toml documents every key.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from contextvars import ContextVar
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from nodeshare.streams.accounting import PricingPolicy
 from nodeshare.streams.degradation import DEFAULT_DELTA
 from nodeshare.streams.pricing import POPPA_EQ4
+
+#: The configuration file given on the command line (--config); NODESHARE_CONFIG is the fallback.
+CONFIG_FILE: ContextVar[Path | None] = ContextVar("nodeshare_config_file", default=None)
 
 #: Kafka client settings whose values must never be printed or logged.
 SECRET_KAFKA_KEYS = frozenset({"sasl.password", "ssl.key.password", "ssl.keystore.password"})
@@ -36,6 +47,24 @@ class Settings(BaseSettings):
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
     delta: Annotated[float, Field(gt=0.0)] = DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = POPPA_EQ4  # streams.pricing.RATE_FUNCTIONS
+    # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
+    samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
+    sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
+    period_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 200
+    power_budget_watts: Annotated[float, Field(gt=0.0)] | None = None  # the machine's bound (Seed 004)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = config_file()
+        if path is None:
+            return init_settings, env_settings
+        if not path.is_file():
+            raise FileNotFoundError(f"configuration file {path} does not exist")
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=path)
 
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}{name}"
@@ -65,3 +94,12 @@ class Settings(BaseSettings):
         data = self.model_dump()
         data["kafka"] = {k: ("***" if k in SECRET_KAFKA_KEYS else v) for k, v in self.kafka.items()}
         return data
+
+
+def config_file() -> Path | None:
+    """The configuration file in force: --config, else NODESHARE_CONFIG, else none."""
+    chosen = CONFIG_FILE.get()
+    if chosen is not None:
+        return chosen
+    env = os.environ.get("NODESHARE_CONFIG")
+    return Path(env) if env else None

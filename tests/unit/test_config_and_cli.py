@@ -1,6 +1,7 @@
 """Settings precedence, clear configuration errors, and the CLI surface."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -71,3 +72,43 @@ def test_configurable_rate_functions_are_exactly_the_implemented_ones():
 
     assert set(get_args(Settings.model_fields["rate_function"].annotation)) == set(RATE_FUNCTIONS)
     assert Settings(rate_function="sop").policy().rate_function == "sop"
+
+
+EXAMPLE = Path(__file__).parents[2] / "deploy" / "nodeshare.example.toml"
+
+
+def test_the_example_file_documents_every_key_and_loads(monkeypatch):
+    import tomllib
+
+    monkeypatch.setenv("NODESHARE_CONFIG", str(EXAMPLE))
+    s = Settings()
+    assert set(tomllib.loads(EXAMPLE.read_text())) == set(Settings.model_fields)
+    assert s.bootstrap.startswith("kafka-1") and s.kafka["security.protocol"] == "SASL_SSL"
+    assert s.power_budget_watts == 28000.0 and s.policy().rate_function == "poppa_eq4"
+
+
+def test_environment_wins_over_the_file_and_secrets_are_masked(monkeypatch):
+    monkeypatch.setenv("NODESHARE_CONFIG", str(EXAMPLE))
+    monkeypatch.setenv("NODESHARE_DELTA", "0.07")
+    result = runner.invoke(app, ["config", "show", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert shown["delta"] == 0.07 and shown["period_ms"] == 200
+    assert shown["kafka"]["sasl.password"] == "***" and "change-me" not in result.output
+
+
+def test_config_option_and_unknown_keys(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('topic_prefix = "site."\nsample_us = 800\n')
+    result = runner.invoke(app, ["--config", str(good), "config", "show", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["sample_us"] == 800
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rate_per_core_hr = 2.0\n")
+    result = runner.invoke(app, ["--config", str(bad), "config", "show"])
+    assert result.exit_code == 2 and "rate_per_core_hr" in result.output
+    worse = tmp_path / "worse.toml"
+    worse.write_text("period_ms = 0\n")
+    result = runner.invoke(app, ["--config", str(worse), "config", "show"])
+    assert result.exit_code == 2 and "period_ms" in result.output and "worse.toml" in result.output
+    result = runner.invoke(app, ["--config", str(tmp_path / "absent.toml"), "config", "show"])
+    assert result.exit_code == 2 and "does not exist" in result.output
