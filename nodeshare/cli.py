@@ -355,6 +355,79 @@ def audit(
         raise typer.Exit(1)
 
 
+def _split(values: list[str] | None) -> list[str]:
+    return [v for item in values or [] for v in item.split(",") if v]
+
+
+@app.command()
+def charges(
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+    user: Annotated[list[str] | None, typer.Option("--user", "-u", help="user(s), comma-separated")] = None,
+    account: Annotated[list[str] | None, typer.Option("--account", "-A", help="account(s), comma-separated")] = None,
+    starttime: Annotated[str | None, typer.Option("--starttime", "-S", help="YYYY-MM-DD[THH:MM[:SS]] (UTC)")] = None,
+    endtime: Annotated[str | None, typer.Option("--endtime", "-E", help="YYYY-MM-DD[THH:MM[:SS]] (UTC)")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-o", help="comma-separated columns")] = "",
+    parsable: Annotated[bool, typer.Option("--parsable2", "-P", help="'|'-separated, no trailing delimiter")] = False,
+    noheader: Annotated[bool, typer.Option("--noheader", "-n", help="no header line")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
+    all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
+) -> None:
+    """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime."""
+    from nodeshare.sinks.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parsable2, parse_time, render_value
+    from nodeshare.sinks.usage import charges as query
+
+    try:
+        header, rows = query(
+            ledger, users=_split(user), accounts=_split(account),
+            start=parse_time(starttime) if starttime else None, end=parse_time(endtime) if endtime else None,
+            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions)
+    except (QueryError, FileNotFoundError) as exc:
+        err.print(f"[red]charges[/red]: {exc}  (columns: {', '.join(CHARGE_COLUMNS)})")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps([dict(zip(header, r, strict=True)) for r in rows], indent=2, default=str))
+    elif parsable:
+        print(parsable2(header, rows, noheader=noheader))
+    else:
+        table = Table(show_header=not noheader, box=None)
+        for c in header:
+            table.add_column(c, justify="left" if c in ("JobID", "User", "Account", "Program", "State") else "right")
+        for r in rows:
+            table.add_row(*(render_value(c, v) for c, v in zip(header, r, strict=True)))
+        out.print(table)
+
+
+@app.command("report-usage")
+def report_usage(
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+    starttime: Annotated[str | None, typer.Option("--starttime", "-S", help="jobs that ended from (UTC)")] = None,
+    endtime: Annotated[str | None, typer.Option("--endtime", "-E", help="jobs that ended before (UTC)")] = None,
+    parsable: Annotated[bool, typer.Option("--parsable2", "-P", help="'|'-separated, no trailing delimiter")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
+) -> None:
+    """Standard price, charged and dividend by account and user, like
+    `sreport cluster AccountUtilizationByUser` (an account's total first, then its users)."""
+    from nodeshare.sinks.usage import USAGE_COLUMNS, QueryError, parsable2, parse_time, usage_by_account
+
+    try:
+        rows = usage_by_account(ledger, parse_time(starttime) if starttime else None,
+                                parse_time(endtime) if endtime else None)
+    except (QueryError, FileNotFoundError) as exc:
+        err.print(f"[red]report-usage[/red]: {exc}")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps([dict(zip(USAGE_COLUMNS, r, strict=True)) for r in rows], indent=2, default=str))
+    elif parsable:
+        print(parsable2(USAGE_COLUMNS, rows))
+    else:
+        table = Table(title="Usage by account and user (SU)", box=None)
+        for c in USAGE_COLUMNS:
+            table.add_column(c, justify="left" if c in ("Account", "Login") else "right")
+        for r in rows:
+            table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r))
+        out.print(table)
+
+
 @app.command()
 def report(
     ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
