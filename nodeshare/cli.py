@@ -195,6 +195,61 @@ def topics_create(bootstrap: Bootstrap = None) -> None:
         out.print(f"{status:8} {name}")
 
 
+@topics_app.command("describe")
+def topics_describe(bootstrap: Bootstrap = None) -> None:
+    """The catalog's topics as the broker has them: present, partitions, cleanup policy."""
+    from nodeshare.sinks.inspect import describe_topics
+
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    table = Table(title=f"Topics on {settings.bootstrap}")
+    for col in ("topic", "exists", "partitions", "cleanup.policy", "expected"):
+        table.add_column(col)
+    for t in describe_topics(settings):
+        policy = t.cleanup_policy or "(not reported)"
+        flag = "" if t.cleanup_policy in (None, t.expected_cleanup_policy) else " [red](differs)[/red]"
+        table.add_row(t.name, "yes" if t.exists else "[red]missing[/red]", str(t.partitions or "-"),
+                      policy + flag, t.expected_cleanup_policy)
+    out.print(table)
+
+
+dlq_app = typer.Typer(no_args_is_help=True, help="The dead-letter topic.")
+app.add_typer(dlq_app, name="dlq")
+
+
+@dlq_app.command("show")
+def dlq_show(
+    first: Annotated[int, typer.Option(min=0, help="how many records to show")] = 10,
+    idle: Annotated[float, typer.Option(help="stop after the topic has been quiet this many seconds")] = 3.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Dead letters by reason and origin, and the first records with their bytes."""
+    from nodeshare.sinks.inspect import preview, read_dead_letters
+
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    summary = read_dead_letters(settings, first=first, idle_s=idle)
+    if as_json:
+        print(json.dumps(summary.as_dict(), indent=2))
+        return
+    out.print(f"{summary.total} dead letters on {settings.topic('dlq')}"
+              + (f" ({summary.undecodable} not readable as dead letters)" if summary.undecodable else ""))
+    reasons = Table(title="By reason")
+    reasons.add_column("count", justify="right")
+    reasons.add_column("reason")
+    for reason, n in summary.by_reason.most_common():
+        reasons.add_row(str(n), reason)
+    out.print(reasons)
+    records = Table(title=f"First {len(summary.first)}")
+    for col in ("origin", "reason", "field", "bytes"):
+        records.add_column(col)
+    for d in summary.first:
+        records.add_row(f"{d.origin_topic}[{d.origin_partition}]@{d.origin_offset}", d.reason, d.field or "",
+                        preview(d.value_b64))
+    out.print(records)
+
+
 @topics_app.command("list")
 def topics_list() -> None:
     """Print the topic catalog."""

@@ -126,3 +126,14 @@ def test_replaying_the_archive_rebuilds_the_same_ledger(run: DemoResult, tmp_pat
     original = {(c.job_id, c.revision): c for c in run.charges}
     assert again.keys() == original.keys()
     assert all(again[k] == original[k] for k in original)  # offsets included: replay kept them
+
+
+def test_operators_see_the_dead_letters_and_the_topics(run: DemoResult) -> None:
+    from nodeshare.sinks.inspect import describe_topics, read_dead_letters
+
+    summary = read_dead_letters(run.settings, first=2, idle_s=2.0)
+    assert summary.total == len(BAD_INPUTS) and summary.undecodable == 0
+    assert sum(summary.by_reason.values()) == len(BAD_INPUTS) and len(summary.first) == 2
+    assert summary.by_origin[run.settings.topic("node.ipc")] == 3
+    topics = describe_topics(run.settings)
+    assert all(t.exists for t in topics) and {t.partitions for t in topics} == {run.settings.partitions}

@@ -46,7 +46,8 @@ def test_commands_that_need_a_broker_say_so(monkeypatch):
 @pytest.mark.parametrize("command", [
     [], ["demo"], ["audit"], ["topics", "create"], ["topics", "list"], ["schemas", "export"], ["worker"],
     ["sink", "ledger"], ["sink", "archive"], ["simulate"], ["broker"], ["replay"], ["bench", "audit"],
-    ["archive", "compact"],
+    ["archive", "compact"], ["topics", "describe"], ["dlq", "show"], ["charges"], ["report-usage"],
+    ["config", "show"],
 ])
 def test_every_command_has_help(command):
     result = runner.invoke(app, [*command, "--help"])

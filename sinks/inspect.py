@@ -1,0 +1,100 @@
+"""Operator views of the topics themselves: the catalog on the broker, and the dead letters."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer
+from confluent_kafka.admin import AdminClient, ConfigResource
+
+from nodeshare.config import Settings
+from nodeshare.schemas import TOPICS, DeadLetter, DecodeError, decode_model
+
+
+@dataclass(frozen=True)
+class TopicState:
+    name: str
+    exists: bool
+    partitions: int | None
+    cleanup_policy: str | None  # as the broker reports it; None when it does not say
+    expected_cleanup_policy: str
+
+
+def describe_topics(settings: Settings, timeout_s: float = 15.0) -> list[TopicState]:
+    admin = AdminClient(settings.client_config())
+    meta = admin.list_topics(timeout=timeout_s).topics
+    names = [settings.topic(t.name) for t in TOPICS]
+    policies: dict[str, str | None] = {}
+    present = [n for n in names if n in meta]
+    if present:
+        futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, n) for n in present])
+        for res, fut in futures.items():
+            try:
+                entry = fut.result(timeout=timeout_s).get("cleanup.policy")
+                policies[res.name] = entry.value if entry is not None else None
+            except Exception:  # a broker that does not describe configs: say nothing rather than guess
+                policies[res.name] = None
+    return [TopicState(settings.topic(t.name), settings.topic(t.name) in meta,
+                       len(meta[settings.topic(t.name)].partitions) if settings.topic(t.name) in meta else None,
+                       policies.get(settings.topic(t.name)), t.cleanup_policy) for t in TOPICS]
+
+
+@dataclass
+class DeadLetterSummary:
+    total: int = 0
+    by_reason: Counter[str] = field(default_factory=Counter)
+    by_origin: Counter[str] = field(default_factory=Counter)
+    first: list[DeadLetter] = field(default_factory=list)
+    undecodable: int = 0  # records on the dead-letter topic that are not dead letters themselves
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total, "undecodable": self.undecodable,
+            "by_reason": dict(self.by_reason.most_common()), "by_origin": dict(self.by_origin.most_common()),
+            "first": [{"origin": f"{d.origin_topic}[{d.origin_partition}]@{d.origin_offset}", "reason": d.reason,
+                       "field": d.field, "value": preview(d.value_b64)} for d in self.first],
+        }
+
+
+def preview(value_b64: str, limit: int = 80) -> str:
+    raw = base64.b64decode(value_b64)
+    text = raw[:limit].decode("utf-8", errors="backslashreplace")
+    return text + ("..." if len(raw) > limit else "")
+
+
+def read_dead_letters(settings: Settings, *, first: int = 10, idle_s: float = 3.0,
+                      max_s: float = 120.0) -> DeadLetterSummary:
+    """Read the dead-letter topic from the beginning until it has been quiet for ``idle_s``
+    (this broker's end offsets cannot be trusted to say where the topic ends)."""
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"nodeshare-dlq-reader-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "earliest",
+        "enable.auto.commit": False, "session.timeout.ms": settings.session_timeout_ms}))
+    consumer.subscribe([settings.topic("dlq")])
+    summary = DeadLetterSummary()
+    start = last = time.monotonic()
+    try:
+        while time.monotonic() - last < idle_s + (settings.session_timeout_ms / 1000 if not summary.total else 0):
+            if time.monotonic() - start > max_s:
+                break
+            for m in consumer.consume(1000, timeout=0.5):
+                if m.error() is not None:
+                    continue
+                last = time.monotonic()
+                summary.total += 1
+                try:
+                    dl = decode_model(DeadLetter, m.value() or b"")
+                except DecodeError:
+                    summary.undecodable += 1
+                    continue
+                summary.by_reason[dl.reason] += 1
+                summary.by_origin[dl.origin_topic] += 1
+                if len(summary.first) < first:
+                    summary.first.append(dl)
+    finally:
+        consumer.close()
+    return summary
