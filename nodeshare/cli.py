@@ -291,6 +291,9 @@ def worker(
 
 
 def _run_sink(sink: Any) -> None:
+    from nodeshare import metrics
+
+    metrics.serve(sink.settings.metrics_port, sink.settings.metrics_addr)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

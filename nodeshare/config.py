@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
     period_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 200
     power_budget_watts: Annotated[float, Field(gt=0.0)] | None = None  # the machine's bound (Seed 004)
+    metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None  # Prometheus endpoint; off when unset
+    metrics_addr: str = "127.0.0.1"
 
     @classmethod
     def settings_customise_sources(

@@ -181,7 +181,7 @@ class ArchiveSink(BatchSink):
 
     def __init__(self, settings: Settings, root: Path, topics: Iterable[str] | None = None) -> None:
         names = list(topics) if topics is not None else [t.name for t in INPUT_TOPICS]
-        super().__init__(settings, names, group_id=f"{settings.app_id}-archive-sink")
+        super().__init__(settings, names, "archive")
         self.archive = ParquetArchive(root)
 
     def resume_offsets(self, partitions: list[TopicPartition]) -> None:

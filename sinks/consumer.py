@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from nodeshare import metrics
 from nodeshare.config import Settings
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,12 @@ class BatchSink:
     the archive resumes after the offsets it already holds).
     """
 
-    def __init__(self, settings: Settings, topics: Sequence[str], group_id: str, *,
+    def __init__(self, settings: Settings, topics: Sequence[str], name: str, *,
                  max_batch: int = 10_000, max_delay_s: float = 0.5) -> None:
         self.settings = settings
         self.topics = [settings.topic(t) for t in topics]
-        self.group_id = group_id
+        self.name = name
+        self.group_id = f"{settings.app_id}-{name}-sink"
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
         self.messages_written = 0
@@ -82,6 +84,7 @@ class BatchSink:
         consumer.commit(offsets=_next_offsets(batch), asynchronous=False)
         self.messages_written += len(batch)
         self.batches_written += 1
+        metrics.SINK_ROWS.labels(self.name).inc(len(batch))
 
 
 def position(m: Message) -> tuple[str, int, int]:

@@ -16,6 +16,7 @@ from typing import Any
 import duckdb
 from confluent_kafka import Message
 
+from nodeshare import metrics
 from nodeshare.config import Settings
 from nodeshare.schemas import Charge, DecodeError, decode_model
 from nodeshare.schemas.catalog import LEDGER_CHARGES
@@ -211,7 +212,7 @@ class LedgerSink(BatchSink):
     to the dead-letter topic; a redelivered charge is ignored by the (job id, revision) key."""
 
     def __init__(self, settings: Settings, ledger_path: Path, dead_letters: Any = None) -> None:
-        super().__init__(settings, [LEDGER_CHARGES.name], group_id=f"{settings.app_id}-ledger-sink")
+        super().__init__(settings, [LEDGER_CHARGES.name], "ledger")
         self.ledger_path = ledger_path
         self.dead_letters = dead_letters  # an EventProducer, or None to raise instead
         self.rows_inserted = 0
@@ -228,7 +229,9 @@ class LedgerSink(BatchSink):
             except DecodeError as exc:
                 self._reject(m, exc)
         with self._lock, Ledger(self.ledger_path) as ledger:
-            self.rows_inserted += ledger.append(rows)
+            new = ledger.append(rows)
+        self.rows_inserted += new
+        metrics.LEDGER_ROWS.inc(new)
         if self.dead_letters is not None:
             self.dead_letters.flush()
 

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -68,6 +69,7 @@ class Step:
     estimate: DegradationEstimate | None = None
     rejected: str | None = None  # a reason: the event goes to the dead-letter topic
     redelivered: bool = False  # already applied: skipped silently
+    block_accepted: bool | None = None  # a shutter block's Alg. 4 verdict (None: not a counted block)
 
 
 class _State(BaseModel):
@@ -166,7 +168,7 @@ class JobAccount(_State):
             ns.ignored += 1
             return Step(rejected=f"cycle {block.cycle} out of order (last was {ns.last_cycle})")
         sums = ns.sums()
-        sums.add(block, policy.delta)
+        accepted = sums.add(block, policy.delta)
         ns.store(sums)
         ns.blocks += 1
         ns.last_cycle = block.cycle
@@ -174,7 +176,7 @@ class JobAccount(_State):
             ns.first_cycle = block.cycle
         if ns.first_offset < 0:
             ns.first_offset = origin.offset
-        return Step()
+        return Step(block_accepted=accepted)
 
     def _apply_left(self, left: JobLeftNode, origin: Origin, policy: PricingPolicy) -> Step:
         ns = self.nodes.setdefault(left.node, NodeStream())
@@ -306,11 +308,19 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
 
 @dataclass(frozen=True)
 class Outgoing:
-    """A message to publish: catalog topic (without prefix), key, value."""
+    """A message to publish: catalog topic (without prefix), key, value; for a dead letter, its kind
+    (decode, key_mismatch or rejected) for metrics."""
 
     topic: str
     key: bytes
     value: bytes
+    kind: str = ""
+
+
+class Processed(NamedTuple):
+    state: bytes | None  # the job's new state; None when unchanged
+    out: list[Outgoing]  # what to publish
+    block_accepted: bool | None  # a shutter block's Alg. 4 verdict, for metrics; None otherwise
 
 
 #: The fields of a terminal event that a charge depends on.
@@ -324,38 +334,40 @@ def _billing_changes(old: JobEvent, new: JobEvent) -> list[str]:
 def process_message(
     state: bytes | None, origin: Origin, key: bytes | None, value: bytes | None, timestamp_s: float,
     policy: PricingPolicy, prefix: str = "",
-) -> tuple[bytes | None, list[Outgoing]]:
+) -> Processed:
     """One input message in, the job's new state and the messages to publish out.
 
     Pure: the faust agent only does the table and topic I/O around it; the audit folds the
     archive through it too, so both apply the same rules to the same bytes.
     """
-    def reject(reason: str, field: str | None = None) -> list[Outgoing]:
+    def reject(reason: str, field: str | None = None, kind: str = "rejected") -> list[Outgoing]:
         dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, timestamp_s, reason,
                          field=field, source=SOURCE)
-        return [Outgoing(DLQ.name, origin.topic.encode(), encode(dl))]
+        return [Outgoing(DLQ.name, origin.topic.encode(), encode(dl), kind)]
 
     spec = spec_for_topic(origin.topic, prefix)
     try:
         record: Record = decode(spec, value)
     except DecodeError as exc:
-        return None, reject(exc.reason, exc.field)
+        return Processed(None, reject(exc.reason, exc.field, "decode"), None)
     job_id: str = record.job_id  # type: ignore[attr-defined]  # both input topics carry job_id
     if key != job_id.encode():
-        return None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key")
+        return Processed(None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key", "key_mismatch"),
+                         None)
     account = JobAccount.loads(state, job_id)
     # Charges name catalog topics: a topic prefix is a deployment detail, and replay into another
     # prefix must rebuild identical charges.
     step = account.apply(record, Origin(spec.name, origin.partition, origin.offset), policy)
     if step.redelivered:  # state unchanged; only charges this event had completed are re-sent
-        return None, [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges]
+        return Processed(None, [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges],
+                         None)
     out: list[Outgoing] = []
     if step.rejected:
         out += reject(step.rejected)
     if step.estimate is not None:
         out.append(Outgoing(ESTIMATES_DEGRADATION.name, job_id.encode(), encode(step.estimate)))
     out += [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges]
-    return account.dumps(), out
+    return Processed(account.dumps(), out, step.block_accepted)
 
 
 def fold_messages(messages: Iterable[tuple[Origin, bytes | None, bytes | None, float]], policy: PricingPolicy,
@@ -369,7 +381,7 @@ def fold_messages(messages: Iterable[tuple[Origin, bytes | None, bytes | None, f
     states: dict[bytes | None, bytes | None] = {}
     charges: dict[tuple[str, int], Charge] = {}
     for origin, key, value, ts in messages:
-        new_state, out = process_message(states.get(key), origin, key, value, ts, policy, prefix)
+        new_state, out, _ = process_message(states.get(key), origin, key, value, ts, policy, prefix)
         if new_state is not None:
             states[key] = new_state
         for o in out:

@@ -19,6 +19,7 @@ from typing import Any
 import faust
 from confluent_kafka import Consumer, TopicPartition
 
+from nodeshare import metrics
 from nodeshare.config import Settings
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, JOBS_LIFECYCLE, LEDGER_CHARGES, NODE_IPC
 
@@ -65,7 +66,7 @@ def rebuild_states(messages: list[tuple[Origin, bytes | None, bytes | None, floa
     states: dict[bytes | None, bytes] = {}
     charges: list[Outgoing] = []
     for origin, key, value, ts in messages:
-        new, out = process_message(states.get(key), origin, key, value, ts, policy, prefix)
+        new, out, _ = process_message(states.get(key), origin, key, value, ts, policy, prefix)
         if new is not None:
             states[key] = new
         charges += [o for o in out if o.topic == LEDGER_CHARGES.name]
@@ -102,12 +103,22 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
     input_topics = [settings.topic(NODE_IPC.name), settings.topic(JOBS_LIFECYCLE.name)]
 
     async def apply(origin: Origin, key: bytes | None, value: bytes | None, ts: float) -> None:
+        started = time.perf_counter()
         state = accounts.get(key) if key is not None else None
-        new_state, out = process_message(state, origin, key, value, ts, policy, prefix)
+        new_state, out, block_accepted = process_message(state, origin, key, value, ts, policy, prefix)
         if new_state is not None:
             accounts[key] = new_state
+        metrics.EVENTS_IN.labels(origin.topic).inc()
+        if block_accepted is not None:
+            metrics.SHUTTER_BLOCKS.labels("accepted" if block_accepted else "rejected").inc()
         for o in out:
             await outputs[o.topic].send(key=o.key, value=o.value)
+            metrics.EVENTS_OUT.labels(settings.topic(o.topic)).inc()
+            if o.kind:
+                metrics.DEAD_LETTERS.labels(o.kind).inc()
+            elif o.topic == LEDGER_CHARGES.name:
+                metrics.CHARGES_EMITTED.inc()
+        metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
 
     async def rebuild(partition: int, topic: str, offset: int) -> None:
         """Before the first event of a partition since this process started (or since a rebalance):
@@ -158,6 +169,7 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
 def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> None:
     """Run one stream worker in the foreground until SIGTERM/SIGINT."""
     app = make_app(settings, datadir)
+    metrics.serve(settings.metrics_port, settings.metrics_addr)
     # The web server is off (BROKER.md: it would bind 0.0.0.0:6066 otherwise).
     sys.argv = ["nodeshare-worker", "worker", "--without-web", "--loglevel", loglevel]
     app.main()

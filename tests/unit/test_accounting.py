@@ -107,7 +107,7 @@ def test_redelivery_after_a_crash_changes_nothing(cut, replay_from):
 def _run(msgs: list[tuple]) -> tuple[JobAccount, list]:
     state, outs = None, []
     for origin, key, value, ts in msgs:
-        new, out = process_message(state, origin, key, value, ts, POLICY)
+        new, out, _ = process_message(state, origin, key, value, ts, POLICY)
         state = new if new is not None else state
         outs += out
     return JobAccount.model_validate_json(state), outs
@@ -190,7 +190,7 @@ def test_job_without_blocks_pays_the_standard_price():
 
 @pytest.mark.parametrize("value", [b"\xde\xad\xbe\xef", b'{"kind":"shutter_block"', b'{"kind":"job_event"}'])
 def test_undecodable_bytes_go_to_the_dead_letter_topic_with_origin(value):
-    new_state, out = process_message(None, Origin(IPC, 3, 42), b"j1", value, 1.7e9, POLICY)
+    new_state, out, _ = process_message(None, Origin(IPC, 3, 42), b"j1", value, 1.7e9, POLICY)
     assert new_state is None
     [dl] = _dead_letters(out)
     assert (dl.origin_topic, dl.origin_partition, dl.origin_offset) == (IPC, 3, 42)
@@ -199,7 +199,7 @@ def test_undecodable_bytes_go_to_the_dead_letter_topic_with_origin(value):
 
 def test_key_must_match_the_job_id():
     rec = block(1, 2, 1, job="j1")
-    new_state, out = process_message(None, Origin(IPC, 0, 0), b"j2", encode(rec), 0.0, POLICY)
+    new_state, out, _ = process_message(None, Origin(IPC, 0, 0), b"j2", encode(rec), 0.0, POLICY)
     assert new_state is None and _dead_letters(out)[0].field == "key"
 
 
@@ -227,13 +227,13 @@ def test_a_charge_lost_in_a_crash_is_sent_again_when_its_trigger_is_redelivered(
     msgs = as_messages(ipc, IPC) + as_messages(life, LIFE)
     state, outs = None, []
     for origin, key, value, ts in msgs:
-        new, out = process_message(state, origin, key, value, ts, POLICY)
+        new, out, _ = process_message(state, origin, key, value, ts, POLICY)
         state, outs = (new if new is not None else state), outs + out
     [charge] = [o for o in outs if o.topic == "ledger.charges"]
     trigger = msgs[-1]  # the end event arrived last, so it completed the job
-    again_state, again = process_message(state, *trigger, POLICY)
+    again_state, again, _ = process_message(state, *trigger, POLICY)
     assert again_state is None and [o.value for o in again] == [charge.value]
-    _, nothing = process_message(state, *msgs[0], POLICY)  # any other redelivery stays silent
+    _, nothing, _ = process_message(state, *msgs[0], POLICY)  # any other redelivery stays silent
     assert nothing == []
 
 

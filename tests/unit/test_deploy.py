@@ -45,3 +45,18 @@ def test_nodeshare_services_use_real_commands_and_reach_kafka(compose):
 def test_topics_are_created_before_the_pipeline_starts(compose):
     for name in ("worker", "ledger-sink", "archive-sink"):
         assert compose["services"][name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+
+
+def test_grafana_dashboard_queries_only_metrics_the_code_exports():
+    import json
+    import re
+
+    from prometheus_client.metrics import MetricWrapperBase
+
+    import nodeshare.metrics as m
+
+    families = {v._name for v in vars(m).values() if isinstance(v, MetricWrapperBase)}
+    dashboard = json.loads((COMPOSE.parent / "grafana-dashboard.json").read_text())
+    used = {re.sub(r"_(total|bucket|count|sum)$", "", name) for p in dashboard["panels"] for t in p["targets"]
+            for name in re.findall(r"nodeshare_[a-z_]+", t["expr"])}
+    assert used == families  # nothing queried that is not exported, and a panel for every metric

@@ -1,0 +1,32 @@
+"""Prometheus metrics of the stream worker, the sinks and the demo (prometheus-client).
+
+Each process serves its own registry on ``NODESHARE_METRICS_PORT`` (off when unset), bound to
+``NODESHARE_METRICS_ADDR`` (loopback by default). Label values are bounded sets: topics of the
+catalog and dead-letter kinds, never raw reasons or job ids.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram, start_http_server
+
+EVENTS_IN = Counter("nodeshare_events_in_total", "Input messages consumed", ["topic"])
+EVENTS_OUT = Counter("nodeshare_events_out_total", "Messages published", ["topic"])
+DEAD_LETTERS = Counter("nodeshare_dead_letters_total", "Input refused, by kind", ["kind"])
+SHUTTER_BLOCKS = Counter("nodeshare_shutter_blocks_total", "Shutter blocks by the Alg. 4 filter's verdict",
+                         ["verdict"])
+CHARGES_EMITTED = Counter("nodeshare_charges_emitted_total", "Charge revisions published by the stream worker")
+PROCESSING_SECONDS = Histogram("nodeshare_processing_seconds", "Time to apply one input message",
+                               buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0))
+SINK_ROWS = Counter("nodeshare_sink_rows_total", "Messages made durable by a sink", ["sink"])
+LEDGER_ROWS = Counter("nodeshare_ledger_rows_total", "New ledger rows (redelivered charges excluded)")
+
+#: Dead-letter kinds: the label values of DEAD_LETTERS.
+DECODE, KEY_MISMATCH, REJECTED = "decode", "key_mismatch", "rejected"
+
+
+def serve(port: int | None, addr: str = "127.0.0.1") -> bool:
+    """Start the metrics endpoint of this process if a port is configured."""
+    if port is None:
+        return False
+    start_http_server(port, addr=addr)
+    return True

@@ -1,0 +1,58 @@
+"""The worker's Prometheus endpoint, scraped while it processes a simulated run."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nodeshare.config import Settings
+from nodeshare.demo import publish, running_pipeline
+from nodeshare.deploy.broker import free_port
+from nodeshare.producers.simulator import SimConfig, simulate
+
+pytestmark = pytest.mark.integration
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_worker_metrics_move_during_a_run(kafka_bootstrap: str, tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:8]
+    port = free_port()
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=f"m{tag}.", app_id=f"nodeshare-m{tag}",
+                        metrics_port=port)
+    sim = simulate(SimConfig(nodes=4, jobs=8, seed=3))
+    with running_pipeline(settings, tmp_path) as pipeline:
+        deadline = time.monotonic() + 60
+        while True:  # the endpoint comes up with the worker
+            try:
+                before = scrape(port)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "no metrics endpoint on the worker"
+                time.sleep(0.2)
+        publish(settings, sim, lambda *_: None)
+        pipeline.wait(len(sim.truth), len(sim.events), 120, lambda *_: None)
+        after = scrape(port)
+    ipc = settings.topic("node.ipc")
+    assert value(after, "nodeshare_events_in_total", topic=ipc) > value(before, "nodeshare_events_in_total", topic=ipc)
+    blocks = value(after, "nodeshare_shutter_blocks_total", verdict="accepted") + value(
+        after, "nodeshare_shutter_blocks_total", verdict="rejected")
+    assert blocks == sum(1 for e in sim.events if e.kind == "shutter_block")
+    assert value(after, "nodeshare_charges_emitted_total") >= len(sim.truth)
+    assert value(after, "nodeshare_events_out_total", topic=settings.topic("ledger.charges")) >= len(sim.truth)
+    assert value(after, "nodeshare_processing_seconds_count") >= len(sim.events) - len(
+        [e for e in sim.events if e.kind in ("shutter_window", "node_inventory")])
