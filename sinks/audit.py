@@ -16,7 +16,7 @@ from typing import Any
 
 from nodeshare.schemas import Charge
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
+from nodeshare.streams.accounting import Message, Origin, PricingPolicy, fold_messages
 
 from .archive import ParquetArchive
 from .fast_audit import fast_recompute
@@ -24,9 +24,6 @@ from .ledger import Ledger
 
 #: Fields that describe where a charge was computed, not what it is.
 _PROVENANCE = frozenset({"source"})
-
-Message = tuple[Origin, bytes | None, bytes | None, float]
-
 
 @dataclass(frozen=True)
 class Mismatch:

@@ -370,22 +370,31 @@ def process_message(
     return Processed(account.dumps(), out, step.block_accepted)
 
 
-def fold_messages(messages: Iterable[tuple[Origin, bytes | None, bytes | None, float]], policy: PricingPolicy,
-                  prefix: str = "") -> list[Charge]:
-    """Fold raw input messages (in the order given) as the stream worker does; every charge produced,
-    once per (job id, revision) as the ledger keeps them.
+Message = tuple[Origin, bytes | None, bytes | None, float]  # (origin, key, value, timestamp in s)
 
-    Redeliveries are recognized by offset exactly as in the worker, so replaying a message
-    twice changes nothing.
-    """
-    states: dict[bytes | None, bytes | None] = {}
-    charges: dict[tuple[str, int], Charge] = {}
+
+def fold_states(messages: Iterable[Message], policy: PricingPolicy,
+                prefix: str = "") -> tuple[dict[bytes | None, bytes], list[Outgoing]]:
+    """Fold raw input messages (in the order given) exactly as the stream worker does: every job's
+    final state, and the charge messages the fold produced (a re-sent charge appears again)."""
+    states: dict[bytes | None, bytes] = {}
+    charges: list[Outgoing] = []
     for origin, key, value, ts in messages:
         new_state, out, _ = process_message(states.get(key), origin, key, value, ts, policy, prefix)
         if new_state is not None:
             states[key] = new_state
-        for o in out:
-            if o.topic == LEDGER_CHARGES.name:
-                c = decode_model(Charge, o.value)
-                charges.setdefault((c.job_id, c.revision), c)
+        charges += [o for o in out if o.topic == LEDGER_CHARGES.name]
+    return states, charges
+
+
+def fold_messages(messages: Iterable[Message], policy: PricingPolicy, prefix: str = "") -> list[Charge]:
+    """Every charge the fold produces, once per (job id, revision) as the ledger keeps them.
+
+    Redeliveries are recognized by offset exactly as in the worker, so replaying a message
+    twice changes nothing.
+    """
+    charges: dict[tuple[str, int], Charge] = {}
+    for o in fold_states(messages, policy, prefix)[1]:
+        c = decode_model(Charge, o.value)
+        charges.setdefault((c.job_id, c.revision), c)
     return list(charges.values())

@@ -23,7 +23,7 @@ from nodeshare import metrics
 from nodeshare.config import Settings
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, JOBS_LIFECYCLE, LEDGER_CHARGES, NODE_IPC
 
-from .accounting import Origin, Outgoing, PricingPolicy, process_message
+from .accounting import Origin, fold_states, process_message
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +57,6 @@ def committed_offset(settings: Settings, topic: str, partition: int) -> int:
         return max(0, tp.offset)
     finally:
         consumer.close()
-
-
-def rebuild_states(messages: list[tuple[Origin, bytes | None, bytes | None, float]], policy: PricingPolicy,
-                   prefix: str = "") -> tuple[dict[bytes | None, bytes], list[Outgoing]]:
-    """Every job state of a partition folded from scratch from its input messages, and the charges
-    those states completed (to be sent again: the ledger's key absorbs copies). Pure."""
-    states: dict[bytes | None, bytes] = {}
-    charges: list[Outgoing] = []
-    for origin, key, value, ts in messages:
-        new, out, _ = process_message(states.get(key), origin, key, value, ts, policy, prefix)
-        if new is not None:
-            states[key] = new
-        charges += [o for o in out if o.topic == LEDGER_CHARGES.name]
-    return states, charges
 
 
 def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
@@ -135,7 +121,7 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
                 stop = max(committed, applied_live.get((t, partition), -1) + 1)
             if stop > 0:
                 messages += await loop.run_in_executor(None, read_range, settings, t, partition, 0, stop)
-        states, charges = rebuild_states(messages, policy, prefix)
+        states, charges = fold_states(messages, policy, prefix)
         log.warning("job-accounting: rebuilt %d job states of partition %d from %d input messages; "
                     "re-sending %d charges", len(states), partition, len(messages), len(charges))
         for key, state in states.items():

@@ -238,11 +238,11 @@ def test_a_charge_lost_in_a_crash_is_sent_again_when_its_trigger_is_redelivered(
 
 
 def test_rebuilt_states_equal_an_uninterrupted_fold_and_resend_completed_charges():
-    from nodeshare.streams.app import rebuild_states
+    from nodeshare.streams.accounting import fold_states
 
     ipc, life = two_node_job()
     msgs = as_messages(ipc, IPC) + as_messages(life, LIFE)
-    states, charges = rebuild_states(msgs, POLICY)
+    states, charges = fold_states(msgs, POLICY)
     acc, _ = _run(msgs)
     assert JobAccount.model_validate_json(states[b"j1"]) == acc
     assert [decode_model(Charge, o.value) for o in charges] == fold_messages(msgs, POLICY)
