@@ -97,19 +97,25 @@ class ParquetArchive:
             written.append(path)
         return written
 
-    def events(self, topics: Iterable[str]) -> Iterator[tuple[str, ArchivedEvent]]:
-        """Archived events of the given catalog topics, each once, in (topic, partition, offset) order."""
+    def events(self, topics: Iterable[str], keys: Iterable[bytes] | None = None) -> Iterator[tuple[str, ArchivedEvent]]:
+        """Archived events of the given catalog topics (and message keys, when given), each once, in
+        (topic, partition, offset) order."""
         wanted = [t for t in topics if (self.root / f"topic={t}").is_dir()]
         if not wanted:
             return
+        params: list[object] = [wanted]
+        key_filter = ""
+        if keys is not None:
+            key_filter = "AND key IN (SELECT unnest(?))"
+            params.append(list(keys))
         con = duckdb.connect()
         rows = con.execute(
             f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
                 FROM read_parquet('{self._glob()}', hive_partitioning = true)
-                WHERE topic IN ({", ".join("?" for _ in wanted)})
+                WHERE topic IN (SELECT unnest(?)) {key_filter}
                 QUALIFY row_number() OVER (PARTITION BY topic, "partition", "offset") = 1
                 ORDER BY topic, "partition", "offset" """,
-            wanted,
+            params,
         ).fetchall()
         for topic, kt, p, o, ts, k, v in rows:
             yield topic, ArchivedEvent(kt, p, o, ts, k, v)

@@ -78,9 +78,7 @@ def archived_messages(archive: ParquetArchive, keys: set[bytes] | None = None) -
     """The archived input messages of job accounting (of the given keys, default all), per message
     key, each topic in offset order."""
     per_key: dict[bytes | None, list[Message]] = defaultdict(list)
-    for topic, ev in archive.events([NODE_IPC.name, JOBS_LIFECYCLE.name]):
-        if keys is not None and ev.key not in keys:
-            continue
+    for topic, ev in archive.events([NODE_IPC.name, JOBS_LIFECYCLE.name], keys):
         # The catalog name (the archive's topic= partition), so no topic prefix needs configuring.
         per_key[ev.key].append((Origin(topic, ev.partition, ev.offset), ev.key, ev.value, ev.timestamp_ms / 1000))
     return per_key
@@ -122,7 +120,7 @@ def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, *, fast
                 recomputed[key] = charge
             else:
                 reference_jobs.add(key[0])
-        reference_jobs |= {job for key in ledger_rows if key not in recomputed for job in [key[0]]}
+        reference_jobs |= {job for (job, revision) in ledger_rows if (job, revision) not in recomputed}
         recomputed = {k: c for k, c in recomputed.items() if k[0] not in reference_jobs}
     messages = archived_messages(archive, None if reference_jobs is None else {j.encode() for j in reference_jobs})
     fast_jobs = {k[0] for k in recomputed}
