@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -123,7 +124,7 @@ def _wait_for_port(port: int, timeout_s: float) -> None:
 
 
 @contextmanager
-def broker_for(bootstrap: str | None, log_dir: Path | None = None):  # type: ignore[no-untyped-def]
+def broker_for(bootstrap: str | None, log_dir: Path | None = None) -> Iterator[str]:
     """Yield a bootstrap address: the configured one if set (it always wins), else a bundled broker."""
     if bootstrap:
         yield bootstrap
