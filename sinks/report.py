@@ -47,17 +47,16 @@ def co_runner_counts(archive_root: Path) -> dict[tuple[str, str], int]:
         return {}
     glob = str(archive_root / "topic=node.shutter" / "date=*" / "p*.parquet").replace("'", "''")
     rows = duckdb.connect().execute(f"""
-        SELECT lone, unnest(from_json(paused, '["VARCHAR"]')) AS other, count(*) OVER () AS _
-        FROM (SELECT json_extract_string(decode(value), '$.lone_job') AS lone,
-                     json_extract(decode(value), '$.paused_jobs') AS paused
-              FROM read_parquet('{glob}')
-              QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1)
-        WHERE lone IS NOT NULL
+        SELECT lone, other, count(*) FROM (
+            SELECT lone, unnest(from_json(paused, '["VARCHAR"]')) AS other
+            FROM (SELECT json_extract_string(decode(value), '$.lone_job') AS lone,
+                         json_extract(decode(value), '$.paused_jobs') AS paused
+                  FROM read_parquet('{glob}')
+                  QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1)
+            WHERE lone IS NOT NULL)
+        GROUP BY lone, other
     """).fetchall()
-    counts: dict[tuple[str, str], int] = defaultdict(int)
-    for lone, other, _ in rows:
-        counts[(lone, other)] += 1
-    return counts
+    return {(lone, other): int(n) for lone, other, n in rows}
 
 
 def pair_degradation(charges: list[Charge], counts: dict[tuple[str, str], int]) -> tuple[list[str], np.ndarray]:
