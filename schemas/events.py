@@ -165,6 +165,7 @@ class PowerReading(Record):
     cap_watts: Watts | None = None
     instructions: NonNegInt | None = None
     interval_s: Annotated[float, Field(gt=0.0)] | None = None
+    program: Name | None = None  # what ran on the processor, when the agent knows (power-IPS curves are per program)
 
     @model_validator(mode="after")
     def _numbers_iff_available(self) -> PowerReading:

@@ -1,0 +1,287 @@
+"""PPartition (Seed 004, Section 6): the machine's power budget split across jobs as they start.
+
+A dispatched job asks for n processors. When the machine's unused power covers its proportional
+share n/Nmax * Pm/c, PTune tunes it under that share. Otherwise power is repartitioned (Fig. 10):
+the job's fair share is Pm/c * n / (n + N_alloc) (Eq. 5), re-computed with n = n_opt until n stops
+shrinking; the unused power is taken first and the rest is stolen from running jobs in proportion
+to their budgets, each re-tuned on the same processors (moldable, not malleable). When too little
+power can be found the job is deferred and nothing changes.
+
+Beyond the paper, two rules a running system needs, both policies (``PowerPolicy``):
+
+- ``min_share``: a job is started on at least ceil(min_share * n) processors or deferred; the paper
+  leaves open how far the fixed-point loop may shrink a job.
+- ``release``: when a job ends, deferred jobs are retried first (oldest first); what is still unused
+  then goes back to the running jobs in proportion to their budgets, each up to what its processors
+  can draw, and they are re-tuned (``proportional``); or it stays unused for the next jobs (``pool``).
+
+A job's budget is what PTune actually assigns (the sum of its caps): power its processors cannot
+draw is not hoarded. Every function here is pure over ``Machine``; the stream shell only moves
+events in and decisions out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from .curves import Characterization, Curve, ProcessorId, curves_for
+from .ptune import Tuning, by_efficiency, distribute_power, ptune
+
+
+@dataclass(frozen=True)
+class PowerPolicy:
+    release: Literal["proportional", "pool"] = "proportional"
+    min_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.min_share <= 1.0:
+            raise ValueError("min_share: must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    job_id: str
+    program: str
+    n_req: int  # processors requested
+    nodes: tuple[str, ...] = ()  # where the resource manager put it; empty: anywhere
+    trigger: str = ""  # the event that dispatched it
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    request: JobRequest
+    processors: tuple[ProcessorId, ...]
+    caps_mw: tuple[int, ...]
+    ips: float
+
+    @property
+    def budget_mw(self) -> int:
+        return sum(self.caps_mw)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One job's power plan as decided: its budget, processors and caps, and predicted IPS."""
+
+    job_id: str
+    processors: tuple[ProcessorId, ...]
+    caps_mw: tuple[int, ...]
+    ips: float
+
+    @property
+    def budget_mw(self) -> int:
+        return sum(self.caps_mw)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one dispatch or release decided, with the inputs that justify it."""
+
+    action: Literal["start", "defer", "release"]
+    request: JobRequest
+    plan: Plan | None
+    updates: tuple[Plan, ...]  # running jobs whose caps changed
+    reason: str
+    fair_share_mw: int = 0
+    unused_before_mw: int = 0
+    n_lo: int = 0
+    n_hi: int = 0
+    candidates: int = 0
+    characterized: int = 0
+    stolen_mw: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass
+class Machine:
+    """The power manager's state: processors, characterization, running and deferred jobs."""
+
+    budget_mw: int
+    policy: PowerPolicy = PowerPolicy()
+    limits: dict[ProcessorId, tuple[int, int]] = field(default_factory=dict)  # (min, max) mW from inventory
+    char: Characterization = field(default_factory=Characterization)
+    running: dict[str, RunningJob] = field(default_factory=dict)  # in start order
+    deferred: list[JobRequest] = field(default_factory=list)  # oldest first
+
+    @property
+    def allocated_mw(self) -> int:
+        return sum(j.budget_mw for j in self.running.values())
+
+    @property
+    def unused_mw(self) -> int:
+        return self.budget_mw - self.allocated_mw
+
+    @property
+    def n_max(self) -> int:
+        return len(self.limits)
+
+    @property
+    def n_alloc(self) -> int:
+        return sum(len(j.processors) for j in self.running.values())
+
+    def owner(self) -> dict[ProcessorId, str]:
+        return {p: job_id for job_id, j in self.running.items() for p in j.processors}
+
+    def curves(self, program: str, processors: Sequence[ProcessorId]) -> list[Curve]:
+        return curves_for(self.char, program, processors, self.limits)
+
+
+def _retune(machine: Machine, job: RunningJob, budget_mw: int) -> RunningJob:
+    caps, ips = distribute_power(machine.curves(job.request.program, job.processors), budget_mw)
+    return replace(job, caps_mw=caps, ips=ips)
+
+
+def _plan(job_id: str, job: RunningJob) -> Plan:
+    return Plan(job_id, job.processors, job.caps_mw, job.ips)
+
+
+def _min_n(policy: PowerPolicy, n_req: int) -> int:
+    return max(1, math.ceil(policy.min_share * n_req - 1e-9))
+
+
+def dispatch(machine: Machine, req: JobRequest) -> Outcome:
+    """PPartition for one dispatched job: start it (possibly shrinking running jobs) or defer it.
+    Mutates ``machine`` only when the job starts."""
+    owner = machine.owner()
+    free = [p for p in machine.limits if p not in owner and (not req.nodes or p[0] in req.nodes)]
+    base = {"unused_before_mw": machine.unused_mw, "candidates": len(free)}
+    need_n = _min_n(machine.policy, req.n_req)
+    if len(free) < need_n:
+        return Outcome("defer", req, None, (), f"{len(free)} free processors, at least {need_n} needed", **base)
+    ordered = by_efficiency(machine.curves(req.program, free))[: req.n_req]  # the most efficient n_req
+    characterized = sum(1 for c in ordered if machine.char.curve(req.program, c.processor, c.min_mw) is not None)
+    n = len(ordered)
+    unused = machine.unused_mw
+    share = machine.budget_mw * n // max(machine.n_max, 1)
+    stolen: dict[str, int] = {}
+    shrunk: dict[str, RunningJob] = {}
+    if unused >= share:
+        tuning = ptune(share, n, ordered)
+        reason = "unused power covers the proportional share n/Nmax * Pm/c"
+    else:
+        share = machine.budget_mw * n // (n + machine.n_alloc)  # Eq. 5
+        tuning = ptune(share, n, ordered)
+        while 0 < tuning.n_opt < n:  # Fig. 10: to a fixed point of n
+            n = tuning.n_opt
+            share = machine.budget_mw * n // (n + machine.n_alloc)
+            tuning = ptune(share, n, ordered)
+        want = max(0, share - unused)
+        total_budgets = machine.allocated_mw
+        for job_id, job in machine.running.items():
+            if want == 0 or total_budgets == 0:
+                break
+            ask = want * job.budget_mw // total_budgets
+            floor = sum(c.min_mw for c in machine.curves(job.request.program, job.processors))
+            got = min(ask, job.budget_mw - floor)
+            if got > 0:
+                stolen[job_id] = got
+                shrunk[job_id] = _retune(machine, job, job.budget_mw - got)
+        found = min(share, unused + sum(stolen.values()))
+        if found < share:
+            share = found
+            tuning = ptune(share, n, ordered)
+        reason = "repartitioned: fair share Pm/c * n / (n + N_alloc), stolen in proportion to budgets"
+    info = {**base, "fair_share_mw": share, "n_lo": tuning.n_lo, "n_hi": tuning.n_hi,
+            "characterized": characterized}
+    if tuning.n_opt < need_n:
+        return Outcome("defer", req, None, (), f"power for {tuning.n_opt} processors, at least {need_n} needed",
+                       **info)
+    job = RunningJob(req, tuning.processors, tuning.caps_mw, tuning.ips)
+    # Power stolen beyond what the job used goes back to the jobs it came from, largest loss first.
+    surplus = sum(stolen.values()) - max(0, job.budget_mw - unused)
+    for job_id in sorted(stolen, key=lambda j: (-stolen[j], j)):
+        if surplus <= 0:
+            break
+        back = min(surplus, stolen[job_id])
+        stolen[job_id] -= back
+        surplus -= back
+        shrunk[job_id] = _retune(machine, machine.running[job_id], machine.running[job_id].budget_mw - stolen[job_id])
+    for job_id, new in shrunk.items():
+        machine.running[job_id] = new
+    machine.running[req.job_id] = job
+    updates = tuple(_plan(j, shrunk[j]) for j in shrunk if stolen[j] > 0)
+    return Outcome("start", req, _plan(req.job_id, job), updates, reason,
+                   stolen_mw=tuple((j, s) for j, s in stolen.items() if s > 0), **info)
+
+
+def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
+    """A job ended: free its processors and power, retry deferred jobs, then apply the release
+    policy to what is left. Returns the release outcome followed by any deferred job's start."""
+    unused_before = machine.unused_mw
+    job = machine.running.pop(job_id, None)
+    if job is None:
+        before = len(machine.deferred)
+        machine.deferred = [r for r in machine.deferred if r.job_id != job_id]
+        req = JobRequest(job_id, "", 0, trigger=trigger)
+        why = "ended while deferred" if len(machine.deferred) < before else "was never started by the power manager"
+        return [Outcome("release", req, None, (), why)]
+    started: list[Outcome] = []
+    waiting, machine.deferred = machine.deferred, []
+    for req in waiting:
+        out = dispatch(machine, req)
+        if out.action == "start":
+            started.append(out)
+        else:
+            machine.deferred.append(req)
+    updates: dict[str, Plan] = {}
+    if machine.policy.release == "proportional":
+        updates = give_back(machine, machine.unused_mw)
+    freed = Outcome("release", replace(job.request, trigger=trigger or job.request.trigger), _plan(job_id, job),
+                    tuple(updates.values()), f"freed {len(job.processors)} processors; "
+                    f"{len(started)} deferred jobs started; policy {machine.policy.release}",
+                    unused_before_mw=unused_before)
+    return [freed, *started]
+
+
+def give_back(machine: Machine, power_mw: int) -> dict[str, Plan]:
+    """Unused power to running jobs in proportion to their budgets, each up to what its processors
+    can draw; re-tuned on the same processors. Returns the plans that changed."""
+    headroom = {j: sum(c.max_mw for c in machine.curves(r.request.program, r.processors)) - r.budget_mw
+                for j, r in machine.running.items()}
+    extra = dict.fromkeys(machine.running, 0)
+    left = power_mw
+    while left > 0:
+        open_jobs = [j for j in machine.running if headroom[j] - extra[j] > 0]
+        weight = sum(machine.running[j].budget_mw for j in open_jobs)
+        if not open_jobs or weight == 0:
+            break
+        given = 0
+        for j in open_jobs:
+            add = min(left * machine.running[j].budget_mw // weight, headroom[j] - extra[j])
+            extra[j] += add
+            given += add
+        if given == 0:  # rounding left less than a milliwatt per job
+            break
+        left -= given
+    out = {}
+    for j, add in extra.items():
+        if add > 0:
+            machine.running[j] = _retune(machine, machine.running[j], machine.running[j].budget_mw + add)
+            out[j] = _plan(j, machine.running[j])
+    return out
+
+
+def set_node(machine: Machine, node: str, processors: Mapping[int, tuple[int, int]]) -> None:
+    """Inventory: the node's processors and their (min, max) power. Processors of running jobs keep
+    their caps; a processor removed from the inventory is no longer offered to new jobs."""
+    for p in [p for p in machine.limits if p[0] == node and p[1] not in processors]:
+        del machine.limits[p]
+    for idx, lim in sorted(processors.items()):
+        machine.limits[(node, idx)] = lim
+
+
+def check(machine: Machine) -> None:
+    """The invariants every decision keeps (raises AssertionError naming the broken one)."""
+    assert machine.allocated_mw <= machine.budget_mw, f"machine {machine.allocated_mw} > {machine.budget_mw} mW"
+    seen: set[ProcessorId] = set()
+    for job_id, job in machine.running.items():
+        for c, cap in zip(machine.curves(job.request.program, job.processors), job.caps_mw, strict=True):
+            assert c.min_mw <= cap <= c.max_mw, f"{job_id} {c.processor}: cap {cap} outside [{c.min_mw}, {c.max_mw}]"
+        assert not seen & set(job.processors), f"{job_id}: a processor is given to two jobs"
+        seen |= set(job.processors)
+
+
+__all__ = ["Machine", "PowerPolicy", "JobRequest", "RunningJob", "Plan", "Outcome", "Tuning",
+           "dispatch", "release", "give_back", "set_node", "check"]
