@@ -102,7 +102,8 @@ def characterization(chips: Sequence[Chip], programs: Iterable[str] = tuple(PROG
             for cap in levels:
                 ips = chip.gips(prog, cap) * (1 + noise * rng.standard_normal())
                 measured = chip.watts(prog, cap) - abs(0.3 * rng.standard_normal())
-                rows.append(CharacterizationRow(chip.node, chip.processor, name, cap, round(ips, 4), round(measured, 3)))
+                rows.append(CharacterizationRow(chip.node, chip.processor, name, cap, round(ips, 4),
+                                                round(measured, 3)))
     return rows
 
 
@@ -120,7 +121,8 @@ def write_characterization(rows: Iterable[CharacterizationRow], path: Path) -> i
     return n
 
 
-def inventory(chips: Sequence[Chip], start: datetime | None = None, cores_per_processor: int = 12) -> list[NodeInventory]:
+def inventory(chips: Sequence[Chip], start: datetime | None = None,
+              cores_per_processor: int = 12) -> list[NodeInventory]:
     """One ``cluster.inventory`` record per node, listing its processors' min and max caps."""
     at = start or datetime(2026, 1, 1, tzinfo=UTC)
     by_node: dict[str, list[Chip]] = {}
@@ -142,4 +144,4 @@ def readings(rows: Iterable[CharacterizationRow], start: datetime | None = None,
         yield PowerReading(event_id=str(uuid.uuid5(NAMESPACE, f"pw/{r.node}/{r.processor}/{r.program}/{r.cap_watts}")),
                            source="sim/power", event_time=at + timedelta(milliseconds=i), node=r.node,
                            processor=r.processor, available=True, watts=r.measured_watts, cap_watts=r.cap_watts,
-                           instructions=int(round(r.ips * 1e9 * interval_s)), interval_s=interval_s, program=r.program)
+                           instructions=round(r.ips * 1e9 * interval_s), interval_s=interval_s, program=r.program)

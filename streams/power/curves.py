@@ -26,7 +26,7 @@ ANY_PROGRAM = "*"
 
 
 def to_mw(watts: float) -> int:
-    return int(round(watts * 1000))
+    return round(watts * 1000)
 
 
 def to_w(milliwatts: int) -> float:

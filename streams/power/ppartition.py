@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .curves import Characterization, Curve, ProcessorId, curves_for
-from .ptune import Tuning, by_efficiency, distribute_power, ptune
+from .ptune import by_efficiency, distribute_power, ptune
 
 
 @dataclass(frozen=True)
@@ -146,14 +146,14 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
     Mutates ``machine`` only when the job starts."""
     owner = machine.owner()
     free = [p for p in machine.limits if p not in owner and (not req.nodes or p[0] in req.nodes)]
-    base = {"unused_before_mw": machine.unused_mw, "candidates": len(free)}
+    unused = machine.unused_mw
     need_n = _min_n(machine.policy, req.n_req)
     if len(free) < need_n:
-        return Outcome("defer", req, None, (), f"{len(free)} free processors, at least {need_n} needed", **base)
+        return Outcome("defer", req, None, (), f"{len(free)} free processors, at least {need_n} needed",
+                       unused_before_mw=unused, candidates=len(free))
     ordered = by_efficiency(machine.curves(req.program, free))[: req.n_req]  # the most efficient n_req
     characterized = sum(1 for c in ordered if machine.char.curve(req.program, c.processor, c.min_mw) is not None)
     n = len(ordered)
-    unused = machine.unused_mw
     share = machine.budget_mw * n // max(machine.n_max, 1)
     stolen: dict[str, int] = {}
     shrunk: dict[str, RunningJob] = {}
@@ -183,11 +183,10 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
             share = found
             tuning = ptune(share, n, ordered)
         reason = "repartitioned: fair share Pm/c * n / (n + N_alloc), stolen in proportion to budgets"
-    info = {**base, "fair_share_mw": share, "n_lo": tuning.n_lo, "n_hi": tuning.n_hi,
-            "characterized": characterized}
+    inputs = Outcome("defer", req, None, (), "", fair_share_mw=share, unused_before_mw=unused, n_lo=tuning.n_lo,
+                     n_hi=tuning.n_hi, candidates=len(free), characterized=characterized)
     if tuning.n_opt < need_n:
-        return Outcome("defer", req, None, (), f"power for {tuning.n_opt} processors, at least {need_n} needed",
-                       **info)
+        return replace(inputs, reason=f"power for {tuning.n_opt} processors, at least {need_n} needed")
     job = RunningJob(req, tuning.processors, tuning.caps_mw, tuning.ips)
     # Power stolen beyond what the job used goes back to the jobs it came from, largest loss first.
     surplus = sum(stolen.values()) - max(0, job.budget_mw - unused)
@@ -202,8 +201,8 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
         machine.running[job_id] = new
     machine.running[req.job_id] = job
     updates = tuple(_plan(j, shrunk[j]) for j in shrunk if stolen[j] > 0)
-    return Outcome("start", req, _plan(req.job_id, job), updates, reason,
-                   stolen_mw=tuple((j, s) for j, s in stolen.items() if s > 0), **info)
+    return replace(inputs, action="start", plan=_plan(req.job_id, job), updates=updates, reason=reason,
+                   stolen_mw=tuple((j, s) for j, s in stolen.items() if s > 0))
 
 
 def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
@@ -282,6 +281,3 @@ def check(machine: Machine) -> None:
         assert not seen & set(job.processors), f"{job_id}: a processor is given to two jobs"
         seen |= set(job.processors)
 
-
-__all__ = ["Machine", "PowerPolicy", "JobRequest", "RunningJob", "Plan", "Outcome", "Tuning",
-           "dispatch", "release", "give_back", "set_node", "check"]
