@@ -16,6 +16,7 @@ import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from nodeshare.schemas.events import PowerReading
 
@@ -50,6 +51,12 @@ class Curve:
             raise ValueError(f"curve of {self.processor}: needs equal, non-empty power and IPS points")
         if any(b <= a for a, b in zip(self.power_mw, self.power_mw[1:], strict=False)):
             raise ValueError(f"curve of {self.processor}: power points must strictly increase")
+
+    @cached_property
+    def slopes(self) -> tuple[float, ...]:
+        """IPS per mW of each linear piece."""
+        p, v = self.power_mw, self.ips
+        return tuple((v[i + 1] - v[i]) / (p[i + 1] - p[i]) for i in range(len(p) - 1))
 
     @property
     def min_mw(self) -> int:
@@ -89,37 +96,40 @@ class Curve:
 def curve_from_points(processor: ProcessorId, min_mw: int, points: Iterable[tuple[int, float]]) -> Curve:
     """A curve through characterization points (measured power mW, IPS), starting at min power.
 
-    Points are sorted by power; IPS is made non-decreasing (a noisy point never makes more power
-    look harmful); the value at min power is interpolated, or extrapolated towards zero IPS at
-    zero power when every point lies above it.
+    The curve is the least concave majorant of the points: IPS never falls with more power, and
+    each extra watt buys no more than the one before. The physics is concave (power grows with
+    f**3, IPS at most with f), so a measured dip or kink is noise; and on concave curves PTune's
+    greedy stealing and shifting is optimal. The value at min power is interpolated, or, when every
+    point lies above it, extrapolated along the first measured piece.
     """
     pts = sorted((p, v) for p, v in points if p > 0 and math.isfinite(v) and v >= 0)
     if not pts:
         raise ValueError(f"no characterization points for {processor}")
-    merged: list[tuple[int, float]] = []
-    for p, v in pts:
-        if merged and p == merged[-1][0]:
-            merged[-1] = (p, max(merged[-1][1], v))
-        elif merged and v <= merged[-1][1]:
-            continue  # more power, no more IPS: the processor is saturated before this point
-        else:
-            merged.append((p, v))
-    above = [(p, v) for p, v in merged if p > min_mw]
-    below = [(p, v) for p, v in merged if p <= min_mw]
+    above = [(p, v) for p, v in pts if p > min_mw]
+    below = [(p, v) for p, v in pts if p <= min_mw]
     if below and above and below[-1][0] < min_mw:  # interpolate to min power
         (pa, va), (pb, vb) = below[-1], above[0]
         start = va + (vb - va) * (min_mw - pa) / (pb - pa)
     elif below:
-        start = below[-1][1]
-    else:  # through the origin: no measurement at or below min power
+        start = max(v for _, v in below)
+    elif len(above) >= 2:  # no measurement at or below min power: extend the first piece down
+        (p0, v0), (p1, v1) = above[0], above[1]
+        start = max(0.0, v0 - (v1 - v0) * (p0 - min_mw) / (p1 - p0))
+    else:  # a single point: through the origin
         p0, v0 = above[0]
         start = v0 * min_mw / p0
-    xs, ys = [min_mw], [start]
+    hull: list[tuple[int, float]] = [(min_mw, start)]
     for p, v in above:
-        if v > ys[-1]:
-            xs.append(p)
-            ys.append(v)
-    return Curve(processor, tuple(xs), tuple(ys))
+        if v <= hull[-1][1]:
+            continue  # more power, no more IPS: saturated
+        while len(hull) >= 2:  # drop the last point while it lies on or below the chord
+            (x0, y0), (x1, y1) = hull[-2], hull[-1]
+            if (y1 - y0) * (p - x0) <= (v - y0) * (x1 - x0):
+                hull.pop()
+            else:
+                break
+        hull.append((p, v))
+    return Curve(processor, tuple(p for p, _ in hull), tuple(v for _, v in hull))
 
 
 @dataclass(frozen=True)

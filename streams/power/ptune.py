@@ -15,7 +15,9 @@ Table 2) the result for each n is the optimum, which tests check against water-f
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,11 +52,13 @@ def by_efficiency(curves: Sequence[Curve]) -> list[Curve]:
 
 class _Distribution:
     """Caps of a growing set of processors, with lazily invalidated heaps of the best receiver
-    (highest marginal gain) and the best donor (lowest marginal loss)."""
+    (highest marginal gain) and the best donor (lowest marginal loss). Each processor's cap is
+    tracked with the linear piece it lies on, so a move costs a few list lookups."""
 
     def __init__(self) -> None:
         self.curves: list[Curve] = []
         self.caps: list[int] = []
+        self.piece: list[int] = []  # index of the piece [p[k], p[k+1]) holding the cap (last point: len - 1)
         self.version: list[int] = []
         self.receivers: list[tuple[float, int, int]] = []  # (-gain per mW, index, version)
         self.donors: list[tuple[float, int, int]] = []  # (loss per mW, index, version)
@@ -63,30 +67,58 @@ class _Distribution:
     def add(self, curve: Curve, cap_mw: int) -> None:
         self.curves.append(curve)
         self.caps.append(cap_mw)
+        self.piece.append(min(bisect.bisect_right(curve.power_mw, cap_mw), len(curve.power_mw)) - 1)
         self.version.append(0)
         self.ips += curve.at(cap_mw)
         self._index(len(self.caps) - 1)
 
+    def _gain(self, i: int) -> tuple[float, int]:
+        p, k = self.curves[i].power_mw, self.piece[i]
+        if k == len(p) - 1:
+            return 0.0, 0
+        return self.curves[i].slopes[k], p[k + 1] - self.caps[i]
+
+    def _loss(self, i: int) -> tuple[float, int]:
+        p, k, cap = self.curves[i].power_mw, self.piece[i], self.caps[i]
+        if cap == p[k]:
+            k -= 1
+            if k < 0:
+                return math.inf, 0
+        return self.curves[i].slopes[k], cap - p[k]
+
     def _index(self, i: int) -> None:
         self.version[i] += 1
-        curve, cap, v = self.curves[i], self.caps[i], self.version[i]
-        if cap < curve.max_mw:
-            heapq.heappush(self.receivers, (-curve.gain(cap)[0], i, v))
-        if cap > curve.min_mw:
-            heapq.heappush(self.donors, (curve.loss(cap)[0], i, v))
+        v = self.version[i]
+        gain, room_up = self._gain(i)
+        if room_up:
+            heapq.heappush(self.receivers, (-gain, i, v))
+        loss, room_down = self._loss(i)
+        if room_down:
+            heapq.heappush(self.donors, (loss, i, v))
 
     def _top(self, heap: list[tuple[float, int, int]]) -> int | None:
+        version = self.version
         while heap:
             _, i, v = heap[0]
-            if v == self.version[i]:
+            if v == version[i]:
                 return i
             heapq.heappop(heap)
         return None
 
-    def _set(self, i: int, cap_mw: int) -> None:
-        curve = self.curves[i]
-        self.ips += curve.at(cap_mw) - curve.at(self.caps[i])
-        self.caps[i] = cap_mw
+    def _up(self, i: int, amount: int, gain: float) -> None:
+        """Raise a cap by at most the room left on its piece."""
+        self.caps[i] += amount
+        self.ips += gain * amount
+        if self.caps[i] == self.curves[i].power_mw[self.piece[i] + 1]:
+            self.piece[i] += 1
+        self._index(i)
+
+    def _down(self, i: int, amount: int, loss: float) -> None:
+        """Lower a cap by at most the room left on the piece below it."""
+        if self.caps[i] == self.curves[i].power_mw[self.piece[i]]:
+            self.piece[i] -= 1
+        self.caps[i] -= amount
+        self.ips -= loss * amount
         self._index(i)
 
     def steal(self, need_mw: int) -> None:
@@ -95,34 +127,42 @@ class _Distribution:
             d = self._top(self.donors)
             if d is None:
                 raise ValueError("not enough power above min power to steal from")
-            take = min(need_mw, self.curves[d].loss(self.caps[d])[1])
-            self._set(d, self.caps[d] - take)
+            loss, room = self._loss(d)
+            take = min(need_mw, room)
+            self._down(d, take, loss)
             need_mw -= take
 
     def shift(self, spare_mw: int) -> int:
         """Give spare power to the best receivers, then shift power from donor to receiver while
-        the receiver gains more than the donor loses. Returns the spare power nobody could use."""
+        the receiver gains more than the donor loses. Returns the spare power nobody could use.
+        The hot loop of PTune: heap tops are read in place."""
+        receivers, donors, version = self.receivers, self.donors, self.version
+        pop = heapq.heappop
         for _ in range(1_000_000):  # a guard, never reached: every move ends at a bend
-            r = self._top(self.receivers)
-            if r is None:
+            while receivers and receivers[0][2] != version[receivers[0][1]]:
+                pop(receivers)
+            if not receivers:
                 break
-            gain, room_up = self.curves[r].gain(self.caps[r])
+            neg_gain, r, _v = receivers[0]
+            gain = -neg_gain
             if gain <= 0:
                 break
+            room_up = self.curves[r].power_mw[self.piece[r] + 1] - self.caps[r]
             if spare_mw > 0:
                 give = min(spare_mw, room_up)
-                self._set(r, self.caps[r] + give)
+                self._up(r, give, gain)
                 spare_mw -= give
                 continue
-            d = self._top(self.donors)
-            if d is None or d == r:
+            while donors and donors[0][2] != version[donors[0][1]]:
+                pop(donors)
+            if not donors:
                 break
-            loss, room_down = self.curves[d].loss(self.caps[d])
-            if gain <= loss:
+            loss, d, _v = donors[0]
+            if d == r or gain <= loss:
                 break
-            amount = min(room_up, room_down)
-            self._set(d, self.caps[d] - amount)
-            self._set(r, self.caps[r] + amount)
+            amount = min(room_up, self._loss(d)[1])
+            self._down(d, amount, loss)
+            self._up(r, amount, gain)
         return spare_mw
 
 

@@ -39,18 +39,24 @@ def test_table2_curve_interpolates_measured_power():
     # (120, 79.13, 104.66). The x axis is the measured power, so the curve ends at 104.66 W.
     c = curve_from_points(("n", 0), 51_000, [(59_990, 46.43), (79_880, 64.83), (99_430, 76.33), (104_660, 79.13)])
     assert c.max_mw == 104_660
-    assert c.at(51_000) == pytest.approx(46.43 * 51 / 59.99)  # below the first point: through the origin
+    slope = (64.83 - 46.43) / (79_880 - 59_990)
+    assert c.at(51_000) == pytest.approx(46.43 - slope * (59_990 - 51_000))  # the first piece, extended down
     assert c.at(69_935) == pytest.approx((46.43 + 64.83) / 2)  # half-way between 59.99 and 79.88 W
     assert c.at(120_000) == 79.13  # a cap above the uncapped draw buys nothing
     gain, room = c.gain(79_880)
     assert gain == pytest.approx((76.33 - 64.83) / (99_430 - 79_880)) and room == 99_430 - 79_880
     loss, room = c.loss(79_880)
-    assert loss == pytest.approx((64.83 - 46.43) / (79_880 - 59_990)) and room == 79_880 - 59_990
+    # 59.99 W lies on the first piece extended down to 51 W, so the piece below 79.88 W starts at 51 W.
+    assert loss == pytest.approx((64.83 - 46.43) / (79_880 - 59_990)) and room == 79_880 - 51_000
 
 
-def test_noisy_point_that_loses_ips_with_more_power_is_dropped():
-    c = curve_from_points(("n", 0), 50_000, [(50_000, 10.0), (60_000, 12.0), (70_000, 11.5), (80_000, 14.0)])
-    assert c.power_mw == (50_000, 60_000, 80_000) and c.ips == (10.0, 12.0, 14.0)
+def test_noisy_points_are_smoothed_to_the_concave_majorant():
+    # 70 W loses IPS (dropped); 80 W lies below the chord 60 -> 100 W (slope 0.15/W vs 0.1, then 0.2): dropped.
+    c = curve_from_points(("n", 0), 50_000, [(50_000, 10.0), (60_000, 12.0), (70_000, 11.5), (80_000, 14.0),
+                                             (100_000, 18.0), (110_000, 18.5)])
+    assert c.power_mw == (50_000, 60_000, 100_000, 110_000) and c.ips == (10.0, 12.0, 18.0, 18.5)
+    slopes = [(b - a) / (y - x) for a, b, x, y in zip(c.ips, c.ips[1:], c.power_mw, c.power_mw[1:], strict=False)]
+    assert slopes == sorted(slopes, reverse=True)
 
 
 def test_unavailable_power_readings_are_skipped_never_zero():
