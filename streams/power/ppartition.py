@@ -9,11 +9,17 @@ power can be found the job is deferred and nothing changes.
 
 Beyond the paper, two rules a running system needs, both policies (``PowerPolicy``):
 
-- ``min_share``: a job is started on at least ceil(min_share * n) processors or deferred; the paper
-  leaves open how far the fixed-point loop may shrink a job.
+- ``min_share``: a job runs on at least ceil(min_share * n) processors (PTune searches n from there)
+  or is deferred; the paper leaves open how far the fixed-point loop may shrink a job.
 - ``release``: when a job ends, deferred jobs are retried first (oldest first); what is still unused
   then goes back to the running jobs in proportion to their budgets, each up to what its processors
   can draw, and they are re-tuned (``proportional``); or it stays unused for the next jobs (``pool``).
+
+- ``admit``: ``fair`` starts every job that gets its fair share (the paper); ``throughput`` also defers
+  a job whose predicted IPS is less than what the power stolen for it costs the running jobs.
+- ``margin``: PTune keeps uniform power on the requested processors unless its own plan is predicted
+  to be this fraction better; the characterization is measured, and a smaller predicted gain can be
+  a loss in truth.
 
 A job's budget is what PTune actually assigns (the sum of its caps): power its processors cannot
 draw is not hoarded. Every function here is pure over ``Machine``; the stream shell only moves
@@ -35,6 +41,8 @@ from .ptune import by_efficiency, distribute_power, ptune
 class PowerPolicy:
     release: Literal["proportional", "pool"] = "proportional"
     min_share: float = 0.5
+    admit: Literal["fair", "throughput"] = "fair"  # throughput: defer a job that lowers the machine's IPS
+    margin: float = 0.01  # PTune keeps uniform power unless it predicts this much more IPS
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_share <= 1.0:
@@ -154,19 +162,20 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
     ordered = by_efficiency(machine.curves(req.program, free))[: req.n_req]  # the most efficient n_req
     characterized = sum(1 for c in ordered if machine.char.curve(req.program, c.processor, c.min_mw) is not None)
     n = len(ordered)
-    share = machine.budget_mw * n // max(machine.n_max, 1)
+    # The proportional share, raised to what the fewest allowed processors need at min power.
+    share = max(machine.budget_mw * n // max(machine.n_max, 1), sum(c.min_mw for c in ordered[:need_n]))
     stolen: dict[str, int] = {}
     shrunk: dict[str, RunningJob] = {}
     if unused >= share:
-        tuning = ptune(share, n, ordered)
+        tuning = ptune(share, n, ordered, machine.policy.margin, need_n)
         reason = "unused power covers the proportional share n/Nmax * Pm/c"
     else:
         share = machine.budget_mw * n // (n + machine.n_alloc)  # Eq. 5
-        tuning = ptune(share, n, ordered)
-        while 0 < tuning.n_opt < n:  # Fig. 10: to a fixed point of n
+        tuning = ptune(share, n, ordered, machine.policy.margin, need_n)
+        while need_n <= tuning.n_opt < n:  # Fig. 10: to a fixed point of n
             n = tuning.n_opt
             share = machine.budget_mw * n // (n + machine.n_alloc)
-            tuning = ptune(share, n, ordered)
+            tuning = ptune(share, n, ordered, machine.policy.margin, need_n)
         want = max(0, share - unused)
         total_budgets = machine.allocated_mw
         for job_id, job in machine.running.items():
@@ -181,7 +190,7 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
         found = min(share, unused + sum(stolen.values()))
         if found < share:
             share = found
-            tuning = ptune(share, n, ordered)
+            tuning = ptune(share, n, ordered, machine.policy.margin, need_n)
         reason = "repartitioned: fair share Pm/c * n / (n + N_alloc), stolen in proportion to budgets"
     inputs = Outcome("defer", req, None, (), "", fair_share_mw=share, unused_before_mw=unused, n_lo=tuning.n_lo,
                      n_hi=tuning.n_hi, candidates=len(free), characterized=characterized)
@@ -197,6 +206,11 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
         stolen[job_id] -= back
         surplus -= back
         shrunk[job_id] = _retune(machine, machine.running[job_id], machine.running[job_id].budget_mw - stolen[job_id])
+    if machine.policy.admit == "throughput":
+        lost = sum(machine.running[j].ips - shrunk[j].ips for j in shrunk)
+        if job.ips < lost:
+            return replace(inputs, reason=f"throughput policy: starting would add {job.ips:.1f} GIPS and cost "
+                                          f"running jobs {lost:.1f}")
     for job_id, new in shrunk.items():
         machine.running[job_id] = new
     machine.running[req.job_id] = job

@@ -39,6 +39,7 @@ class Tuning:
     caps_mw: tuple[int, ...]
     ips: float  # JobIPS at n_opt, billions of instructions per second
     ips_by_n: tuple[tuple[int, float], ...]  # (n, JobIPS_n) for every n tried
+    uniform_fallback: bool = False  # PTune's plan was not enough better than uniform power (see margin)
 
     @property
     def used_mw(self) -> int:
@@ -196,12 +197,18 @@ def bounds(ordered: Sequence[Curve], budget_mw: int, n_req: int) -> tuple[int, i
     return n_lo, n_hi
 
 
-def ptune(budget_mw: int, n_req: int, candidates: Sequence[Curve]) -> Tuning:
-    """PTune(P_Ji, n): at most n_req of the candidate processors and their caps, maximizing job IPS."""
+def ptune(budget_mw: int, n_req: int, candidates: Sequence[Curve], margin: float = 0.0, n_min: int = 1) -> Tuning:
+    """PTune(P_Ji, n): at most n_req of the candidate processors and their caps, maximizing job IPS.
+
+    With ``margin`` > 0, PTune keeps uniform power on the n_req most efficient candidates unless
+    its own plan is predicted to deliver at least that fraction more IPS: a predicted gain inside
+    the characterization's measurement noise is not worth acting on (it can be a loss in truth).
+    ``n_min`` is the fewest processors the job may run on (n_opt is 0 when not even those fit).
+    """
     ordered = by_efficiency(candidates)
     n_lo, n_hi = bounds(ordered, budget_mw, n_req)
-    if n_hi == 0:
-        return Tuning(budget_mw, n_lo, 0, 0, (), (), 0.0, ())
+    if n_hi < max(n_min, 1):
+        return Tuning(budget_mw, n_lo, n_hi, 0, (), (), 0.0, ())
     dist = _Distribution()
     start = max(n_lo, 1)
     for c in ordered[:start]:
@@ -209,6 +216,8 @@ def ptune(budget_mw: int, n_req: int, candidates: Sequence[Curve]) -> Tuning:
     spare = dist.shift(budget_mw - sum(dist.caps))
     history = [(start, dist.ips)]
     best_n, best_ips, best_caps = start, dist.ips, list(dist.caps)
+    if start < n_min:
+        best_ips = -math.inf
     for n in range(start + 1, n_hi + 1):
         new = ordered[n - 1]
         from_spare = min(spare, new.min_mw)
@@ -217,10 +226,16 @@ def ptune(budget_mw: int, n_req: int, candidates: Sequence[Curve]) -> Tuning:
         dist.add(new, new.min_mw)
         spare = dist.shift(spare)
         history.append((n, dist.ips))
-        if dist.ips > best_ips * (1 + TIE):
+        if n >= n_min and (best_ips == -math.inf or dist.ips > best_ips * (1 + TIE)):
             best_n, best_ips, best_caps = n, dist.ips, list(dist.caps)
     chosen = ordered[:best_n]
     ips = sum(c.at(cap) for c, cap in zip(chosen, best_caps, strict=True))
+    if margin > 0:
+        requested = ordered[:min(n_req, len(ordered))]
+        even = uniform(budget_mw, requested)
+        if even is not None and ips < even[1] * (1 + margin):
+            return Tuning(budget_mw, n_lo, n_hi, len(requested), tuple(c.processor for c in requested), even[0],
+                          even[1], tuple(history), uniform_fallback=True)
     return Tuning(budget_mw, n_lo, n_hi, best_n, tuple(c.processor for c in chosen), tuple(best_caps), ips,
                   tuple(history))
 

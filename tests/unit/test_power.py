@@ -105,6 +105,22 @@ def test_ptune_cannot_run_a_processor_below_min_power():
     assert t.n_opt == 0 and t.processors == () and t.ips == 0.0
 
 
+def test_ptune_keeps_uniform_power_unless_it_predicts_a_margin_better():
+    a, b, c = line("A", 50, 100, 10, 20), line("B", 50, 110, 10, 20), line("C", 50, 120, 8, 20)
+    # PTune's own plan is 38.33 GIPS, uniform 36.97: 3.7% better. A 5% margin keeps uniform, 3% does not.
+    kept = ptune(200_000, 3, [a, b, c], margin=0.05)
+    assert kept.uniform_fallback and kept.n_opt == 3 and kept.caps_mw == (66_666,) * 3
+    tuned = ptune(200_000, 3, [a, b, c], margin=0.03)
+    assert not tuned.uniform_fallback and tuned.n_opt == 2
+
+
+def test_ptune_respects_the_fewest_processors_a_job_may_run_on():
+    a, b, c = line("A", 50, 100, 10, 20), line("B", 50, 110, 10, 20), line("C", 50, 120, 8, 20)
+    t = ptune(200_000, 3, [a, b, c], n_min=3)  # JobIPS_3 = 38 (hand-worked above), the best n >= 3
+    assert t.n_opt == 3 and t.ips == pytest.approx(38.0) and sum(t.caps_mw) <= 200_000
+    assert ptune(140_000, 3, [a, b, c], n_min=3).n_opt == 0  # 3 x 50 W do not fit in 140 W
+
+
 def test_ptune_prefers_fewer_processors_on_a_tie():
     # Linear through the origin: two processors at 50 W give what one gives at 100 W.
     t = ptune(100_000, 2, [line("A", 50, 100, 10, 20), line("B", 50, 100, 10, 20)])
@@ -162,7 +178,7 @@ def test_distribute_power_on_fixed_processors_is_water_filling(curves, extra_w):
 
 
 def machine(n_proc: int, budget_w: int, **policy) -> Machine:
-    m = Machine(budget_mw=budget_w * 1000, policy=PowerPolicy(**policy))
+    m = Machine(budget_mw=budget_w * 1000, policy=PowerPolicy(**{"margin": 0.0, **policy}))
     for i in range(n_proc):
         m.limits[(f"n{i}", 0)] = (50_000, 100_000)
         m.char.add("X", (f"n{i}", 0), 50.0, 10.0, 50.0)
@@ -212,6 +228,28 @@ def test_ppartition_defers_without_changing_anything_when_power_runs_out():
     out = dispatch(m, JobRequest("j3", "X", 2))
     assert out.action == "defer" and "at least 2 needed" in out.reason
     assert {j: r.caps_mw for j, r in m.running.items()} == before
+
+
+def admission_case(admit: str) -> tuple[Machine, str]:
+    m = machine(4, 200, admit=admit)
+    for p in (("n2", 0), ("n3", 0)):  # program Z gets almost nothing from power on n2 and n3
+        m.char.add("Z", p, 50.0, 1.0, 50.0)
+        m.char.add("Z", p, 100.0, 2.0, 100.0)
+    for j in ("j1", "j2", "j3"):  # 50 W each (share 200 * 1/4)
+        assert dispatch(m, JobRequest(j, "X", 1)).action == "start"
+    release(m, "j3")  # its 50 W go back to j1 and j2: 100 W each, nothing unused
+    assert m.unused_mw == 0
+    # Z needs 200 * 1 / (1 + 2) = 66.7 W, stolen from j1 and j2 (33.3 W each, losing 0.2 GIPS/W):
+    # it would add 1.33 GIPS and cost 13.3.
+    return m, dispatch(m, JobRequest("z", "Z", 1)).action
+
+
+def test_throughput_admission_defers_a_job_that_costs_more_than_it_adds():
+    m, action = admission_case("throughput")
+    assert action == "defer" and set(m.running) == {"j1", "j2"}
+    assert [r.caps_mw for r in m.running.values()] == [(100_000,), (100_000,)]
+    m, action = admission_case("fair")
+    assert action == "start" and set(m.running) == {"j1", "j2", "z"}
 
 
 ops = st.lists(st.tuples(st.sampled_from(["start", "end"]), st.integers(0, 11), st.integers(1, 5)), max_size=40)
