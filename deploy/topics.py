@@ -7,6 +7,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from nodeshare.config import Settings
 from nodeshare.schemas import TOPICS
+from nodeshare.streams.power.stream import POWER_LOG
+
+#: Internal topics of the stream worker (not in the public catalog): name -> partitions.
+INTERNAL_TOPICS = {POWER_LOG: 1}  # PPartition decides for the whole machine: one ordered log
 
 
 def create_topics(settings: Settings, timeout_s: float = 30.0) -> dict[str, str]:
@@ -18,8 +22,12 @@ def create_topics(settings: Settings, timeout_s: float = 30.0) -> dict[str, str]
                  replication_factor=-1,  # the broker's default (1 locally, 3 on a production cluster)
                  config={"cleanup.policy": t.cleanup_policy})
         for t in TOPICS if settings.topic(t.name) not in existing
+    ] + [
+        NewTopic(settings.topic(name), num_partitions=n, replication_factor=-1, config={"cleanup.policy": "delete"})
+        for name, n in INTERNAL_TOPICS.items() if settings.topic(name) not in existing
     ]
-    result = {settings.topic(t.name): "exists" for t in TOPICS if settings.topic(t.name) in existing}
+    names = [settings.topic(t.name) for t in TOPICS] + [settings.topic(n) for n in INTERNAL_TOPICS]
+    result = {name: "exists" for name in names if name in existing}
     if wanted:
         for name, fut in admin.create_topics(wanted, request_timeout=timeout_s).items():
             try:

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from nodeshare.streams.accounting import PricingPolicy
 from nodeshare.streams.degradation import DEFAULT_DELTA
+from nodeshare.streams.power.ppartition import PowerPolicy
 from nodeshare.streams.pricing import POPPA_EQ4
 
 #: The configuration file given on the command line (--config); NODESHARE_CONFIG is the fallback.
@@ -52,6 +53,10 @@ class Settings(BaseSettings):
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
     period_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 200
     power_budget_watts: Annotated[float, Field(gt=0.0)] | None = None  # the machine's bound (Seed 004)
+    power_admit: Literal["fair", "throughput"] = "fair"  # streams.power.ppartition.PowerPolicy
+    power_release: Literal["proportional", "pool"] = "proportional"
+    power_min_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
+    power_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None  # Prometheus endpoint; off when unset
     metrics_addr: str = "127.0.0.1"
 
@@ -74,6 +79,10 @@ class Settings(BaseSettings):
     def policy(self) -> PricingPolicy:
         return PricingPolicy(rate_per_core_hour=self.rate_per_core_hour, delta=self.delta,
                              rate_function=self.rate_function)
+
+    def power_policy(self) -> PowerPolicy:
+        return PowerPolicy(release=self.power_release, min_share=self.power_min_share, admit=self.power_admit,
+                           margin=self.power_margin)
 
     def client_config(self, **extra: Any) -> dict[str, Any]:
         """librdkafka configuration for a confluent-kafka client."""

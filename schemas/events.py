@@ -330,6 +330,7 @@ class JobPowerPlan(BaseModel):
     job_id: JobId
     budget_watts: Watts
     caps: tuple[ProcessorCap, ...]
+    predicted_gips: Annotated[float, Field(ge=0.0)] = 0.0  # job IPS (billions) the characterization predicts
 
 
 class PowerAction(StrEnum):
@@ -338,7 +339,28 @@ class PowerAction(StrEnum):
     RELEASE = "release"
 
 
+class PowerInputs(BaseModel):
+    """What a power decision was computed from, so that it can be checked and reproduced."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    trigger_event_id: str  # the lifecycle event that caused the decision
+    program: str
+    requested_processors: NonNegInt
+    candidate_processors: NonNegInt  # free processors it could run on
+    characterized_processors: NonNegInt  # of those considered, how many had a power-IPS curve for the program
+    fair_share_watts: Watts  # n/Nmax * Pm/c, or Eq. 5 when power was repartitioned
+    unused_watts_before: Watts
+    n_lo: NonNegInt
+    n_hi: NonNegInt
+    stolen_watts: dict[str, Watts] = {}  # job id -> power taken from it for this job
+    policy: str = ""
+
+
 class PowerDecision(Record):
+    """A power plan for one job start or end (Seed 004): the job's budget, processors and caps, and
+    the re-tuned caps of running jobs whose partitions changed. A scheduler applies caps with RAPL."""
+
     kind: Literal["power_decision"] = "power_decision"
     job_id: JobId
     action: PowerAction
@@ -347,6 +369,7 @@ class PowerDecision(Record):
     machine_budget_watts: Watts
     machine_allocated_watts: Watts
     reason: str = ""
+    inputs: PowerInputs | None = None
 
 
 # --------------------------------------------------------------------------- decisions.placement

@@ -21,9 +21,20 @@ from confluent_kafka import Consumer, TopicPartition
 
 from nodeshare import metrics
 from nodeshare.config import Settings
-from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, JOBS_LIFECYCLE, LEDGER_CHARGES, NODE_IPC
+from nodeshare.schemas.catalog import (
+    CLUSTER_INVENTORY,
+    DECISIONS_POWER,
+    DLQ,
+    ESTIMATES_DEGRADATION,
+    JOBS_LIFECYCLE,
+    LEDGER_CHARGES,
+    NODE_IPC,
+    NODE_POWER,
+)
+from nodeshare.schemas.serde import encode
 
 from .accounting import Origin, fold_states, process_message
+from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +160,54 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
             await apply(Origin(msg.topic, msg.partition, msg.offset), event.key, event.value, msg.timestamp)
             applied_live[(msg.topic, msg.partition)] = msg.offset
 
+    add_power_agents(app, settings)
     return app
+
+
+def add_power_agents(app: faust.App, settings: Settings) -> None:
+    """PPartition needs the whole machine in one place: ``power-router`` forwards every lifecycle,
+    power and inventory record to the single-partition ``power.machine`` log, and ``power-manager``
+    folds that log (streams.power.stream) and publishes ``decisions.power``. After a start or a
+    rebalance the manager first re-folds the log up to where it resumes, without publishing."""
+    log_topic = settings.topic(POWER_LOG)
+    inputs = app.topic(*[settings.topic(t.name) for t in (JOBS_LIFECYCLE, NODE_POWER, CLUSTER_INVENTORY)],
+                       key_serializer="raw", value_serializer="raw")
+    power_log = app.topic(log_topic, partitions=1, key_serializer="raw", value_serializer="raw")
+    decisions = app.topic(settings.topic(DECISIONS_POWER.name), key_serializer="raw", value_serializer="raw")
+    state: dict[str, PowerManager] = {}
+    seen_rebalances = [app.rebalancing_count]
+
+    def fresh() -> PowerManager:
+        return PowerManager(settings.power_budget_watts, settings.power_policy(), settings.topic_prefix)
+
+    @app.agent(inputs, name="power-router")
+    async def power_router(stream: Any) -> None:
+        async for event in stream.events():
+            await power_log.send(key=b"machine", value=envelope(event.message.topic, event.value))
+
+    @app.agent(power_log, name="power-manager")
+    async def power_manager(stream: Any) -> None:
+        async for event in stream.events():
+            while app.rebalancing or app.in_recovery:
+                await asyncio.sleep(0.05)
+            if app.rebalancing_count != seen_rebalances[0]:
+                seen_rebalances[0] = app.rebalancing_count
+                state.clear()
+            msg = event.message
+            if "pm" not in state:
+                pm = fresh()
+                if msg.offset > 0:
+                    loop = asyncio.get_running_loop()
+                    history = await loop.run_in_executor(None, read_range, settings, log_topic, msg.partition, 0,
+                                                         msg.offset)
+                    for _origin, _key, value, _ts in history:
+                        pm.apply(*open_envelope(value or b""))
+                    log.warning("power-manager: rebuilt the machine from %d log records", len(history))
+                state["pm"] = pm
+            for decision in state["pm"].apply(*open_envelope(event.value or b"")):
+                await decisions.send(key=decision.job_id.encode(), value=encode(decision))
+                metrics.EVENTS_OUT.labels(settings.topic(DECISIONS_POWER.name)).inc()
+                metrics.POWER_DECISIONS.labels(decision.action.value).inc()
 
 
 def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> None:

@@ -76,7 +76,8 @@ def experiment_ptune(seed: int = 4, sizes: Sequence[int] = (16, 32, 64, 128),
         for mix in QUARTILE_MIXES:
             for n in sizes:
                 per = n // len(mix)
-                chosen = [c for q in mix for c in (qs[q][i] for i in sorted(rng.choice(len(qs[q]), per, replace=False)))]
+                picks = {q: sorted(rng.choice(len(qs[q]), per, replace=False)) for q in mix}
+                chosen = [qs[q][i] for q in mix for i in picks[q]]
                 curves = lab.curves(program, chosen)
                 for w in watts_per_processor:
                     budget = to_mw(w * len(chosen))

@@ -107,7 +107,7 @@ class Machine:
     """The power manager's state: processors, characterization, running and deferred jobs."""
 
     budget_mw: int
-    policy: PowerPolicy = PowerPolicy()
+    policy: PowerPolicy = field(default_factory=PowerPolicy)
     limits: dict[ProcessorId, tuple[int, int]] = field(default_factory=dict)  # (min, max) mW from inventory
     char: Characterization = field(default_factory=Characterization)
     running: dict[str, RunningJob] = field(default_factory=dict)  # in start order
@@ -221,7 +221,8 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
 
 def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
     """A job ended: free its processors and power, retry deferred jobs, then apply the release
-    policy to what is left. Returns the release outcome followed by any deferred job's start."""
+    policy to what is left. Returns the release outcome (the freed plan, and the new caps of jobs that
+    were already running) followed by the start of each deferred job that now fits, with its final caps."""
     unused_before = machine.unused_mw
     job = machine.running.pop(job_id, None)
     if job is None:
@@ -241,6 +242,8 @@ def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
     updates: dict[str, Plan] = {}
     if machine.policy.release == "proportional":
         updates = give_back(machine, machine.unused_mw)
+    # A job started here is announced once, with its final caps; the release lists the others.
+    started = [replace(o, plan=updates.pop(o.request.job_id, o.plan)) for o in started]
     freed = Outcome("release", replace(job.request, trigger=trigger or job.request.trigger), _plan(job_id, job),
                     tuple(updates.values()), f"freed {len(job.processors)} processors; "
                     f"{len(started)} deferred jobs started; policy {machine.policy.release}",

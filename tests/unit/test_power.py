@@ -199,7 +199,8 @@ def test_ppartition_starts_defers_and_gives_back_hand_worked():
     freed, started = release(m, "j1")
     # j4 starts on a freed processor at its 75 W share; the 75 W left go to j2, j3, j4 (25 W each).
     assert started.action == "start" and started.request.job_id == "j4"
-    assert {p.job_id: p.caps_mw for p in freed.updates} == {"j2": (100_000,), "j3": (100_000,), "j4": (100_000,)}
+    assert {p.job_id: p.caps_mw for p in freed.updates} == {"j2": (100_000,), "j3": (100_000,)}
+    assert started.plan is not None and started.plan.caps_mw == (100_000,)  # announced with its final caps
     assert m.allocated_mw == 300_000 and m.deferred == []
     check(m)
 
@@ -280,3 +281,42 @@ def test_ppartition_invariants_and_determinism(sequence, release_policy):
     again, m2 = run_ops(sequence, release_policy)
     assert [asdict(o) for o in first] == [asdict(o) for o in again]
     assert m1.running == m2.running
+
+
+# ------------------------------------------------------------------ the stream fold
+
+
+def test_power_manager_fold_is_deterministic_and_keeps_the_bound():
+    from power_events import scenario
+
+    from nodeshare.schemas.catalog import TOPIC_OF_RECORD
+    from nodeshare.schemas.serde import encode
+    from nodeshare.streams.power.stream import PowerManager
+
+    log = [(TOPIC_OF_RECORD[type(r)].name, encode(r)) for r in scenario()]
+    first = PowerManager(600.0)
+    decisions = [d for topic, value in log for d in first.apply(topic, value)]
+    again = PowerManager(600.0)
+    assert [d for topic, value in log for d in again.apply(topic, value)] == decisions
+    assert first.machine.char.readings() == 8 * 2 * 15  # every reading folded into the characterization
+    # 8 processors: p1 (4), p2 (2) and p3 (3 asked, 2 left) fill them; p4 waits for p1 to end.
+    assert [(d.job_id, d.action.value) for d in decisions] == [
+        ("p1", "start"), ("p2", "start"), ("p3", "start"), ("p4", "defer"), ("p1", "release"), ("p4", "start")]
+    for d in decisions:
+        assert d.machine_allocated_watts <= d.machine_budget_watts == 600.0
+        for plan in (d.plan, *d.running_updates):
+            if plan is not None:
+                assert all(51.0 <= c.cap_watts <= 120.0 for c in plan.caps)
+                assert sum(c.cap_watts for c in plan.caps) <= plan.budget_watts + 1e-9
+        assert d.inputs is not None and d.inputs.trigger_event_id
+    p1, p3, freed, p4 = decisions[0], decisions[2], decisions[4], decisions[5]
+    assert p1.inputs is not None and p1.inputs.requested_processors == 4  # 48 cores / 12 per processor
+    assert p1.inputs.candidate_processors == 8 and p1.inputs.characterized_processors == 4
+    assert p3.plan is not None and len(p3.plan.caps) == 2  # min_share 0.5: 2 of the 3 asked
+    # The release hands p1's processors to p4 and its leftover power to p2 and p3; p4's start comes
+    # after it, with its final caps, so a scheduler applying decisions in order never double-books.
+    assert freed.plan is not None and {u.job_id for u in freed.running_updates} == {"p2", "p3"}
+    assert p4.plan is not None and {(c.node, c.processor) for c in p4.plan.caps} <= {
+        (c.node, c.processor) for c in freed.plan.caps}
+    assert len({d.event_id for d in decisions}) == len(decisions)
+    assert first.apply("jobs.lifecycle", b"{not json") == [] and first.skipped == 1

@@ -1,0 +1,134 @@
+"""The power manager as a deterministic fold: input events in, ``decisions.power`` records out.
+
+``PowerManager.apply`` takes one record of ``cluster.inventory``, ``node.power`` or
+``jobs.lifecycle`` (as bytes, in the order the single-partition ``power.machine`` log holds them)
+and returns the decisions it causes. The same log folded again gives the same decisions with the
+same event ids, which is how a restarted worker rebuilds its state and how duplicates are removed.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE, NODE_POWER, spec_for_topic
+from nodeshare.schemas.events import (
+    TERMINAL_STATES,
+    JobEvent,
+    JobPowerPlan,
+    JobState,
+    NodeInventory,
+    PowerAction,
+    PowerDecision,
+    PowerInputs,
+    PowerReading,
+    ProcessorCap,
+)
+from nodeshare.schemas.serde import DecodeError, decode
+
+from .curves import to_mw, to_w
+from .ppartition import JobRequest, Machine, Outcome, Plan, PowerPolicy, dispatch, release, set_node
+
+#: The internal single-partition log the power manager consumes: every relevant input, in one order.
+POWER_LOG = "power.machine"
+NAMESPACE = uuid.UUID("0d0e5a1c-9a8c-4772-62f0-02c6b0000004")
+SOURCE = "nodeshare/power"
+
+
+def envelope(topic: str, value: bytes | None) -> bytes:
+    """How the router puts an input record on the power log: its topic, a newline, its bytes."""
+    return topic.encode() + b"\n" + (value or b"")
+
+
+def open_envelope(raw: bytes) -> tuple[str, bytes]:
+    topic, _, value = raw.partition(b"\n")
+    return topic.decode(), value
+
+
+@dataclass
+class PowerManager:
+    """State of the machine's power manager, folded from the power log."""
+
+    budget_watts: float | None  # None: no bound (the sum of the processors' max caps)
+    policy: PowerPolicy = field(default_factory=PowerPolicy)
+    prefix: str = ""
+    machine: Machine = field(init=False)
+    cores_per_processor: dict[str, float] = field(default_factory=dict)
+    dispatched: set[str] = field(default_factory=set)
+    ended: set[str] = field(default_factory=set)
+    skipped: int = 0  # records that could not be decoded (the accounting agent dead-letters them)
+
+    def __post_init__(self) -> None:
+        self.machine = Machine(budget_mw=to_mw(self.budget_watts or 0.0), policy=self.policy)
+
+    def apply(self, topic: str, value: bytes | None) -> list[PowerDecision]:
+        try:
+            spec = spec_for_topic(topic, self.prefix)
+            record = decode(spec, value)
+        except (KeyError, DecodeError):
+            self.skipped += 1
+            return []
+        if spec is CLUSTER_INVENTORY and isinstance(record, NodeInventory):
+            self._inventory(record)
+        elif spec is NODE_POWER and isinstance(record, PowerReading):
+            running = {p: j.request.program for j in self.machine.running.values() for p in j.processors}
+            self.machine.char.add_reading(record, running.get((record.node, record.processor)))
+        elif spec is JOBS_LIFECYCLE and isinstance(record, JobEvent):
+            return self._job(record)
+        return []
+
+    def _inventory(self, inv: NodeInventory) -> None:
+        set_node(self.machine, inv.node, {p.processor: (to_mw(p.min_watts), to_mw(p.max_watts))
+                                          for p in inv.processors})
+        if inv.processors:
+            self.cores_per_processor[inv.node] = inv.cores / len(inv.processors)
+        if self.budget_watts is None:
+            self.machine.budget_mw = sum(hi for _, hi in self.machine.limits.values())
+
+    def _requested(self, job: JobEvent) -> int:
+        per = [self.cores_per_processor[n] for n in job.nodes if n in self.cores_per_processor]
+        if not per:
+            per = sorted(self.cores_per_processor.values())[len(self.cores_per_processor) // 2:][:1] or [1.0]
+        return max(1, math.ceil(job.cores / (sum(per) / len(per))))
+
+    def _job(self, job: JobEvent) -> list[PowerDecision]:
+        if job.state in (JobState.SUBMITTED, JobState.STARTED):
+            if job.job_id in self.dispatched or job.job_id in self.ended:
+                return []
+            self.dispatched.add(job.job_id)
+            req = JobRequest(job.job_id, job.program, self._requested(job), tuple(job.nodes), job.event_id)
+            out = dispatch(self.machine, req)
+            if out.action == "defer":
+                self.machine.deferred.append(req)
+            return [self._record(out, job.event_time)]
+        if job.state in TERMINAL_STATES and job.job_id not in self.ended:
+            self.ended.add(job.job_id)
+            if job.job_id not in self.dispatched:
+                return []
+            return [self._record(o, job.event_time) for o in release(self.machine, job.job_id, job.event_id)]
+        return []
+
+    def _plan(self, plan: Plan) -> JobPowerPlan:
+        return JobPowerPlan(job_id=plan.job_id, budget_watts=to_w(plan.budget_mw), predicted_gips=round(plan.ips, 6),
+                            caps=tuple(ProcessorCap(node=n, processor=i, cap_watts=to_w(c))
+                                       for (n, i), c in zip(plan.processors, plan.caps_mw, strict=True)))
+
+    def _record(self, out: Outcome, at: datetime) -> PowerDecision:
+        req, pol = out.request, self.machine.policy
+        trigger = req.trigger
+        return PowerDecision(
+            event_id=str(uuid.uuid5(NAMESPACE, f"{trigger}/{req.job_id}/{out.action}")), source=SOURCE,
+            event_time=at, job_id=req.job_id, action=PowerAction(out.action),
+            plan=self._plan(out.plan) if out.plan else None,  # for a release: what is freed
+            running_updates=tuple(self._plan(p) for p in out.updates),
+            machine_budget_watts=to_w(self.machine.budget_mw), machine_allocated_watts=to_w(self.machine.allocated_mw),
+            reason=out.reason,
+            inputs=PowerInputs(
+                trigger_event_id=trigger, program=req.program, requested_processors=req.n_req,
+                candidate_processors=out.candidates, characterized_processors=out.characterized,
+                fair_share_watts=to_w(out.fair_share_mw), unused_watts_before=to_w(out.unused_before_mw),
+                n_lo=out.n_lo, n_hi=out.n_hi, stolen_watts={j: to_w(s) for j, s in out.stolen_mw},
+                policy=f"admit={pol.admit} release={pol.release} min_share={pol.min_share} margin={pol.margin}"),
+        )
