@@ -26,12 +26,16 @@ sink_app = typer.Typer(no_args_is_help=True, help="Run a sink in the foreground.
 archive_app = typer.Typer(no_args_is_help=True, help="Archive housekeeping.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print numbers and write them to a JSON file.")
 config_app = typer.Typer(no_args_is_help=True, help="The effective configuration.")
+experiment_app = typer.Typer(no_args_is_help=True, help="Experiments of the source papers: JSON and a PNG plot.")
+decisions_app = typer.Typer(no_args_is_help=True, help="Decision topics, as a scheduler sees them.")
 app.add_typer(config_app, name="config")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(sink_app, name="sink")
 app.add_typer(bench_app, name="bench")
 app.add_typer(archive_app, name="archive")
+app.add_typer(experiment_app, name="experiment")
+app.add_typer(decisions_app, name="decisions")
 
 out = Console()
 if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
@@ -534,6 +538,100 @@ def bench_audit(
     out_file.write_text(as_json(result) + "\n")
     out.print(as_json(result))
     out.print(f"wrote {out_file}")
+
+
+def _experiment_out(result: dict[str, Any], as_json: bool, png: Path, plot: Any, summary: list[str]) -> None:
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot(result, png)
+    if as_json:
+        out.print_json(json.dumps(result))
+    else:
+        for line in summary:
+            out.print(line)
+    err.print(f"wrote {png}")
+
+
+@experiment_app.command("ptune")
+def experiment_ptune(
+    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/ptune.png"),
+    seed: Annotated[int, typer.Option(help="population and sampling seed")] = 4,
+    margin: Annotated[float, typer.Option(min=0.0, max=1.0, help="PTune's noise margin")] = 0.01,
+) -> None:
+    """PTune against uniform power on 16-128 processors from quartile mixes of a 600-chip population
+    (Seed 004, Fig. 13-14): run-time reduction and processors freed."""
+    from nodeshare.experiments.power import experiment_ptune as run
+    from nodeshare.experiments.power import plot_ptune
+
+    r = run(seed=seed, margin=margin)
+    _experiment_out(r, as_json, png, plot_ptune, [
+        f"{r['configurations']} configurations (4 programs x 6 quartile mixes x 4 sizes x 4 budgets)",
+        f"run-time reduction vs uniform power: max {r['max_speedup_pct']:.1f}%, mean {r['mean_speedup_pct']:.1f}%, "
+        f"min {r['min_speedup_pct']:.1f}% ({r['slower_than_uniform']} slower than uniform)",
+        f"processors freed: max {r['max_freed_pct']:.1f}%, mean {r['mean_freed_pct']:.1f}%; "
+        f"uniform power kept (gain below the {margin:.0%} margin) in {r['uniform_kept']}"])
+
+
+@experiment_app.command("ppartition")
+def experiment_ppartition(
+    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/ppartition.png"),
+    seed: Annotated[int, typer.Option(help="population and queue seed")] = 4,
+    budget_watts: Annotated[float, typer.Option(min=1.0, help="the machine's power bound Pm/c")] = 28_000.0,
+    processors: Annotated[int, typer.Option(min=8, max=600, help="Nmax")] = 550,
+    admit: Annotated[str, typer.Option(help="fair (the paper) or throughput")] = "fair",
+) -> None:
+    """PPartition + PTune on a power-bounded machine fed by a job queue, against uniform capping at
+    Pm/c/Nmax, 75 W and TDP (Seed 004, Fig. 15-17): jobs started and machine throughput."""
+    from nodeshare.experiments.power import experiment_ppartition as run
+    from nodeshare.experiments.power import plot_ppartition
+    from nodeshare.streams.power.ppartition import PowerPolicy
+
+    if admit not in ("fair", "throughput"):
+        raise typer.BadParameter("must be 'fair' or 'throughput'", param_hint="--admit")
+    r = run(seed=seed, processors=processors, budget_w=budget_watts, policy=PowerPolicy(admit=admit))  # type: ignore[arg-type]
+    gains = ", ".join(f"{s['throughput_gain_pct']:+.1f}% vs uniform {s['cap_watts']:.0f} W ({s['jobs_scheduled']} jobs)"
+                      for s in r["uniform"].values())
+    _experiment_out(r, as_json, png, plot_ppartition, [
+        f"{r['jobs_scheduled']} of {r['queue']['jobs']} jobs started on {r['processors_used']} processors at "
+        f"{r['allocated_watts']:.0f} W (admit={admit}); uniform Pm/c/Nmax: {r['jobs_scheduled_uniform']} jobs",
+        f"throughput: {gains}"])
+
+
+@bench_app.command("power")
+def bench_power(
+    repeats: Annotated[int, typer.Option(min=3, help="runs per measurement (median)")] = 15,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/power.json"),
+) -> None:
+    """PTune over 550 processors and one PPartition dispatch across 100 running jobs (median ms)."""
+    from nodeshare.experiments.power import bench_power as run
+
+    result = run(repeats=repeats)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    out.print_json(json.dumps(result))
+    out.print(f"wrote {out_file}")
+
+
+@decisions_app.command("tail")
+def decisions_tail(
+    topic: Annotated[str, typer.Option(help="decisions.power or decisions.placement")] = "decisions.power",
+    from_beginning: Annotated[bool, typer.Option("--from-beginning", help="also print past decisions")] = False,
+    limit: Annotated[int | None, typer.Option(min=1, help="stop after this many decisions")] = None,
+    idle_exit: Annotated[float | None, typer.Option(help="stop after this many seconds without a decision")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON record per line")] = False,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Print decisions as they arrive, the way a scheduler subscribes to them."""
+    from nodeshare.sinks.inspect import tail_decisions
+
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    if topic not in ("decisions.power", "decisions.placement"):
+        raise typer.BadParameter("must be decisions.power or decisions.placement", param_hint="--topic")
+    for line in tail_decisions(settings, topic, from_beginning=from_beginning, limit=limit, idle_exit_s=idle_exit,
+                               as_json=as_json):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def main() -> None:

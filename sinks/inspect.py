@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from nodeshare.config import Settings
@@ -98,3 +98,63 @@ def read_dead_letters(settings: Settings, *, first: int = 10, idle_s: float = 3.
     finally:
         consumer.close()
     return summary
+
+
+def format_decision(record: Any) -> str:
+    """One line per decision: what a scheduler must apply."""
+    from nodeshare.schemas.events import PowerDecision
+
+    if not isinstance(record, PowerDecision):
+        return str(record.model_dump_json())
+    when = record.event_time.strftime("%Y-%m-%dT%H:%M:%S")
+    head = f"{when} {record.job_id:<12} {record.action.value:<7}"
+    plan = ""
+    if record.plan is not None:
+        caps = " ".join(f"{c.node}:{c.processor}={c.cap_watts:.1f}" for c in record.plan.caps)
+        plan = f" budget={record.plan.budget_watts:.1f}W n={len(record.plan.caps)} caps[{caps}]"
+    updates = ""
+    if record.running_updates:
+        updates = " re-tuned[" + " ".join(f"{u.job_id}={u.budget_watts:.1f}W" for u in record.running_updates) + "]"
+    machine = f" machine={record.machine_allocated_watts:.1f}/{record.machine_budget_watts:.1f}W"
+    return f"{head}{plan}{updates}{machine} ({record.reason})"
+
+
+def tail_decisions(settings: Settings, topic: str, *, from_beginning: bool = False, limit: int | None = None,
+                   idle_exit_s: float | None = None, as_json: bool = False) -> Any:
+    """Yield decisions of a decision topic as they arrive (a fresh consumer group: it commits nothing)."""
+    from nodeshare.schemas.catalog import BY_NAME
+    from nodeshare.schemas.serde import decode
+
+    spec = BY_NAME[topic]
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"nodeshare-tail-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
+        "auto.offset.reset": "earliest" if from_beginning else "latest"}))
+    name = settings.topic(topic)
+    meta = consumer.list_topics(name, timeout=15).topics.get(name)
+    if meta is None or meta.error is not None or not meta.partitions:
+        consumer.close()
+        raise RuntimeError(f"topic {name} does not exist on {settings.bootstrap}; run `nodeshare topics create`")
+    start = OFFSET_BEGINNING if from_beginning else OFFSET_END
+    consumer.assign([TopicPartition(name, p, start) for p in sorted(meta.partitions)])  # no group to join
+    seen: set[str] = set()  # decisions are re-published after a worker restart: same event id
+    shown, last = 0, time.monotonic()
+    try:
+        while limit is None or shown < limit:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error() is not None:
+                if idle_exit_s is not None and time.monotonic() - last > idle_exit_s:
+                    return
+                continue
+            last = time.monotonic()
+            try:
+                record = decode(spec, msg.value())
+            except DecodeError as exc:
+                yield f"undecodable record at {msg.topic()}[{msg.partition()}]@{msg.offset()}: {exc}"
+                continue
+            if record.event_id in seen:
+                continue
+            seen.add(record.event_id)
+            shown += 1
+            yield record.model_dump_json() if as_json else format_decision(record)
+    finally:
+        consumer.close()

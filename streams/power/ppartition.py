@@ -231,14 +231,7 @@ def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
         req = JobRequest(job_id, "", 0, trigger=trigger)
         why = "ended while deferred" if len(machine.deferred) < before else "was never started by the power manager"
         return [Outcome("release", req, None, (), why)]
-    started: list[Outcome] = []
-    waiting, machine.deferred = machine.deferred, []
-    for req in waiting:
-        out = dispatch(machine, req)
-        if out.action == "start":
-            started.append(out)
-        else:
-            machine.deferred.append(req)
+    started = retry_deferred(machine)
     updates: dict[str, Plan] = {}
     if machine.policy.release == "proportional":
         updates = give_back(machine, machine.unused_mw)
@@ -249,6 +242,20 @@ def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
                     f"{len(started)} deferred jobs started; policy {machine.policy.release}",
                     unused_before_mw=unused_before)
     return [freed, *started]
+
+
+def retry_deferred(machine: Machine) -> list[Outcome]:
+    """Dispatch the deferred jobs again, oldest first (after a job ends or processors appear);
+    returns the starts, and keeps the others deferred in their order."""
+    started: list[Outcome] = []
+    waiting, machine.deferred = machine.deferred, []
+    for req in waiting:
+        out = dispatch(machine, req)
+        if out.action == "start":
+            started.append(out)
+        else:
+            machine.deferred.append(req)
+    return started
 
 
 def give_back(machine: Machine, power_mw: int) -> dict[str, Plan]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE, NODE_POWER, spec_for_topic
@@ -29,7 +29,7 @@ from nodeshare.schemas.events import (
 from nodeshare.schemas.serde import DecodeError, decode
 
 from .curves import to_mw, to_w
-from .ppartition import JobRequest, Machine, Outcome, Plan, PowerPolicy, dispatch, release, set_node
+from .ppartition import JobRequest, Machine, Outcome, Plan, PowerPolicy, dispatch, release, retry_deferred, set_node
 
 #: The internal single-partition log the power manager consumes: every relevant input, in one order.
 POWER_LOG = "power.machine"
@@ -58,6 +58,7 @@ class PowerManager:
     cores_per_processor: dict[str, float] = field(default_factory=dict)
     dispatched: set[str] = field(default_factory=set)
     ended: set[str] = field(default_factory=set)
+    requests: dict[str, JobEvent] = field(default_factory=dict)  # the dispatching event of each job
     skipped: int = 0  # records that could not be decoded (the accounting agent dead-letters them)
 
     def __post_init__(self) -> None:
@@ -72,6 +73,10 @@ class PowerManager:
             return []
         if spec is CLUSTER_INVENTORY and isinstance(record, NodeInventory):
             self._inventory(record)
+            # New processors can take jobs that were waiting for them (sized by what is now known).
+            self.machine.deferred = [replace(r, n_req=self._requested(self.requests[r.job_id]))
+                                     for r in self.machine.deferred]
+            return [self._record(o, record.event_time) for o in retry_deferred(self.machine)]
         elif spec is NODE_POWER and isinstance(record, PowerReading):
             running = {p: j.request.program for j in self.machine.running.values() for p in j.processors}
             self.machine.char.add_reading(record, running.get((record.node, record.processor)))
@@ -98,6 +103,7 @@ class PowerManager:
             if job.job_id in self.dispatched or job.job_id in self.ended:
                 return []
             self.dispatched.add(job.job_id)
+            self.requests[job.job_id] = job
             req = JobRequest(job.job_id, job.program, self._requested(job), tuple(job.nodes), job.event_id)
             out = dispatch(self.machine, req)
             if out.action == "defer":
@@ -105,6 +111,7 @@ class PowerManager:
             return [self._record(out, job.event_time)]
         if job.state in TERMINAL_STATES and job.job_id not in self.ended:
             self.ended.add(job.job_id)
+            self.requests.pop(job.job_id, None)
             if job.job_id not in self.dispatched:
                 return []
             return [self._record(o, job.event_time) for o in release(self.machine, job.job_id, job.event_id)]
