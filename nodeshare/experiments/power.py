@@ -20,7 +20,7 @@ import numpy as np
 
 from nodeshare.producers.power_population import MIN_WATTS, PROGRAMS, TDP_WATTS, Chip, characterization, population
 from nodeshare.streams.power.curves import Characterization, Curve, curves_for, to_mw
-from nodeshare.streams.power.ppartition import JobRequest, Machine, PowerPolicy, check, dispatch
+from nodeshare.streams.power.ppartition import JobRequest, Machine, PowerPolicy, check, dispatch, give_back
 from nodeshare.streams.power.ptune import ptune, uniform
 
 QUARTILE_MIXES: tuple[tuple[str, ...], ...] = (("Q1",), ("Q2",), ("Q4",), ("Q1", "Q4"), ("Q2", "Q3"),
@@ -204,6 +204,7 @@ def bench_power(repeats: int = 15, seed: int = 4) -> dict[str, Any]:
     for i in range(100):
         out = dispatch(m, JobRequest(f"run{i:03d}", programs[i % 4], int(rng.integers(3, 8))))
         assert out.action == "start", out.reason
+    give_back(m, m.unused_mw)  # the budget is used up: the next job must be repartitioned for
     runs = []
     for _ in range(repeats):
         trial = copy.deepcopy(m)

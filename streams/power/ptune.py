@@ -90,12 +90,12 @@ class _Distribution:
     def _index(self, i: int) -> None:
         self.version[i] += 1
         v = self.version[i]
-        gain, room_up = self._gain(i)
-        if room_up:
-            heapq.heappush(self.receivers, (-gain, i, v))
-        loss, room_down = self._loss(i)
-        if room_down:
-            heapq.heappush(self.donors, (loss, i, v))
+        curve, k, cap = self.curves[i], self.piece[i], self.caps[i]
+        p, slopes = curve.power_mw, curve.slopes
+        if k < len(p) - 1:  # can receive: the slope of its piece
+            heapq.heappush(self.receivers, (-slopes[k], i, v))
+        if cap > p[0]:  # can donate: the slope of the piece below the cap
+            heapq.heappush(self.donors, (slopes[k - 1] if cap == p[k] else slopes[k], i, v))
 
     def _top(self, heap: list[tuple[float, int, int]]) -> int | None:
         version = self.version
