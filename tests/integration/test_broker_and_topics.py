@@ -15,7 +15,7 @@ import pytest
 from nodeshare.config import Settings
 from nodeshare.deploy.broker import BundledBroker, wait_for_metadata
 from nodeshare.deploy.processes import pid_alive
-from nodeshare.deploy.topics import create_topics
+from nodeshare.deploy.topics import INTERNAL_TOPICS, create_topics
 from nodeshare.schemas import TOPICS
 
 pytestmark = pytest.mark.integration
@@ -60,6 +60,7 @@ def test_bundled_broker_dies_with_a_killed_parent(tmp_path):
 
 def test_topics_create_is_idempotent(settings: Settings):
     first = create_topics(settings)
-    assert set(first) == {settings.topic(t.name) for t in TOPICS} and set(first.values()) == {"created"}
+    wanted = {settings.topic(t.name) for t in TOPICS} | {settings.topic(n) for n in INTERNAL_TOPICS}
+    assert set(first) == wanted and set(first.values()) == {"created"}
     second = create_topics(settings)
     assert set(second.values()) == {"exists"}
