@@ -59,8 +59,11 @@ class JobRequest:
 
 
 @dataclass(frozen=True)
-class RunningJob:
-    request: JobRequest
+class Plan:
+    """One job's power plan as decided: its processors and caps (their sum is its budget), and
+    predicted IPS."""
+
+    job_id: str
     processors: tuple[ProcessorId, ...]
     caps_mw: tuple[int, ...]
     ips: float
@@ -71,17 +74,10 @@ class RunningJob:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One job's power plan as decided: its budget, processors and caps, and predicted IPS."""
+class RunningJob(Plan):
+    """A running job: its current plan and the request it came from."""
 
-    job_id: str
-    processors: tuple[ProcessorId, ...]
-    caps_mw: tuple[int, ...]
-    ips: float
-
-    @property
-    def budget_mw(self) -> int:
-        return sum(self.caps_mw)
+    request: JobRequest
 
 
 @dataclass(frozen=True)
@@ -142,7 +138,7 @@ def _retune(machine: Machine, job: RunningJob, budget_mw: int) -> RunningJob:
 
 
 def _plan(job_id: str, job: RunningJob) -> Plan:
-    return Plan(job_id, job.processors, job.caps_mw, job.ips)
+    return Plan(job_id, job.processors, job.caps_mw, job.ips)  # without the request: what a decision says
 
 
 def _min_n(policy: PowerPolicy, n_req: int) -> int:
@@ -196,7 +192,7 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
                      n_hi=tuning.n_hi, candidates=len(free), characterized=characterized)
     if tuning.n_opt < need_n:
         return replace(inputs, reason=f"power for {tuning.n_opt} processors, at least {need_n} needed")
-    job = RunningJob(req, tuning.processors, tuning.caps_mw, tuning.ips)
+    job = RunningJob(req.job_id, tuning.processors, tuning.caps_mw, tuning.ips, req)
     # Power stolen beyond what the job used goes back to the jobs it came from, largest loss first.
     surplus = sum(stolen.values()) - max(0, job.budget_mw - unused)
     for job_id in sorted(stolen, key=lambda j: (-stolen[j], j)):
