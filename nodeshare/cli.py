@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, cast
 
 import typer
 from pydantic import ValidationError
@@ -589,7 +589,8 @@ def experiment_ppartition(
 
     if admit not in ("fair", "throughput"):
         raise typer.BadParameter("must be 'fair' or 'throughput'", param_hint="--admit")
-    r = run(seed=seed, processors=processors, budget_w=budget_watts, policy=PowerPolicy(admit=admit))  # type: ignore[arg-type]
+    policy = PowerPolicy(admit=cast(Literal["fair", "throughput"], admit))
+    r = run(seed=seed, processors=processors, budget_w=budget_watts, policy=policy)
     gains = ", ".join(f"{s['throughput_gain_pct']:+.1f}% vs uniform {s['cap_watts']:.0f} W ({s['jobs_scheduled']} jobs)"
                       for s in r["uniform"].values())
     _experiment_out(r, as_json, png, plot_ppartition, [

@@ -123,12 +123,13 @@ def run_audit_bench(workdir: Path, blocks: int) -> AuditBench:
         archive_mb=round(sum(f.stat().st_size for f in files) / 1e6, 1),
         audit_s=round(audit_s, 3), samples_per_s=round(samples / audit_s),
         scan_s=round(scan_s, 4), ratio_to_scan=round(scan_s / audit_s, 4),
-        machine=f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}",
+        machine=f"{platform.machine()}, {available_cores()} cores, Python {platform.python_version()}",
         date=datetime.now(UTC).date().isoformat(),
     )
 
 
-def _cores() -> int:
+def available_cores() -> int:
+    """CPUs this process may run on (the affinity mask, not the host's count)."""
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

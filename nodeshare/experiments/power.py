@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from nodeshare.producers.power_population import MIN_WATTS, PROGRAMS, TDP_WATTS, Chip, characterization, population
+from nodeshare.sinks.bench_audit import available_cores
 from nodeshare.streams.power.curves import Characterization, Curve, curves_for, to_mw
 from nodeshare.streams.power.ppartition import JobRequest, Machine, PowerPolicy, check, dispatch, give_back
 from nodeshare.streams.power.ptune import ptune, uniform
@@ -220,14 +221,8 @@ def bench_power(repeats: int = 15, seed: int = 4) -> dict[str, Any]:
         "ppartition_action": out.action, "ppartition_jobs_shrunk": len(out.stolen_mw),
         "targets": {"ptune_550_ms": 20.0, "ppartition_100_ms": 100.0},
         "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
-        "cores": _cores(), "python": platform.python_version(),
+        "cores": available_cores(), "python": platform.python_version(),
     }
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def plot_ptune(result: dict[str, Any], path: Path) -> Path:

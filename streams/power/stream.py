@@ -9,6 +9,7 @@ same event ids, which is how a restarted worker rebuilds its state and how dupli
 from __future__ import annotations
 
 import math
+import statistics
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -78,8 +79,8 @@ class PowerManager:
                                      for r in self.machine.deferred]
             return [self._record(o, record.event_time) for o in retry_deferred(self.machine)]
         elif spec is NODE_POWER and isinstance(record, PowerReading):
-            running = {p: j.request.program for j in self.machine.running.values() for p in j.processors}
-            self.machine.char.add_reading(record, running.get((record.node, record.processor)))
+            program = record.program or self._program_on((record.node, record.processor))
+            self.machine.char.add_reading(record, program)
         elif spec is JOBS_LIFECYCLE and isinstance(record, JobEvent):
             return self._job(record)
         return []
@@ -92,11 +93,17 @@ class PowerManager:
         if self.budget_watts is None:
             self.machine.budget_mw = sum(hi for _, hi in self.machine.limits.values())
 
+    def _program_on(self, processor: tuple[str, int]) -> str | None:
+        """The program of the job running on a processor (for readings that do not name it)."""
+        return next((j.request.program for j in self.machine.running.values() if processor in j.processors), None)
+
     def _requested(self, job: JobEvent) -> int:
+        """Processors a job asks for: its cores over the cores per processor of its nodes (of the
+        machine's median node when it has none yet; 1 before any inventory)."""
         per = [self.cores_per_processor[n] for n in job.nodes if n in self.cores_per_processor]
-        if not per:
-            per = sorted(self.cores_per_processor.values())[len(self.cores_per_processor) // 2:][:1] or [1.0]
-        return max(1, math.ceil(job.cores / (sum(per) / len(per))))
+        known = per or list(self.cores_per_processor.values())
+        cores_each = statistics.fmean(per) if per else statistics.median(known) if known else 1.0
+        return max(1, math.ceil(job.cores / cores_each))
 
     def _job(self, job: JobEvent) -> list[PowerDecision]:
         if job.state in (JobState.SUBMITTED, JobState.STARTED):
