@@ -320,3 +320,20 @@ def test_power_manager_fold_is_deterministic_and_keeps_the_bound():
         (c.node, c.processor) for c in freed.plan.caps}
     assert len({d.event_id for d in decisions}) == len(decisions)
     assert first.apply("jobs.lifecycle", b"{not json") == [] and first.skipped == 1
+
+
+def test_jobs_seen_before_the_inventory_start_when_processors_appear() -> None:
+    from power_events import scenario
+
+    from nodeshare.schemas.catalog import TOPIC_OF_RECORD
+    from nodeshare.schemas.events import JobEvent
+    from nodeshare.schemas.serde import encode
+    from nodeshare.streams.power.stream import PowerManager
+
+    records = scenario()
+    jobs = [r for r in records if isinstance(r, JobEvent)]
+    jobs_first = jobs[:4] + [r for r in records if not isinstance(r, JobEvent)]
+    pm = PowerManager(600.0)
+    out = [(d.job_id, d.action.value) for r in jobs_first for d in pm.apply(TOPIC_OF_RECORD[type(r)].name, encode(r))]
+    assert out[:4] == [("p1", "defer"), ("p2", "defer"), ("p3", "defer"), ("p4", "defer")]
+    assert ("p1", "start") in out and ("p2", "start") in out and ("p3", "start") in out
