@@ -421,6 +421,18 @@ def _split(values: list[str] | None) -> list[str]:
     return [v for item in values or [] for v in item.split(",") if v]
 
 
+def _print_machine_readable(header: Any, rows: list[Any], as_json: bool, parsable: bool,
+                            noheader: bool = False) -> bool:
+    """--json (a list of objects) or --parsable2 ('|'-separated, like sacct); False when neither."""
+    from nodeshare.sinks.usage import parsable2
+
+    if as_json:
+        print(json.dumps([dict(zip(header, r, strict=True)) for r in rows], indent=2, default=str))
+    elif parsable:
+        print(parsable2(header, rows, noheader=noheader))
+    return as_json or parsable
+
+
 @app.command()
 def charges(
     ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
@@ -435,7 +447,7 @@ def charges(
     all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
 ) -> None:
     """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime."""
-    from nodeshare.sinks.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parsable2, parse_time, render_value
+    from nodeshare.sinks.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
     from nodeshare.sinks.usage import charges as query
 
     try:
@@ -446,11 +458,7 @@ def charges(
     except (QueryError, FileNotFoundError) as exc:
         err.print(f"[red]charges[/red]: {exc}  (columns: {', '.join(CHARGE_COLUMNS)})")
         raise typer.Exit(2) from None
-    if as_json:
-        print(json.dumps([dict(zip(header, r, strict=True)) for r in rows], indent=2, default=str))
-    elif parsable:
-        print(parsable2(header, rows, noheader=noheader))
-    else:
+    if not _print_machine_readable(header, rows, as_json, parsable, noheader):
         table = Table(show_header=not noheader, box=None)
         for c in header:
             table.add_column(c, justify="left" if c in ("JobID", "User", "Account", "Program", "State") else "right")
@@ -469,7 +477,7 @@ def report_usage(
 ) -> None:
     """Standard price, charged and dividend by account and user, like
     `sreport cluster AccountUtilizationByUser` (an account's total first, then its users)."""
-    from nodeshare.sinks.usage import USAGE_COLUMNS, QueryError, parsable2, parse_time, usage_by_account
+    from nodeshare.sinks.usage import USAGE_COLUMNS, QueryError, parse_time, usage_by_account
 
     try:
         rows = usage_by_account(ledger, parse_time(starttime) if starttime else None,
@@ -477,11 +485,7 @@ def report_usage(
     except (QueryError, FileNotFoundError) as exc:
         err.print(f"[red]report-usage[/red]: {exc}")
         raise typer.Exit(2) from None
-    if as_json:
-        print(json.dumps([dict(zip(USAGE_COLUMNS, r, strict=True)) for r in rows], indent=2, default=str))
-    elif parsable:
-        print(parsable2(USAGE_COLUMNS, rows))
-    else:
+    if not _print_machine_readable(USAGE_COLUMNS, rows, as_json, parsable):
         table = Table(title="Usage by account and user (SU)", box=None)
         for c in USAGE_COLUMNS:
             table.add_column(c, justify="left" if c in ("Account", "Login") else "right")
