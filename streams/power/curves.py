@@ -76,22 +76,6 @@ class Curve:
         i = bisect.bisect_right(p, cap_mw) - 1
         return self.ips[i] + (self.ips[i + 1] - self.ips[i]) * (cap_mw - p[i]) / (p[i + 1] - p[i])
 
-    def gain(self, cap_mw: int) -> tuple[float, int]:
-        """Marginal IPS per mW of raising the cap, and how far (mW) that slope holds."""
-        p = self.power_mw
-        if cap_mw >= p[-1]:
-            return 0.0, 0
-        i = bisect.bisect_right(p, cap_mw) - 1
-        return (self.ips[i + 1] - self.ips[i]) / (p[i + 1] - p[i]), p[i + 1] - cap_mw
-
-    def loss(self, cap_mw: int) -> tuple[float, int]:
-        """Marginal IPS per mW lost by lowering the cap, and how far (mW) that slope holds."""
-        p = self.power_mw
-        if cap_mw <= p[0]:
-            return math.inf, 0
-        i = bisect.bisect_left(p, cap_mw) - 1
-        return (self.ips[i + 1] - self.ips[i]) / (p[i + 1] - p[i]), cap_mw - p[i]
-
 
 def curve_from_points(processor: ProcessorId, min_mw: int, points: Iterable[tuple[int, float]]) -> Curve:
     """A curve through characterization points (measured power mW, IPS), starting at min power.

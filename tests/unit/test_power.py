@@ -43,11 +43,10 @@ def test_table2_curve_interpolates_measured_power():
     assert c.at(51_000) == pytest.approx(46.43 - slope * (59_990 - 51_000))  # the first piece, extended down
     assert c.at(69_935) == pytest.approx((46.43 + 64.83) / 2)  # half-way between 59.99 and 79.88 W
     assert c.at(120_000) == 79.13  # a cap above the uncapped draw buys nothing
-    gain, room = c.gain(79_880)
-    assert gain == pytest.approx((76.33 - 64.83) / (99_430 - 79_880)) and room == 99_430 - 79_880
-    loss, room = c.loss(79_880)
-    # 59.99 W lies on the first piece extended down to 51 W, so the piece below 79.88 W starts at 51 W.
-    assert loss == pytest.approx((64.83 - 46.43) / (79_880 - 59_990)) and room == 79_880 - 51_000
+    # 59.99 W lies on the first piece extended down to 51 W, so the pieces are 51-79.88-99.43-104.66 W.
+    assert c.power_mw == (51_000, 79_880, 99_430, 104_660)
+    assert c.slopes == pytest.approx(((64.83 - 46.43) / (79_880 - 59_990), (76.33 - 64.83) / (99_430 - 79_880),
+                                      (79.13 - 76.33) / (104_660 - 99_430)))
 
 
 def test_noisy_points_are_smoothed_to_the_concave_majorant():
