@@ -5,6 +5,10 @@
     P_solo   = L * C * T_solo                    Eq. 1 applied to the solo run time
     P_poppa  = L * (T_solo / T_co) * C * T_solo  Eq. 4, i.e. (1 - D) * P_solo
 
+With a pause credit (the time nodeshare's own shutters kept the job paused), T_solo is
+estimated from the run time less the credit, (1 - D) * (T_co - credit), and Eq. 4 keeps the
+real T_co in its ratio: the credit lowers T_solo, so the price, and never raises the ratio.
+
 L is in service units per core-hour, times are in seconds.
 """
 
@@ -32,9 +36,14 @@ def solo_time(run_time_s: float, degradation: float) -> float:
     return (1.0 - degradation) * run_time_s
 
 
-def poppa_price(rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float) -> float:
-    """Eq. 4: P = L * (T_solo / T_co) * C * T_solo = (1 - D) * P_solo."""
-    return (1.0 - degradation) * standard_price(rate_per_core_hour, cores, solo_time(run_time_s, degradation))
+def poppa_price(rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float,
+                pause_credit_s: float = 0.0) -> float:
+    """Eq. 4: P = L * (T_solo / T_co) * C * T_solo, with T_co the real co-located run time and
+    T_solo = (1 - D) * (T_co - pause credit). Without a credit this is (1 - D) * P_solo."""
+    t_solo = solo_time(billed_time(run_time_s, pause_credit_s), degradation)
+    if run_time_s <= 0.0:
+        return 0.0
+    return rate_per_core_hour * (t_solo / run_time_s) * cores * (t_solo / SECONDS_PER_HOUR)
 
 
 @dataclass(frozen=True)
@@ -47,10 +56,12 @@ class ChargeAmounts:
     dividend: float  # SOP - price, the co-location discount
 
 
-RATE_FUNCTIONS: dict[str, Callable[[float, int, float, float], float]] = {
+#: Every rate function prices (L, C, T_co, D, pause credit).
+RATE_FUNCTIONS: dict[str, Callable[[float, int, float, float, float], float]] = {
     POPPA_EQ4: poppa_price,
-    SOLO_BASELINE: lambda rate, cores, t_co, d: standard_price(rate, cores, solo_time(t_co, d)),
-    STANDARD: lambda rate, cores, t_co, d: standard_price(rate, cores, t_co),
+    SOLO_BASELINE: lambda rate, cores, t_co, d, credit: standard_price(rate, cores,
+                                                                      solo_time(billed_time(t_co, credit), d)),
+    STANDARD: lambda rate, cores, t_co, d, credit: standard_price(rate, cores, t_co),
 }
 
 
@@ -64,9 +75,9 @@ def fair_charge(
     rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float, rate_function: str = POPPA_EQ4,
     pause_credit_s: float = 0.0,
 ) -> ChargeAmounts:
-    """Every amount of a charge. The standard price is of the whole run time; the rate function
-    prices the billed time (run time less the pause credit). Requires 0 <= D <= 1 and a credit
-    >= 0, so 0 <= price <= SOP for every rate function."""
+    """Every amount of a charge. The standard price is of the whole run time. The solo time is
+    estimated from the billed time (run time less the pause credit): T_solo = (1 - D) * billed.
+    Requires 0 <= D <= 1 and a credit >= 0, so 0 <= price <= SOP for every rate function."""
     if not 0.0 <= degradation <= 1.0:
         raise ValueError(f"degradation must be within [0, 1], got {degradation}")
     if not pause_credit_s >= 0.0:
@@ -78,5 +89,5 @@ def fair_charge(
     sop = standard_price(rate_per_core_hour, cores, run_time_s)
     billed = billed_time(run_time_s, pause_credit_s)
     t_solo = solo_time(billed, degradation)
-    price = price_of(rate_per_core_hour, cores, billed, degradation)
+    price = price_of(rate_per_core_hour, cores, run_time_s, degradation, pause_credit_s)
     return ChargeAmounts(sop, billed, t_solo, standard_price(rate_per_core_hour, cores, t_solo), price, sop - price)

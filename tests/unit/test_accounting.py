@@ -216,7 +216,8 @@ def test_pause_credit_is_the_longest_per_node_pause():
     end = job_event("j1", JobState.ENDED, nodes=("n1", "n2"), cores=10, run_s=3600)
     [c] = fold_messages(as_messages([n1, n2], IPC) + as_messages([end], LIFE), POLICY)
     assert c.pause_credit_s == 3.5 and c.billed_time_s == 3596.5
-    assert c.price == pytest.approx(2.0 * 10 * 3596.5 / 3600) and c.standard_price == 20.0
+    # no blocks, so D = 0 and T_solo = 3596.5 s; Eq. 4: L * (T_solo / T_co) * C * T_solo
+    assert c.price == pytest.approx(2.0 * (3596.5 / 3600) * 10 * 3596.5 / 3600) and c.standard_price == 20.0
     assert [n.paused_s for n in c.nodes] == [2.0, 3.5]
 
 

@@ -77,10 +77,24 @@ def test_unknown_rate_function_is_refused():
 
 def test_pause_credit_by_hand():
     # L = 2, C = 16, T_co = 3 h, 0.5 h paused by shutters, D = 0.25:
-    # billed 2.5 h; T_solo = 0.75 * 2.5 = 1.875 h; P_solo = 2 * 16 * 1.875 = 60; price = 0.75 * 60 = 45
+    # billed 2.5 h; T_solo = 0.75 * 2.5 = 1.875 h; P_solo = 2 * 16 * 1.875 = 60;
+    # Eq. 4 keeps the real T_co in its ratio: price = 2 * (1.875 / 3) * 16 * 1.875 = 37.5
     c = fair_charge(2.0, 16, 10_800, 0.25, pause_credit_s=1_800)
     assert (c.standard_price, c.billed_time_s, c.solo_time_s, c.solo_price, c.price, c.dividend) == (
-        96.0, 9_000.0, 6_750.0, 60.0, 45.0, 51.0)
+        96.0, 9_000.0, 6_750.0, 60.0, 37.5, 58.5)
+    # the other rate functions: solo_baseline charges P_solo, sop the whole run
+    assert fair_charge(2.0, 16, 10_800, 0.25, "solo_baseline", pause_credit_s=1_800).price == 60.0
+    assert fair_charge(2.0, 16, 10_800, 0.25, "sop", pause_credit_s=1_800).price == 96.0
+
+
+def test_pause_credit_with_the_true_degradation_gives_the_oracle_price():
+    # A job of 1000 s of work runs 10% slower next to its co-runner and is paused 20 s by
+    # shutters: T_co = 1000 / 0.9 + 20. Measuring D = 0.1 exactly, nodeshare charges the
+    # oracle's price L * C * T_solo^2 / T_co (Eq. 4 with the true times).
+    t_co = 1000 / 0.9 + 20
+    c = fair_charge(3.6, 1, t_co, 0.1, pause_credit_s=20)
+    assert c.solo_time_s == pytest.approx(1000.0, rel=1e-12)
+    assert c.price == pytest.approx(3.6 * 1000**2 / t_co / 3600, rel=1e-12)
 
 
 def test_pause_credit_cannot_make_a_price_negative():
