@@ -48,6 +48,7 @@ class Settings(BaseSettings):
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
     delta: Annotated[float, Field(gt=0.0)] = DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = POPPA_EQ4  # streams.pricing.RATE_FUNCTIONS
+    estimator: Literal["refill_corrected", "poppa_alg4"] = "refill_corrected"  # streams.degradation.ESTIMATORS
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
@@ -78,7 +79,7 @@ class Settings(BaseSettings):
 
     def policy(self) -> PricingPolicy:
         return PricingPolicy(rate_per_core_hour=self.rate_per_core_hour, delta=self.delta,
-                             rate_function=self.rate_function)
+                             rate_function=self.rate_function, estimator=self.estimator)
 
     def power_policy(self) -> PowerPolicy:
         return PowerPolicy(release=self.power_release, min_share=self.power_min_share, admit=self.power_admit,

@@ -278,6 +278,8 @@ class DegradationEstimate(Record):
     blocks_rejected: NonNegInt
     delta: Annotated[float, Field(gt=0.0)]
     final: bool
+    corrected: float | None = None  # refill-corrected over Alg. 4's accepted blocks (streams.degradation)
+    estimator: Name = "poppa_alg4"  # which estimate ``degradation`` applies
 
 
 # --------------------------------------------------------------------------- profiles.program
@@ -441,11 +443,13 @@ class Charge(Record):
     run_time_s: Annotated[float, Field(ge=0.0)]  # T_co, wall time from start to end
     pause_credit_s: Annotated[float, Field(ge=0.0)] = 0.0  # time shutters kept the job paused: not billed
     billed_time_s: Annotated[float, Field(ge=0.0)]  # T_co - pause credit
-    solo_time_s: Annotated[float, Field(ge=0.0)]  # T_solo = (1 - D) * billed time
+    solo_time_s: Annotated[float, Field(ge=0.0)]  # T_solo = (1 - D) * billed time; Eq. 4 divides by T_co
     degradation: Fraction01  # D applied
     estimate_status: EstimateStatus
     degradation_filtered: float | None
     degradation_unfiltered: float | None
+    degradation_corrected: float | None = None  # refill-corrected (streams.degradation)
+    estimator: Name = "poppa_alg4"  # which estimate ``degradation`` is: poppa_alg4 | refill_corrected
     blocks_used: NonNegInt
     blocks_rejected: NonNegInt
     blocks_ignored: NonNegInt  # duplicates, out-of-order and foreign-node blocks not counted

@@ -96,7 +96,7 @@ def recompute(messages: dict[bytes | None, list[Message]], policies: dict[str, P
 
 def policy_of(charge: Charge) -> PricingPolicy:
     return PricingPolicy(rate_per_core_hour=charge.rate_per_core_hour, delta=charge.delta,
-                         rate_function=charge.rate_function)
+                         rate_function=charge.rate_function, estimator=charge.estimator)
 
 
 def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, *, fast: bool = True) -> AuditReport:

@@ -157,7 +157,8 @@ def _job_charge(job: str, idx: np.ndarray, c: IpcColumns, terminals: list[Termin
         return None  # a JobLeftNode without a proper blocks_sent
     nodes_all = c.node[idx]
     streams: list[tuple[str, NodeStream]] = []
-    sums: list[list[np.ndarray]] = [[], [], [], []]  # solo_filtered, co_filtered, solo_all, co_all, per node
+    # solo_filtered, co_filtered, solo_all, co_all, before_filtered, after_filtered; per node
+    sums: list[list[np.ndarray]] = [[], [], [], [], [], []]
     accepted = rejected = 0
     offsets = c.offset[idx]
     for name in sorted(terminal.event.nodes):
@@ -174,7 +175,7 @@ def _job_charge(job: str, idx: np.ndarray, c: IpcColumns, terminals: list[Termin
         a = mine[:, 6] / mine[:, 7]
         keep = (np.abs(b - a) < policy.delta) & (b < d) & (a < d)
         co = 0.5 * (b + a)
-        for target, values in zip(sums, (d[keep], co[keep], d, co), strict=True):
+        for target, values in zip(sums, (d[keep], co[keep], d, co, b[keep], a[keep]), strict=True):
             target.append(values)
         accepted += int(keep.sum())
         rejected += int((~keep).sum())
@@ -186,6 +187,6 @@ def _job_charge(job: str, idx: np.ndarray, c: IpcColumns, terminals: list[Termin
             blocks_sent=int(left[9]), paused_us=max(0, int(left[8])),
         )))
     totals = [math.fsum(np.concatenate(parts)) if parts else 0.0 for parts in sums]
-    est = estimate_from_totals(*totals, accepted, rejected)
+    est = estimate_from_totals(*totals[:4], accepted, rejected, *totals[4:], policy.estimator)
     partition = int(c.partition[idx][0])
     return build_charge(job, 0, terminal, streams, est, policy, (NODE_IPC.name, partition))

@@ -46,6 +46,8 @@ _COLUMNS: dict[str, str] = {
     "estimate_status": "VARCHAR NOT NULL",
     "degradation_filtered": "DOUBLE",
     "degradation_unfiltered": "DOUBLE",
+    "degradation_corrected": "DOUBLE",
+    "estimator": "VARCHAR NOT NULL",
     "blocks_used": "INTEGER NOT NULL",
     "blocks_rejected": "INTEGER NOT NULL",
     "blocks_ignored": "INTEGER NOT NULL",

@@ -39,7 +39,7 @@ from nodeshare.schemas.events import (
 )
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
 
-from .degradation import DEFAULT_DELTA, DegradationResult, DegradationSums, ExactSum, estimate
+from .degradation import DEFAULT_DELTA, DEFAULT_ESTIMATOR, DegradationResult, DegradationSums, ExactSum, estimate
 from .pricing import POPPA_EQ4, fair_charge
 
 SOURCE = "nodeshare.streams.accounting"
@@ -50,6 +50,7 @@ class PricingPolicy:
     rate_per_core_hour: float = 1.0  # L
     delta: float = DEFAULT_DELTA
     rate_function: str = POPPA_EQ4
+    estimator: str = DEFAULT_ESTIMATOR  # degradation.ESTIMATORS
 
 
 @dataclass(frozen=True)
@@ -96,17 +97,21 @@ class NodeStream(_State):
     co_all: list[float] = []
     accepted: int = 0
     rejected: int = 0
+    before_filtered: list[float] = []
+    after_filtered: list[float] = []
 
     def sums(self) -> DegradationSums:
         return DegradationSums(
             ExactSum(self.solo_filtered), ExactSum(self.co_filtered),
             ExactSum(self.solo_all), ExactSum(self.co_all), self.accepted, self.rejected,
+            ExactSum(self.before_filtered), ExactSum(self.after_filtered),
         )
 
     def store(self, s: DegradationSums) -> None:
         self.solo_filtered, self.co_filtered = s.solo_filtered.partials, s.co_filtered.partials
         self.solo_all, self.co_all = s.solo_all.partials, s.co_all.partials
         self.accepted, self.rejected = s.accepted, s.rejected
+        self.before_filtered, self.after_filtered = s.before_filtered.partials, s.after_filtered.partials
 
 
 class TerminalEvent(_State):
@@ -208,16 +213,17 @@ class JobAccount(_State):
 
     # ------------------------------------------------------------------ derived values
 
-    def degradation(self, nodes: tuple[str, ...] | None = None) -> DegradationResult:
+    def degradation(self, nodes: tuple[str, ...] | None = None, estimator: str = DEFAULT_ESTIMATOR,
+                    ) -> DegradationResult:
         total = DegradationSums()
         for node in sorted(nodes if nodes is not None else self.nodes):
             if node in self.nodes:
                 total.merge(self.nodes[node].sums())
-        return estimate(total)
+        return estimate(total, estimator)
 
     def _estimate(self, policy: PricingPolicy, final: bool) -> DegradationEstimate:
         end = self.end
-        res = self.degradation(end.nodes if end else None)
+        res = self.degradation(end.nodes if end else None, policy.estimator)
         assert self.latest_event_time is not None  # set by apply() before any estimate
         when = end.end_time if final and end and end.end_time else self.latest_event_time
         return DegradationEstimate(
@@ -225,7 +231,8 @@ class JobAccount(_State):
             source=SOURCE,
             event_time=when,
             job_id=self.job_id, status=res.status, degradation=res.degradation,
-            filtered=res.filtered, unfiltered=res.unfiltered, blocks_used=res.blocks_used,
+            filtered=res.filtered, unfiltered=res.unfiltered, corrected=res.corrected, estimator=res.estimator,
+            blocks_used=res.blocks_used,
             blocks_rejected=res.blocks_rejected, delta=policy.delta, final=final,
         )
 
@@ -248,8 +255,8 @@ class JobAccount(_State):
     def _charge(self, revision: int, policy: PricingPolicy) -> Charge:
         terminal = self.ends[revision]
         streams = [(n, self.nodes[n]) for n in sorted(terminal.event.nodes)]
-        return build_charge(self.job_id, revision, terminal, streams, self.degradation(terminal.event.nodes),
-                            policy, self.ipc_partition)
+        estimate = self.degradation(terminal.event.nodes, policy.estimator)
+        return build_charge(self.job_id, revision, terminal, streams, estimate, policy, self.ipc_partition)
 
     # ------------------------------------------------------------------ persistence
 
@@ -293,6 +300,7 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         solo_time_s=amounts.solo_time_s,
         degradation=degradation.degradation, estimate_status=degradation.status,
         degradation_filtered=degradation.filtered, degradation_unfiltered=degradation.unfiltered,
+        degradation_corrected=degradation.corrected, estimator=degradation.estimator,
         blocks_used=degradation.blocks_used, blocks_rejected=degradation.blocks_rejected,
         blocks_ignored=sum(s.ignored for _, s in streams),
         nodes=tuple(NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,

@@ -75,7 +75,7 @@ def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult
             paused[rec.job_id].append(rec.paused_us)
     assert blocks, "no blocks archived"
     for c in run.charges:
-        d = filtered_degradation(blocks[c.job_id], c.delta)
+        d = filtered_degradation(blocks[c.job_id], c.delta, c.estimator)
         credit = max(paused[c.job_id]) / 1e6
         amounts = fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, d.degradation, pause_credit_s=credit)
         assert c.pause_credit_s == credit

@@ -34,9 +34,11 @@ def test_charge_equals_the_pure_functions_on_the_blocks():
     ipc, life = two_node_job()
     [charge] = fold_messages(as_messages(ipc, IPC) + as_messages(life, LIFE), POLICY)
     blocks = [r for r in ipc if r.kind == "shutter_block"]
-    d = filtered_degradation(blocks)
+    d = filtered_degradation(blocks, estimator=POLICY.estimator)
     amounts = fair_charge(2.0, 32, 7200, d.degradation)
     assert charge.degradation == d.degradation and d.blocks_used == 3 and d.blocks_rejected == 1
+    assert (charge.estimator, charge.degradation_corrected, charge.degradation_filtered) == (
+        "refill_corrected", d.corrected, d.filtered)
     assert (charge.standard_price, charge.price, charge.dividend) == (
         amounts.standard_price, amounts.price, amounts.dividend)
     assert charge.standard_price == 2.0 * 32 * 2  # L * C * T_co with T_co = 2 h

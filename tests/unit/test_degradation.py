@@ -1,4 +1,4 @@
-"""POPPA Alg. 4 and Eq. 7-8 on hand-computed examples."""
+"""POPPA Alg. 4, Eq. 7-8 and the refill-corrected estimate on hand-computed examples."""
 
 import math
 import random
@@ -9,9 +9,12 @@ from factories import block
 from nodeshare.schemas import EstimateStatus
 from nodeshare.streams.degradation import (
     DEFAULT_DELTA,
+    POPPA_ALG4,
+    REFILL_CORRECTED,
     BlockMeans,
     ExactSum,
     block_means,
+    estimate_from_totals,
     filtered_degradation,
     passes_filter,
 )
@@ -56,6 +59,26 @@ def test_filtered_and_unfiltered_estimates_by_hand():
     # Unfiltered: co = 1.0 + 0.81 + 1.0 + 1.1 = 3.91, solo = 2.0 + 1.0 + 0.9 + 2.0 = 5.9
     assert r.unfiltered == pytest.approx(1.99 / 5.9, rel=1e-12)
     assert (r.blocks_used, r.blocks_rejected, r.status) == (2, 2, EstimateStatus.OK)
+    # Refill-corrected, same accepted blocks: co = before = 1.0 + 0.8 = 1.8;
+    # solo = during + after - before = 3.0 + 1.82 - 1.8 = 3.02; D = 1.22 / 3.02
+    assert r.corrected == pytest.approx(1.22 / 3.02, rel=1e-12)
+    c = filtered_degradation(blocks, estimator=REFILL_CORRECTED)
+    assert c.degradation == c.corrected == r.corrected and c.filtered == r.filtered and c.estimator == REFILL_CORRECTED
+
+
+def test_refill_correction_recovers_a_transient_that_alg4_underestimates():
+    # Truth: solo IPC 2.0, co-located IPC 1.0, D = 0.5. The during window misses 0.04 of the
+    # solo IPC while the cache refills; the after window keeps 0.04 extra while it drains
+    # (|before - after| = 0.04 < delta, so Alg. 4 accepts every block).
+    blocks = [block(1.0, 1.96, 1.04, cycle=i) for i in range(4)]
+    alg4 = filtered_degradation(blocks, estimator=POPPA_ALG4)
+    assert alg4.degradation == pytest.approx(1 - 1.02 / 1.96, rel=1e-12)  # 0.480: two points under
+    assert filtered_degradation(blocks, estimator=REFILL_CORRECTED).degradation == pytest.approx(0.5, rel=1e-12)
+
+
+def test_unknown_estimator_is_an_error():
+    with pytest.raises(ValueError, match="unknown estimator 'magic'"):
+        estimate_from_totals(2.0, 1.0, 2.0, 1.0, 1, 0, 1.0, 1.0, "magic")
 
 
 def test_all_blocks_rejected_charges_no_discount_and_says_why():
