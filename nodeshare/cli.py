@@ -618,6 +618,137 @@ def bench_power(
     out.print(f"wrote {out_file}")
 
 
+def _library(profiles: Path | None) -> Any:
+    from nodeshare.producers.workloads import BUILTIN, load_profiles
+
+    if profiles is None:
+        return BUILTIN
+    try:
+        return {**BUILTIN, **load_profiles(profiles)}
+    except (OSError, ValueError) as exc:
+        err.print(f"error: {exc}")
+        raise typer.Exit(2) from None
+
+
+def _programs(names: str | None, library: Any) -> Any:
+    from nodeshare.producers.workloads import PAIRWISE
+
+    chosen = tuple(n.strip() for n in names.split(",") if n.strip()) if names else PAIRWISE
+    unknown = [n for n in chosen if n not in library]
+    if unknown or len(chosen) < 2:
+        err.print(f"error: --programs needs two or more of the library's programs; unknown: {unknown}; "
+                  f"known: {', '.join(sorted(library))}")
+        raise typer.Exit(2)
+    return chosen
+
+
+Profiles = Annotated[Path | None, typer.Option(
+    help="a CSV shaped like llc_profiles_spec.csv: its programs join the built-in library", exists=True,
+    dir_okay=False)]
+Programs = Annotated[str | None, typer.Option(help="comma-separated programs to pair (default: POPPA's twelve)")]
+
+
+@experiment_app.command("pairwise")
+def experiment_pairwise(
+    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pairwise.png"),
+    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
+    profiles: Profiles = None,
+    programs: Programs = None,
+) -> None:
+    """Every pair co-located as in Seed 002 Section 7 on the calibrated simulator, charged by the
+    stream worker's fold: Fig. 10 (run-time prediction error % per estimator) and Fig. 11 (degradation %)."""
+    from nodeshare.experiments.poppa import experiment_pairwise as run
+    from nodeshare.experiments.poppa import plot_pairwise
+
+    lib = _library(profiles)
+    with _progress() as bar:
+        bar.add_task("simulating and charging", total=None)
+        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib), library=lib)
+    est = r["estimators"]
+    _experiment_out(r, as_json, png, plot_pairwise, [
+        f"{r['pairs']} pairs, {r['runs']} completed runs; mean true degradation {r['mean_degradation_pct']:.1f}%",
+        *(f"{name:17s} MAE {s['mae_pct']:.2f}%  max |err| {s['max_abs_err_pct']:.2f}%  bias {s['bias_pct']:+.2f}%  "
+          f"worst {s['worst'][0]['job']} next to {s['worst'][0]['co_runner']}" for name, s in est.items()),
+        f"applied estimator: {r['estimator']}"])
+
+
+@experiment_app.command("pricing")
+def experiment_pricing(
+    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pricing.png"),
+    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
+    profiles: Profiles = None,
+    programs: Programs = None,
+) -> None:
+    """Seed 002 Fig. 12: prices relative to the solo baseline under SOP, POPPA (the ledger's
+    charge) and the oracle, for every (program, co-runner)."""
+    from nodeshare.experiments.poppa import experiment_pricing as run
+    from nodeshare.experiments.poppa import plot_pricing
+
+    lib = _library(profiles)
+    with _progress() as bar:
+        bar.add_task("simulating and charging", total=None)
+        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib), library=lib)
+    _experiment_out(r, as_json, png, plot_pricing, [
+        f"{r['jobs']} (program, co-runner) jobs from {r['runs']} runs; price / solo baseline:",
+        f"SOP    mean {r['sop_mean']:.4f}  min {r['sop_min']:.4f}  max {r['sop_max']:.4f}",
+        f"POPPA  mean {r['poppa_mean']:.4f}  min {r['poppa_min']:.4f}  max {r['poppa_max']:.4f}  ({r['estimator']})",
+        f"Oracle mean {r['oracle_mean']:.4f}  min {r['oracle_min']:.4f}  max {r['oracle_max']:.4f}",
+        f"POPPA - oracle: {r['poppa_minus_oracle_pp']:+.2f} pp; charged above the baseline: {r['overcharged_jobs']} "
+        f"jobs (mean surcharge {r['overcharge_mean_pct']:.2f}%), {r['overcharged_runs']} of {r['runs']} runs"])
+
+
+@experiment_app.command("shutter")
+def experiment_shutter(
+    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/shutter.png"),
+    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    iterations: Annotated[int, typer.Option(min=1, help="runs per pair and shutter length")] = 3,
+    period_ms: Annotated[int, typer.Option(min=1, help="P")] = 200,
+) -> None:
+    """Seed 002 Figs. 5-9: accuracy and overhead for S from 200 us to 25.6 ms, NPB next to a
+    contentious (ADVECT3D) and a moderate (Swim) co-runner, and next to NULL against Eq. 10."""
+    from nodeshare.experiments.poppa import SHUTTER_US, plot_shutter
+    from nodeshare.experiments.poppa import experiment_shutter as run
+
+    with _progress() as bar:
+        task = bar.add_task("shutter lengths", total=len(SHUTTER_US))
+        r = run(seed=seed, iterations=iterations, period_ms=period_ms,
+                progress=lambda done, _total: bar.update(task, completed=done))
+    lines = ["overhead at S = 3200 us: " + ", ".join(f"{k} {v:.2f}%" for k, v in r["overhead_at_3200_pct"].items()),
+             f"simulated overhead next to NULL vs Eq. 10: max difference {r['eq10_max_abs_diff_pp']:.3f} pp",
+             "S (us)   " + "  ".join(f"{j}/{c[:6]:6s}" for c in r["co_runners"] for j in r["jobs"])]
+    for s_us in r["shutter_us"]:
+        cells = [next(x for x in r["rows"] if x["sample_us"] == s_us and x["job"] == j and x["co_runner"] == c)
+                 for c in r["co_runners"] for j in r["jobs"]]
+        lines.append(f"{s_us:>6}   " + "  ".join(f"{x['err_refill_corrected_pct']:+9.2f}" for x in cells))
+    _experiment_out(r, as_json, png, plot_shutter, lines)
+
+
+@bench_app.command("simulate")
+def bench_simulate(
+    nodes: Annotated[int, typer.Option(min=1, help="cluster size")] = 10_000,
+    hours: Annotated[float, typer.Option(min=0.001, help="simulated time")] = 1.0,
+    keep: Annotated[Path | None, typer.Option(help="keep the typed Parquet event tables here")] = None,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/simulate.json"),
+) -> None:
+    """The calibrated simulator's speed: a full cluster's event stream (blocks, shutter windows,
+    lifecycle, job-left markers) written as typed Parquet; events per second of wall time."""
+    from nodeshare.experiments.poppa import bench_simulate as run
+
+    with _progress() as bar:
+        task = bar.add_task("simulated seconds", total=round(hours * 3600))
+        result = run(nodes=nodes, hours=hours, out_dir=keep,
+                     progress=lambda t, _span: bar.update(task, completed=round(t)))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    out.print_json(json.dumps(result))
+    out.print(f"wrote {out_file}")
+
+
 @decisions_app.command("tail")
 def decisions_tail(
     topic: Annotated[str, typer.Option(help="decisions.power or decisions.placement")] = "decisions.power",

@@ -1,0 +1,778 @@
+"""The calibrated cluster simulator: programs from the workload library on shared nodes,
+per-socket contention, and POPPA's shutters, emitting the same events as real node agents.
+
+Model
+-----
+* A node has two sockets of eight cores and two *slots*: a job in a slot holds four cores of
+  each socket (Seed 002, Section 7: "each socket has half its cores run one application and
+  the other half run the other"). Both sockets hold the same two jobs, so one socket is
+  solved and stands for both. A job of C cores spans ceil(C / 8) nodes, in the *same slot
+  index* on each, so its node agents shutter it on all its nodes at the same time.
+* Contention comes from :mod:`contention`: for every pair of program phases the steady
+  co-located IPC, the lone job's IPC while its co-runner is paused (its LLC share refilling),
+  and both jobs' IPC right after the shutter (the resumed job starts cold) are solved once into
+  tables; a region of a cycle is then a table lookup per slot.
+* A job's progress is counted in solo-seconds: it advances at ``IPC / solo IPC`` of its current
+  phase, and an MPI job advances at the pace of its slowest node (its faster ranks wait, polling).
+  A paused job makes no progress at all, so the shutter's overhead (Eq. 9-10) emerges.
+* Measured samples: the instructions a node's counters see are the useful ones, plus polling
+  while waiting for slower ranks, plus MPI-polling jitter (Seed 002, Section 6.2) and counter
+  noise. Phases of tens to hundreds of milliseconds cross sample boundaries; programs with a
+  ``micro`` pattern alternate below a millisecond, so a sample sees a varying mix.
+* POPPA's agent loop (Alg. 3) on every node holding two jobs: K*S before, K*S with the slot
+  ``cycle % 2`` alone, K*S after, then P. A node with one job is never shuttered.
+
+Ground truth (solo time = the job's work, co-located run time, paused time, true degradation)
+is returned next to the events and never travels with them.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+
+from nodeshare.schemas import (
+    CounterSource,
+    IpcSample,
+    JobEvent,
+    JobLeftNode,
+    JobState,
+    NodeInventory,
+    Record,
+    ShutterBlock,
+    ShutterWindow,
+)
+
+from .contention import Socket, at_ways, equilibrium, refill_ms, relax
+from .workloads import BUILTIN, Workload
+
+SIM_NAMESPACE = uuid.UUID("6a0c1c52-3b0e-4f43-9d1e-8b7d6f3b2a10")
+SLOTS = 2
+USERS: tuple[tuple[str, str], ...] = (("alice", "physics"), ("bob", "physics"), ("carol", "climate"),
+                                      ("dave", "climate"), ("erin", "bio"))
+
+
+@dataclass(frozen=True)
+class CalibratedConfig:
+    nodes: int = 8
+    seed: int = 7
+    k: int = 1  # samples per region (POPPA: K = 1)
+    sample_us: int = 3200  # S
+    period_ms: int = 200  # P
+    cores_per_node: int = 16
+    clock_ghz: float = 2.6
+    socket: Socket = field(default_factory=Socket)
+    counter_noise: float = 0.003  # relative noise of a sample's instruction count
+    poll_jitter: float = 0.25  # MPI polling: the communication share of a sample varies by this share
+    poll_ipc: float = 1.8  # IPC of a polling loop
+    run_noise: float = 0.01  # run-to-run variation of a job's work (lognormal sigma)
+    shutters: bool = True  # False: no agent at all (the overhead baseline)
+    start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError("nodes must be at least 1")
+        if self.k < 1 or self.sample_us < 1 or self.period_ms < 0:
+            raise ValueError("K and S must be >= 1 and P >= 0")
+        if self.cores_per_node % SLOTS:
+            raise ValueError(f"cores_per_node must be a multiple of {SLOTS}")
+
+    @property
+    def slot_cores(self) -> int:
+        return self.cores_per_node // SLOTS
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job to run: the program, its work in solo-seconds, when it is submitted and how many nodes it spans."""
+
+    program: str
+    work_s: float
+    submit_s: float = 0.0
+    nodes: int = 1
+    user: str = "alice"
+    account: str = "physics"
+
+
+@dataclass(frozen=True)
+class JobTruth:
+    """What really happened to a job: only experiments may read this."""
+
+    job_id: str
+    program: str
+    nodes: tuple[str, ...]
+    solo_time_s: float
+    run_time_s: float
+    paused_s: float
+    true_degradation: float  # 1 - T_solo / T_co
+    co_runners: tuple[str, ...] = ()  # programs it shared a node with
+
+
+# --------------------------------------------------------------------------- contention tables
+
+
+@dataclass(frozen=True)
+class StateTables:
+    """Every (program, phase, micro burst) state and the contention between any two of them.
+
+    State 0 is an empty slot. ``co[x, y]`` is the IPC of a process of state x next to state y;
+    ``during[x, y]`` the IPC of x alone in the shutter window right after y was paused;
+    ``after_lone[x, y]`` and ``after_resumed[y, x]`` the IPC of x and of y in the window right
+    after x's shutter."""
+
+    names: tuple[str, ...]  # program of every state ("" for the empty state)
+    offset: dict[str, int]  # first state of every program
+    co: np.ndarray
+    during: np.ndarray
+    after_lone: np.ndarray
+    after_resumed: np.ndarray
+
+    @property
+    def solo(self) -> np.ndarray:
+        return self.co[:, 0]
+
+
+def state_tables(programs: Sequence[Workload], socket: Socket, window_ms: float) -> StateTables:
+    names, ipc_rows, bw_rows, stall, rpki = [""], [np.ones(11)], [np.zeros(11)], [0.0], [0.0]
+    offset: dict[str, int] = {}
+    for w in programs:
+        offset[w.name] = len(names)
+        for ph in w.phases:
+            variants = [(1.0, 1.0)] + ([(w.micro.ipc_factor, w.micro.bw_factor)] if w.micro else [])
+            for fi, fb in variants:
+                names.append(w.name)
+                ipc_rows.append(np.asarray(w.ipc) * ph.ipc_factor * fi)
+                bw_rows.append(np.asarray(w.bw_gbps) * ph.bw_factor * fb)
+                stall.append(w.mem_stall)
+                rpki.append(w.llc_rpki * fb)
+    n = len(names)
+    ipc_t, bw_t = np.array(ipc_rows), np.array(bw_rows)
+    st, rp = np.array(stall), np.array(rpki)
+    x, y = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    pair = np.stack([x, y], axis=-1)  # (n, n, 2): slot 0 holds x, slot 1 holds y
+    act = pair > 0
+    co = equilibrium(ipc_t[pair], bw_t[pair], st[pair], rp[pair], act, socket)
+    alone = equilibrium(ipc_t[pair[..., :1]], bw_t[pair[..., :1]], st[pair[..., :1]], rp[pair[..., :1]],
+                        act[..., :1], socket)
+    # x alone right after y paused: x's ways grow from its co-located share to its solo share.
+    w0, w1 = co.ways[..., 0], alone.ways[..., 0]
+    tau = refill_ms(w1 - w0, alone.bw[..., 0], socket)
+    w_mean, w_end = relax(w0, w1, tau, window_ms)
+    during = at_ways(ipc_t[x][..., None, :], bw_t[x][..., None, :], st[x][..., None], w_mean[..., None],
+                     act[..., :1], socket).ipc[..., 0]
+    # right after: x gives back what it took, y starts cold, both relax to the co-located share.
+    y_start = np.maximum(co.ways[..., 1] - (w_end - w0), 0.05)
+    wx, _ = relax(w_end, w0, refill_ms(w_end - w0, co.bw[..., 0], socket), window_ms)
+    wy, _ = relax(y_start, co.ways[..., 1], refill_ms(co.ways[..., 1] - y_start, co.bw[..., 1], socket), window_ms)
+    after = at_ways(ipc_t[pair], bw_t[pair], st[pair], np.stack([wx, wy], axis=-1), act, socket).ipc
+    during = np.where(y > 0, during, co.ipc[..., 0])
+    return StateTables(tuple(names), offset, co.ipc[..., 0], during, after[..., 0], after[..., 1].T)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class _Jobs:
+    """Per-job arrays, grown as jobs are created."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        cap = 64
+        self.prog = np.zeros(cap, np.int64)
+        self.work = np.zeros(cap)
+        self.done = np.zeros(cap)
+        self.paused = np.zeros(cap)
+        self.start = np.full(cap, -1.0)
+        self.end = np.full(cap, -1.0)
+        self.submit = np.zeros(cap)
+        self.loop_ms = np.ones(cap)
+        self.phase_off = np.zeros(cap)
+        self.bounds = np.full((cap, 8), np.inf)
+        self.comm = np.zeros(cap)
+        self.micro = np.zeros((cap, 2))  # period_us, burst share (0 when none)
+        self.nodes: list[list[int]] = []
+        self.specs: list[JobSpec] = []
+        self.co_runners: list[set[str]] = []
+
+    def _grow(self) -> None:
+        for name in ("prog", "work", "done", "paused", "start", "end", "submit", "loop_ms", "phase_off", "comm"):
+            a = getattr(self, name)
+            fill = -1.0 if name in ("start", "end") else 0
+            setattr(self, name, np.concatenate([a, np.full_like(a, fill)]))
+        self.bounds = np.concatenate([self.bounds, np.full_like(self.bounds, np.inf)])
+        self.micro = np.concatenate([self.micro, np.zeros_like(self.micro)])
+
+    def add(self, spec: JobSpec, prog: int, w: Workload, work: float, rng: np.random.Generator) -> int:
+        if self.n == len(self.prog):
+            self._grow()
+        j = self.n
+        self.n += 1
+        durations = np.array([p.duration_ms for p in w.phases]) * rng.uniform(0.85, 1.15, len(w.phases))
+        if len(durations) > self.bounds.shape[1]:
+            raise ValueError(f"{w.name}: at most {self.bounds.shape[1]} phases")
+        self.prog[j], self.work[j], self.submit[j] = prog, work, spec.submit_s
+        self.loop_ms[j] = durations.sum()
+        self.bounds[j, :len(durations) - 1] = np.cumsum(durations)[:-1]
+        self.phase_off[j] = rng.uniform(0.0, self.loop_ms[j])
+        self.comm[j] = w.comm
+        if w.micro:
+            self.micro[j] = (w.micro.period_us, w.micro.burst_share)
+        self.nodes.append([])
+        self.specs.append(spec)
+        self.co_runners.append(set())
+        return j
+
+
+def _burst_share(offset_us: np.ndarray, length_us: float, period_us: np.ndarray, share: np.ndarray) -> np.ndarray:
+    """Share of [offset, offset + length) that falls in the bursts [0, share * period) of each period."""
+    period = np.where(period_us > 0, period_us, 1.0)
+    b = share * period
+
+    def covered(t: np.ndarray) -> np.ndarray:
+        return np.floor(t / period) * b + np.minimum(np.mod(t, period), b)
+
+    return np.where(period_us > 0, (covered(offset_us + length_us) - covered(offset_us)) / length_us, 0.0)
+
+
+class Sink:
+    """Receives the simulation's output as columns, cycle by cycle (see :class:`RecordSink`)."""
+
+    def bind(self, engine: Engine) -> None:
+        """Called once by the engine before anything is emitted; job and node lookups go through it."""
+    def inventory(self, t: float, nodes: list[str], cores: int) -> None: ...
+    def lifecycle(self, t: float, job: int, state: JobState) -> None: ...
+    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None: ...
+    def windows(self, t_start: float, t_end: float, cycle: int, nodes: np.ndarray, lone: np.ndarray,
+                paused: np.ndarray) -> None: ...
+    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int) -> None: ...
+
+
+@dataclass
+class Result:
+    truth: list[JobTruth]
+    cycles: int
+    simulated_s: float
+    blocks: int
+    windows: int
+
+
+class Engine:
+    """One simulated cluster. ``schedule`` decides which queued jobs start where at every cycle end."""
+
+    def __init__(self, cfg: CalibratedConfig, programs: dict[str, Workload], sink: Sink) -> None:
+        self.cfg = cfg
+        self.sink = sink
+        self.rng = np.random.default_rng(cfg.seed)
+        self.programs = programs
+        self.prog_list = list(programs.values())
+        self.prog_index = {w.name: i for i, w in enumerate(self.prog_list)}
+        s_ms = cfg.k * cfg.sample_us / 1000.0
+        self.tables = state_tables(self.prog_list, cfg.socket, s_ms)
+        self.offset = np.array([self.tables.offset[w.name] for w in self.prog_list])
+        self.stride = np.array([2 if w.micro else 1 for w in self.prog_list])
+        self.max_phases = max(len(w.phases) for w in self.prog_list)
+        self.jobs = _Jobs()
+        self.slot_job = np.full((cfg.nodes, SLOTS), -1, np.int64)
+        self.slot_blocks = np.zeros((cfg.nodes, SLOTS), np.int64)
+        self.slot_last = np.full((cfg.nodes, SLOTS), -1, np.int64)
+        self.slot_paused = np.zeros((cfg.nodes, SLOTS))
+        self.node_names = [f"node{i:05d}" for i in range(cfg.nodes)]
+        self.t = 0.0
+        self.cycle = 0
+        self.n_blocks = 0
+        self.n_windows = 0
+        self.truth: list[JobTruth] = []
+        self.on_finish: Callable[[int, int], None] | None = None  # (job, slot) after a job ends
+        sink.bind(self)
+        sink.inventory(0.0, self.node_names, cfg.cores_per_node)
+
+    # -- jobs
+    def submit(self, spec: JobSpec) -> int:
+        if spec.program not in self.prog_index:
+            raise ValueError(f"unknown program {spec.program!r}; the library has {sorted(self.prog_index)}")
+        if not 1 <= spec.nodes <= self.cfg.nodes:
+            raise ValueError(f"a job spans 1..{self.cfg.nodes} nodes, got {spec.nodes}")
+        w = self.programs[spec.program]
+        work = spec.work_s * math.exp(self.cfg.run_noise * float(self.rng.standard_normal()))
+        j = self.jobs.add(spec, self.prog_index[spec.program], w, work, self.rng)
+        self.sink.lifecycle(spec.submit_s, j, JobState.SUBMITTED)
+        return j
+
+    def start(self, j: int, nodes: Sequence[int], slot: int) -> None:
+        if (self.slot_job[list(nodes), slot] >= 0).any():
+            raise ValueError(f"slot {slot} is taken on one of nodes {list(nodes)}")
+        self.slot_job[list(nodes), slot] = j
+        self.slot_blocks[list(nodes), slot] = 0
+        self.slot_last[list(nodes), slot] = -1
+        self.slot_paused[list(nodes), slot] = 0.0
+        self.jobs.nodes[j] = list(nodes)
+        self.jobs.start[j] = self.t
+        for other in set(self.slot_job[list(nodes), 1 - slot].tolist()) - {-1}:  # who shares with whom (truth only)
+            self.jobs.co_runners[j].add(self.jobs.specs[other].program)
+            self.jobs.co_runners[other].add(self.jobs.specs[j].program)
+        self.sink.lifecycle(self.t, j, JobState.STARTED)
+
+    def free_nodes(self, slot: int) -> np.ndarray:
+        return np.flatnonzero(self.slot_job[:, slot] < 0)
+
+    # -- one cycle
+    def _states(self, occ: np.ndarray, jobs: np.ndarray, window_ms: float) -> tuple[np.ndarray, ...]:
+        J = self.jobs
+        prog = J.prog[jobs]
+        pos = np.mod(J.done[jobs] * 1000.0 + J.phase_off[jobs], J.loop_ms[jobs])
+        phase = (pos[..., None] >= J.bounds[:, :self.max_phases - 1][jobs]).sum(axis=-1)
+        base = np.where(occ, self.offset[prog] + phase * self.stride[prog], 0)
+        burst = np.where(occ, base + (self.stride[prog] - 1), 0)
+        micro = J.micro[jobs]
+        frac = np.where(occ, _burst_share(np.mod(J.done[jobs] * 1e6, np.maximum(micro[..., 0], 1.0)),
+                                          window_ms * 1000.0, micro[..., 0], micro[..., 1]), 0.0)
+        seen = np.where(frac > 0.5, burst, base)  # what a co-runner sees
+        return base, burst, frac, seen
+
+    def _region(self, dur_s: float, kind: str, shuttered: np.ndarray, lone: int, measure: bool,
+                ) -> np.ndarray | None:
+        T = self.tables
+        occ = self.slot_job >= 0
+        jobs = np.where(occ, self.slot_job, 0)
+        base, burst, frac, seen = self._states(occ, jobs, dur_s * 1000.0)
+        other_seen = seen[:, ::-1]
+
+        def mix(table: np.ndarray, mine_b: np.ndarray, mine_u: np.ndarray, other: np.ndarray) -> np.ndarray:
+            return (1.0 - frac) * table[mine_b, other] + frac * table[mine_u, other]
+
+        ipc = mix(T.co, base, burst, other_seen)
+        if kind != "co" and shuttered.any():
+            sh = shuttered
+            o = 1 - lone
+            if kind == "during":
+                ipc[sh, lone] = mix(T.during, base, burst, other_seen)[sh, lone]
+                ipc[sh, o] = 0.0
+            else:  # after
+                ipc[sh, lone] = mix(T.after_lone, base, burst, other_seen)[sh, lone]
+                ipc[sh, o] = mix(T.after_resumed, base, burst, other_seen)[sh, o]
+        solo = (1.0 - frac) * T.solo[base] + frac * T.solo[burst]
+        x = np.where(occ, ipc / np.where(occ, solo, 1.0), 1.0)
+        speed = np.full(self.jobs.n, np.inf)
+        np.minimum.at(speed, jobs[occ], x[occ])
+        speed[np.isinf(speed)] = 0.0
+        paused_slots = occ & (ipc == 0.0)
+        if paused_slots.any():
+            self.slot_paused[paused_slots] += dur_s
+            pj = np.unique(jobs[paused_slots])
+            self.jobs.paused[pj] += dur_s
+        out = None
+        if measure and shuttered.any():
+            nodes = np.flatnonzero(shuttered)
+            j = jobs[nodes, lone]
+            s = speed[j]
+            xl = x[nodes, lone]
+            useful = solo[nodes, lone] * s
+            waiting = np.clip(1.0 - s / np.maximum(xl, 1e-12), 0.0, 1.0)
+            meas = useful + waiting * self.cfg.poll_ipc
+            comm = self.jobs.comm[j]
+            k = self.cfg.k
+            noise = self.rng.standard_normal((2, len(nodes), k))
+            jitter = (self.cfg.poll_ipc - meas)[:, None] * comm[:, None] * self.cfg.poll_jitter * noise[0]
+            out = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1]), 0.0)
+        self._advance(speed, dur_s)
+        return out
+
+    def _advance(self, speed: np.ndarray, dur_s: float) -> None:
+        J = self.jobs
+        n = J.n
+        running = (J.start[:n] >= 0) & (J.end[:n] < 0)
+        before = J.done[:n].copy()
+        J.done[:n] = np.where(running, np.minimum(before + speed[:n] * dur_s, J.work[:n]), before)
+        finished = np.flatnonzero(running & (J.done[:n] >= J.work[:n]))
+        for j in finished:
+            t_end = self.t + (J.work[j] - before[j]) / speed[j]
+            self._finish(int(j), t_end)
+        self.t += dur_s
+
+    def _finish(self, j: int, t_end: float) -> None:
+        J = self.jobs
+        J.end[j] = t_end
+        nodes = J.nodes[j]
+        slot = int(np.flatnonzero(self.slot_job[nodes[0]] == j)[0])
+        for nd in nodes:
+            self.sink.left(t_end, j, nd, int(self.slot_blocks[nd, slot]), int(self.slot_last[nd, slot]),
+                           round(self.slot_paused[nd, slot] * 1e6))
+            self.slot_job[nd, slot] = -1
+        self.sink.lifecycle(t_end, j, JobState.ENDED)
+        run = t_end - J.start[j]
+        spec = J.specs[j]
+        self.truth.append(JobTruth(
+            job_id=job_id(j), program=spec.program, nodes=tuple(self.node_names[n] for n in nodes),
+            solo_time_s=float(J.work[j]), run_time_s=float(run), paused_s=float(J.paused[j]),
+            true_degradation=float(1.0 - J.work[j] / run) if run > 0 else 0.0,
+            co_runners=tuple(sorted(J.co_runners[j]))))
+        if self.on_finish is not None:
+            self.on_finish(j, slot)
+
+    def step(self) -> None:
+        cfg = self.cfg
+        s = cfg.k * cfg.sample_us / 1e6
+        occ = self.slot_job >= 0
+        shuttered = np.logical_and(occ.all(axis=1), cfg.shutters)
+        lone = self.cycle % SLOTS
+        t0 = self.t
+        samples = [self._region(s, kind, shuttered, lone, True) for kind in ("co", "during", "after")]
+        still = shuttered & (self.slot_job >= 0).all(axis=1)  # a job that ended mid-cycle sends no block
+        if still.any():
+            keep = still[shuttered]
+            nodes = np.flatnonzero(still)
+            jobs = self.slot_job[nodes, lone]
+            stacked = np.stack([smp[keep] for smp in samples if smp is not None], axis=1)  # (n, 3, k)
+            self.sink.blocks(t0 + 3 * s, self.cycle, nodes, jobs, stacked)
+            self.sink.windows(t0 + s, t0 + 2 * s, self.cycle, nodes, jobs, self.slot_job[nodes, 1 - lone])
+            self.slot_blocks[nodes, lone] += 1
+            self.slot_last[nodes, lone] = self.cycle
+            self.n_blocks += len(nodes)
+            self.n_windows += len(nodes)
+        self._region(cfg.period_ms / 1e3, "co", shuttered, lone, False)
+        self.cycle += 1
+
+    def result(self) -> Result:
+        return Result(sorted(self.truth, key=lambda t: int(t.job_id)), self.cycle, self.t, self.n_blocks,
+                      self.n_windows)
+
+
+def job_id(j: int) -> str:
+    return str(1_000_000 + j)
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def run_pairwise(cfg: CalibratedConfig, pairs: Sequence[tuple[str, str]], programs: dict[str, Workload] | None = None,
+                 iterations: int = 5, sink: Sink | None = None, max_s: float = 36_000.0) -> Result:
+    """Seed 002 Section 7: each node runs one pair; a program that ends is restarted at once,
+    until both have finished ``iterations`` runs (runs still going then are not counted)."""
+    programs = programs or BUILTIN
+    cfg = CalibratedConfig(**{**cfg.__dict__, "nodes": len(pairs)})
+    eng = Engine(cfg, programs, sink or Sink())
+    done = np.zeros((len(pairs), SLOTS), np.int64)
+
+    def launch(node: int, slot: int) -> None:
+        prog = pairs[node][slot]
+        user, account = USERS[(node + slot) % len(USERS)]
+        j = eng.submit(JobSpec(prog, programs[prog].solo_s, eng.t, 1, user, account))
+        eng.start(j, [node], slot)
+
+    pending: list[tuple[int, int]] = []
+
+    def finished(j: int, slot: int) -> None:
+        node = eng.jobs.nodes[j][0]
+        done[node, slot] += 1
+        if done[node].min() < iterations:
+            pending.append((node, slot))
+
+    eng.on_finish = finished
+    for node in range(len(pairs)):
+        for slot in range(SLOTS):
+            launch(node, slot)
+    while (done.min(axis=1) < iterations).any() and eng.t < max_s:
+        eng.step()
+        for node, slot in pending:
+            if done[node].min() < iterations:
+                launch(node, slot)
+        pending.clear()
+        stop = done.min(axis=1) >= iterations
+        eng.slot_job[stop] = -1  # data collection stops: the node is left alone
+    return eng.result()
+
+
+def run_cluster(cfg: CalibratedConfig, specs: Sequence[JobSpec], programs: dict[str, Workload] | None = None,
+                sink: Sink | None = None, until_s: float | None = None,
+                progress: Callable[[float], None] | None = None) -> Result:
+    """Jobs arrive at their submit times and start first-come first-served (a job that does not
+    fit lets smaller ones behind it start) in a free slot on as many nodes as it spans."""
+    programs = programs or BUILTIN
+    eng = Engine(cfg, programs, sink or Sink())
+    order = sorted(range(len(specs)), key=lambda i: (specs[i].submit_s, i))
+    arrivals = iter(order)
+    nxt = next(arrivals, None)
+    queue: list[int] = []
+    horizon = until_s if until_s is not None else math.inf
+    while eng.t < horizon:
+        while nxt is not None and specs[nxt].submit_s <= eng.t:
+            queue.append(eng.submit(specs[nxt]))
+            nxt = next(arrivals, None)
+        if queue:
+            free = [eng.free_nodes(s).tolist() for s in range(SLOTS)]
+            waiting = []
+            for i, j in enumerate(queue):
+                most = max(len(f) for f in free)
+                if most == 0:  # the cluster is full: everything else keeps waiting
+                    waiting.extend(queue[i:])
+                    break
+                need = eng.jobs.specs[j].nodes
+                slot = max(range(SLOTS), key=lambda s: len(free[s]))
+                if most >= need:
+                    nodes, free[slot] = free[slot][:need], free[slot][need:]
+                    eng.start(j, nodes, slot)
+                else:
+                    waiting.append(j)
+            queue = waiting
+        running = ((eng.jobs.start[:eng.jobs.n] >= 0) & (eng.jobs.end[:eng.jobs.n] < 0)).any()
+        if not running and not queue and nxt is None:
+            break
+        if not running and not queue and nxt is not None:  # idle cluster: jump to the next arrival
+            cyc = 3 * cfg.k * cfg.sample_us / 1e6 + cfg.period_ms / 1e3
+            skip = max(0, math.floor((specs[nxt].submit_s - eng.t) / cyc))
+            eng.t += skip * cyc
+            eng.cycle += skip
+            if skip:
+                continue
+        eng.step()
+        if progress is not None:
+            progress(eng.t)
+    return eng.result()
+
+
+# --------------------------------------------------------------------------- workloads from traces
+
+
+def synthetic_jobs(n: int, seed: int, mean_work_s: float = 600.0, span_s: float = 3600.0,
+                   programs: Sequence[str] | None = None, max_nodes: int = 4) -> list[JobSpec]:
+    """Poisson arrivals over ``span_s``, lognormal work, mostly single-node jobs."""
+    rng = np.random.default_rng(seed)
+    names = list(programs or [p for p in BUILTIN if p != "NULL"])
+    submit = np.sort(rng.uniform(0.0, span_s, n))
+    work = rng.lognormal(math.log(mean_work_s), 0.6, n)
+    nodes = np.minimum(rng.geometric(0.7, n), max_nodes)
+    out = []
+    for i in range(n):
+        user, account = USERS[int(rng.integers(len(USERS)))]
+        out.append(JobSpec(names[int(rng.integers(len(names)))], float(work[i]), float(submit[i]), int(nodes[i]),
+                           user, account))
+    return out
+
+
+def swf_jobs(path: Path, *, cores_per_node: int, max_nodes: int, programs: Sequence[str] | None = None,
+             time_scale: float = 1.0, limit: int | None = None, skip: int = 0) -> list[JobSpec]:
+    """Jobs of a Standard Workload Format trace: submit time (field 2, rebased to 0), run time
+    (field 4, times ``time_scale``), processors (field 5, else 8), user (12) and group (13);
+    the program comes from the executable number (field 14), else the job number. Jobs without
+    a positive run time or processor count are skipped."""
+    names = list(programs or [p for p in BUILTIN if p != "NULL"])
+    out: list[JobSpec] = []
+    first: float | None = None
+    seen = 0
+    with open(path) as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip() or line.lstrip().startswith(";"):
+                continue
+            f = line.split()
+            if len(f) < 18:
+                raise ValueError(f"{path}:{line_no}: a Standard Workload Format line has 18 fields, got {len(f)}")
+            try:
+                num, submit, run = int(f[0]), float(f[1]), float(f[3])
+                procs = int(f[4]) if int(f[4]) > 0 else int(f[7])
+                user, group, exe = int(f[11]), int(f[12]), int(f[13])
+            except ValueError as exc:
+                raise ValueError(f"{path}:{line_no}: {exc}") from None
+            if run <= 0 or procs <= 0:
+                continue
+            seen += 1
+            if seen <= skip:
+                continue
+            first = submit if first is None else first
+            nodes = min(max_nodes, max(1, math.ceil(procs / (cores_per_node // SLOTS))))
+            prog = names[(exe if exe > 0 else num) % len(names)]
+            out.append(JobSpec(prog, run * time_scale, (submit - first) * time_scale, nodes, f"user{user}",
+                               f"group{group}"))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"{path}: no usable jobs")
+    return out
+
+
+# --------------------------------------------------------------------------- output as records
+
+
+class RecordSink(Sink):
+    """Builds the pydantic records the node agents and the resource manager would send."""
+
+    def __init__(self, cfg: CalibratedConfig) -> None:
+        self.cfg = cfg
+        self.engine: Engine | None = None
+        self.out: list[tuple[float, int, Record]] = []
+        self.cyc = round(cfg.clock_ghz * 1e9 * cfg.sample_us / 1e6) * cfg.slot_cores
+
+    def bind(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _jobs(self) -> _Jobs:
+        assert self.engine is not None, "the sink is bound by the engine"
+        return self.engine.jobs
+
+    def _nodes(self) -> list[str]:
+        assert self.engine is not None, "the sink is bound by the engine"
+        return self.engine.node_names
+
+    def at(self, t_s: float) -> datetime:
+        return self.cfg.start + timedelta(microseconds=round(t_s * 1e6))
+
+    def eid(self, *parts: object) -> str:
+        return str(uuid.uuid5(SIM_NAMESPACE, "/".join(map(str, (self.cfg.seed, *parts)))))
+
+    def _emit(self, t: float, r: Record) -> None:
+        self.out.append((t, len(self.out), r))
+
+    def inventory(self, t: float, nodes: list[str], cores: int) -> None:
+        for n in nodes:
+            self._emit(t, NodeInventory(event_id=self.eid("inv", n), source="sim/inventory", event_time=self.at(t),
+                                        node=n, cores=cores, llc_ways=20,
+                                        mem_bandwidth_gbps=2 * self.cfg.socket.bw_gbps))
+
+    def lifecycle(self, t: float, job: int, state: JobState) -> None:
+        J = self._jobs()
+        spec = J.specs[job]
+        names = self._nodes()
+        ran = state is not JobState.SUBMITTED
+        nodes = tuple(names[n] for n in J.nodes[job]) if ran else ()
+        self._emit(t, JobEvent(
+            event_id=self.eid("job", job, state.value), source="sim/slurm", event_time=self.at(t), job_id=job_id(job),
+            state=state, user=spec.user, account=spec.account, program=spec.program,
+            cores=self.cfg.slot_cores * max(1, len(J.nodes[job]) if ran else spec.nodes), nodes=nodes,
+            submit_time=self.at(J.submit[job]), start_time=self.at(J.start[job]) if ran else None,
+            end_time=self.at(J.end[job]) if state is JobState.ENDED else None))
+
+    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None:
+        names = self._nodes()
+        instr = np.rint(samples * self.cyc).astype(np.int64)
+        for i, (n, j) in enumerate(zip(nodes.tolist(), jobs.tolist(), strict=True)):
+            node = names[n]
+            reg = [tuple(IpcSample(instructions=int(v), cycles=self.cyc, threads=self.cfg.slot_cores)
+                         for v in instr[i, r]) for r in range(3)]
+            self._emit(t, ShutterBlock(
+                event_id=self.eid("blk", j, node, cycle), source=f"sim/{node}", event_time=self.at(t),
+                job_id=job_id(j), node=node, cycle=cycle, k=self.cfg.k, sample_us=self.cfg.sample_us,
+                counter=CounterSource.SIMULATED, before=reg[0], during=reg[1], after=reg[2]))
+
+    def windows(self, t_start: float, t_end: float, cycle: int, nodes: np.ndarray, lone: np.ndarray,
+                paused: np.ndarray) -> None:
+        names = self._nodes()
+        for n, lj, pj in zip(nodes.tolist(), lone.tolist(), paused.tolist(), strict=True):
+            node = names[n]
+            self._emit(t_end, ShutterWindow(
+                event_id=self.eid("win", node, cycle), source=f"sim/{node}", event_time=self.at(t_end), node=node,
+                cycle=cycle, lone_job=job_id(lj), paused_jobs=(job_id(pj),), start=self.at(t_start),
+                end=self.at(t_end)))
+
+    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int) -> None:
+        name = self._nodes()[node]
+        self._emit(t, JobLeftNode(event_id=self.eid("left", job, name), source=f"sim/{name}", event_time=self.at(t),
+                                  job_id=job_id(job), node=name, blocks_sent=blocks, last_cycle=last_cycle,
+                                  paused_us=paused_us))
+
+    def records(self) -> list[Record]:
+        return [r for _, _, r in sorted(self.out, key=lambda e: (e[0], e[1]))]
+
+
+@dataclass
+class Simulation:
+    events: list[Record]
+    truth: list[JobTruth]
+    result: Result
+
+    def count(self, kind: type[Record]) -> int:
+        return sum(isinstance(e, kind) for e in self.events)
+
+
+def with_records(cfg: CalibratedConfig, run: Callable[[Sink], Result]) -> Simulation:
+    """Run a scenario with a record sink and return events (in event-time order) and truth."""
+    sink = RecordSink(cfg)
+    result = run(sink)
+    return Simulation(sink.records(), result.truth, result)
+
+
+# --------------------------------------------------------------------------- output as typed Parquet
+
+
+class ParquetSink(Sink):
+    """Large clusters: the event stream as typed Parquet tables, one per event kind
+    (``blocks``, ``windows``, ``lifecycle``, ``left``), written in row groups as the run goes.
+    Instruction counts are per sample, as a node agent reads them (cycles per sample are fixed:
+    ``cycles_per_sample`` in the file metadata)."""
+
+    def __init__(self, cfg: CalibratedConfig, out_dir: Path, flush_rows: int = 1_000_000) -> None:
+        import pyarrow as pa
+
+        self.pa = pa
+        self.cfg = cfg
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.flush_rows = flush_rows
+        self.cyc = round(cfg.clock_ghz * 1e9 * cfg.sample_us / 1e6) * cfg.slot_cores
+        self.engine: Engine | None = None
+        self._buf: dict[str, list[dict[str, np.ndarray]]] = {"blocks": [], "windows": [], "lifecycle": [], "left": []}
+        self._rows: dict[str, int] = dict.fromkeys(self._buf, 0)
+        self._writers: dict[str, object] = {}
+        self.rows: dict[str, int] = dict.fromkeys(self._buf, 0)
+
+    def bind(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _add(self, table: str, cols: dict[str, np.ndarray]) -> None:
+        self._buf[table].append(cols)
+        n = len(next(iter(cols.values())))
+        self._rows[table] += n
+        self.rows[table] += n
+        if self._rows[table] >= self.flush_rows:
+            self._flush(table)
+
+    def _flush(self, table: str) -> None:
+        import pyarrow.parquet as pq
+
+        parts = self._buf[table]
+        if not parts:
+            return
+        cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        batch = self.pa.table(cols).replace_schema_metadata({
+            "cycles_per_sample": str(self.cyc), "sample_us": str(self.cfg.sample_us), "k": str(self.cfg.k),
+            "start": self.cfg.start.isoformat(), "seed": str(self.cfg.seed)})
+        writer = self._writers.get(table)
+        if writer is None:
+            writer = self._writers[table] = pq.ParquetWriter(self.dir / f"{table}.parquet", batch.schema,
+                                                             compression="zstd")
+        writer.write_table(batch)  # type: ignore[attr-defined]
+        self._buf[table] = []
+        self._rows[table] = 0
+
+    def close(self) -> None:
+        for table in self._buf:
+            self._flush(table)
+        for w in self._writers.values():
+            w.close()  # type: ignore[attr-defined]
+
+    def lifecycle(self, t: float, job: int, state: JobState) -> None:
+        self._add("lifecycle", {"t_us": np.array([round(t * 1e6)]), "job": np.array([job]),
+                                "state": np.array([state.value])})
+
+    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None:
+        instr = np.rint(samples * self.cyc).astype(np.int64)  # (n, 3, k): K samples per region, in order
+        cols: dict[str, np.ndarray] = {"cycle": np.full(len(nodes), cycle, np.int64),
+                                       "node": nodes.astype(np.int32), "job": jobs}
+        for i, region in enumerate(("before", "during", "after")):
+            for s in range(self.cfg.k):
+                cols[f"{region}{s}" if self.cfg.k > 1 else region] = instr[:, i, s]
+        self._add("blocks", cols)
+
+    def windows(self, t_start: float, t_end: float, cycle: int, nodes: np.ndarray, lone: np.ndarray,
+                paused: np.ndarray) -> None:
+        self._add("windows", {"cycle": np.full(len(nodes), cycle, np.int64), "node": nodes.astype(np.int32),
+                              "lone": lone, "paused": paused})
+
+    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int) -> None:
+        self._add("left", {"t_us": np.array([round(t * 1e6)]), "job": np.array([job]), "node": np.array([node]),
+                           "blocks": np.array([blocks]), "last_cycle": np.array([last_cycle]),
+                           "paused_us": np.array([paused_us])})

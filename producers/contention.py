@@ -1,0 +1,113 @@
+"""Contention on one socket: co-runners share LLC ways and memory bandwidth.
+
+Pure functions over numpy arrays whose last axis is the socket's co-runners (so many sockets,
+or every combination of programs, are solved at once):
+
+* **LLC**: ways are shared in proportion to each co-runner's LLC access rate (processes x
+  references per instruction x IPC), the occupancy an LRU cache settles to; a process then
+  runs at its IPC-LLC and BW-LLC curves' values for the ways it holds (Seed 001, Section 3).
+* **Memory bandwidth**: the socket's load rho = demand / capacity raises loaded memory latency
+  as 1 + queue * rho / (1 - rho); a program whose CPI stack has a share ``mem_stall`` of memory
+  stalls slows by 1 + mem_stall * (latency - 1); and no socket moves more than ``max_util`` of
+  its bandwidth, shared in proportion to demand (streaming codes whose stalls prefetching hides
+  are held back here). Demand falls with IPC, so both are solved together (a fixed point).
+* **Cache refill after a shutter**: when co-runners pause, the lone job's ways grow towards
+  its solo share at the rate its misses fill the cache; when they resume, the lone job gives
+  the ways back and the resumed jobs start cold. Both relax exponentially, so a short window
+  right after a change sees part of the transient (:func:`relax`).
+
+Everything is deterministic; noise belongs to the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .workloads import WAYS, interp_ways
+
+
+@dataclass(frozen=True)
+class Socket:
+    ways: float = float(WAYS)  # LLC ways shared by all processes on the socket
+    bw_gbps: float = 38.0  # sustainable memory bandwidth
+    way_mb: float = 2.5  # capacity of one way, for refill times
+    queue: float = 0.35  # loaded latency = 1 + queue * rho / (1 - rho)
+    max_util: float = 0.92  # the share of bandwidth a socket can actually deliver
+    procs: int = 4  # processes per job per socket (two 8-process jobs on a 2 x 8-core node)
+
+
+def loaded_latency(rho: np.ndarray, queue: float) -> np.ndarray:
+    """Memory latency relative to an idle socket at load rho (an M/M/1-shaped curve)."""
+    r = np.clip(rho, 0.0, 0.98)
+    return 1.0 + queue * r / (1.0 - r)
+
+
+def bandwidth_ipc(ipc0: np.ndarray, bw0: np.ndarray, stall: np.ndarray, active: np.ndarray, socket: Socket,
+                  iters: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """IPC of each co-runner once memory bandwidth is shared, and the socket's load rho.
+
+    ``ipc0`` and ``bw0`` are each process's IPC and bandwidth at its ways without bandwidth
+    contention; inactive co-runners (paused or absent) count for nothing and get IPC 0."""
+    rho = np.zeros(ipc0.shape[:-1])
+    ipc = ipc0
+    safe0 = np.where(ipc0 > 0, ipc0, 1.0)
+    for _ in range(iters):
+        lat = loaded_latency(rho, socket.queue)[..., None]
+        ipc = ipc0 / (1.0 + stall * (lat - 1.0))
+        demand = np.where(active, socket.procs * bw0 * ipc / safe0, 0.0)
+        total = demand.sum(axis=-1)
+        cap = socket.max_util * socket.bw_gbps
+        scale = np.minimum(1.0, cap / np.maximum(total, 1e-12))
+        ipc = ipc * scale[..., None]
+        rho = 0.5 * rho + 0.5 * (total * scale / socket.bw_gbps)
+    return np.where(active, ipc, 0.0), rho
+
+
+def llc_ways(rpki: np.ndarray, ipc: np.ndarray, active: np.ndarray, socket: Socket) -> np.ndarray:
+    """Ways per process: the socket's ways shared in proportion to LLC access rates."""
+    access = np.where(active, socket.procs * np.maximum(rpki, 1e-3) * np.maximum(ipc, 1e-3), 0.0)
+    total = np.maximum(access.sum(axis=-1, keepdims=True), 1e-12)
+    return np.where(active, socket.ways * access / total / socket.procs, 0.0)
+
+
+@dataclass(frozen=True)
+class Steady:
+    ways: np.ndarray  # ways per process
+    ipc: np.ndarray
+    bw: np.ndarray  # bandwidth per process at those ways before bandwidth sharing (fills the cache)
+    rho: np.ndarray
+
+
+def at_ways(ipc_tab: np.ndarray, bw_tab: np.ndarray, stall: np.ndarray, ways: np.ndarray, active: np.ndarray,
+            socket: Socket) -> Steady:
+    """IPC of co-runners holding the given ways, with bandwidth shared."""
+    ipc0 = interp_ways(ipc_tab, ways)
+    bw0 = interp_ways(bw_tab, ways)
+    ipc, rho = bandwidth_ipc(ipc0, bw0, stall, active, socket)
+    return Steady(ways, ipc, np.where(active, bw0, 0.0), rho)
+
+
+def equilibrium(ipc_tab: np.ndarray, bw_tab: np.ndarray, stall: np.ndarray, rpki: np.ndarray, active: np.ndarray,
+                socket: Socket, iters: int = 12) -> Steady:
+    """The steady state of co-runners that have shared the socket long enough (LLC and bandwidth)."""
+    ipc = np.where(active, ipc_tab[..., -1], 0.0)
+    for _ in range(iters):
+        st = at_ways(ipc_tab, bw_tab, stall, llc_ways(rpki, ipc, active, socket), active, socket)
+        ipc = st.ipc
+    return st
+
+
+def refill_ms(delta_ways: np.ndarray, bw_gbps: np.ndarray, socket: Socket) -> np.ndarray:
+    """Time constant of moving ``delta_ways`` ways per process at a miss bandwidth per process
+    (MB / (GB/s) = ms); a process with (almost) no misses changes its occupancy slowly."""
+    return np.abs(delta_ways) * socket.way_mb / np.maximum(bw_gbps, 0.05) + 1e-6
+
+
+def relax(x0: np.ndarray, target: np.ndarray, tau_ms: np.ndarray, window_ms: float) -> tuple[np.ndarray, np.ndarray]:
+    """Exponential approach from x0 to target with time constant tau: (mean over the window, end value)."""
+    r = window_ms / tau_ms
+    decay = np.exp(-r)
+    mean = target + (x0 - target) * (1.0 - decay) / r
+    return mean, target + (x0 - target) * decay

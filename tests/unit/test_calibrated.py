@@ -1,0 +1,179 @@
+"""The workload library, the socket contention model and the calibrated simulator."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nodeshare.experiments.poppa import charges_of, predicted_run_time
+from nodeshare.producers.calibrated import (
+    CalibratedConfig,
+    JobSpec,
+    ParquetSink,
+    run_cluster,
+    run_pairwise,
+    state_tables,
+    swf_jobs,
+    with_records,
+)
+from nodeshare.producers.contention import Socket, bandwidth_ipc, loaded_latency, relax
+from nodeshare.producers.workloads import BUILTIN, WAYS, interp_ways, load_profiles, shaped
+from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobState, ShutterBlock, encode
+from nodeshare.streams.shutter_overhead import dilated_run_time
+
+# ----------------------------------------------------------------------------- workload library
+
+
+def test_curves_interpolate_between_ways_and_clamp_outside():
+    curves = np.tile(np.arange(1.0, WAYS + 1.0), (5, 1))  # one curve per query; value = ways
+    got = interp_ways(curves, np.array([0.2, 1.0, 2.5, 11.0, 14.0]))
+    assert got.tolist() == [1.0, 1.0, 2.5, 11.0, 11.0]
+
+
+def test_shaped_curves_by_hand():
+    ipc, bw = shaped(2.0, 0.5, 1.0, 1.0, power=1.0)
+    # at 1 way x = 1: IPC 2.0 * (1 - 0.5) = 1.0, bandwidth 1.0 * (1 + 1) = 2.0; at 11 ways x = 0
+    assert (ipc[0], ipc[-1], bw[0], bw[-1]) == (1.0, 2.0, 2.0, 1.0)
+    assert ipc[5] == pytest.approx(2.0 * (1 - 0.5 * 0.5))  # 6 ways: x = 5 / 10
+
+
+def test_load_profiles_reads_the_csv_shape(tmp_path: Path):
+    rows = ["BENCH,NR_WAYS,ipc,bandwidth_mbps,stalls_l3_miss,llcrpki"]
+    rows += [f"toy,{w},{1.0 + w / 100},{3000 - w * 100},{0.3 if w in (2, 3, 4) else 0.1},7.5" for w in range(1, 12)]
+    f = tmp_path / "p.csv"
+    f.write_text("\n".join(rows) + "\n")
+    [w] = load_profiles(f).values()
+    assert (w.name, w.ipc[0], w.ipc[-1], w.bw_gbps[0], w.mem_stall, w.llc_rpki) == ("toy", 1.01, 1.11, 2.9, 0.3, 7.5)
+
+
+def test_load_profiles_names_what_is_wrong(tmp_path: Path):
+    f = tmp_path / "bad.csv"
+    f.write_text("BENCH,NR_WAYS,ipc\nx,1,1.0\n")
+    with pytest.raises(ValueError, match="missing columns"):
+        load_profiles(f)
+    f.write_text("BENCH,NR_WAYS,ipc,bandwidth_mbps,stalls_l3_miss,llcrpki\nx,1,1.0,1,0.1,1\n")
+    with pytest.raises(ValueError, match=r"x has ways \[1\], need every one of 1..11"):
+        load_profiles(f)
+
+
+@pytest.mark.skipif(not Path("../shared/data/llc_profiles_spec.csv").exists(), reason="real data not present")
+def test_the_real_spec_profiles_load():
+    lib = load_profiles(Path("../shared/data/llc_profiles_spec.csv"))
+    assert len(lib) == 40 and lib["milc06"].mem_stall > 0.4 and lib["namd06"].bw_gbps[-1] < 0.1
+
+
+# ----------------------------------------------------------------------------- contention
+
+
+def test_loaded_latency_by_hand():
+    # 1 + queue * rho / (1 - rho): rho = 0.5, queue = 0.4 -> 1.4
+    assert loaded_latency(np.array(0.5), 0.4) == pytest.approx(1.4)
+    assert loaded_latency(np.array(0.0), 0.4) == 1.0
+
+
+def test_bandwidth_cap_shares_in_proportion_to_demand():
+    # No latency sensitivity (stall 0): two streaming jobs demanding 4 x 10 and 4 x 5 GB/s on a
+    # 30 GB/s socket delivering at most 90%: scaled by 27 / 60, so each keeps 45% of its IPC.
+    s = Socket(bw_gbps=30.0, max_util=0.9, queue=0.35, procs=4)
+    ipc, rho = bandwidth_ipc(np.array([1.0, 2.0]), np.array([10.0, 5.0]), np.zeros(2), np.array([True, True]), s)
+    assert ipc == pytest.approx([0.45, 0.9]) and rho == pytest.approx(0.9)
+
+
+def test_relax_mean_and_end_by_hand():
+    mean, end = relax(np.array(0.0), np.array(1.0), np.array(1.0), 1.0)
+    # mean of 1 - e^-t over [0, 1] is 1 - (1 - e^-1) = e^-1; end value 1 - e^-1
+    assert mean == pytest.approx(np.exp(-1)) and end == pytest.approx(1 - np.exp(-1))
+
+
+def test_library_pairs_behave_as_the_seeds_report():
+    t = state_tables(list(BUILTIN.values()), Socket(), 3.2)
+    o = t.offset
+
+    def deg(a: str, b: str) -> float:
+        return float(1 - t.co[o[a], o[b]] / t.solo[o[a]])
+
+    assert deg("MILC", "MILC") > 0.15  # MILC with itself degrades heavily (Seed 002 Section 8.3)
+    assert deg("GTC", "LAMMPS") < 0.03 and deg("LAMMPS", "POP") < 0.03  # barely
+    assert deg("MG", "MG") > deg("MG", "LAMMPS") + 0.15  # bandwidth bound (Seed 001 Section 2)
+    assert deg("CG", "NULL") < 1e-3 and deg("NULL", "MILC") == 0.0  # a busy loop neither hurts nor suffers
+    # the lone job's IPC in a short shutter is below its solo IPC (the cache is refilling) ...
+    assert t.during[o["CG"], o["MG"]] < t.solo[o["CG"]]
+    # ... and a longer shutter sees more of it
+    assert state_tables([BUILTIN["CG"], BUILTIN["MG"]], Socket(), 25.6).during[1, 2] > t.during[o["CG"], o["MG"]]
+
+
+# ----------------------------------------------------------------------------- the simulator
+
+
+def test_same_seed_same_events_and_truth():
+    cfg = CalibratedConfig(seed=3)
+    pairs = [("MILC", "LAMMPS")]
+    a = with_records(cfg, lambda s: run_pairwise(cfg, pairs, iterations=1, sink=s))
+    b = with_records(cfg, lambda s: run_pairwise(cfg, pairs, iterations=1, sink=s))
+    assert [encode(e) for e in a.events] == [encode(e) for e in b.events] and a.truth == b.truth
+    c = with_records(replace(cfg, seed=4), lambda s: run_pairwise(replace(cfg, seed=4), pairs, iterations=1, sink=s))
+    assert [encode(e) for e in c.events] != [encode(e) for e in a.events]
+
+
+def test_shutter_overhead_next_to_null_is_eq10():
+    """A job next to NULL suffers no contention: all its slowdown is the shutter's pauses."""
+    cfg = CalibratedConfig(seed=5, sample_us=6400)
+    res = run_pairwise(cfg, [("LU", "NULL")], iterations=1)
+    lu = next(t for t in res.truth if t.program == "LU")
+    expected = dilated_run_time(lu.solo_time_s, 2, 6400e-6, 0.2)
+    assert lu.run_time_s == pytest.approx(expected, rel=2e-3)  # within one cycle of ~60 s
+
+
+def test_truth_stays_off_the_topics_and_charges_do_not_depend_on_it():
+    cfg = CalibratedConfig(seed=2)
+    sim = with_records(cfg, lambda s: run_pairwise(cfg, [("MILC", "MILC"), ("GTC", "LAMMPS")], iterations=1, sink=s))
+    assert all(type(e) in TOPIC_OF_RECORD for e in sim.events)
+    wire = b"".join(encode(e) for e in sim.events)
+    assert b"true_degradation" not in wire and b"solo_time" not in wire
+    charges = charges_of(sim.events)
+    assert {t.job_id for t in sim.truth} == set(charges)
+    # the pricing path is a function of the events alone: the same events without any truth
+    # around give the same charges
+    assert charges_of(list(sim.events)) == charges
+    for t in sim.truth:  # and they follow the truth closely (a calibrated estimator)
+        c = charges[t.job_id]
+        assert abs(predicted_run_time(t, c, c.degradation) - t.run_time_s) / t.run_time_s < 0.04
+
+
+def test_cluster_from_a_swf_trace(tmp_path: Path):
+    f = tmp_path / "t.swf"
+    f.write_text("; header\n"
+                 "1 0 0 30 8 -1 -1 8 60 -1 1 3 7 2 -1 -1 -1 -1\n"
+                 "2 5 0 40 16 -1 -1 16 60 -1 1 4 7 5 -1 -1 -1 -1\n"
+                 "3 6 0 -1 8 -1 -1 8 60 -1 0 4 7 5 -1 -1 -1 -1\n")  # no run time: skipped
+    specs = swf_jobs(f, cores_per_node=16, max_nodes=4)
+    assert [(s.submit_s, s.work_s, s.nodes, s.user, s.account) for s in specs] == [
+        (0.0, 30.0, 1, "user3", "group7"), (5.0, 40.0, 2, "user4", "group7")]
+    cfg = CalibratedConfig(nodes=3, seed=1)
+    sim = with_records(cfg, lambda s: run_cluster(cfg, specs, sink=s))
+    ends = [e for e in sim.events if isinstance(e, JobEvent) and e.state is JobState.ENDED]
+    assert len(ends) == len(sim.truth) == 2
+    assert any(len(e.nodes) == 2 for e in ends) and sum(isinstance(e, ShutterBlock) for e in sim.events) > 0
+    bad = tmp_path / "bad.swf"
+    bad.write_text("1 2 3\n")
+    with pytest.raises(ValueError, match="18 fields"):
+        swf_jobs(bad, cores_per_node=16, max_nodes=4)
+
+
+def test_parquet_sink_writes_the_same_blocks_as_records(tmp_path: Path):
+    import pyarrow.parquet as pq
+
+    cfg = CalibratedConfig(nodes=4, seed=9)
+    specs = [JobSpec(p, 20.0, 0.0) for p in ("MILC", "MG", "GTC", "POP", "CG", "FT", "LU", "NekBone")]
+    sink = ParquetSink(cfg, tmp_path, flush_rows=50)
+    run_cluster(cfg, specs, sink=sink)
+    sink.close()
+    sim = with_records(cfg, lambda s: run_cluster(cfg, specs, sink=s))
+    blocks = [e for e in sim.events if isinstance(e, ShutterBlock)]
+    table = pq.read_table(tmp_path / "blocks.parquet").to_pylist()
+    assert len(table) == len(blocks) == sink.rows["blocks"] > 0
+    first = blocks[0]
+    row = next(r for r in table if r["cycle"] == first.cycle and f"node{r['node']:05d}" == first.node)
+    assert (row["before"], row["during"], row["after"]) == (
+        first.before[0].instructions, first.during[0].instructions, first.after[0].instructions)

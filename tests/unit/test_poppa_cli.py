@@ -1,0 +1,46 @@
+"""POPPA's evaluation from the command line: the JSON fields the issue names, PNGs, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from nodeshare.cli import app
+
+
+def run(*args: str) -> dict:
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout[result.stdout.index("{"):result.stdout.rindex("}") + 1])
+
+
+def test_experiment_pairwise_json_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "pw.png"
+    r = run("experiment", "pairwise", "--json", "--png", str(png), "--programs", "MILC,LAMMPS,CG", "--iterations", "1")
+    assert {"mae_pct", "max_abs_err_pct", "pairs"} <= set(r) and r["pairs"] == 9
+    assert set(r["estimators"]) == {"refill_corrected", "poppa_alg4", "unfiltered"}
+    assert len(r["error_pct"]["poppa_alg4"]) == 3 and r["degradation_pct"][0][0] > 10  # MILC next to MILC
+    assert 0 <= r["mae_pct"] <= r["max_abs_err_pct"] < 10
+    assert png.stat().st_size > 10_000
+
+
+def test_experiment_pricing_json(tmp_path: Path) -> None:
+    r = run("experiment", "pricing", "--json", "--png", str(tmp_path / "p.png"), "--programs", "MILC,LAMMPS",
+            "--iterations", "1")
+    assert {"sop_mean", "poppa_mean", "oracle_mean", "overcharged_jobs", "jobs"} <= set(r) and r["jobs"] == 4
+    assert r["sop_mean"] > 1.0 > r["poppa_mean"] and r["oracle_mean"] < 1.0  # co-location costs SOP users
+
+
+def test_unknown_program_is_a_clear_error() -> None:
+    result = CliRunner().invoke(app, ["experiment", "pairwise", "--programs", "MILC,HPL"])
+    assert result.exit_code == 2 and "unknown: ['HPL']" in result.output
+
+
+def test_bench_simulate_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, ["bench", "simulate", "--nodes", "20", "--hours", "0.01", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    assert r["nodes"] == 20 and r["blocks"] > 0 and r["events_per_s"] > 0 and r["simulated_s"] >= 36
