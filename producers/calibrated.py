@@ -50,6 +50,7 @@ from nodeshare.schemas import (
 )
 
 from .contention import Socket, at_ways, equilibrium, refill_ms, relax
+from .simulator import JobTruth
 from .workloads import BUILTIN, Workload
 
 SIM_NAMESPACE = uuid.UUID("6a0c1c52-3b0e-4f43-9d1e-8b7d6f3b2a10")
@@ -98,20 +99,6 @@ class JobSpec:
     nodes: int = 1
     user: str = "alice"
     account: str = "physics"
-
-
-@dataclass(frozen=True)
-class JobTruth:
-    """What really happened to a job: only experiments may read this."""
-
-    job_id: str
-    program: str
-    nodes: tuple[str, ...]
-    solo_time_s: float
-    run_time_s: float
-    paused_s: float
-    true_degradation: float  # 1 - T_solo / T_co
-    co_runners: tuple[str, ...] = ()  # programs it shared a node with
 
 
 # --------------------------------------------------------------------------- contention tables

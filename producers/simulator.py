@@ -93,6 +93,7 @@ class JobTruth:
     run_time_s: float
     paused_s: float
     true_degradation: float  # 1 - T_solo / T_co
+    co_runners: tuple[str, ...] = ()  # programs it shared a node with (the calibrated simulator fills it)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from nodeshare.experiments import pyplot, save
 from nodeshare.producers.calibrated import CalibratedConfig, JobTruth, run_pairwise, with_records
 from nodeshare.producers.workloads import BUILTIN, PAIRWISE, Workload
 from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBlock, encode
@@ -208,15 +209,6 @@ def _mean_run_by_pair(truth: Sequence[JobTruth], pairs: Sequence[tuple[str, str]
 # --------------------------------------------------------------------------- plots
 
 
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _heat(ax: Any, m: np.ndarray, labels: Sequence[str], title: str, cmap: str, center: bool) -> None:
     lim = float(np.abs(m).max()) or 1.0
     ax.imshow(m, cmap=cmap, vmin=-lim if center else 0, vmax=lim)
@@ -229,7 +221,7 @@ def _heat(ax: Any, m: np.ndarray, labels: Sequence[str], title: str, cmap: str, 
 
 
 def plot_pairwise(result: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     labels = result["programs"]
     fig, axes = plt.subplots(1, 3, figsize=(20, 7))
     for ax, name in zip(axes[:2], (result["estimator"], "poppa_alg4"), strict=True):
@@ -239,14 +231,11 @@ def plot_pairwise(result: dict[str, Any], path: Path) -> Path:
               "RdBu_r", True)
     _heat(axes[2], np.array(result["degradation_pct"]), labels,
           f"Fig. 11: true degradation %\nmean {result['mean_degradation_pct']:.1f}%", "Reds", False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_pricing(result: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(9, 5))
     data = [[100 * r[k] for r in rows] for k in ("sop", "poppa", "oracle")]
@@ -258,14 +247,11 @@ def plot_pricing(result: dict[str, Any], path: Path) -> Path:
            title=f"Fig. 12: {result['jobs']} (program, co-runner) jobs; {result['overcharged_jobs']} charged "
                  f"above their baseline by POPPA")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_shutter(result: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     rows = result["rows"]
     cos = [*result["co_runners"]]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))
@@ -292,10 +278,7 @@ def plot_shutter(result: dict[str, Any], path: Path) -> Path:
            title=f"overhead at P = {result['period_ms']} ms (Figs. 5, 8-9)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 # --------------------------------------------------------------------------- the simulator's own speed

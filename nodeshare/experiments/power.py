@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from nodeshare.experiments import pyplot, save
 from nodeshare.producers.power_population import MIN_WATTS, PROGRAMS, TDP_WATTS, Chip, characterization, population
 from nodeshare.sinks.bench_audit import available_cores
 from nodeshare.streams.power.curves import Characterization, Curve, curves_for, to_mw
@@ -226,11 +227,7 @@ def bench_power(repeats: int = 15, seed: int = 4) -> dict[str, Any]:
 
 
 def plot_ptune(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for program, marker in zip(PROGRAMS, "osD^", strict=True):
@@ -247,18 +244,11 @@ def plot_ptune(result: dict[str, Any], path: Path) -> Path:
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_ppartition(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     tl = result["timeline"]
     xs = range(1, len(tl) + 1)
@@ -278,7 +268,4 @@ def plot_ppartition(result: dict[str, Any], path: Path) -> Path:
     for b, j in zip(bars, jobs, strict=True):
         bx.annotate(f"{j} jobs", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
     bx.set(ylabel="machine IPS (billions)", title=f"Throughput at Pm/c = {result['budget_watts'] / 1000:.0f} kW")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -5,15 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cli_runs import run_json as run
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-
-
-def run(*args: str) -> dict:
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout[result.stdout.index("{"):result.stdout.rindex("}") + 1])
 
 
 def test_experiment_ppartition_json_and_plot(tmp_path: Path) -> None:
