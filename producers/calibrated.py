@@ -31,11 +31,13 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from nodeshare.schemas import (
     CounterSource,
@@ -87,6 +89,11 @@ class CalibratedConfig:
     @property
     def slot_cores(self) -> int:
         return self.cores_per_node // SLOTS
+
+    @property
+    def cycles_per_sample(self) -> int:
+        """Cycles a job's threads in one slot run through in one sample of S."""
+        return round(self.clock_ghz * 1e9 * self.sample_us / 1e6) * self.slot_cores
 
 
 @dataclass(frozen=True)
@@ -245,12 +252,12 @@ class Result:
     truth: list[JobTruth]
     cycles: int
     simulated_s: float
-    blocks: int
-    windows: int
+    blocks: int  # as many shutter windows were sent
 
 
 class Engine:
-    """One simulated cluster. ``schedule`` decides which queued jobs start where at every cycle end."""
+    """One simulated cluster: jobs are submitted and started by a scenario (``run_pairwise``,
+    ``run_cluster``); ``step`` runs one shutter cycle on every node."""
 
     def __init__(self, cfg: CalibratedConfig, programs: dict[str, Workload], sink: Sink) -> None:
         self.cfg = cfg
@@ -272,8 +279,7 @@ class Engine:
         self.node_names = [f"node{i:05d}" for i in range(cfg.nodes)]
         self.t = 0.0
         self.cycle = 0
-        self.n_blocks = 0
-        self.n_windows = 0
+        self.n_blocks = 0  # one shutter window is sent with every block
         self.truth: list[JobTruth] = []
         self.on_finish: Callable[[int, int], None] | None = None  # (job, slot) after a job ends
         sink.bind(self)
@@ -345,9 +351,8 @@ class Engine:
                 ipc[sh, o] = mix(T.after_resumed, base, burst, other_seen)[sh, o]
         solo = (1.0 - frac) * T.solo[base] + frac * T.solo[burst]
         x = np.where(occ, ipc / np.where(occ, solo, 1.0), 1.0)
-        speed = np.full(self.jobs.n, np.inf)
+        speed = np.full(self.jobs.n, np.inf)  # jobs outside the slots are never read
         np.minimum.at(speed, jobs[occ], x[occ])
-        speed[np.isinf(speed)] = 0.0
         paused_slots = occ & (ipc == 0.0)
         if paused_slots.any():
             self.slot_paused[paused_slots] += dur_s
@@ -367,19 +372,17 @@ class Engine:
             noise = self.rng.standard_normal((2, len(nodes), k))
             jitter = (self.cfg.poll_ipc - meas)[:, None] * comm[:, None] * self.cfg.poll_jitter * noise[0]
             out = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1]), 0.0)
-        self._advance(speed, dur_s)
+        self._advance(np.unique(jobs[occ]), speed, dur_s)
         return out
 
-    def _advance(self, speed: np.ndarray, dur_s: float) -> None:
+    def _advance(self, running: np.ndarray, speed: np.ndarray, dur_s: float) -> None:
+        """Move the running jobs on by ``dur_s`` of wall time; those that finish end inside it."""
         J = self.jobs
-        n = J.n
-        running = (J.start[:n] >= 0) & (J.end[:n] < 0)
-        before = J.done[:n].copy()
-        J.done[:n] = np.where(running, np.minimum(before + speed[:n] * dur_s, J.work[:n]), before)
-        finished = np.flatnonzero(running & (J.done[:n] >= J.work[:n]))
-        for j in finished:
-            t_end = self.t + (J.work[j] - before[j]) / speed[j]
-            self._finish(int(j), t_end)
+        before = J.done[running]
+        J.done[running] = np.minimum(before + speed[running] * dur_s, J.work[running])
+        for i in np.flatnonzero(J.done[running] >= J.work[running]):
+            j = int(running[i])
+            self._finish(j, self.t + (J.work[j] - before[i]) / speed[j])
         self.t += dur_s
 
     def _finish(self, j: int, t_end: float) -> None:
@@ -421,13 +424,11 @@ class Engine:
             self.slot_blocks[nodes, lone] += 1
             self.slot_last[nodes, lone] = self.cycle
             self.n_blocks += len(nodes)
-            self.n_windows += len(nodes)
         self._region(cfg.period_ms / 1e3, "co", shuttered, lone, False)
         self.cycle += 1
 
     def result(self) -> Result:
-        return Result(sorted(self.truth, key=lambda t: int(t.job_id)), self.cycle, self.t, self.n_blocks,
-                      self.n_windows)
+        return Result(sorted(self.truth, key=lambda t: int(t.job_id)), self.cycle, self.t, self.n_blocks)
 
 
 def job_id(j: int) -> str:
@@ -442,7 +443,7 @@ def run_pairwise(cfg: CalibratedConfig, pairs: Sequence[tuple[str, str]], progra
     """Seed 002 Section 7: each node runs one pair; a program that ends is restarted at once,
     until both have finished ``iterations`` runs (runs still going then are not counted)."""
     programs = programs or BUILTIN
-    cfg = CalibratedConfig(**{**cfg.__dict__, "nodes": len(pairs)})
+    cfg = replace(cfg, nodes=len(pairs))
     eng = Engine(cfg, programs, sink or Sink())
     done = np.zeros((len(pairs), SLOTS), np.int64)
 
@@ -507,7 +508,7 @@ def run_cluster(cfg: CalibratedConfig, specs: Sequence[JobSpec], programs: dict[
                 else:
                     waiting.append(j)
             queue = waiting
-        running = ((eng.jobs.start[:eng.jobs.n] >= 0) & (eng.jobs.end[:eng.jobs.n] < 0)).any()
+        running = bool((eng.slot_job >= 0).any())
         if not running and not queue and nxt is None:
             break
         if not running and not queue and nxt is not None:  # idle cluster: jump to the next arrival
@@ -592,7 +593,7 @@ class RecordSink(Sink):
         self.cfg = cfg
         self.engine: Engine | None = None
         self.out: list[tuple[float, int, Record]] = []
-        self.cyc = round(cfg.clock_ghz * 1e9 * cfg.sample_us / 1e6) * cfg.slot_cores
+        self.cyc = cfg.cycles_per_sample
 
     def bind(self, engine: Engine) -> None:
         self.engine = engine
@@ -692,18 +693,15 @@ class ParquetSink(Sink):
     ``cycles_per_sample`` in the file metadata)."""
 
     def __init__(self, cfg: CalibratedConfig, out_dir: Path, flush_rows: int = 1_000_000) -> None:
-        import pyarrow as pa
-
-        self.pa = pa
         self.cfg = cfg
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.flush_rows = flush_rows
-        self.cyc = round(cfg.clock_ghz * 1e9 * cfg.sample_us / 1e6) * cfg.slot_cores
+        self.cyc = cfg.cycles_per_sample
         self.engine: Engine | None = None
         self._buf: dict[str, list[dict[str, np.ndarray]]] = {"blocks": [], "windows": [], "lifecycle": [], "left": []}
         self._rows: dict[str, int] = dict.fromkeys(self._buf, 0)
-        self._writers: dict[str, object] = {}
+        self._writers: dict[str, pq.ParquetWriter] = {}
         self.rows: dict[str, int] = dict.fromkeys(self._buf, 0)
 
     def bind(self, engine: Engine) -> None:
@@ -718,20 +716,18 @@ class ParquetSink(Sink):
             self._flush(table)
 
     def _flush(self, table: str) -> None:
-        import pyarrow.parquet as pq
-
         parts = self._buf[table]
         if not parts:
             return
         cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        batch = self.pa.table(cols).replace_schema_metadata({
+        batch = pa.table(cols).replace_schema_metadata({
             "cycles_per_sample": str(self.cyc), "sample_us": str(self.cfg.sample_us), "k": str(self.cfg.k),
             "start": self.cfg.start.isoformat(), "seed": str(self.cfg.seed)})
         writer = self._writers.get(table)
         if writer is None:
             writer = self._writers[table] = pq.ParquetWriter(self.dir / f"{table}.parquet", batch.schema,
                                                              compression="zstd")
-        writer.write_table(batch)  # type: ignore[attr-defined]
+        writer.write_table(batch)
         self._buf[table] = []
         self._rows[table] = 0
 
@@ -739,7 +735,7 @@ class ParquetSink(Sink):
         for table in self._buf:
             self._flush(table)
         for w in self._writers.values():
-            w.close()  # type: ignore[attr-defined]
+            w.close()
 
     def lifecycle(self, t: float, job: int, state: JobState) -> None:
         self._add("lifecycle", {"t_us": np.array([round(t * 1e6)]), "job": np.array([job]),

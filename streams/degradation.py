@@ -184,9 +184,10 @@ def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: flo
         status = EstimateStatus.NO_BLOCKS if n == 0 else EstimateStatus.NO_ACCEPTED_BLOCKS
         return DegradationResult(status, 0.0, None, unfiltered, 0, rejected, None, estimator)
     filtered = degradation_from_sums(solo_filtered, co_filtered)
-    solo = refill_corrected_solo(before_filtered, solo_filtered, after_filtered)
-    corrected = degradation_from_sums(solo, before_filtered) if solo > 0.0 else None
-    chosen = filtered if estimator == POPPA_ALG4 or corrected is None else corrected
+    # accepted blocks have during > before, so the corrected solo IPC exceeds after >= 0
+    corrected = degradation_from_sums(refill_corrected_solo(before_filtered, solo_filtered, after_filtered),
+                                      before_filtered)
+    chosen = filtered if estimator == POPPA_ALG4 else corrected
     applied = min(1.0, max(0.0, chosen))  # Alg. 4's acceptance keeps the filtered one in (0, 1) already
     return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, accepted, rejected, corrected, estimator)
 

@@ -158,8 +158,7 @@ def experiment_shutter(seed: int = 7, iterations: int = 3, period_ms: int = 200,
     lib = library or BUILTIN
     pairs = [(j, c) for c in (*co_runners, "NULL") for j in jobs]
     base_cfg = CalibratedConfig(seed=seed, period_ms=period_ms)
-    plain = with_records(replace(base_cfg, shutters=False), lambda s: run_pairwise(
-        replace(base_cfg, shutters=False), pairs, lib, iterations, s)).truth
+    plain = run_pairwise(replace(base_cfg, shutters=False), pairs, lib, iterations).truth  # truth only: no records
     no_shutter = _mean_run_by_pair(plain, pairs, jobs)
     rows = []
     for i, s_us in enumerate(shutter_us):
