@@ -340,8 +340,8 @@ class Engine:
             return (1.0 - frac) * table[mine_b, other] + frac * table[mine_u, other]
 
         ipc = mix(T.co, base, burst, other_seen)
-        if kind != "co" and shuttered.any():
-            sh = shuttered
+        sh = shuttered & occ.all(axis=1)  # when a job exits mid-cycle its node's agent resumes everyone
+        if kind != "co" and sh.any():
             o = 1 - lone
             if kind == "during":
                 ipc[sh, lone] = mix(T.during, base, burst, other_seen)[sh, lone]
@@ -360,18 +360,18 @@ class Engine:
             self.jobs.paused[pj] += dur_s
         out = None
         if measure and shuttered.any():
-            nodes = np.flatnonzero(shuttered)
+            # one row per node shuttered at the cycle's start (NaN where the cycle was cut short:
+            # step() sends no block for those); noise is drawn for every row so a cut-short cycle
+            # does not shift the random stream of the others
+            noise = self.rng.standard_normal((2, int(shuttered.sum()), self.cfg.k))
+            alive = sh[shuttered]
+            nodes = np.flatnonzero(sh)
             j = jobs[nodes, lone]
             s = speed[j]
-            xl = x[nodes, lone]
-            useful = solo[nodes, lone] * s
-            waiting = np.clip(1.0 - s / np.maximum(xl, 1e-12), 0.0, 1.0)
-            meas = useful + waiting * self.cfg.poll_ipc
-            comm = self.jobs.comm[j]
-            k = self.cfg.k
-            noise = self.rng.standard_normal((2, len(nodes), k))
-            jitter = (self.cfg.poll_ipc - meas)[:, None] * comm[:, None] * self.cfg.poll_jitter * noise[0]
-            out = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1]), 0.0)
+            meas = solo[nodes, lone] * s + np.clip(1.0 - s / x[nodes, lone], 0.0, 1.0) * self.cfg.poll_ipc
+            jitter = ((self.cfg.poll_ipc - meas) * self.jobs.comm[j])[:, None] * self.cfg.poll_jitter * noise[0, alive]
+            out = np.full((len(alive), self.cfg.k), np.nan)
+            out[alive] = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1, alive]), 0.0)
         self._advance(np.unique(jobs[occ]), speed, dur_s)
         return out
 
