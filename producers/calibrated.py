@@ -372,16 +372,21 @@ class Engine:
             jitter = ((self.cfg.poll_ipc - meas) * self.jobs.comm[j])[:, None] * self.cfg.poll_jitter * noise[0, alive]
             out = np.full((len(alive), self.cfg.k), np.nan)
             out[alive] = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1, alive]), 0.0)
-        self._advance(np.unique(jobs[occ]), speed, dur_s)
+        self._advance(jobs[occ], speed, dur_s)
         return out
 
     def _advance(self, running: np.ndarray, speed: np.ndarray, dur_s: float) -> None:
-        """Move the running jobs on by ``dur_s`` of wall time; those that finish end inside it."""
+        """Move the running jobs on by ``dur_s`` of wall time; those that finish end inside it.
+
+        ``running`` has one entry per occupied slot, so a multi-node job appears once per node:
+        the update writes the same value for each, and only the few finishers are de-duplicated
+        (sorting every slot in every region would cost more than the whole update)."""
         J = self.jobs
         before = J.done[running]
         J.done[running] = np.minimum(before + speed[running] * dur_s, J.work[running])
-        for i in np.flatnonzero(J.done[running] >= J.work[running]):
-            j = int(running[i])
+        done = np.flatnonzero(J.done[running] >= J.work[running])
+        finishers, first = np.unique(running[done], return_index=True)
+        for j, i in zip(finishers.tolist(), done[first].tolist(), strict=True):
             self._finish(j, self.t + (J.work[j] - before[i]) / speed[j])
         self.t += dur_s
 
