@@ -588,6 +588,31 @@ def swf_jobs(path: Path, *, cores_per_node: int, max_nodes: int, programs: Seque
     return out
 
 
+def cluster_specs(cfg: CalibratedConfig, jobs: int, *, trace: Path | None = None,
+                  programs: Sequence[str] | None = None, mean_work_s: float = 40.0, span_s: float = 60.0,
+                  time_scale: float = 1.0, skip: int = 0, max_nodes: int = 2) -> list[JobSpec]:
+    """The jobs of a cluster run: the first ``jobs`` usable jobs of a Standard Workload Format
+    ``trace`` (run and submit times times ``time_scale``), else ``jobs`` synthetic ones arriving
+    over ``span_s``. Programs are drawn from ``programs`` (default: the built-in library without NULL)."""
+    widest = min(max_nodes, cfg.nodes)
+    if trace is not None:
+        return swf_jobs(trace, cores_per_node=cfg.cores_per_node, max_nodes=widest, programs=programs,
+                        time_scale=time_scale, limit=jobs, skip=skip)
+    return synthetic_jobs(jobs, cfg.seed, mean_work_s=mean_work_s, span_s=span_s, programs=programs,
+                          max_nodes=widest)
+
+
+def library(profiles: dict[str, Workload] | None = None) -> tuple[dict[str, Workload], list[str] | None]:
+    """The programs an engine knows and the names jobs are drawn from: with loaded ``profiles``
+    (e.g. :func:`workloads.load_profiles`), jobs run those programs; without, the built-ins."""
+    if not profiles:
+        return BUILTIN, None
+    clash = sorted(set(profiles) & set(BUILTIN))
+    if clash:
+        raise ValueError(f"profiles {clash} have the names of built-in programs; rename them")
+    return {**BUILTIN, **profiles}, sorted(profiles)
+
+
 # --------------------------------------------------------------------------- output as records
 
 
@@ -669,6 +694,13 @@ class RecordSink(Sink):
 
     def records(self) -> list[Record]:
         return [r for _, _, r in sorted(self.out, key=lambda e: (e[0], e[1]))]
+
+    def drain(self) -> list[Record]:
+        """The records built since the last drain, in event-time order, and forget them: a long
+        run is published step by step instead of being held in memory."""
+        out = self.records()
+        self.out.clear()
+        return out
 
 
 @dataclass
