@@ -109,11 +109,40 @@ def version() -> None:
     out.print(__version__)
 
 
+EngineOpt = Annotated[str, typer.Option(
+    "--engine", help="calibrated: the workload library with per-socket contention; simple: four toy programs")]
+TraceOpt = Annotated[Path | None, typer.Option(
+    "--trace", help="Standard Workload Format trace: the first --jobs usable jobs arrive as it says",
+    exists=True, dir_okay=False)]
+ProfilesOpt = Annotated[Path | None, typer.Option(
+    "--profiles", help="CSV shaped like llc_profiles_spec.csv: jobs run these programs", exists=True,
+    dir_okay=False)]
+TimeScaleOpt = Annotated[float, typer.Option("--time-scale", min=1e-6,
+                                             help="multiply the trace's run and submit times by this")]
+
+
+def _cluster_choice(settings: Any, **choice: Any) -> Any:
+    from nodeshare.scenarios import ClusterChoice, ScenarioError
+
+    try:
+        picked = ClusterChoice.from_settings(settings, **choice)
+        if picked.engine == "calibrated":
+            picked.calibrated()  # a bad trace or profile file fails here, before any broker starts
+        return picked
+    except ScenarioError as exc:
+        err.print(f"[red]bad simulation choice[/red]: {exc}")
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def demo(
     nodes: Annotated[int, typer.Option(min=1, help="simulated nodes")] = 6,
     jobs: Annotated[int, typer.Option(min=1, help="simulated jobs")] = 12,
     seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    engine: EngineOpt = "calibrated",
+    trace: TraceOpt = None,
+    profiles: ProfilesOpt = None,
+    time_scale: TimeScaleOpt = 1.0,
     out_dir: Annotated[Path, typer.Option("--out", help="where the ledger, archive and logs go")] = Path(
         "nodeshare-demo"),
     timeout: Annotated[float, typer.Option(help="seconds to wait for every charge")] = 180.0,
@@ -125,11 +154,11 @@ def demo(
     Uses the bundled Tansu broker unless a bootstrap server is configured.
     """
     from nodeshare.demo import DemoError, run_demo
-    from nodeshare.producers.simulator import SimConfig
+    from nodeshare.scenarios import source
 
     settings = _settings(bootstrap=bootstrap)
-    cfg = SimConfig(nodes=nodes, jobs=jobs, seed=seed, k=settings.samples_per_region,
-                    sample_us=settings.sample_us, period_ms=settings.period_ms)
+    choice = _cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
+                             profiles=profiles, time_scale=time_scale)
     tasks: dict[str, Any] = {}
     with _progress() as bar:
         def progress(stage: str, done: int, total: int) -> None:
@@ -138,7 +167,7 @@ def demo(
             bar.update(tasks[stage], completed=done, total=total)
 
         try:
-            result = run_demo(settings, cfg, out_dir, timeout_s=timeout, progress=progress)
+            result = run_demo(settings, source(choice), out_dir, timeout_s=timeout, progress=progress)
         except DemoError as exc:
             err.print(f"[red]demo failed[/red]: {exc}")
             raise typer.Exit(1) from None
@@ -331,29 +360,37 @@ def sink_archive(archive: Annotated[Path, typer.Option(help="archive root direct
 @app.command()
 def simulate(
     nodes: Annotated[int, typer.Option(min=1)] = 6,
-    jobs: Annotated[int, typer.Option(min=1)] = 12,
+    jobs: Annotated[int, typer.Option(min=1, help="jobs (with --trace: the first this many of the trace)")] = 12,
     seed: int = 7,
+    engine: EngineOpt = "calibrated",
+    trace: TraceOpt = None,
+    profiles: ProfilesOpt = None,
+    time_scale: TimeScaleOpt = 1.0,
+    hours: Annotated[float | None, typer.Option(
+        min=0.0, help="stop after this much simulated time (default: when the last job ends)")] = None,
     truth: Annotated[Path, typer.Option(help="where the ground truth goes")] = Path("truth.parquet"),
     bootstrap: Bootstrap = None,
 ) -> None:
-    """Simulate a cluster and publish its events to the broker."""
-    from nodeshare.demo import publish, write_truth
-    from nodeshare.producers.simulator import SimConfig
-    from nodeshare.producers.simulator import simulate as run_simulation
+    """Simulate a cluster and publish its events to the broker as they are made; ground truth goes to a file."""
+    from nodeshare.demo import write_truth
+    from nodeshare.producers.kafka_producer import EventProducer
+    from nodeshare.scenarios import stream
 
     settings = _settings(bootstrap=bootstrap)
     _require_bootstrap(settings)
-    sim = run_simulation(SimConfig(nodes=nodes, jobs=jobs, seed=seed, k=settings.samples_per_region,
-                                   sample_us=settings.sample_us, period_ms=settings.period_ms))
-    write_truth(sim.truth, truth)
-    tasks: dict[str, Any] = {}
-    with _progress() as bar:
-        def progress(stage: str, done: int, total: int) -> None:
-            tasks.setdefault(stage, bar.add_task(stage, total=total))
-            bar.update(tasks[stage], completed=done)
+    choice = _cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
+                             profiles=profiles, time_scale=time_scale)
+    until = hours * 3600.0 if hours is not None else None
+    with _progress() as bar, EventProducer(settings, client_id="nodeshare-simulator") as producer:
+        # with a horizon the bar counts simulated seconds, else the jobs that ended
+        task = bar.add_task("simulated seconds" if until else "jobs ended", total=until)
 
-        publish(settings, sim, progress)
-    out.print(f"published {len(sim.events)} events of {len(sim.truth)} jobs; truth in {truth}")
+        def progress(t: float, done: int, total: int) -> None:
+            bar.update(task, completed=int(t) if until else done, total=until or total)
+
+        ended, sent = stream(choice, producer.send_all, until_s=until, progress=progress)
+    write_truth(ended, truth)
+    out.print(f"published {sent} events; {len(ended)} jobs ended; truth in {truth}")
 
 
 @app.command()

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,8 +19,8 @@ from nodeshare.deploy.broker import broker_for
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
-from nodeshare.producers.simulator import JobTruth, SimConfig, Simulation, simulate
-from nodeshare.schemas import Charge
+from nodeshare.producers.simulator import JobTruth
+from nodeshare.schemas import Charge, Record
 from nodeshare.sinks.archive import ArchiveSink
 from nodeshare.sinks.audit import AuditReport, audit
 from nodeshare.sinks.consumer import run_in_thread
@@ -31,6 +31,33 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 class DemoError(RuntimeError):
     pass
+
+
+Send = Callable[[list[Record]], None]
+
+
+#: A simulated cluster for the pipeline: it hands its events to ``send`` (in batches, in
+#: event-time order per key) as it makes them, reports progress, and returns the ground truth
+#: of the jobs that ended. See :func:`from_events` and :func:`nodeshare.scenarios.source`.
+Source = Callable[[Send, Progress], list[JobTruth]]
+
+
+class Scenario(Protocol):
+    """A whole simulated run in memory (both simulators' ``Simulation`` fit)."""
+
+    events: list[Record]
+    truth: list[JobTruth]
+
+
+def from_events(sim: Scenario, every: int = 500) -> Source:
+    """A source that publishes a finished simulation's events."""
+    def run(send: Send, report: Progress) -> list[JobTruth]:
+        total = len(sim.events)
+        for i in range(0, total, every):
+            send(sim.events[i:i + every])
+            report("publishing events", min(total, i + every), total)
+        return sim.truth
+    return run
 
 
 @dataclass
@@ -45,7 +72,7 @@ class DemoResult:
     audit: AuditReport
     ledger: Path
     archive: Path
-    truth: Path
+    truth: Path | None
     elapsed_s: float
 
     def as_dict(self) -> dict[str, Any]:
@@ -63,7 +90,7 @@ class DemoResult:
             "total_dividend": sum(c.dividend for c in self.charges),
             "ledger": str(self.ledger),
             "archive": str(self.archive),
-            "truth": str(self.truth),
+            "truth": str(self.truth) if self.truth else None,
             "elapsed_s": round(self.elapsed_s, 2),
         }
 
@@ -130,7 +157,8 @@ def running_pipeline(settings: Settings, out: Path) -> Iterator[Pipeline]:
 
 def clean_outputs(out: Path) -> None:
     """Remove what an earlier run left in ``out`` (the demo owns that directory)."""
-    for stale in (out / "ledger.duckdb", out / "ledger.duckdb.wal", out / "archive", out / "worker"):
+    for stale in (out / "ledger.duckdb", out / "ledger.duckdb.wal", out / "archive", out / "worker",
+                  out / "truth.parquet"):
         if stale.is_dir():
             shutil.rmtree(stale)
         elif stale.exists():
@@ -138,24 +166,22 @@ def clean_outputs(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float = 180.0,
-             progress: Progress | None = None,
+def run_demo(settings: Settings, source: Source, out: Path, *, timeout_s: float = 180.0,
+             progress: Progress | None = None, truth: bool = True,
              extra_inputs: Sequence[tuple[str, bytes | None, bytes | None]] = ()) -> DemoResult:
-    """Run the pipeline on a simulated cluster and audit the result.
+    """Run the pipeline on a simulated cluster's events and audit the result.
 
-    ``extra_inputs`` are raw (catalog topic, key, value) messages published before the
-    simulation, e.g. malformed bytes that must end in the dead-letter topic.
+    The source publishes while the worker and sinks already run, so a long simulation is never
+    held in memory. The ground truth goes to ``out/truth.parquet`` for experiments
+    (``truth=False``: nowhere; the charges do not change, which a test checks). ``extra_inputs``
+    are raw (catalog topic, key, value) messages published before the simulation, e.g.
+    malformed bytes that must end in the dead-letter topic.
     """
     report = progress or (lambda stage, done, total: None)
     t0 = time.monotonic()
     out = out.resolve()
     clean_outputs(out)
     external = settings.bootstrap is not None
-    report("simulating the cluster", 0, 1)
-    sim = simulate(cfg)
-    truth_path = out / "truth.parquet"
-    write_truth(sim.truth, truth_path)
-    report("simulating the cluster", 1, 1)
 
     with broker_for(settings.bootstrap, out) as bootstrap:
         run_id = f"demo-{int(time.time())}"
@@ -166,13 +192,22 @@ def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float 
             "app_id": f"{settings.app_id}-{run_id}" if external else settings.app_id,
         })
         with running_pipeline(s, out) as pipeline:
-            if extra_inputs:
-                with EventProducer(s, client_id="nodeshare-demo-extra") as producer:
-                    for topic, key, value in extra_inputs:
-                        producer.send_raw(s.topic(topic), key, value)
-            publish(s, sim, report)
-            pipeline.wait(len(sim.truth), len(sim.events) + len(extra_inputs), timeout_s, report)
-            report("waiting for charges", pipeline.ledger_sink.rows_inserted, len(sim.truth))
+            with EventProducer(s, client_id="nodeshare-simulator") as producer:
+                for topic, key, value in extra_inputs:
+                    producer.send_raw(s.topic(topic), key, value)
+                published = 0
+
+                def send(batch: list[Record]) -> None:
+                    nonlocal published
+                    producer.send_all(batch)
+                    published += len(batch)
+
+                ended = source(send, report)
+            pipeline.wait(len(ended), published + len(extra_inputs), timeout_s, report)
+            report("waiting for charges", pipeline.ledger_sink.rows_inserted, len(ended))
+    truth_path = out / "truth.parquet" if truth else None
+    if truth_path is not None:
+        write_truth(ended, truth_path)
     report("auditing", 0, 1)
     result = audit(pipeline.archive_path, pipeline.ledger_path, s.policy())
     report("auditing", 1, 1)
@@ -180,16 +215,13 @@ def run_demo(settings: Settings, cfg: SimConfig, out: Path, *, timeout_s: float 
         charges = ledger.charges()
     return DemoResult(
         settings=s, bootstrap=bootstrap, broker="configured" if external else "bundled tansu",
-        events_published=len(sim.events), events_archived=pipeline.archive_sink.messages_written,
-        jobs_ended=len(sim.truth), charges=charges, audit=result, ledger=pipeline.ledger_path,
+        events_published=published, events_archived=pipeline.archive_sink.messages_written,
+        jobs_ended=len(ended), charges=charges, audit=result, ledger=pipeline.ledger_path,
         archive=pipeline.archive_path, truth=truth_path, elapsed_s=time.monotonic() - t0,
     )
 
 
-def publish(settings: Settings, sim: Simulation, report: Progress, every: int = 500) -> None:
-    total = len(sim.events)
+def publish(settings: Settings, sim: Scenario, report: Progress) -> None:
+    """Publish a finished simulation's events (tests that drive their own workers use this)."""
     with EventProducer(settings, client_id="nodeshare-simulator") as producer:
-        for i, record in enumerate(sim.events, 1):
-            producer.send(record)
-            if i % every == 0 or i == total:
-                report("publishing events", i, total)
+        from_events(sim)(producer.send_all, report)

@@ -4,6 +4,7 @@ through an idempotent confluent-kafka producer whose delivery reports are checke
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -40,6 +41,10 @@ class EventProducer:
     def send(self, record: Record) -> None:
         spec = TOPIC_OF_RECORD[type(record)]
         self.send_raw(self._settings.topic(spec.name), key_of(record), encode(record))
+
+    def send_all(self, records: Sequence[Record]) -> None:
+        for record in records:
+            self.send(record)
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
                  timestamp_ms: int | None = None) -> None:

@@ -84,3 +84,13 @@ def archive_records(tmp: Path, records: list, *, batch: int = 400) -> tuple[Path
     with Ledger(tmp / "ledger.duckdb") as ledger:
         ledger.append([(c, encode(c), 0, i) for i, c in enumerate(charges)])
     return tmp / "archive", tmp / "ledger.duckdb", len(charges)
+
+
+def profile_csv(path: Path, *names: str) -> Path:
+    """An LLC-profile CSV shaped like llc_profiles_spec.csv: per program, IPC rising and bandwidth
+    falling with ways (1 + w/100 and 3000 - 100 w MB/s), stall share 0.3 at ways 2-4, 7.5 refs/kinstr."""
+    rows = ["BENCH,NR_WAYS,ipc,bandwidth_mbps,stalls_l3_miss,llcrpki"]
+    rows += [f"{n},{w},{1.0 + w / 100},{3000 - w * 100},{0.3 if w in (2, 3, 4) else 0.1},7.5"
+             for n in names for w in range(1, 12)]
+    path.write_text("\n".join(rows) + "\n")
+    return path

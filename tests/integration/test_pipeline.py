@@ -10,8 +10,8 @@ import pytest
 from topic_reading import read_until
 
 from nodeshare.config import Settings
-from nodeshare.demo import DemoResult, run_demo
-from nodeshare.producers.simulator import SimConfig
+from nodeshare.demo import DemoResult, from_events, run_demo
+from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBlock, decode, decode_model
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
@@ -39,7 +39,7 @@ def run(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> DemoR
     tag = uuid.uuid4().hex[:8]
     settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=f"p{tag}.", app_id=f"nodeshare-p{tag}")
     out: Path = tmp_path_factory.mktemp("pipeline")
-    return run_demo(settings, CFG, out, timeout_s=120,
+    return run_demo(settings, from_events(simulate(CFG)), out, timeout_s=120,
                     extra_inputs=[(t, k, v) for t, k, v, _ in BAD_INPUTS])
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from factories import profile_csv
 
 from nodeshare.experiments.poppa import charges_of, predicted_run_time
 from nodeshare.producers.calibrated import (
@@ -39,11 +40,7 @@ def test_shaped_curves_by_hand():
 
 
 def test_load_profiles_reads_the_csv_shape(tmp_path: Path):
-    rows = ["BENCH,NR_WAYS,ipc,bandwidth_mbps,stalls_l3_miss,llcrpki"]
-    rows += [f"toy,{w},{1.0 + w / 100},{3000 - w * 100},{0.3 if w in (2, 3, 4) else 0.1},7.5" for w in range(1, 12)]
-    f = tmp_path / "p.csv"
-    f.write_text("\n".join(rows) + "\n")
-    [w] = load_profiles(f).values()
+    [w] = load_profiles(profile_csv(tmp_path / "p.csv", "toy")).values()
     assert (w.name, w.ipc[0], w.ipc[-1], w.bw_gbps[0], w.mem_stall, w.llc_rpki) == ("toy", 1.01, 1.11, 2.9, 0.3, 7.5)
 
 
