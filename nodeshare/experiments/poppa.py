@@ -208,14 +208,31 @@ def _mean_run_by_pair(truth: Sequence[JobTruth], pairs: Sequence[tuple[str, str]
 # --------------------------------------------------------------------------- plots
 
 
-def _heat(ax: Any, m: np.ndarray, labels: Sequence[str], title: str, cmap: str, center: bool) -> None:
+def with_margins(m: np.ndarray) -> np.ndarray:
+    """Fig. 10's layout: the matrix, a bottom row with each column's mean absolute value, a right
+    column with each row's, and their overall mean in the corner."""
+    a = np.abs(m)
+    out = np.empty((m.shape[0] + 1, m.shape[1] + 1))
+    out[:-1, :-1], out[-1, :-1], out[:-1, -1], out[-1, -1] = m, a.mean(axis=0), a.mean(axis=1), a.mean()
+    return out
+
+
+def _heat(ax: Any, m: np.ndarray, labels: Sequence[str], title: str, cmap: str, center: bool,
+          margins: bool = False) -> None:
     lim = float(np.abs(m).max()) or 1.0
+    if margins:
+        m = with_margins(m)
+        labels = [*labels, "mean |err|"]
+        n = len(labels) - 1.5
+        ax.axhline(n, color="black", lw=1.5)
+        ax.axvline(n, color="black", lw=1.5)
     ax.imshow(m, cmap=cmap, vmin=-lim if center else 0, vmax=lim)
     ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     for i in range(m.shape[0]):
         for j in range(m.shape[1]):
-            ax.text(j, i, f"{m[i, j]:.1f}", ha="center", va="center", fontsize=6)
+            dark = abs(m[i, j]) > 0.6 * lim  # the strong end of either colormap
+            ax.text(j, i, f"{m[i, j]:.1f}", ha="center", va="center", fontsize=6, color="white" if dark else "black")
     ax.set(xlabel="job", ylabel="co-runner", title=title)
 
 
@@ -227,7 +244,7 @@ def plot_pairwise(result: dict[str, Any], path: Path) -> Path:
         s = result["estimators"][name]
         _heat(ax, np.array(result["error_pct"][name]), labels,
               f"Fig. 10, {name}: prediction error %\nMAE {s['mae_pct']:.2f}%, max {s['max_abs_err_pct']:.2f}%",
-              "RdBu_r", True)
+              "RdBu_r", True, margins=True)
     _heat(axes[2], np.array(result["degradation_pct"]), labels,
           f"Fig. 11: true degradation %\nmean {result['mean_degradation_pct']:.1f}%", "Reds", False)
     return save(fig, path)

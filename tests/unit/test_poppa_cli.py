@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 from cli_runs import run_json as run
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
+from nodeshare.experiments.poppa import with_margins
 
 
 def test_experiment_pairwise_json_and_plot(tmp_path: Path) -> None:
@@ -19,6 +21,12 @@ def test_experiment_pairwise_json_and_plot(tmp_path: Path) -> None:
     assert len(r["error_pct"]["poppa_alg4"]) == 3 and r["degradation_pct"][0][0] > 10  # MILC next to MILC
     assert 0 <= r["mae_pct"] <= r["max_abs_err_pct"] < 10
     assert png.stat().st_size > 10_000
+
+
+def test_fig10_margins_are_mean_absolute_errors_by_hand() -> None:
+    m = np.array([[1.0, -3.0], [-2.0, 4.0]])  # [co-runner][job]
+    # columns (jobs): (1 + 2) / 2 = 1.5, (3 + 4) / 2 = 3.5; rows (co-runners): 2.0, 3.0; all: 2.5
+    assert with_margins(m).tolist() == [[1.0, -3.0, 2.0], [-2.0, 4.0, 3.0], [1.5, 3.5, 2.5]]
 
 
 def test_experiment_pricing_json(tmp_path: Path) -> None:
