@@ -22,7 +22,7 @@ SINK_ROWS = Counter("nodeshare_sink_rows_total", "Messages made durable by a sin
 LEDGER_ROWS = Counter("nodeshare_ledger_rows_total", "New ledger rows (redelivered charges excluded)")
 
 #: Dead-letter kinds: the label values of DEAD_LETTERS.
-DECODE, KEY_MISMATCH, REJECTED = "decode", "key_mismatch", "rejected"
+DECODE, KEY_MISMATCH, CLOCK, REJECTED = "decode", "key_mismatch", "clock", "rejected"
 
 
 def serve(port: int | None, addr: str = "127.0.0.1") -> bool:

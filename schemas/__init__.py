@@ -32,6 +32,7 @@ from .events import (
     Record,
     ShutterBlock,
     ShutterWindow,
+    clock_problem,
 )
 from .serde import DecodeError, decode, decode_model, encode
 
@@ -40,6 +41,6 @@ __all__ = [
     "Charge", "CounterSource", "DeadLetter", "DecodeError", "DegradationEstimate", "EstimateStatus",
     "IpcSample", "JobEvent", "JobLeftNode", "JobState", "NodeBlocks", "NodeInventory", "OffsetRange",
     "PlacementDecision", "PowerDecision", "PowerReading", "ProgramProfile", "Record", "Role",
-    "ShutterBlock", "ShutterWindow", "TopicSpec", "decode", "decode_model", "encode", "key_of",
-    "spec_for_topic",
+    "ShutterBlock", "ShutterWindow", "TopicSpec", "clock_problem", "decode", "decode_model", "encode",
+    "key_of", "spec_for_topic",
 ]

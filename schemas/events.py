@@ -7,7 +7,7 @@ non-finite numbers, wrong types and inconsistent lengths are errors that name th
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -23,6 +23,13 @@ from pydantic import (
 
 #: The schema version this build writes. It reads every version from 1 up to this one.
 SCHEMA_VERSION = 1
+
+#: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
+EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
+#: How far an event_time may run ahead of the broker's timestamp of its message (clock skew):
+#: beyond this the producer's clock is wrong. Checked where the broker timestamp is known
+#: (``clock_problem``), so the worker and an audit of the archive decide alike.
+MAX_AHEAD_OF_BROKER_S = 3600.0
 
 #: Upper bound on K (samples per shutter region). POPPA fixes K = 1 (Seed 002, Section 5.1 footnote);
 #: anything beyond this is a broken agent, not a measurement.
@@ -53,6 +60,21 @@ class Record(BaseModel):
         if not 1 <= v <= SCHEMA_VERSION:
             raise ValueError(f"unknown schema version {v}; this build reads versions 1..{SCHEMA_VERSION}")
         return v
+
+
+def clock_problem(record: Record, broker_timestamp_s: float) -> str | None:
+    """Why an input record's event_time cannot be right, or None: before EARLIEST_EVENT_TIME, or
+    too far ahead of its message's broker timestamp (<= 0: the broker gave none, nothing to
+    compare with). Consumers of input topics apply it; records nodeshare derives are not checked."""
+    if record.event_time < EARLIEST_EVENT_TIME:
+        return f"event_time {record.event_time.isoformat()} is before {EARLIEST_EVENT_TIME.date()}: a broken clock"
+    if broker_timestamp_s <= 0:
+        return None
+    ahead = record.event_time.timestamp() - broker_timestamp_s
+    if ahead > MAX_AHEAD_OF_BROKER_S:
+        return (f"event_time {record.event_time.isoformat()} is {ahead:.0f} s ahead of the broker's timestamp "
+                f"(at most {MAX_AHEAD_OF_BROKER_S:.0f} s of clock skew): a wrong clock")
+    return None
 
 
 # --------------------------------------------------------------------------- node.ipc

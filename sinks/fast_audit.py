@@ -1,8 +1,9 @@
 """The vectorized audit path: DuckDB parses the archived JSON in bulk, numpy applies Alg. 4.
 
 It reads the same raw bytes as the reference path, so an edited archive event is seen by
-both. It handles the common, clean case: K = 1 samples, every record well formed, block
-cycles increasing per node, every node stream closed once, and one terminal event. A job
+both. It handles the common, clean case: K = 1 samples, every record well formed and with a
+plausible clock (``schemas.clock_problem``), block cycles increasing per node, every node
+stream closed once, and one terminal event. A job
 that does not fit is *ineligible* and goes to the reference path
 (``streams.accounting.process_message``), and so does any job whose fast result differs
 from the ledger. A fast "match" therefore always means the reference functions agree too.
@@ -24,8 +25,9 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, decode
+from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, clock_problem, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
+from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S
 from nodeshare.streams.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
 from nodeshare.streams.degradation import estimate_from_totals
 
@@ -53,6 +55,7 @@ class IpcColumns:
     node: np.ndarray
     ints: np.ndarray  # int64 [n, len(_INT_PATHS)]
     single_samples: np.ndarray  # bool: before/during/after hold one sample each
+    clock_ok: np.ndarray  # bool: event_time passes schemas.clock_problem against the broker timestamp
 
 
 @dataclass
@@ -73,16 +76,24 @@ def read_ipc_columns(archive: ParquetArchive) -> IpcColumns:
     if not list((archive.root / f"topic={NODE_IPC.name}").glob("date=*/p*.parquet")):
         e = np.array([], dtype=object)
         return IpcColumns(np.array([], np.int64), np.array([], np.int64), e, e, e, e,
-                          np.zeros((0, n_int), np.int64), np.array([], bool))
-    paths = ", ".join(f"'{p}'" for p in ["$.kind", "$.job_id", "$.node", *_INT_PATHS, *_SECOND_SAMPLES])
+                          np.zeros((0, n_int), np.int64), np.array([], bool), np.array([], bool))
+    paths = ", ".join(f"'{p}'" for p in ["$.kind", "$.job_id", "$.node", *_INT_PATHS, *_SECOND_SAMPLES,
+                                         "$.event_time"])
     ints = ", ".join(f"coalesce(TRY_CAST(f[{4 + i}] AS BIGINT), -1) AS i{i}" for i in range(n_int))
     firsts = len(_INT_PATHS) + 4
+    when = firsts + 3
     cols = duckdb.connect().execute(f"""
         SELECT "partition", "offset", key, f[1] AS kind, f[2] AS job, f[3] AS node, {ints},
-               f[{firsts}] IS NULL AND f[{firsts + 1}] IS NULL AND f[{firsts + 2}] IS NULL AS single
+               f[{firsts}] IS NULL AND f[{firsts + 1}] IS NULL AND f[{firsts + 2}] IS NULL AS single,
+               coalesce(epoch(TRY_CAST(f[{when}] AS TIMESTAMPTZ)) >= {EARLIEST_EVENT_TIME.timestamp()}
+                        AND (timestamp_ms <= 0
+                             OR epoch(TRY_CAST(f[{when}] AS TIMESTAMPTZ))
+                                <= timestamp_ms / 1000 + {MAX_AHEAD_OF_BROKER_S}), false) AS clock_ok
         FROM (
-            SELECT "partition", "offset", decode(key) AS key, json_extract_string(v, [{paths}]) AS f
-            FROM (SELECT "partition", "offset", key, decode(value) AS v FROM read_parquet('{glob}')
+            SELECT "partition", "offset", timestamp_ms, decode(key) AS key,
+                   json_extract_string(v, [{paths}]) AS f
+            FROM (SELECT "partition", "offset", timestamp_ms, key, decode(value) AS v
+                  FROM read_parquet('{glob}')
                   QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1)
             WHERE json_valid(v)  -- (measured: faster here than one try(json_extract_string(...)))
         )
@@ -93,28 +104,32 @@ def read_ipc_columns(archive: ParquetArchive) -> IpcColumns:
         np.asarray(cols["partition"], np.int64), np.asarray(cols["offset"], np.int64),
         np.asarray(cols["key"], dtype=object), np.asarray(cols["kind"], dtype=object),
         np.asarray(cols["job"], dtype=object), np.asarray(cols["node"], dtype=object),
-        matrix, np.asarray(cols["single"], bool),
+        matrix, np.asarray(cols["single"], bool), np.asarray(cols["clock_ok"], bool),
     )
 
 
-def terminal_events(archive: ParquetArchive) -> dict[str, list[TerminalEvent]]:
-    """Decoded terminal (charged) lifecycle events per job, through the reference decoder: they are few."""
+def terminal_events(archive: ParquetArchive) -> tuple[dict[str, list[TerminalEvent]], set[str]]:
+    """Decoded terminal (charged) lifecycle events per job, through the reference decoder (they are
+    few), and the jobs with a terminal event the clock rule refuses (left to the reference path)."""
     out: dict[str, list[TerminalEvent]] = defaultdict(list)
+    wrong_clock: set[str] = set()
     for topic, ev in archive.events([JOBS_LIFECYCLE.name]):
         try:
             rec = decode(BY_NAME[topic], ev.value)
         except DecodeError:
             continue
         if isinstance(rec, JobEvent) and rec.ran and ev.key == rec.job_id.encode():
+            if clock_problem(rec, ev.timestamp_ms / 1000):
+                wrong_clock.add(rec.job_id)
             out[rec.job_id].append(TerminalEvent(event=rec, topic=topic, partition=ev.partition, offset=ev.offset,
                                                  reason=""))
-    return out
+    return out, wrong_clock
 
 
 def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], default: PricingPolicy) -> FastResult:
     archive = ParquetArchive(archive_root)
     cols = read_ipc_columns(archive)
-    ends = terminal_events(archive)
+    ends, wrong_clock = terminal_events(archive)
     result = FastResult()
     order = np.argsort(cols.job.astype(str), kind="stable")  # group by job, keep offset order within
     jobs_sorted = cols.job[order].astype(str)
@@ -125,7 +140,8 @@ def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], defau
         idx = order[lo:hi]
         job = jobs_sorted[lo]
         seen_jobs.add(job)
-        charge = _job_charge(job, idx, cols, ends.get(job, []), policies.get(job, default))
+        charge = None if job in wrong_clock else _job_charge(job, idx, cols, ends.get(job, []),
+                                                               policies.get(job, default))
         if charge is None:
             result.ineligible.add(job)
         else:
@@ -141,7 +157,7 @@ def _job_charge(job: str, idx: np.ndarray, c: IpcColumns, terminals: list[Termin
     if len(terminals) != 1 or len({int(p) for p in c.partition[idx]}) != 1:
         return None
     terminal = terminals[0]
-    if not (c.key[idx] == job).all():
+    if not (c.key[idx] == job).all() or not c.clock_ok[idx].all():
         return None
     kinds = c.kind[idx]
     is_block = kinds == "shutter_block"

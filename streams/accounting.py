@@ -36,6 +36,7 @@ from nodeshare.schemas.events import (
     OffsetRange,
     Record,
     ShutterBlock,
+    clock_problem,
 )
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
 
@@ -317,7 +318,7 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
 @dataclass(frozen=True)
 class Outgoing:
     """A message to publish: catalog topic (without prefix), key, value; for a dead letter, its kind
-    (decode, key_mismatch or rejected) for metrics."""
+    (decode, key_mismatch, clock or rejected) for metrics."""
 
     topic: str
     key: bytes
@@ -362,6 +363,9 @@ def process_message(
     if key != job_id.encode():
         return Processed(None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key", "key_mismatch"),
                          None)
+    wrong_clock = clock_problem(record, timestamp_s)
+    if wrong_clock:
+        return Processed(None, reject(wrong_clock, "event_time", "clock"), None)
     account = JobAccount.loads(state, job_id)
     # Charges name catalog topics: a topic prefix is a deployment detail, and replay into another
     # prefix must rebuild identical charges.

@@ -73,7 +73,10 @@ def archive_records(tmp: Path, records: list, *, batch: int = 400) -> tuple[Path
         raw = rec if isinstance(rec, tuple) else (TOPIC_OF_RECORD[type(rec)].name, key_of(rec), encode(rec))
         topic, key, value = raw
         off = offsets[topic] = offsets.get(topic, -1) + 1
-        rows.setdefault(topic, []).append(ArchivedEvent(topic, 0, off, 1_767_225_600_000 + i, key, value))
+        # the broker's timestamp: when the record was produced (its event time; raw bytes: T0)
+        when = rec.event_time if not isinstance(rec, tuple) else T0
+        rows.setdefault(topic, []).append(ArchivedEvent(topic, 0, off, round(when.timestamp() * 1000) + i, key,
+                                                        value))
     archive = ParquetArchive(tmp / "archive")
     for topic, evs in rows.items():
         for start in range(0, len(evs), batch):

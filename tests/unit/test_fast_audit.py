@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from factories import POLICY, archive_records, block, build, job_event, left
+from datetime import timedelta
+
+from factories import POLICY, T0, archive_records, block, build, job_event, left
 
 from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.schemas import JobState, encode
@@ -49,6 +51,20 @@ def test_messy_jobs_are_left_to_the_reference_path(tmp_path):
     report = audit(archive, ledger, POLICY)
     assert report.ok and report.charges_checked == n == 5  # 'fix' has two revisions
     assert report.fast_path_jobs == 1 and report.reference_path_jobs >= 3
+
+
+def test_a_wrong_clock_sends_the_job_to_the_reference_path(tmp_path):
+    """A block dated a day after the broker received it was dead-lettered by the worker: the fast
+    path, which would count it, must leave the job to the reference path, which does not."""
+    late = block(1.0, 1.5, 1.0, job="clk", cycle=1).model_copy(update={"event_time": T0 + timedelta(days=1)})
+    records = [block(1.0, 2.0, 1.0, job="clk", cycle=0), ("node.ipc", b"clk", encode(late)),  # raw: sent at T0
+               left("clk", "n1", 2, 1), job_event("clk", JobState.ENDED)]
+    archive, ledger, n = archive_records(tmp_path, records)
+    fast, reference = _both(archive)
+    assert "clk" in fast.ineligible and n == 1
+    assert reference[("clk", 0)].blocks_used + reference[("clk", 0)].blocks_rejected == 1  # the late block is out
+    report = audit(archive, ledger, POLICY)
+    assert report.ok and report.reference_path_jobs == 1 and report.fast_path_jobs == 0
 
 
 def test_fast_and_reference_audits_agree_on_every_verdict(tmp_path):
