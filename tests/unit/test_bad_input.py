@@ -1,0 +1,233 @@
+"""Bad input, generated: every bad record is dead-lettered with a reason, the fold never raises,
+and the charges of the valid run around it do not change.
+
+Hypothesis builds batches of bad records of every kind the reliability issue lists and splices
+them at random points into a valid two-job run on both accounting topics (node.ipc and
+jobs.lifecycle), exactly as the worker and the audit fold them (``process_message``). Over the
+examples below that is 10,000+ bad records. Kinds that cannot be refused on arrival are checked
+for what they must do instead (a block for a job that never ends is held, never charged).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import timedelta
+
+from factories import T0, block, job_event, left
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeshare.schemas import Charge, DeadLetter, JobState, Record, clock_problem, decode_model, encode
+from nodeshare.schemas.events import MAX_AHEAD_OF_BROKER_S, SCHEMA_VERSION
+from nodeshare.streams.accounting import Origin, PricingPolicy, process_message
+
+POLICY = PricingPolicy(rate_per_core_hour=2.0)
+IPC, LIFE = "node.ipc", "jobs.lifecycle"
+BROKER_TS = (T0 + timedelta(hours=3)).timestamp()  # every message was produced after the run's events
+EXAMPLES, BATCH = 110, 100  # 11,000 bad records per run of this module
+
+#: the fields of a charge that pricing decides (offsets move when bad records are spliced in)
+#: (blocks_ignored is left out: a duplicate block is counted there, by design, and changes no price)
+PRICED = ("job_id", "revision", "cores", "run_time_s", "pause_credit_s", "degradation", "degradation_filtered",
+          "degradation_unfiltered", "degradation_corrected", "blocks_used", "blocks_rejected", "standard_price",
+          "price", "dividend")
+
+
+def valid_run() -> list[tuple[str, Record]]:
+    """Two jobs on one node, four blocks each, both ended: (topic, record) in arrival order."""
+    out: list[tuple[str, Record]] = []
+    for job, nodes in (("a", ("n1",)), ("b", ("n1",))):
+        out.append((LIFE, job_event(job, JobState.STARTED, nodes=nodes)))
+        for cycle, (b, d, a) in enumerate([(1.0, 1.4, 1.02), (0.9, 1.2, 0.92), (1.1, 1.3, 1.12), (1.0, 2.0, 1.5)]):
+            out.append((IPC, block(b, d, a, job=job, cycle=2 * cycle)))
+        out.append((IPC, left(job, "n1", 4, 6)))
+        out.append((LIFE, job_event(job, JobState.ENDED, nodes=nodes, run_s=7200)))
+    return out
+
+
+VALID = valid_run()
+A_BLOCK = next(r for t, r in VALID if t == IPC)
+A_LEFT = next(r for t, r in VALID if r.kind == "job_left_node")
+AN_END = next(r for t, r in VALID if r.kind == "job_event" and r.state is JobState.ENDED)
+
+
+def as_dict(r: Record) -> dict:
+    return json.loads(encode(r))
+
+
+def raw(d: dict) -> bytes:
+    return json.dumps(d).encode()
+
+
+# ---------------------------------------------------------------------------- bad-record strategies
+# Each yields (topic, key, value bytes, what the dead letter's reason must mention).
+
+def random_bytes() -> st.SearchStrategy:
+    return st.tuples(st.sampled_from([IPC, LIFE]), st.just(b"a"), st.binary(max_size=64), st.just(""))
+
+
+def truncated_json() -> st.SearchStrategy:
+    def cut(rec: Record, frac: float) -> tuple:
+        b = encode(rec)
+        return (IPC if rec.kind != "job_event" else LIFE, b"a", b[:max(1, int(len(b) * frac))], "JSON")
+    return st.builds(cut, st.sampled_from([A_BLOCK, A_LEFT, AN_END]), st.floats(0.0, 0.98))
+
+
+def wrong_type() -> st.SearchStrategy:
+    fields = [("cycle", IPC, A_BLOCK), ("k", IPC, A_BLOCK), ("node", IPC, A_BLOCK), ("blocks_sent", IPC, A_LEFT),
+              ("cores", LIFE, AN_END), ("state", LIFE, AN_END), ("end_time", LIFE, AN_END),
+              ("before", IPC, A_BLOCK), ("event_time", IPC, A_BLOCK)]
+    values = st.one_of(st.text(max_size=5), st.lists(st.integers(), max_size=2), st.booleans(), st.none(),
+                       st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+    def put(choice: tuple, value: object) -> tuple:
+        name, topic, rec = choice
+        d = as_dict(rec)
+        if isinstance(value, str) or d[name] == value:
+            value = [value]  # a list is never a valid value of these fields (a string may be)
+        d[name] = value
+        return (topic, b"a", raw(d), name)
+    return st.builds(put, st.sampled_from(fields), values)
+
+
+def non_finite() -> st.SearchStrategy:
+    def put(where: str, token: str) -> tuple:
+        d = as_dict(A_BLOCK)
+        text = json.dumps(d).replace(f'"{where}": {d[where]}', f'"{where}": {token}')
+        return (IPC, b"a", text.encode(), where)
+    return st.builds(put, st.sampled_from(["cycle", "k", "sample_us"]), st.sampled_from(["NaN", "Infinity",
+                                                                                          "-Infinity", "1e999"]))
+
+
+def bad_counts() -> st.SearchStrategy:
+    """Negative or zero cycles, negative instructions, absurd K, K that does not match the samples."""
+    def put(region: str, field: str, value: int) -> tuple:
+        d = as_dict(A_BLOCK)
+        d[region][0][field] = value
+        return (IPC, b"a", raw(d), region)
+    counts = st.builds(put, st.sampled_from(["before", "during", "after"]),
+                       st.sampled_from(["cycles", "instructions", "threads"]), st.integers(-10**12, -1))
+    zero_cycles = st.builds(put, st.sampled_from(["before", "during", "after"]), st.just("cycles"), st.just(0))
+
+    def k(value: int) -> tuple:
+        d = as_dict(A_BLOCK)
+        d["k"] = value
+        return (IPC, b"a", raw(d), "k")
+    return st.one_of(counts, zero_cycles, st.builds(k, st.one_of(st.integers(-5, 0), st.integers(2, 10**9))))
+
+
+def unknown_version() -> st.SearchStrategy:
+    def put(rec: Record, v: int) -> tuple:
+        d = as_dict(rec)
+        d["schema_version"] = v
+        return (IPC if rec.kind != "job_event" else LIFE, b"a", raw(d), "schema version")
+    return st.builds(put, st.sampled_from([A_BLOCK, A_LEFT, AN_END]),
+                     st.one_of(st.integers(SCHEMA_VERSION + 1, 10**6), st.integers(-10, 0)))
+
+
+def wrong_clock() -> st.SearchStrategy:
+    """Timestamps far in the future of the broker's, or before 2000."""
+    def put(rec: Record, shift_s: float) -> tuple:
+        d = as_dict(rec)
+        d["event_time"] = (rec.event_time + timedelta(seconds=shift_s)).isoformat()
+        return (IPC if rec.kind != "job_event" else LIFE, b"a", raw(d), "clock")
+    ahead = st.floats(4 * 3600 + MAX_AHEAD_OF_BROKER_S, 1e9)  # past the broker's timestamp + skew
+    back = st.floats(-1.5e9, -8.5e8)  # 1978 - 1999
+    return st.builds(put, st.sampled_from([A_BLOCK, A_LEFT, AN_END]), st.one_of(ahead, back))
+
+
+def key_mismatch() -> st.SearchStrategy:
+    return st.builds(lambda k: (IPC, k, encode(A_BLOCK), "key"), st.binary(max_size=8).filter(lambda k: k != b"a"))
+
+
+def replays_of_valid_events() -> st.SearchStrategy:
+    """Duplicate event ids re-sent at a new offset, a job ended twice, blocks out of order and
+    after the job left its node: valid bytes, refused by the account's rules."""
+    def dup(i: int) -> tuple:
+        topic, rec = [(t, r) for t, r in VALID if r.kind != "job_event" or r.state is JobState.ENDED][i]
+        return (topic, rec.job_id.encode(), encode(rec), "")
+    return st.builds(dup, st.integers(0, 11))
+
+
+BAD = st.one_of(random_bytes(), truncated_json(), wrong_type(), non_finite(), bad_counts(), unknown_version(),
+                wrong_clock(), key_mismatch(), replays_of_valid_events())
+
+
+def fold(messages: list[tuple[str, bytes | None, bytes | None]]) -> tuple[dict, list[DeadLetter], list[Charge]]:
+    """What the worker does with these messages, in order, on partition 0 of each topic."""
+    states: dict[bytes | None, bytes] = {}
+    offsets = {IPC: 0, LIFE: 0}
+    letters: list[DeadLetter] = []
+    charges: list[Charge] = []
+    for topic, key, value in messages:
+        origin = Origin(topic, 0, offsets[topic])
+        offsets[topic] += 1
+        new, out, _ = process_message(states.get(key), origin, key, value, BROKER_TS, POLICY)
+        if new is not None:
+            states[key] = new
+        letters += [decode_model(DeadLetter, o.value) for o in out if o.topic == "dlq"]
+        charges += [decode_model(Charge, o.value) for o in out if o.topic == "ledger.charges"]
+    return states, letters, charges
+
+
+def priced(charges: list[Charge]) -> dict[tuple[str, int], tuple]:
+    return {(c.job_id, c.revision): tuple(getattr(c, f) for f in PRICED) for c in charges}
+
+
+CLEAN = fold([(t, r.job_id.encode(), encode(r)) for t, r in VALID])
+
+
+def test_the_valid_run_alone_is_charged_and_clean():
+    _, letters, charges = CLEAN
+    assert not letters and sorted((c.job_id, c.revision) for c in charges) == [("a", 0), ("b", 0)]
+    assert all(c.blocks_used == 3 and c.blocks_rejected == 1 and c.dividend > 0 for c in charges)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(BAD, st.floats(0.0, 1.0)), min_size=BATCH, max_size=BATCH))
+def test_bad_records_are_dead_lettered_and_change_no_charge(batch):
+    valid = [(t, r.job_id.encode(), encode(r)) for t, r in VALID]
+    # splice each bad record in at a random point; replays of valid events go after their original
+    stream: list[tuple[float, int, tuple]] = [(i / len(valid), 0, m) for i, m in enumerate(valid)]
+    for n, ((topic, key, value, _), at) in enumerate(batch):
+        after = next((i for i, m in enumerate(valid) if m[2] == value), -1)
+        at = max(at, (after + 0.5) / len(valid)) if after >= 0 else at
+        stream.append((at, 1 + n, (topic, key, value)))
+    messages = [m for _, _, m in sorted(stream, key=lambda e: (e[0], e[1]))]
+
+    _, letters, charges = fold(messages)  # never raises
+
+    assert priced(charges) == priced(CLEAN[2])  # the same charges, once each (duplicates are re-sent copies)
+    assert len({(c.job_id, c.revision) for c in charges}) == 2
+    # every bad record, and nothing else, is dead-lettered, once, with a reason that says why
+    offsets = {IPC: 0, LIFE: 0}
+    expected: dict[tuple[str, int], str] = {}
+    for _, n, (topic, _key, _value) in sorted(stream, key=lambda e: (e[0], e[1])):
+        if n:
+            expected[(topic, offsets[topic])] = batch[n - 1][0][3]
+        offsets[topic] += 1
+    got = {(dl.origin_topic, dl.origin_offset): dl for dl in letters}
+    assert len(got) == len(letters) and got.keys() == expected.keys()
+    for where, must_say in expected.items():
+        dl = got[where]
+        assert dl.reason and must_say.lower() in f"{dl.field} {dl.reason}".lower(), (must_say, dl.field, dl.reason)
+
+
+def test_a_block_for_a_job_that_never_ends_is_held_not_charged():
+    stray = block(1.0, 2.0, 1.0, job="ghost", cycle=0)
+    states, letters, charges = fold([(IPC, b"ghost", encode(stray))] + [(t, r.job_id.encode(), encode(r))
+                                                                         for t, r in VALID])
+    assert not letters and b"ghost" in states  # kept: its end event may still come
+    assert priced(charges) == priced(CLEAN[2])
+
+
+def test_clock_rules_by_hand():
+    rec = A_BLOCK  # event_time T0 + 0 s
+    t0 = rec.event_time.timestamp()
+    assert clock_problem(rec, t0 - MAX_AHEAD_OF_BROKER_S + 1) is None  # within the skew
+    assert "ahead of the broker" in (clock_problem(rec, t0 - MAX_AHEAD_OF_BROKER_S - 1) or "")
+    assert clock_problem(rec, 0.0) is None  # no broker timestamp: nothing to compare with
+    old = rec.model_copy(update={"event_time": rec.event_time.replace(year=1999)})
+    assert "before 2000-01-01" in (clock_problem(old, 0.0) or "")
+    assert not math.isnan(BROKER_TS)
