@@ -34,7 +34,7 @@ from nodeshare.schemas.catalog import (
 from nodeshare.schemas.serde import encode
 
 from .accounting import Origin, fold_states, process_message
-from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope
+from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope, screen
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +180,19 @@ def add_power_agents(app: faust.App, settings: Settings) -> None:
     def fresh() -> PowerManager:
         return PowerManager(settings.power_budget_watts, settings.power_policy(), settings.topic_prefix)
 
+    dlq = app.topic(settings.topic(DLQ.name), key_serializer="raw", value_serializer="raw")
+
     @app.agent(inputs, name="power-router")
     async def power_router(stream: Any) -> None:
         async for event in stream.events():
-            await power_log.send(key=b"machine", value=envelope(event.message.topic, event.value))
+            msg = event.message
+            bad = screen(msg.topic, msg.partition, msg.offset, event.key, event.value, msg.timestamp,
+                         settings.topic_prefix)
+            if bad is not None:  # bad power and inventory input stops here, with its reason
+                await dlq.send(key=bad.origin_topic.encode(), value=encode(bad))
+                metrics.DEAD_LETTERS.labels(metrics.DECODE if bad.field != "event_time" else metrics.CLOCK).inc()
+                continue
+            await power_log.send(key=b"machine", value=envelope(msg.topic, event.value))
 
     @app.agent(power_log, name="power-manager")
     async def power_manager(stream: Any) -> None:

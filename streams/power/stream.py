@@ -15,8 +15,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE, NODE_POWER, spec_for_topic
+from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.events import (
     TERMINAL_STATES,
+    DeadLetter,
     JobEvent,
     JobPowerPlan,
     JobState,
@@ -26,6 +28,7 @@ from nodeshare.schemas.events import (
     PowerInputs,
     PowerReading,
     ProcessorCap,
+    clock_problem,
 )
 from nodeshare.schemas.serde import DecodeError, decode
 
@@ -36,6 +39,24 @@ from .ppartition import JobRequest, Machine, Outcome, Plan, PowerPolicy, dispatc
 POWER_LOG = "power.machine"
 NAMESPACE = uuid.UUID("0d0e5a1c-9a8c-4772-62f0-02c6b0000004")
 SOURCE = "nodeshare/power"
+
+
+def screen(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, timestamp_s: float,
+           prefix: str = "") -> DeadLetter | None:
+    """The dead letter for a ``node.power`` or ``cluster.inventory`` message the power router must
+    not forward (undecodable, or a wrong clock), else None. Lifecycle messages pass: the
+    accounting agent screens and dead-letters them, once."""
+    spec = spec_for_topic(topic, prefix)
+    if spec not in (NODE_POWER, CLUSTER_INVENTORY):
+        return None
+    try:
+        problem, field_name = clock_problem(decode(spec, value), timestamp_s), "event_time"
+    except DecodeError as exc:
+        problem, field_name = exc.reason, exc.field
+    if problem is None:
+        return None
+    return dead_letter(topic, partition, offset, key, value, timestamp_s, problem, field=field_name,
+                       source=SOURCE)
 
 
 def envelope(topic: str, value: bytes | None) -> bytes:
@@ -60,7 +81,7 @@ class PowerManager:
     dispatched: set[str] = field(default_factory=set)
     ended: set[str] = field(default_factory=set)
     requests: dict[str, JobEvent] = field(default_factory=dict)  # the dispatching event of each job
-    skipped: int = 0  # records that could not be decoded (the accounting agent dead-letters them)
+    skipped: int = 0  # records that could not be decoded (``screen`` dead-letters them before the log)
 
     def __post_init__(self) -> None:
         self.machine = Machine(budget_mw=to_mw(self.budget_watts or 0.0), policy=self.policy)

@@ -28,6 +28,7 @@ BAD_INPUTS = [
     ("node.ipc", b"100003", b'{"kind": "job_left_node", "event_id": "x", "source": "t", "event_time": '
                             b'"2026-01-01T00:00:00Z", "job_id": "999", "node": "n1", "blocks_sent": 0, '
                             b'"last_cycle": -1}', "does not match job_id"),
+    ("node.power", b"node9", b'{"kind": "power_reading", "node": "node9"', "invalid JSON"),  # the power router's
 ]
 CFG = SimConfig(nodes=5, jobs=10, seed=21)
 
