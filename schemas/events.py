@@ -21,8 +21,15 @@ from pydantic import (
     model_validator,
 )
 
-#: The schema version this build writes. It reads every version from 1 up to this one.
-SCHEMA_VERSION = 1
+#: The schema version this build writes. It reads every version from 1 up to this one; a record
+#: of a newer version is refused with a reason (dead-lettered), never guessed at.
+#:
+#: * 1: the first contract.
+#: * 2: ``Charge`` and ``DegradationEstimate`` name their ``estimator`` and carry the
+#:   refill-corrected estimate (``degradation_corrected``, ``corrected``). Version-1 rows lack
+#:   both and read as ``estimator="poppa_alg4"``, the only estimator version 1 had, so an audit
+#:   recomputes them as they were made. Input records did not change.
+SCHEMA_VERSION = 2
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -501,3 +508,16 @@ class DeadLetter(Record):
     field: str | None = None
     key_b64: str | None = None
     value_b64: str  # the raw bytes, base64, exactly as received
+
+
+#: Fields added after version 1, per model, with the version that added them: a record of an
+#: older version lacks them (reads their default), and an audit does not compare them.
+ADDED_IN: dict[type[Record], dict[str, int]] = {
+    Charge: {"degradation_corrected": 2, "estimator": 2},
+    DegradationEstimate: {"corrected": 2, "estimator": 2},
+}
+
+
+def carried(record: Record, field: str) -> bool:
+    """Whether the record's own schema version has this field."""
+    return ADDED_IN.get(type(record), {}).get(field, 1) <= record.schema_version

@@ -16,6 +16,7 @@ from typing import Any
 
 from nodeshare.schemas import Charge
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
+from nodeshare.schemas.events import carried
 from nodeshare.streams.accounting import Message, Origin, PricingPolicy, fold_messages
 
 from .archive import ParquetArchive
@@ -23,7 +24,7 @@ from .fast_audit import fast_recompute
 from .ledger import Ledger
 
 #: Fields that describe where a charge was computed, not what it is.
-_PROVENANCE = frozenset({"source"})
+_PROVENANCE = frozenset({"source", "schema_version"})
 
 @dataclass(frozen=True)
 class Mismatch:
@@ -171,6 +172,8 @@ def conservation_violations(charges: list[Charge], rel_tol: float = 1e-9) -> lis
 
 
 def diff_charges(ledger: Charge, recomputed: Charge) -> list[Mismatch]:
+    """Differences in every field the ledger row's schema version has (a row written by an older
+    version is compared on what it carries; which version wrote it is provenance)."""
     a, b = ledger.model_dump(), recomputed.model_dump()
     return [Mismatch(ledger.job_id, ledger.revision, f, a[f], b[f])
-            for f in a if f not in _PROVENANCE and a[f] != b[f]]
+            for f in a if f not in _PROVENANCE and carried(ledger, f) and a[f] != b[f]]

@@ -1,0 +1,82 @@
+"""Schema evolution: records of an older version are read (and audited as they were made); a
+newer, unknown version is refused with a reason that says so."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from factories import POLICY, archive_records, block, job_event, left
+
+from nodeshare.schemas import SCHEMA_VERSION, Charge, DeadLetter, JobState, decode_model, encode
+from nodeshare.schemas.events import ADDED_IN, carried
+from nodeshare.sinks.audit import audit
+from nodeshare.sinks.ledger import Ledger
+from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages, process_message
+
+RUN = [block(1.0, 1.4, 1.02, job="old", cycle=0), block(0.9, 1.3, 0.92, job="old", cycle=1),
+       left("old", "n1", 2, 1), job_event("old", JobState.ENDED)]
+
+
+def messages(version: int) -> list[tuple]:
+    """RUN as the archive holds it (factories.archive_records): partition 0, offsets per topic."""
+    offsets = {"node.ipc": 0, "jobs.lifecycle": 0}
+    out = []
+    for r in RUN:
+        topic = "node.ipc" if r.kind != "job_event" else "jobs.lifecycle"
+        out.append((Origin(topic, 0, offsets[topic]), b"old", as_version(r, version), 0.0))
+        offsets[topic] += 1
+    return out
+
+
+def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> bytes:
+    d = json.loads(encode(record))  # type: ignore[arg-type]
+    d["schema_version"] = version
+    for f in drop:
+        d.pop(f)
+    return json.dumps(d).encode()
+
+
+def test_this_build_writes_version_2_and_reads_1_and_2():
+    assert SCHEMA_VERSION == 2
+    assert set(ADDED_IN[Charge]) == {"degradation_corrected", "estimator"}
+
+
+def test_version_1_input_is_read_and_charged_like_version_2():
+    v1, v2 = fold_messages(messages(1), POLICY), fold_messages(messages(2), POLICY)
+    assert v1 == v2 and len(v1) == 1
+
+
+def test_a_newer_version_is_dead_lettered_naming_the_versions():
+    v3 = as_version(RUN[0], SCHEMA_VERSION + 1)
+    new_state, out, _ = process_message(None, Origin("node.ipc", 0, 9), b"old", v3, 0.0, POLICY)
+    [dl] = [decode_model(DeadLetter, o.value) for o in out]
+    assert new_state is None and dl.field == "schema_version"
+    assert dl.reason == f"unknown schema version {SCHEMA_VERSION + 1}; this build reads versions 1..{SCHEMA_VERSION}"
+    assert base64.b64decode(dl.value_b64) == v3  # the bytes are kept, to re-read once the reader is upgraded
+
+
+def test_a_version_1_ledger_still_audits(tmp_path: Path):
+    """A ledger written before version 2: its rows have no estimator and no corrected estimate.
+    They read as POPPA's Alg. 4 (the only estimator then), and the audit recomputes them so."""
+    archive, _, _ = archive_records(tmp_path, RUN)
+    [made_then] = fold_messages(messages(1), PricingPolicy(rate_per_core_hour=POLICY.rate_per_core_hour,
+                                                           estimator="poppa_alg4"))
+    v1 = as_version(made_then, 1, drop=("degradation_corrected", "estimator"))
+    row = decode_model(Charge, v1)
+    assert (row.schema_version, row.estimator, row.degradation_corrected) == (1, "poppa_alg4", None)
+    assert not carried(row, "degradation_corrected") and carried(row, "price")
+    old = tmp_path / "v1.duckdb"
+    with Ledger(old) as ledger:
+        ledger.append([(row, v1, 0, 0)])
+    report = audit(archive, old, POLICY)
+    assert report.ok and report.matches == 1, report.as_dict()
+    # ... and it is still checked: a version-1 row with an edited price does not pass
+    edited = as_version(made_then.model_copy(update={"price": made_then.price * 0.5}), 1,
+                        drop=("degradation_corrected", "estimator"))
+    tampered = tmp_path / "v1-edited.duckdb"
+    with Ledger(tampered) as ledger:
+        ledger.append([(decode_model(Charge, edited), edited, 0, 0)])
+    bad = audit(archive, tampered, POLICY)
+    assert not bad.ok and any(m.field == "price" for m in bad.mismatches)
