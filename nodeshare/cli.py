@@ -317,9 +317,15 @@ def worker(
 ) -> None:
     """Run one stream worker (faust) in the foreground."""
     from nodeshare.streams.app import run_worker
+    from nodeshare.streams.kafka_security import SecurityConfigError, faust_credentials
 
     settings = _settings()
     _require_bootstrap(settings)
+    try:
+        faust_credentials(settings.kafka)  # refuse settings faust cannot honour before connecting at all
+    except SecurityConfigError as exc:
+        err.print(f"[red]configuration error[/red]: kafka: {exc}")
+        raise typer.Exit(2) from None
     run_worker(settings, datadir, loglevel)
 
 

@@ -34,6 +34,7 @@ from nodeshare.schemas.catalog import (
 from nodeshare.schemas.serde import encode
 
 from .accounting import Origin, fold_states, process_message
+from .kafka_security import faust_credentials
 from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope, screen
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
     app = faust.App(
         settings.app_id,
         broker=[f"kafka://{h.strip()}" for h in settings.bootstrap.split(",")],
+        broker_credentials=faust_credentials(settings.kafka),  # TLS / SASL as every other client has them
         store="memory://",  # tables are rebuilt from their changelog topics on start
         processing_guarantee="at_least_once",
         topic_partitions=settings.partitions,
