@@ -661,6 +661,24 @@ def bench_power(
     out.print(f"wrote {out_file}")
 
 
+@bench_app.command("placement")
+def bench_placement(
+    repeats: Annotated[int, typer.Option(min=3, help="runs per measurement (median)")] = 5,
+    greedy_jobs: Annotated[int, typer.Option(min=2, help="queue size for greedy pairing")] = 1000,
+    blossom_jobs: Annotated[int, typer.Option(min=2, help="queue size for blossom matching")] = 200,
+    predict_jobs: Annotated[int, typer.Option(min=2, help="queue size for predicting every pair")] = 50,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/placement.json"),
+) -> None:
+    """Greedy pairing of 1,000 jobs, blossom matching of 200, predicting all pairs of 50 (median ms)."""
+    from nodeshare.experiments.pairing import bench_placement as run
+
+    result = run(repeats=repeats, greedy_jobs=greedy_jobs, blossom_jobs=blossom_jobs, predict_jobs=predict_jobs)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    out.print_json(json.dumps(result))
+    out.print(f"wrote {out_file}")
+
+
 def _library(profiles: Path | None) -> Any:
     from nodeshare.producers.workloads import BUILTIN, load_profiles
 
@@ -742,6 +760,36 @@ def experiment_pricing(
         f"Oracle mean {r['oracle_mean']:.4f}  min {r['oracle_min']:.4f}  max {r['oracle_max']:.4f}",
         f"POPPA - oracle: {r['poppa_minus_oracle_pp']:+.2f} pp; charged above the baseline: {r['overcharged_jobs']} "
         f"jobs (mean surcharge {r['overcharge_mean_pct']:.2f}%), {r['overcharged_runs']} of {r['runs']} runs"])
+
+
+@experiment_app.command("pairing")
+def experiment_pairing(
+    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pairing.png"),
+    seed: Annotated[int, typer.Option(help="seed of the train/test split and the queues")] = 7,
+    queues: Annotated[int, typer.Option(min=1, help="random queues")] = 20,
+    jobs: Annotated[int, typer.Option(min=2, help="jobs per queue")] = 50,
+    trees: Annotated[int, typer.Option(min=1, help="trees of the Random Forest")] = 200,
+    profiles: Profiles = None,
+) -> None:
+    """Seed 003: a Random Forest predicts pairwise degradation from solo counter profiles; queues
+    paired greedily or by blossom matching, makespan against FIFO and FIFO-shared on 1-5 nodes."""
+    from nodeshare.experiments.pairing import experiment_pairing as run
+    from nodeshare.experiments.pairing import plot_pairing
+    from nodeshare.producers.workloads import BUILTIN
+
+    loaded = {k: w for k, w in _library(profiles).items() if k not in BUILTIN}
+    with _progress() as bar:
+        task = bar.add_task("scheduling queues", total=queues)
+        r = run(seed=seed, queues=queues, jobs=jobs, profiles=loaded, trees=trees,
+                progress=lambda done, total: bar.update(task, completed=done))
+    m = r["makespan_vs_fifo_pct"]
+    _experiment_out(r, as_json, png, plot_pairing, [
+        f"{len(r['programs'])} programs; Random Forest R2 {r['r2']:.3f} on {r['fit']['test_pairs']} held-out pairs "
+        f"(mean abs error {r['fit']['mae_pct_points']:.2f} points)",
+        f"makespan vs FIFO over {queues} queues of {jobs} jobs on {r['servers'][0]}-{r['servers'][-1]} nodes: "
+        + ", ".join(f"{p} {v:+.1f}%" for p, v in m.items()),
+        f"rf_blossom: {r['rf_blossom_pairs']} pairs, {r['rf_blossom_serialized']} serialized (slower shared)"])
 
 
 @experiment_app.command("shutter")

@@ -1,0 +1,173 @@
+"""Learned co-location pairing (Seed 003): predict each job's degradation next to another from
+their counter profiles, build the degradation graph, and pair the queue greedily or by
+minimum-weight perfect matching (blossom); a pair predicted slower than running its two jobs
+one after the other is serialized.
+
+Pure functions and a thin model wrapper; no I/O. Degradation follows Seed 003 Eq. 1,
+``Deg_ij = 100 (T_coloc_ij - T_alone_i) / T_alone_i`` (percent, >= 0), with one difference
+that matters for HPC nodes: T_alone is the job alone in *its half* of the node (the slot it
+would hold when shared), so Deg is what contention costs and nothing else. Running alone
+(FIFO) the job gets the whole node; a program that runs two of itself side by side at
+Deg_ii gains 2 / (1 + Deg_ii / 100) from the second half (``exclusive_times``). In Seed 003,
+where each program used every core, Deg included halving the cores.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+from sklearn.ensemble import RandomForestRegressor
+
+
+def exclusive_times(times: np.ndarray, deg: np.ndarray) -> np.ndarray:
+    """Run time of each job alone on a whole node: its half-node time ``times`` sped up by the
+    second half as much as two copies of it side by side allow (Deg_ii on the diagonal)."""
+    return times * (1.0 + np.maximum(np.diag(deg), 0.0) / 100.0) / 2.0
+
+
+def pair_time(t_i: float, t_j: float, deg_ij: float, deg_ji: float) -> float:
+    """Wall time until both jobs of a pair are done when they start together on one node.
+
+    Each runs at 1 / (1 + Deg/100) of its solo speed while both run; once the first ends, the
+    other runs alone at full speed. (Seed 003 weights an edge by the pair's "highest degraded
+    runtime", max(T_i (1 + Deg_ij), T_j (1 + Deg_ji)); this also credits the solo tail.)"""
+    si, sj = 1.0 + max(deg_ij, 0.0) / 100.0, 1.0 + max(deg_ji, 0.0) / 100.0
+    first_i, first_j = t_i * si, t_j * sj
+    if first_i <= first_j:  # i ends first; j did first_i / sj of its work, the rest alone
+        return first_i + (t_j - first_i / sj)
+    return first_j + (t_i - first_j / si)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What one server runs: a pair (co-located, or serialized when that is predicted faster) or a single job."""
+
+    jobs: tuple[int, ...]
+    serialized: bool = False
+
+
+def pair_weights(times: np.ndarray, deg: np.ndarray) -> np.ndarray:
+    """The degradation graph's edge weights: predicted wall time of every pair (i, j), i != j,
+    from solo times and a degradation matrix ``deg[i, j]`` (i next to j, percent)."""
+    si = 1.0 + np.maximum(deg, 0.0) / 100.0
+    ti, tj = times[:, None], times[None, :]
+    first_i, first_j = ti * si, tj * si.T
+    w = np.where(first_i <= first_j, first_i + (tj - first_i / si.T), first_j + (ti - first_j / si))
+    np.fill_diagonal(w, np.inf)
+    return w
+
+
+def _tasks(pairs: list[tuple[int, int]], left: Sequence[int], exclusive: np.ndarray, weights: np.ndarray,
+           serialize: bool) -> list[Task]:
+    out = []
+    for i, j in pairs:
+        slower = serialize and weights[i, j] > exclusive[i] + exclusive[j]
+        out.append(Task((min(i, j), max(i, j)), serialized=bool(slower)))
+    out += [Task((k,)) for k in left]
+    return sorted(out, key=lambda t: t.jobs[0])  # queue order of each task's first job
+
+
+def greedy_pairs(exclusive: np.ndarray, weights: np.ndarray, serialize: bool = True) -> list[Task]:
+    """Seed 003's greedy heuristic: take the pair with the lowest predicted wall time among jobs
+    not yet paired, repeatedly (O(n^2 log n) for the sort). ``exclusive``: each job's predicted
+    time alone on a node (for serialization)."""
+    n = len(exclusive)
+    iu, ju = np.triu_indices(n, 1)
+    order = np.argsort(weights[iu, ju], kind="stable")
+    taken = bytearray(n)  # plain Python objects in the loop: numpy scalars would cost 5x more
+    pairs: list[tuple[int, int]] = []
+    for i, j in zip(iu[order].tolist(), ju[order].tolist(), strict=True):
+        if not taken[i] and not taken[j]:
+            taken[i] = taken[j] = 1
+            pairs.append((i, j))
+            if len(pairs) == n // 2:
+                break
+    return _tasks(pairs, [k for k in range(n) if not taken[k]], exclusive, weights, serialize)
+
+
+def blossom_pairs(exclusive: np.ndarray, weights: np.ndarray, serialize: bool = True) -> list[Task]:
+    """Minimum-weight perfect matching on the degradation graph (networkx's blossom). With an
+    odd queue one job stays single: a dummy vertex takes it at the cost of running it alone."""
+    n = len(exclusive)
+    g = nx.Graph()
+    iu, ju = np.triu_indices(n, 1)
+    g.add_weighted_edges_from(zip(iu.tolist(), ju.tolist(), weights[iu, ju].tolist(), strict=True))
+    if n % 2:
+        g.add_weighted_edges_from((k, n, float(exclusive[k])) for k in range(n))
+    matching = nx.min_weight_matching(g)
+    pairs = [(min(a, b), max(a, b)) for a, b in matching if a < n and b < n]
+    single = [min(a, b) for a, b in matching if max(a, b) == n]
+    return _tasks(pairs, single, exclusive, weights, serialize)
+
+
+def fifo(n: int) -> list[Task]:
+    """No sharing: every job alone, in queue order."""
+    return [Task((k,)) for k in range(n)]
+
+
+def fifo_shared(n: int) -> list[Task]:
+    """Sharing without knowledge: consecutive jobs of the queue paired."""
+    return [Task(tuple(range(k, min(k + 2, n)))) for k in range(0, n, 2)]
+
+
+def task_time(task: Task, times: np.ndarray, deg: np.ndarray) -> float:
+    """How long a task occupies its node under degradations ``deg`` (the truth, for scoring): a
+    single job, or a serialized pair, runs alone on the whole node; a pair shares it."""
+    exclusive = exclusive_times(times[list(task.jobs)], deg[np.ix_(task.jobs, task.jobs)])
+    if len(task.jobs) == 1 or task.serialized:
+        return float(exclusive.sum())
+    i, j = task.jobs
+    return pair_time(float(times[i]), float(times[j]), float(deg[i, j]), float(deg[j, i]))
+
+
+def makespan(tasks: Sequence[Task], times: np.ndarray, deg: np.ndarray, servers: int) -> float:
+    """List scheduling in task order: each task goes to the node that frees first."""
+    free = [0.0] * servers
+    heapq.heapify(free)
+    end = 0.0
+    for t in tasks:
+        start = heapq.heappop(free)
+        done = start + task_time(t, times, deg)
+        end = max(end, done)
+        heapq.heappush(free, done)
+    return end
+
+
+class DegradationModel:
+    """A Random Forest predicting Deg_ij (percent) from the two programs' counter profiles
+    (``[features_i, features_j]``); negative targets are noise and clipped to 0 (Seed 003 3.2)."""
+
+    def __init__(self, trees: int = 200, seed: int = 0) -> None:
+        self.forest = RandomForestRegressor(n_estimators=trees, random_state=seed, n_jobs=1, min_samples_leaf=1)
+        self.samples = 0
+
+    @staticmethod
+    def rows(fi: np.ndarray, fj: np.ndarray) -> np.ndarray:
+        return np.concatenate([fi, fj], axis=-1)
+
+    def fit(self, fi: np.ndarray, fj: np.ndarray, deg: np.ndarray) -> DegradationModel:
+        if len(deg) < 2:
+            raise ValueError("the model needs at least two measured pairs")
+        self.forest.fit(self.rows(fi, fj), np.maximum(deg, 0.0))
+        self.samples = len(deg)
+        return self
+
+    def predict(self, fi: np.ndarray, fj: np.ndarray) -> np.ndarray:
+        return np.maximum(self.forest.predict(self.rows(fi, fj)), 0.0)
+
+    def matrix(self, features: np.ndarray) -> np.ndarray:
+        """Predicted Deg for every ordered pair of the queue's jobs: ``out[i, j]`` is i next to j."""
+        n = len(features)
+        i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+        return self.predict(features[i.ravel()], features[j.ravel()]).reshape(n, n)  # diagonal: next to itself
+
+
+def r2(actual: np.ndarray, predicted: np.ndarray) -> float:
+    """Seed 003 Eq. 2: 1 - residual sum of squares / total sum of squares."""
+    ss_res = float(np.sum((actual - predicted) ** 2))
+    ss_tot = float(np.sum((actual - actual.mean()) ** 2))
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0

@@ -1,0 +1,120 @@
+"""Learned co-location pairing (Seed 003): pair times, matchings, makespan, the model; by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_runs import run_json
+
+from nodeshare.producers.pairs import FEATURES, pair_degradation, solo_profiles
+from nodeshare.producers.workloads import BUILTIN
+from nodeshare.streams.pairing import (
+    DegradationModel,
+    Task,
+    blossom_pairs,
+    exclusive_times,
+    fifo,
+    fifo_shared,
+    greedy_pairs,
+    makespan,
+    pair_time,
+    pair_weights,
+    r2,
+)
+
+
+def test_pair_time_by_hand():
+    # i: 100 s at +25% -> would end at 125 s; j: 300 s at +50%. At 125 s j has done 125 / 1.5 = 83.3 s
+    # of its work, the remaining 216.7 s run alone: 125 + 216.7 = 341.7 s
+    assert pair_time(100, 300, 25, 50) == pytest.approx(125 + 300 - 125 / 1.5)
+    assert pair_time(300, 100, 50, 25) == pytest.approx(pair_time(100, 300, 25, 50))  # symmetric
+    assert pair_time(100, 100, 0, 0) == 100  # no interference: both done together
+
+
+def test_pair_weights_agree_with_pair_time_and_exclusive_times_by_hand():
+    times = np.array([100.0, 300.0, 200.0])
+    deg = np.array([[60.0, 25.0, 10.0], [50.0, 0.0, 5.0], [20.0, 30.0, 100.0]])
+    w = pair_weights(times, deg)
+    assert w[0, 1] == pytest.approx(pair_time(100, 300, 25, 50)) and w[1, 0] == pytest.approx(w[0, 1])
+    assert np.isinf(np.diag(w)).all()
+    # alone on a whole node: twice the cores, slowed by sharing with itself: T * (1 + Deg_ii) / 2
+    assert exclusive_times(times, deg).tolist() == [80.0, 150.0, 200.0]
+
+
+def test_greedy_takes_the_cheapest_pair_first_and_blossom_the_cheapest_sum():
+    # weights: (0,1) 10, (2,3) 100, (0,2) 11, (1,3) 11: greedy takes 10 then must take 100 (sum 110);
+    # the perfect matching (0,2) + (1,3) costs 22
+    big = 1e6
+    w = np.array([[np.inf, 10, 11, big], [10, np.inf, big, 11], [11, big, np.inf, 100], [big, 11, 100, np.inf]])
+    alone = np.full(4, 1e9)  # never worth serializing
+    assert [t.jobs for t in greedy_pairs(alone, w)] == [(0, 1), (2, 3)]
+    assert [t.jobs for t in blossom_pairs(alone, w)] == [(0, 2), (1, 3)]
+
+
+def test_odd_queues_leave_one_job_alone_and_bad_pairs_are_serialized():
+    w = np.array([[np.inf, 9, 50], [9, np.inf, 50], [50, 50, np.inf]])
+    alone = np.array([4.0, 4.0, 30.0])
+    # blossom with a dummy vertex: (0,1) + 2 alone = 9 + 30 beats (0,2) + 1 alone = 50 + 4
+    tasks = blossom_pairs(alone, w)
+    assert tasks == [Task((0, 1), serialized=True), Task((2,))]  # 9 > 4 + 4: sharing predicted slower
+    assert greedy_pairs(alone, w, serialize=False) == [Task((0, 1)), Task((2,))]
+
+
+def test_makespan_by_hand():
+    times = np.array([100.0, 100.0, 100.0, 100.0])
+    deg = np.zeros((4, 4))  # no interference, and two copies side by side scale perfectly
+    # alone each job takes 50 s on a whole node; FIFO on 2 nodes: 2 rounds = 100 s
+    assert makespan(fifo(4), times, deg, 2) == 100.0
+    # shared: a pair takes 100 s; 2 pairs on 2 nodes = 100 s; on 1 node 200 s
+    assert makespan(fifo_shared(4), times, deg, 2) == 100.0 and makespan(fifo_shared(4), times, deg, 1) == 200.0
+    deg[0, 0] = deg[1, 1] = 100.0  # jobs 0 and 1 gain nothing from a second half of the node
+    assert makespan([Task((0,))], times, deg, 1) == 100.0
+
+
+def test_r2_by_hand():
+    assert r2(np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.0])) == 1.0
+    # residual 1 + 0 + 1 = 2; total 1 + 0 + 1 = 2 -> 0
+    assert r2(np.array([1.0, 2.0, 3.0]), np.array([2.0, 2.0, 2.0])) == 0.0
+
+
+def test_the_machine_says_what_the_seeds_say_about_pairs():
+    progs = [BUILTIN[n] for n in ("MILC", "GTC", "LAMMPS", "POP", "MG", "NULL")]
+    deg = pair_degradation(progs)
+    k = {w.name: i for i, w in enumerate(progs)}
+    assert deg[k["MILC"], k["MILC"]] > 20 and deg[k["MG"], k["MG"]] > 20  # heavy
+    assert deg[k["GTC"], k["LAMMPS"]] < 3 and deg[k["LAMMPS"], k["POP"]] < 3  # barely
+    assert deg[k["MILC"], k["NULL"]] < 1  # a busy loop takes nothing from the socket
+    feats = solo_profiles(progs)
+    assert feats.shape == (6, len(FEATURES)) and np.isfinite(feats).all()
+    mean_bw = feats[:, FEATURES.index("mem_bw_gbps_mean")]
+    assert mean_bw[k["MG"]] > mean_bw[k["LAMMPS"]]  # MG is the bandwidth-bound one
+
+
+def test_the_model_learns_degradation_from_profiles():
+    progs = [w for n, w in BUILTIN.items() if n != "NULL"]
+    feats, deg = solo_profiles(progs), pair_degradation(progs)
+    n = len(progs)
+    i, j = (a.ravel() for a in np.meshgrid(np.arange(n), np.arange(n), indexing="ij"))
+    model = DegradationModel(trees=50, seed=1).fit(feats[i], feats[j], deg[i, j])
+    assert r2(deg[i, j], model.predict(feats[i], feats[j])) > 0.9  # fits what it saw
+    assert model.matrix(feats[:3]).shape == (3, 3) and (model.matrix(feats) >= 0).all()
+    with pytest.raises(ValueError, match="at least two"):
+        DegradationModel().fit(feats[:1], feats[:1], deg[:1, 0])
+
+
+def test_experiment_pairing_json_and_plot(tmp_path: Path):
+    png = tmp_path / "p.png"
+    r = run_json("experiment", "pairing", "--json", "--png", str(png), "--queues", "3", "--trees", "30")
+    assert {"makespan_vs_fifo_pct", "r2"} <= set(r) and 0.5 < r["r2"] <= 1.0
+    assert set(r["makespan_vs_fifo_pct"]) == {"fifo_shared", "rf_greedy", "rf_blossom", "oracle_blossom"}
+    assert r["makespan_vs_fifo_pct"]["fifo_shared"] > r["makespan_vs_fifo_pct"]["oracle_blossom"]
+    assert png.stat().st_size > 10_000
+
+
+def test_bench_placement_writes_its_json(tmp_path: Path):
+    out = tmp_path / "b.json"
+    r = run_json("bench", "placement", "--repeats", "3", "--greedy-jobs", "100", "--blossom-jobs", "20",
+                 "--predict-jobs", "10", "--out", str(out))
+    assert {"greedy_100_ms", "blossom_20_ms", "predict_10_ms"} <= set(r) and out.exists()
