@@ -79,6 +79,7 @@ def _require_bootstrap(settings: Any) -> None:
 
 
 Bootstrap = Annotated[str | None, typer.Option(help="Kafka bootstrap servers (default: NODESHARE_BOOTSTRAP)")]
+FullJson = Annotated[bool, typer.Option("--json", help="print the full result as JSON")]
 
 
 def _progress() -> Progress:
@@ -600,7 +601,7 @@ def _experiment_out(result: dict[str, Any], as_json: bool, png: Path, plot: Any,
 
 @experiment_app.command("ptune")
 def experiment_ptune(
-    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    as_json: FullJson = False,
     png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/ptune.png"),
     seed: Annotated[int, typer.Option(help="population and sampling seed")] = 4,
     margin: Annotated[float, typer.Option(min=0.0, max=1.0, help="PTune's noise margin")] = 0.01,
@@ -621,7 +622,7 @@ def experiment_ptune(
 
 @experiment_app.command("ppartition")
 def experiment_ppartition(
-    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    as_json: FullJson = False,
     png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/ppartition.png"),
     seed: Annotated[int, typer.Option(help="population and queue seed")] = 4,
     budget_watts: Annotated[float, typer.Option(min=1.0, help="the machine's power bound Pm/c")] = 28_000.0,
@@ -711,7 +712,7 @@ Programs = Annotated[str | None, typer.Option(help="comma-separated programs to 
 
 @experiment_app.command("pairwise")
 def experiment_pairwise(
-    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    as_json: FullJson = False,
     png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pairwise.png"),
     seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
     iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
@@ -737,7 +738,7 @@ def experiment_pairwise(
 
 @experiment_app.command("pricing")
 def experiment_pricing(
-    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    as_json: FullJson = False,
     png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pricing.png"),
     seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
     iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
@@ -764,7 +765,7 @@ def experiment_pricing(
 
 @experiment_app.command("pairing")
 def experiment_pairing(
-    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    as_json: FullJson = False,
     png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pairing.png"),
     seed: Annotated[int, typer.Option(help="seed of the train/test split and the queues")] = 7,
     queues: Annotated[int, typer.Option(min=1, help="random queues")] = 20,
@@ -794,7 +795,7 @@ def experiment_pairing(
 
 @experiment_app.command("shutter")
 def experiment_shutter(
-    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    as_json: FullJson = False,
     png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/shutter.png"),
     seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
     iterations: Annotated[int, typer.Option(min=1, help="runs per pair and shutter length")] = 3,
