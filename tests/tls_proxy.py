@@ -55,6 +55,7 @@ class TlsProxy:
         self.context.load_cert_chain(certs.cert, certs.key)
         self.connections = 0  # TLS sessions accepted (the test checks the clients came through here)
         self._loop = asyncio.new_event_loop()
+        self._server: asyncio.Server | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tls-proxy", daemon=True)
 
@@ -65,18 +66,27 @@ class TlsProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        """Stop accepting and end every relay, so nothing is left pending when the loop stops."""
+        assert self._server is not None
+        self._server.close()
+        relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in relays:
+            t.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+        await self._server.wait_closed()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(
+        self._server = self._loop.run_until_complete(
             asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.context))
         self._ready.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            server.close()
+        self._loop.run_forever()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
