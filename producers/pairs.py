@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .contention import Socket, equilibrium
+from .contention import Socket, Steady, equilibrium
 from .workloads import Workload
 
 CLOCK_GHZ = 2.6
@@ -40,12 +40,17 @@ def _phase_rows(programs: Sequence[Workload]) -> tuple[np.ndarray, ...]:
     return (np.array(owner), np.array(weight), np.array(ipc), np.array(bw), np.array(stall), np.array(rpki))
 
 
+def _alone(ipc_t: np.ndarray, bw_t: np.ndarray, stall: np.ndarray, rpki: np.ndarray, socket: Socket) -> Steady:
+    """Every phase alone on a socket: one active job per row."""
+    one = np.ones((len(ipc_t), 1), bool)
+    return equilibrium(ipc_t[:, None, :], bw_t[:, None, :], stall[:, None], rpki[:, None], one, socket)
+
+
 def solo_profiles(programs: Sequence[Workload], socket: Socket | None = None) -> np.ndarray:
     """One row of FEATURES per program, from its phases run alone on a socket (time-weighted)."""
     socket = socket or Socket()
     owner, weight, ipc_t, bw_t, stall, rpki = _phase_rows(programs)
-    one = np.ones((len(owner), 1), bool)
-    st = equilibrium(ipc_t[:, None, :], bw_t[:, None, :], stall[:, None], rpki[:, None], one, socket)
+    st = _alone(ipc_t, bw_t, stall, rpki, socket)
     ipc, bw = st.ipc[:, 0], np.minimum(st.bw[:, 0], socket.bw_gbps * socket.max_util / socket.procs)
     misses = bw * 1e9 / 64.0 / (ipc * CLOCK_GHZ * 1e9) * 1000.0  # 64-byte lines per kilo-instruction
     series = np.stack([ipc, rpki, misses, bw * socket.procs, stall], axis=1)
@@ -68,16 +73,9 @@ def pair_degradation(programs: Sequence[Workload], socket: Socket | None = None)
     pair = np.stack([x, y], axis=-1)
     both = np.ones((n, n, 2), bool)
     co = equilibrium(ipc_t[pair], bw_t[pair], stall[pair], rpki[pair], both, socket).ipc[..., 0]
-    one = np.ones((n, 1), bool)
-    solo = equilibrium(ipc_t[:, None, :], bw_t[:, None, :], stall[:, None], rpki[:, None], one, socket).ipc[:, 0]
+    solo = _alone(ipc_t, bw_t, stall, rpki, socket).ipc[:, 0]
     stretch = solo[:, None] / co  # time per unit of work, relative to solo, for phase x next to phase y
-    # average over y's phases by their time share, then over x's phases by their solo time
-    per = len(programs)
-    out = np.zeros((per, per))
-    for i in range(per):
-        rows = owner == i
-        for j in range(per):
-            cols = owner == j
-            s = stretch[np.ix_(rows, cols)] @ weight[cols]
-            out[i, j] = 100.0 * (float(s @ weight[rows]) - 1.0)
-    return np.maximum(out, 0.0)
+    # weighted by phase: W[i, x] is phase x's weight within program i (0 for other programs' phases),
+    # so W @ stretch @ W.T averages over y's phases by time share and over x's by solo time
+    w = np.where(owner[None, :] == np.arange(len(programs))[:, None], weight[None, :], 0.0)
+    return np.maximum(100.0 * (w @ stretch @ w.T - 1.0), 0.0)
