@@ -29,19 +29,6 @@ def exclusive_times(times: np.ndarray, deg: np.ndarray) -> np.ndarray:
     return times * (1.0 + np.maximum(np.diag(deg), 0.0) / 100.0) / 2.0
 
 
-def pair_time(t_i: float, t_j: float, deg_ij: float, deg_ji: float) -> float:
-    """Wall time until both jobs of a pair are done when they start together on one node.
-
-    Each runs at 1 / (1 + Deg/100) of its solo speed while both run; once the first ends, the
-    other runs alone at full speed. (Seed 003 weights an edge by the pair's "highest degraded
-    runtime", max(T_i (1 + Deg_ij), T_j (1 + Deg_ji)); this also credits the solo tail.)"""
-    si, sj = 1.0 + max(deg_ij, 0.0) / 100.0, 1.0 + max(deg_ji, 0.0) / 100.0
-    first_i, first_j = t_i * si, t_j * sj
-    if first_i <= first_j:  # i ends first; j did first_i / sj of its work, the rest alone
-        return first_i + (t_j - first_i / sj)
-    return first_j + (t_i - first_j / si)
-
-
 @dataclass(frozen=True)
 class Task:
     """What one server runs: a pair (co-located, or serialized when that is predicted faster) or a single job."""
@@ -52,13 +39,23 @@ class Task:
 
 def pair_weights(times: np.ndarray, deg: np.ndarray) -> np.ndarray:
     """The degradation graph's edge weights: predicted wall time of every pair (i, j), i != j,
-    from solo times and a degradation matrix ``deg[i, j]`` (i next to j, percent)."""
+    from half-node solo times and a degradation matrix ``deg[i, j]`` (i next to j, percent).
+
+    Each job runs at 1 / (1 + Deg/100) of its solo speed while both run; once the first ends, the
+    other runs alone at full speed. (Seed 003 weights an edge by the pair's "highest degraded
+    runtime", max(T_i (1 + Deg_ij), T_j (1 + Deg_ji)); this also credits the solo tail.)"""
     si = 1.0 + np.maximum(deg, 0.0) / 100.0
     ti, tj = times[:, None], times[None, :]
     first_i, first_j = ti * si, tj * si.T
     w = np.where(first_i <= first_j, first_i + (tj - first_i / si.T), first_j + (ti - first_j / si))
     np.fill_diagonal(w, np.inf)
     return w
+
+
+def pair_time(t_i: float, t_j: float, deg_ij: float, deg_ji: float) -> float:
+    """Wall time until both jobs of a pair are done when they start together on one node
+    (one edge of ``pair_weights``)."""
+    return float(pair_weights(np.array([t_i, t_j]), np.array([[0.0, deg_ij], [deg_ji, 0.0]]))[0, 1])
 
 
 def _tasks(pairs: list[tuple[int, int]], left: Sequence[int], exclusive: np.ndarray, weights: np.ndarray,
