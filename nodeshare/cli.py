@@ -128,7 +128,7 @@ def _cluster_choice(settings: Any, **choice: Any) -> Any:
     try:
         picked = ClusterChoice.from_settings(settings, **choice)
         if picked.engine == "calibrated":
-            picked.calibrated()  # a bad trace or profile file fails here, before any broker starts
+            _ = picked.calibrated  # a bad trace or profile file fails here, before any broker starts
         return picked
     except ScenarioError as exc:
         err.print(f"[red]bad simulation choice[/red]: {exc}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,8 +71,10 @@ class ClusterChoice:
         return CalibratedConfig(nodes=self.nodes, seed=self.seed, k=self.k, sample_us=self.sample_us,
                                 period_ms=self.period_ms)
 
+    @cached_property
     def calibrated(self) -> tuple[dict[str, Workload], list[JobSpec]]:
-        """The programs the engine knows and the jobs to run, or a ScenarioError naming the bad input."""
+        """The programs the engine knows and the jobs to run, or a ScenarioError naming the bad
+        input. Read once: the CLI checks the files before starting a broker, the run reuses them."""
         try:
             loaded = load_profiles(self.profiles) if self.profiles else None
             programs, names = library(loaded)
@@ -99,7 +102,7 @@ def build(choice: ClusterChoice) -> Cluster:
         sim = simulate(SimConfig(nodes=choice.nodes, jobs=choice.jobs, seed=choice.seed, k=choice.k,
                                  sample_us=choice.sample_us, period_ms=choice.period_ms))
         return Cluster(sim.events, sim.truth)
-    programs, specs = choice.calibrated()
+    programs, specs = choice.calibrated
     cfg = choice.config()
     run = with_records(cfg, lambda sink: run_cluster(cfg, specs, programs, sink))
     return Cluster(run.events, run.truth)
@@ -116,7 +119,7 @@ def stream(choice: ClusterChoice, send: Callable[[list[Record]], None], *, until
         if progress is not None:
             progress(0.0, len(cluster.truth), len(cluster.truth))
         return cluster.truth, len(cluster.events)
-    programs, specs = choice.calibrated()
+    programs, specs = choice.calibrated
     cfg = choice.config()
     sink = RecordSink(cfg)
     sent = ended = 0
