@@ -364,6 +364,83 @@ def sink_archive(archive: Annotated[Path, typer.Option(help="archive root direct
     _run_sink(ArchiveSink(settings, archive))
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+@app.command()
+def agent(
+    jobs: Annotated[Path | None, typer.Option(
+        "--jobs", help="static job file (TOML [[jobs]]: id, pids or command, progress, user, account, program, "
+        "cores)", dir_okay=False, exists=True)] = None,
+    slurm: Annotated[bool, typer.Option(help="take the jobs from Slurm (scontrol listpids, job cgroups)")] = False,
+    node: Annotated[str | None, typer.Option(help="node name (default: the short host name, as Slurm names it)")]
+    = None,
+    spool: Annotated[Path, typer.Option(help="store-and-forward spool (SQLite)")] = Path(".nodeshare-agent/spool.db"),
+    spool_max_mb: Annotated[float, typer.Option(min=1.0, help="spool bound; shutters stop when it is full")] = 256.0,
+    progress_dir: Annotated[Path, typer.Option(
+        help="application progress counters: <dir>/<job id> unless the job file names one")]
+    = Path(".nodeshare-agent/progress"),
+    duration: Annotated[float | None, typer.Option(min=0.0, help="stop after this many seconds")] = None,
+    until_idle: Annotated[bool, typer.Option(help="stop once every job has ended and the spool is drained")]
+    = False,
+    hardware_counters: Annotated[bool, typer.Option(help="try perf_event_open before application counters")]
+    = True,
+    drain_timeout: Annotated[float, typer.Option(
+        min=0.0, help="at exit, seconds to wait for the broker to take what is spooled (the rest stays spooled)")]
+    = 10.0,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Run the node agent: POPPA's shutters on this node's real jobs; events go through a local spool."""
+    import logging
+    import socket
+
+    from nodeshare.producers.agent.agent import AgentOptions, build
+    from nodeshare.producers.agent.jobs import JobFileError
+    from nodeshare.producers.agent.processes import Refused
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    options = AgentOptions(
+        node=node or socket.gethostname().split(".")[0], spool=spool, sample_us=settings.sample_us,
+        k=settings.samples_per_region, period_ms=settings.period_ms, spool_max_bytes=int(spool_max_mb * 2**20),
+        hardware_counters=hardware_counters)
+    try:
+        the_agent = build(settings, options, job_file=jobs, slurm=slurm, progress_dir=progress_dir)
+    except (ValueError, JobFileError) as exc:
+        err.print(f"[red]agent[/red]: {exc}")
+        raise typer.Exit(2) from None
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwinds through the agent's resume-and-close paths
+    try:
+        stats = the_agent.run(duration_s=duration, until_idle=until_idle, drain_s=drain_timeout)
+    except Refused as exc:
+        err.print(f"[red]agent refused[/red]: {exc}")
+        raise typer.Exit(3) from None
+    shutters = stats.shutter_s
+    mean_ms = 1000 * sum(shutters) / len(shutters) if shutters else 0.0
+    out.print(f"{stats.cycles} shutter cycles (mean pause {mean_ms:.2f} ms); "
+              f"{stats.skipped_spool_full} skipped with a full spool")
+
+
+@app.command()
+def workload(
+    kind: Annotated[str, typer.Option(help="stream (memory-bound) or compute (cache-resident)")] = "stream",
+    seconds: Annotated[float, typer.Option(min=0.0)] = 10.0,
+    progress: Annotated[Path | None, typer.Option(
+        help="counter file (default: $NODESHARE_PROGRESS_FILE, or $NODESHARE_PROGRESS_DIR/$SLURM_JOB_ID)")] = None,
+) -> None:
+    """A real workload that counts its progress for the agent (to try shutters without an instrumented code)."""
+    from nodeshare.producers.agent.workload import progress_path, run
+
+    try:
+        done = run(kind, seconds, progress_path(progress))
+    except ValueError as exc:
+        err.print(f"[red]workload[/red]: {exc}")
+        raise typer.Exit(2) from None
+    out.print(f"{done} units of {kind} work in {seconds:g} s")
+
+
 @app.command()
 def simulate(
     nodes: Annotated[int, typer.Option(min=1)] = 6,

@@ -4,7 +4,7 @@ through an idempotent confluent-kafka producer whose delivery reports are checke
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -12,6 +12,8 @@ from confluent_kafka import KafkaError, Message, Producer
 
 from nodeshare.config import Settings
 from nodeshare.schemas import TOPIC_OF_RECORD, Record, encode, key_of
+
+DeliveryCallback = Callable[[KafkaError | None, Message], None]
 
 
 class DeliveryError(RuntimeError):
@@ -47,13 +49,14 @@ class EventProducer:
             self.send(record)
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
-                 timestamp_ms: int | None = None) -> None:
+                 timestamp_ms: int | None = None, on_delivery: DeliveryCallback | None = None) -> None:
         """Publish bytes as they are (replay, and tests that inject bad input); replay also keeps
-        the original partition and timestamp."""
+        the original partition and timestamp. A caller that passes ``on_delivery`` handles its
+        own delivery reports (the node agent's spool); they are then not counted here."""
         while True:
             try:
                 self._producer.produce(
-                    topic, value=value, key=key, on_delivery=self._on_delivery,
+                    topic, value=value, key=key, on_delivery=on_delivery or self._on_delivery,
                     partition=-1 if partition is None else partition,  # -1: let the partitioner choose
                     timestamp=timestamp_ms or 0,  # 0: now
                 )
@@ -61,6 +64,10 @@ class EventProducer:
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self._producer.poll(0.1)
         self._producer.poll(0)
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Serve delivery reports."""
+        self._producer.poll(timeout)
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
         with self._lock:
@@ -81,9 +88,23 @@ class EventProducer:
         try:
             self.flush(timeout)
         finally:
-            if hasattr(self._producer, "close"):  # confluent-kafka >= 2.13
-                self._producer.close()
-            del self._producer
+            self._release()
+
+    def release(self, timeout: float = 1.0) -> None:
+        """Flush for up to ``timeout``, purge what is still undelivered and release the client
+        without raising: for callers that keep their own copy of what was not acknowledged (the
+        node agent's spool). Without the purge, closing waits out message.timeout.ms."""
+        try:
+            self._producer.flush(timeout)
+            self._producer.purge()
+            self._producer.poll(0)  # deliver the purge reports
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if hasattr(self._producer, "close"):  # confluent-kafka >= 2.13
+            self._producer.close()
+        del self._producer
 
     def __enter__(self) -> EventProducer:
         return self

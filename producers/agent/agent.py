@@ -1,0 +1,329 @@
+"""The node agent's loop: discover jobs, shutter them one cycle at a time, spool and forward events.
+
+One cycle (Seed 002, Alg. 1-3): measure the lone job for K windows of S, pause every other job on
+the node, measure the lone job for K windows, resume them all, measure K windows again, then
+sleep until the next period P and rotate the lone job. SIGINT and SIGTERM are held back while
+jobs are paused (they take effect right after the resume), the watchdog knows what is paused at
+every moment, and a node with fewer than two jobs is never shuttered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from nodeshare.schemas import TOPIC_OF_RECORD, IpcSample, JobEvent, JobState, PowerReading, Record, encode, key_of
+
+from . import rapl
+from .jobs import JobSource, LocalJob
+from .pausing import FREEZER_ROOT, Pauser, Target
+from .processes import Guard, Refused
+from .progress import ApplicationCounter, Counter, HardwareCounter, hardware_counters_unavailable, sample_between
+from .shutter import left_node, next_lone, shutter_events
+from .spool import Forwarder, Spool, SpoolFull
+from .watchdog import Watchdog
+
+log = logging.getLogger("nodeshare.agent")
+
+_HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    node: str
+    spool: Path
+    sample_us: int = 3200  # S (Seed 002, Section 5)
+    k: int = 1  # K samples per region
+    period_ms: int = 200  # P
+    rescan_s: float = 1.0  # how often the job list is refreshed
+    power_interval_s: float = 1.0
+    spool_max_bytes: int = 256 * 2**20
+    freezer_root: Path = FREEZER_ROOT
+    hardware_counters: bool = True  # try perf_event_open before the application counter
+
+
+@dataclass
+class PublishedJob:
+    """What the agent has published about one job on this node (persisted in the spool's meta)."""
+
+    blocks: int = 0
+    last_cycle: int = -1
+    paused_us: int = 0
+    started: bool = False
+    start: str | None = None
+
+
+@dataclass
+class Stats:
+    cycles: int = 0
+    skipped_spool_full: int = 0
+    shutter_s: list[float] = field(default_factory=list)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class Agent:
+    def __init__(self, options: AgentOptions, source: JobSource, forwarder_factory: Callable[[Spool], Forwarder],
+                 topic: Callable[[str], str], *, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.options = options
+        self.source = source
+        self.topic = topic
+        self.sleep = sleep
+        self.spool = Spool(options.spool, options.spool_max_bytes)
+        self.forwarder = forwarder_factory(self.spool)
+        self.watchdog = Watchdog(options.freezer_root)
+        self.pauser = Pauser(Guard.here(self.watchdog.pid), options.freezer_root)
+        self.state = {j: PublishedJob(**s) for j, s in self.spool.meta("jobs", {}).items()}
+        self.cycle: int = self.spool.meta("next_cycle", 0)
+        self.jobs: dict[str, LocalJob] = {}
+        self.counters: dict[str, Counter] = {}
+        self.lone: str | None = None
+        self.stats = Stats()
+        self.source_name = f"agent/{options.node}"
+        self._hw_reason = hardware_counters_unavailable() if options.hardware_counters else "disabled"
+        if self._hw_reason:
+            log.info("hardware counters unavailable (%s): application progress counters only", self._hw_reason)
+        self._power = rapl.package_domains()
+        self.source.start()
+        self._power_last: dict[int, tuple[int, float]] = {}
+
+    # ------------------------------------------------------------------ publishing
+
+    def _put(self, records: list[Record], reserve: bool = False) -> None:
+        events = [(self.topic(TOPIC_OF_RECORD[type(r)].name), key_of(r), encode(r)) for r in records]
+        meta = {"next_cycle": self.cycle, "jobs": {j: vars(s) for j, s in self.state.items()}}
+        self.spool.put(events, meta, reserve=reserve)
+
+    def _lifecycle(self, job: LocalJob, state: JobState, start: str | None, end: datetime | None) -> JobEvent:
+        assert job.spec is not None
+        at = end or _now()
+        return JobEvent(
+            event_id=f"{self.options.node}/job/{job.job_id}/{state.value}", source=self.source_name,
+            event_time=at, job_id=job.job_id, state=state, user=job.spec.user, account=job.spec.account,
+            program=job.spec.program, cores=job.spec.cores, nodes=(self.options.node,),
+            start_time=datetime.fromisoformat(start) if start else at, end_time=end,
+        )
+
+    # ------------------------------------------------------------------ jobs
+
+    def _open_counter(self, job: LocalJob) -> Counter | None:
+        if job.progress is not None and job.progress.exists() and job.progress.stat().st_size >= 8:
+            return ApplicationCounter(job.progress)
+        if not self._hw_reason:
+            try:
+                return HardwareCounter(sorted(p.pid for p in job.procs))
+            except OSError as e:
+                log.warning("job %s: hardware counters failed (%s)", job.job_id, e)
+        return None
+
+    def rescan(self) -> None:
+        now = self.source.poll()
+        for job_id in sorted(set(self.state) - set(now)):
+            self._job_left(job_id)
+        for job_id, job in sorted(now.items()):
+            st = self.state.get(job_id)
+            if st is None:
+                st = self.state[job_id] = PublishedJob(start=_now().isoformat())
+                log.info("job %s: %d processes%s", job_id, len(job.procs),
+                         f", cgroup {job.cgroup}" if job.cgroup else "")
+            if job.spec is not None and not st.started:
+                st.started = True
+                self._put([self._lifecycle(job, JobState.STARTED, st.start, None)], reserve=True)
+            if job_id not in self.counters:
+                counter = self._open_counter(job)
+                if counter is not None:
+                    self.counters[job_id] = counter
+        self.jobs = now
+
+    def _job_left(self, job_id: str) -> None:
+        st = self.state.pop(job_id)
+        job = self.jobs.get(job_id)
+        counter = self.counters.pop(job_id, None)
+        if counter is not None:
+            counter.close()
+        records: list[Record] = [left_node(node=self.options.node, source=self.source_name, job_id=job_id,
+                                           blocks_sent=st.blocks, last_cycle=st.last_cycle, paused_us=st.paused_us,
+                                           at=_now())]
+        if job is not None and job.spec is not None:
+            code = self.source.exit_code(job_id)
+            state = JobState.ENDED if not code else JobState.FAILED
+            records.append(self._lifecycle(job, state, st.start, _now()))
+        log.info("job %s left: %d blocks, %.1f ms paused", job_id, st.blocks, st.paused_us / 1000)
+        self._put(records, reserve=True)
+
+    # ------------------------------------------------------------------ one shutter
+
+    def _windows(self, counter: Counter, k: int) -> list[IpcSample]:
+        readings = [counter.read()]
+        for _ in range(k):
+            self.sleep(self.options.sample_us / 1e6)
+            readings.append(counter.read())
+        return [sample_between(a, b) for a, b in itertools.pairwise(readings)]
+
+    def shutter(self) -> bool:
+        """One cycle if the node has at least two jobs and one can be measured; True if it ran."""
+        measurable = sorted(j for j in self.jobs if j in self.counters)
+        if len(self.jobs) < 2 or not measurable:
+            return False
+        if self.spool.bytes >= self.spool.max_bytes:
+            self.stats.skipped_spool_full += 1
+            if self.stats.skipped_spool_full == 1:
+                log.error("spool full (%d bytes unacknowledged): shutters stop until the broker drains it",
+                          self.spool.bytes)
+            return False
+        lone = next_lone(measurable, self.lone)
+        others = [self.pauser.checked(Target(j, job.procs, job.cgroup))
+                  for j, job in sorted(self.jobs.items()) if j != lone]
+        counter, k = self.counters[lone], self.options.k
+        before = self._windows(counter, k)
+        with _signals_held():
+            self.watchdog.arm(others)
+            paused: list[Target] = []
+            try:
+                start = _now()
+                t0 = time.monotonic_ns()
+                for target in others:
+                    self.pauser.pause(target)
+                    paused.append(target)
+                during = self._windows(counter, k)
+            finally:
+                for target in paused:
+                    try:
+                        self.pauser.resume(target)
+                    except (OSError, Refused) as e:  # the watchdog will still try
+                        log.error("job %s: resume failed: %s", target.job_id, e)
+                t1 = time.monotonic_ns()
+                end = _now()
+                self.watchdog.disarm()
+        after = self._windows(counter, k)
+        paused_us = (t1 - t0) // 1000
+        self.stats.shutter_s.append((t1 - t0) / 1e9)
+        block, window = shutter_events(
+            node=self.options.node, source=self.source_name, cycle=self.cycle, lone=lone,
+            paused=[t.job_id for t in others], counter=counter.source, sample_us=self.options.sample_us,
+            before=before, during=during, after=after, start=start, end=end, at=_now())
+        st = self.state[lone]
+        st.blocks += 1
+        st.last_cycle = self.cycle
+        for target in others:
+            self.state[target.job_id].paused_us += paused_us
+        self.cycle += 1
+        self.lone = lone
+        self.stats.cycles += 1
+        try:
+            self._put([block, window])
+        except SpoolFull as e:  # measured but not kept: undo the count so blocks_sent stays true
+            st.blocks -= 1
+            log.error("%s", e)
+        return True
+
+    # ------------------------------------------------------------------ power
+
+    def power(self) -> list[PowerReading]:
+        node, now = self.options.node, _now()
+        if not self._power:
+            return [PowerReading(event_id=f"{node}/power/unavailable/{int(now.timestamp())}", source=self.source_name,
+                                 event_time=now, node=node, processor=0, available=False)]
+        readings = []
+        for d in self._power:
+            energy, t = d.energy_uj(), time.monotonic()
+            last = self._power_last.get(d.processor)
+            self._power_last[d.processor] = (energy, t)
+            if last is not None and t > last[1]:
+                readings.append(PowerReading(
+                    event_id=f"{node}/power/{d.processor}/{now.timestamp():.3f}", source=self.source_name,
+                    event_time=now, node=node, processor=d.processor, available=True,
+                    watts=rapl.watts(last[0], energy, d.max_range_uj(), t - last[1]), cap_watts=d.cap_watts(),
+                    interval_s=t - last[1]))
+        return readings
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, *, duration_s: float | None = None, until_idle: bool = False,
+            stop: Callable[[], bool] = lambda: False, drain_s: float = 10.0) -> Stats:
+        """Run cycles until ``duration_s`` passes, ``stop()`` says so, or (``until_idle``) every job has
+        ended and the spool is drained. Always leaves nothing paused and the watchdog stopped."""
+        started = time.monotonic()
+        next_rescan = next_power = 0.0
+        period = self.options.period_ms / 1000
+        try:
+            readings = self.power()
+            if not self._power:
+                self._put(list(readings), reserve=True)  # said once: no numbers follow
+            while not stop():
+                tick = time.monotonic()
+                if duration_s is not None and tick - started >= duration_s:
+                    break
+                if tick >= next_rescan:
+                    self.rescan()
+                    next_rescan = tick + self.options.rescan_s
+                    if until_idle and not self.jobs and not self.state and self.forwarder.drain(timeout=0.2):
+                        break
+                if self._power and tick >= next_power:
+                    readings = self.power()
+                    if readings:
+                        self._put(list(readings))
+                    next_power = tick + self.options.power_interval_s
+                self.shutter()
+                self.forwarder.pump(0)
+                self.sleep(max(0.0, period - (time.monotonic() - tick)))
+        finally:
+            self.close(drain_s)
+        return self.stats
+
+    def close(self, drain_s: float = 10.0) -> None:
+        """Stop: nothing is paused here (each shutter resumes before it returns). Give the broker
+        ``drain_s`` to take what is spooled; what it does not take stays spooled for the next start."""
+        for counter in self.counters.values():
+            counter.close()
+        self.counters = {}
+        self.watchdog.close()
+        self.source.close()
+        self.forwarder.close(drain_s)
+        if self.spool.rows:
+            log.warning("%d events stay spooled in %s; they are sent when the agent starts again",
+                        self.spool.rows, self.spool.path)
+        self.spool.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.options.node, "cycle": self.cycle, "jobs": sorted(self.jobs),
+                "spool_rows": self.spool.rows, "spool_bytes": self.spool.bytes}
+
+
+def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm: bool,
+          progress_dir: Path) -> Agent:
+    """An agent on the configured broker, for a static job file or for Slurm."""
+    from nodeshare.producers.kafka_producer import EventProducer
+
+    from .jobs import SlurmJobs, StaticJobs, load_job_file
+
+    if (job_file is None) == (not slurm):
+        raise ValueError("choose the jobs: --jobs FILE (a static job file) or --slurm")
+    source: JobSource = (StaticJobs(load_job_file(job_file), progress_dir) if job_file is not None
+                         else SlurmJobs(progress_dir, options.freezer_root))
+
+    def forwarder(spool: Spool) -> Forwarder:
+        # a message not acknowledged within 15 s is sent again from the spool, in order
+        return Forwarder(spool, EventProducer(settings, client_id=f"nodeshare-agent-{options.node}",
+                                              **{"message.timeout.ms": 15_000}))
+
+    return Agent(options, source, forwarder, settings.topic)

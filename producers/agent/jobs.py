@@ -1,0 +1,203 @@
+"""Which jobs run on this node, and their processes.
+
+* ``StaticJobs``: a TOML job file for nodes without Slurm (and tests). Each ``[[jobs]]`` table has
+  an ``id`` and either ``pids`` (processes already running) or ``command`` (the agent launches
+  it); optional ``progress`` (the application counter file), ``user``, ``account``, ``program``,
+  ``cores``. The agent publishes these jobs' lifecycle itself.
+* ``SlurmJobs``: ``scontrol listpids`` for processes, the job's freezer cgroup when Slurm made one
+  (proctrack/cgroup), and ``<progress_dir>/<job id>`` as the application counter when the job
+  writes one. Slurm's own hooks publish the lifecycle (``producers.slurm``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .pausing import FREEZER_ROOT
+from .processes import Proc, alive, descendants, identities, identity
+
+PROGRESS_ENV = "NODESHARE_PROGRESS_FILE"  # where a launched job finds its application counter
+
+
+class JobFileError(ValueError):
+    """The job file is unreadable or invalid; the message names the file and the entry."""
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")
+    pids: list[int] = []
+    command: list[str] = []
+    progress: Path | None = None
+    user: str = "unknown"
+    account: str = "default"
+    program: str = "unknown"
+    cores: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _one_way_to_find_processes(self) -> JobSpec:
+        if bool(self.pids) == bool(self.command):
+            raise ValueError("give exactly one of 'pids' (running processes) or 'command' (to launch)")
+        if any(p <= 1 for p in self.pids):
+            raise ValueError("PIDs must be above 1")
+        return self
+
+
+@dataclass
+class LocalJob:
+    """A job on this node as the agent sees it now."""
+
+    job_id: str
+    procs: frozenset[Proc]
+    cgroup: Path | None = None
+    progress: Path | None = None
+    spec: JobSpec | None = None  # set when the agent owns the job's lifecycle
+    exit_code: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return any(alive(p) for p in self.procs)
+
+
+class JobSource(Protocol):
+    def start(self) -> None: ...
+
+    def poll(self) -> dict[str, LocalJob]:
+        """The jobs on this node now, by job id (ended jobs are absent)."""
+        ...
+
+    def exit_code(self, job_id: str) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+def load_job_file(path: Path) -> list[JobSpec]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise JobFileError(f"{path}: {e}") from None
+    unknown = set(data) - {"jobs"}
+    if unknown:
+        raise JobFileError(f"{path}: unknown key(s) {sorted(unknown)}; a job file holds [[jobs]] tables")
+    specs = []
+    for i, entry in enumerate(data.get("jobs", [])):
+        try:
+            specs.append(JobSpec.model_validate(entry))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "entry"
+            raise JobFileError(f"{path}: jobs[{i}].{where}: {first['msg']}") from None
+    ids = [s.id for s in specs]
+    if len(set(ids)) != len(ids):
+        raise JobFileError(f"{path}: duplicate job ids {sorted({i for i in ids if ids.count(i) > 1})}")
+    return specs
+
+
+@dataclass
+class StaticJobs:
+    specs: list[JobSpec]
+    progress_dir: Path
+    _launched: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _roots: dict[str, frozenset[Proc]] = field(default_factory=dict)
+    _known: dict[str, frozenset[Proc]] = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Identify listed processes and launch commands (each in its own session)."""
+        for spec in self.specs:
+            progress = spec.progress or self.progress_dir / spec.id
+            if spec.command:
+                env = {**os.environ, PROGRESS_ENV: str(progress)}
+                proc = subprocess.Popen(spec.command, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+                self._launched[spec.id] = proc
+                roots = identities([proc.pid])
+            else:
+                roots = identities(spec.pids)
+                if len(roots) != len(spec.pids):
+                    gone = sorted(set(spec.pids) - {p.pid for p in roots})
+                    raise JobFileError(f"job {spec.id}: no process with PID {gone}")
+            self._roots[spec.id] = roots
+
+    def poll(self) -> dict[str, LocalJob]:
+        jobs = {}
+        for spec in self.specs:
+            launched = self._launched.get(spec.id)
+            if launched is not None:
+                launched.poll()  # reap it if it exited, so it is not left a zombie
+            roots = [p for p in self._roots.get(spec.id, ()) if alive(p)]
+            if not roots and not any(alive(p) for p in self._known.get(spec.id, ())):
+                continue
+            # the roots as first identified, plus whatever descends from them now
+            procs = frozenset(roots) | self._known.get(spec.id, frozenset()) | identities(
+                {pid for r in roots for pid in descendants(r.pid)})
+            procs = frozenset(p for p in procs if alive(p))
+            if not procs:
+                continue
+            self._known[spec.id] = procs
+            jobs[spec.id] = LocalJob(spec.id, procs, None, spec.progress or self.progress_dir / spec.id, spec)
+        return jobs
+
+    def exit_code(self, job_id: str) -> int | None:
+        launched = self._launched.get(job_id)
+        return None if launched is None else launched.poll()
+
+    def close(self) -> None:
+        for proc in self._launched.values():
+            proc.poll()
+
+
+def parse_listpids(text: str) -> dict[str, list[int]]:
+    """``scontrol listpids`` output -> PIDs by job id (header and unparsable lines skipped)."""
+    jobs: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+            jobs.setdefault(parts[1], []).append(int(parts[0]))
+    return jobs
+
+
+@dataclass
+class SlurmJobs:
+    progress_dir: Path
+    freezer_root: Path = FREEZER_ROOT
+    scontrol: str = "scontrol"
+    env: dict[str, str] | None = None
+    _first_seen: dict[str, frozenset[Proc]] = field(default_factory=dict)
+
+    def start(self) -> None:
+        pass
+
+    def _cgroup(self, job_id: str) -> Path | None:
+        found = sorted((self.freezer_root / "slurm").glob(f"uid_*/job_{job_id}"))
+        return found[0] if found else None
+
+    def poll(self) -> dict[str, LocalJob]:
+        out = subprocess.run([self.scontrol, "listpids"], capture_output=True, text=True, timeout=10,
+                             env=self.env)
+        if out.returncode != 0:
+            raise RuntimeError(f"scontrol listpids failed ({out.returncode}): {out.stderr.strip()}")
+        jobs = {}
+        for job_id, pids in parse_listpids(out.stdout).items():
+            procs = frozenset(p for p in map(identity, pids) if p is not None and alive(p))
+            if not procs:
+                continue
+            progress = self.progress_dir / job_id
+            jobs[job_id] = LocalJob(job_id, procs, self._cgroup(job_id), progress if progress.exists() else None)
+        return jobs
+
+    def exit_code(self, job_id: str) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def describe(jobs: dict[str, LocalJob]) -> dict[str, Any]:
+    return {j: sorted(p.pid for p in job.procs) for j, job in jobs.items()}

@@ -1,0 +1,116 @@
+"""Process identities and the signalling guard.
+
+A PID alone is not an identity: it is reused once its process is reaped. A ``Proc`` is a PID plus
+the process's start time (``/proc/<pid>/stat`` field 22, clock ticks since boot), which together
+name one process for the life of the machine. Signals go through a pidfd opened *and then*
+checked against the start time, so a signal can never reach a process that merely inherited the PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+class Refused(RuntimeError):
+    """The agent was asked to touch a process or cgroup it must not touch."""
+
+
+@dataclass(frozen=True, order=True)
+class Proc:
+    pid: int
+    start_ticks: int
+
+    def encode(self) -> list[int]:
+        return [self.pid, self.start_ticks]
+
+
+def _stat_fields(pid: int, proc: Path = PROC) -> list[str] | None:
+    try:
+        raw = (proc / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'
+    return [str(pid), raw[raw.index("(") + 1:raw.rindex(")")], *raw[raw.rindex(")") + 2:].split()]
+
+
+def identity(pid: int, proc: Path = PROC) -> Proc | None:
+    """The process now holding ``pid``, or None when there is none."""
+    fields = _stat_fields(pid, proc)
+    return None if fields is None else Proc(pid, int(fields[21]))
+
+
+def state(p: Proc, proc: Path = PROC) -> str | None:
+    """The process's state letter (R, S, D, T, Z, ...), or None when it has gone."""
+    fields = _stat_fields(p.pid, proc)
+    if fields is None or int(fields[21]) != p.start_ticks:
+        return None
+    return fields[2]
+
+
+def alive(p: Proc) -> bool:
+    s = state(p)
+    return s is not None and s not in ("Z", "X")
+
+
+def descendants(root: int, proc: Path = PROC) -> set[int]:
+    """``root`` and every process below it in the parent tree, now."""
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name), proc)
+            if fields is not None:
+                children.setdefault(int(fields[3]), []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+def identities(pids: Iterable[int]) -> frozenset[Proc]:
+    return frozenset(p for p in map(identity, pids) if p is not None)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """What the agent may never signal: PID 1, itself, its watchdog, and anything not managed."""
+
+    own_pids: frozenset[int]
+
+    @classmethod
+    def here(cls, *extra: int) -> Guard:
+        return cls(frozenset({os.getpid(), os.getppid(), *extra}))
+
+    def check(self, p: Proc, managed: frozenset[Proc]) -> None:
+        if p.pid <= 1:
+            raise Refused(f"refusing to signal PID {p.pid}")
+        if p.pid in self.own_pids:
+            raise Refused(f"refusing to signal PID {p.pid}: the agent itself or its watchdog")
+        if p not in managed:
+            raise Refused(f"refusing to signal PID {p.pid}: not a process of a managed job")
+
+
+def send(p: Proc, sig: signal.Signals) -> bool:
+    """Signal exactly the process ``p`` names; False when it has gone (nothing was signalled)."""
+    try:
+        fd = os.pidfd_open(p.pid)
+    except ProcessLookupError:
+        return False
+    try:
+        # the pidfd pins the process; only now is comparing start times free of races
+        if identity(p.pid) != p:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)

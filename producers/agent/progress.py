@@ -1,0 +1,153 @@
+"""Progress counters behind one interface.
+
+A counter returns two cumulative numbers: work done, and time spent doing it.
+* Hardware (``perf_event_open``): instructions and cycles, summed over the job's threads, each
+  thread's pair read as one group so the two counts cover the same interval.
+* Application: the job increments a 64-bit little-endian counter at offset 0 of a file it shares
+  with the agent (``ProgressFile``; an mmap, so incrementing costs no system call). Work is that
+  count; time is wall-clock nanoseconds, so a "sample IPC" is units per nanosecond.
+The estimator only compares a job's rate during a shutter with its rate around it, so both are
+valid; every block names the source it used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import struct
+import time
+from pathlib import Path
+from typing import Protocol
+
+from nodeshare.schemas import CounterSource, IpcSample
+
+COUNTER = struct.Struct("<Q")
+
+
+class Counter(Protocol):
+    source: CounterSource
+
+    def read(self) -> tuple[int, int, int]:
+        """(work, time, threads): cumulative work and time, and the threads they were summed over."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def sample_between(first: tuple[int, int, int], second: tuple[int, int, int]) -> IpcSample:
+    """One IpcSample from two readings of a counter (a counter reset or wrap reads as no work)."""
+    work = max(second[0] - first[0], 0)
+    spent = max(second[1] - first[1], 1)
+    return IpcSample(instructions=work, cycles=spent, threads=max(second[2], 1))
+
+
+class ProgressFile:
+    """The job's side of an application counter: ``add(n)`` after each unit of work."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a+b") as f:
+            if f.seek(0, os.SEEK_END) < COUNTER.size:
+                f.write(b"\0" * COUNTER.size)
+        self._file = path.open("r+b")
+        self._map = mmap.mmap(self._file.fileno(), COUNTER.size)
+        self.value = COUNTER.unpack_from(self._map)[0]
+
+    def add(self, n: int = 1) -> None:
+        self.value += n
+        COUNTER.pack_into(self._map, 0, self.value)  # one aligned 8-byte store: readers never see half
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+class ApplicationCounter:
+    """The agent's side of an application counter."""
+
+    source = CounterSource.APPLICATION
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("rb")
+        self._map = mmap.mmap(self._file.fileno(), COUNTER.size, prot=mmap.PROT_READ)
+
+    def read(self) -> tuple[int, int, int]:
+        return COUNTER.unpack_from(self._map)[0], time.monotonic_ns(), 1
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+# ----------------------------------------------------------------------------- hardware counters
+
+_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
+_PERF_TYPE_HARDWARE = 0
+_HW_CPU_CYCLES, _HW_INSTRUCTIONS = 0, 1
+_FORMAT_GROUP = 1 << 3
+_DISABLED, _EXCLUDE_KERNEL, _EXCLUDE_HV = 1 << 0, 1 << 5, 1 << 6
+_FLAG_FD_CLOEXEC = 1 << 3
+_IOC_ENABLE = 0x2400
+_ATTR = struct.Struct("IIQQQQQIIQQ")  # perf_event_attr up to config2 (PERF_ATTR_SIZE_VER1 = 72 bytes)
+
+
+def _perf_open(config: int, tid: int, group_fd: int, leader: bool) -> int:
+    if _PERF_EVENT_OPEN is None:
+        raise OSError(f"perf_event_open: unsupported machine {platform.machine()}")
+    flags = _EXCLUDE_KERNEL | _EXCLUDE_HV | (_DISABLED if leader else 0)
+    attr = ctypes.create_string_buffer(_ATTR.pack(_PERF_TYPE_HARDWARE, _ATTR.size, config, 0, 0,
+                                                  _FORMAT_GROUP, flags, 0, 0, 0, 0))
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(_PERF_EVENT_OPEN, attr, tid, -1, group_fd, _FLAG_FD_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"perf_event_open: {os.strerror(err)}")
+    return int(fd)
+
+
+class HardwareCounter:
+    """Instructions and cycles of every thread of the job's processes (threads seen at open time)."""
+
+    source = CounterSource.HARDWARE
+
+    def __init__(self, pids: list[int]) -> None:
+        import fcntl
+
+        self._leaders: list[int] = []
+        self._fds: list[int] = []
+        try:
+            for pid in pids:
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    leader = _perf_open(_HW_INSTRUCTIONS, int(task.name), -1, leader=True)
+                    self._fds.append(leader)
+                    self._fds.append(_perf_open(_HW_CPU_CYCLES, int(task.name), leader, leader=False))
+                    self._leaders.append(leader)
+                    fcntl.ioctl(leader, _IOC_ENABLE, 0)
+        except OSError:
+            self.close()
+            raise
+
+    def read(self) -> tuple[int, int, int]:
+        instructions = cycles = 0
+        for fd in self._leaders:
+            _nr, ins, cyc = struct.unpack("QQQ", os.read(fd, 24))
+            instructions += ins
+            cycles += cyc
+        return instructions, cycles, max(len(self._leaders), 1)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self._leaders = [], []
+
+
+def hardware_counters_unavailable() -> str | None:
+    """Why hardware counters cannot be used here (None when they can): tried on this process."""
+    try:
+        HardwareCounter([os.getpid()]).close()
+    except OSError as e:
+        return str(e)
+    return None

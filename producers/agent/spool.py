@@ -1,0 +1,158 @@
+"""Store-and-forward: every event the agent produces is first written to a local SQLite spool
+(WAL, synchronous=FULL), then sent in spool order, and deleted only once the broker acknowledged it.
+
+While the broker is unreachable the spool grows up to ``max_bytes``; beyond that ``put`` raises
+``SpoolFull`` (the agent then stops shuttering rather than drop what it measured). Events a
+restarted agent finds in its spool are sent again; at worst an event the broker had already
+acknowledged is sent twice, which event-id de-duplication downstream removes. The agent's own
+counters (next cycle, blocks sent per job) live in the same database and change in the same
+transaction as the events they describe.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import KafkaError, Message
+
+from nodeshare.producers.kafka_producer import EventProducer
+
+DEFAULT_MAX_BYTES = 256 * 2**20
+RESERVE_FRACTION = 0.05  # head-room kept for end-of-stream markers and lifecycle events when full
+
+
+class SpoolFull(RuntimeError):
+    """The spool reached its bound; nothing more is accepted until the broker drains it."""
+
+
+class Spool:
+    def __init__(self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.max_bytes = max_bytes
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                         "topic TEXT NOT NULL, key BLOB, value BLOB NOT NULL, size INTEGER NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        self._lock = threading.Lock()
+        self.rows, self.bytes = self._db.execute("SELECT count(*), coalesce(sum(size), 0) FROM events").fetchone()
+
+    def put(self, events: Iterable[tuple[str, bytes | None, bytes]], meta: dict[str, Any] | None = None, *,
+            reserve: bool = False) -> None:
+        """Append events (topic, key, value) and update meta, atomically. ``reserve`` lets the few
+        events that close a job's stream use the head-room kept for them."""
+        rows = [(t, k, v, len(v) + len(k or b"")) for t, k, v in events]
+        size = sum(r[3] for r in rows)
+        bound = self.max_bytes * (1 + RESERVE_FRACTION) if reserve else self.max_bytes
+        with self._lock:
+            if self.bytes + size > bound:
+                raise SpoolFull(
+                    f"the agent's spool {self.path} holds {self.bytes / 2**20:.1f} MiB of events the broker has "
+                    f"not acknowledged (limit {self.max_bytes / 2**20:.1f} MiB): is the broker reachable?")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("INSERT INTO events (topic, key, value, size) VALUES (?, ?, ?, ?)", rows)
+                for name, value in (meta or {}).items():
+                    self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, json.dumps(value)))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self.rows += len(rows)
+            self.bytes += size
+
+    def after(self, seq: int, limit: int) -> list[tuple[int, str, bytes | None, bytes]]:
+        """The oldest events with a sequence number above ``seq``."""
+        with self._lock:
+            return self._db.execute("SELECT seq, topic, key, value FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                                    (seq, limit)).fetchall()
+
+    def ack(self, seqs: list[int]) -> None:
+        """Forget events the broker acknowledged."""
+        if not seqs:
+            return
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            freed = 0
+            for seq in seqs:
+                row = self._db.execute("DELETE FROM events WHERE seq = ? RETURNING size", (seq,)).fetchone()
+                if row is not None:
+                    freed += row[0]
+                    self.rows -= 1
+            self._db.execute("COMMIT")
+            self.bytes -= freed
+
+    def meta(self, name: str, default: Any = None) -> Any:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        return default if row is None else json.loads(row[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class Forwarder:
+    """Sends spooled events in spool order, at most ``in_flight`` unacknowledged at a time."""
+
+    def __init__(self, spool: Spool, producer: EventProducer, in_flight: int = 5000) -> None:
+        self.spool = spool
+        self.producer = producer
+        self.in_flight = in_flight
+        self._sent_up_to = 0  # highest seq handed to the producer
+        self._pending: set[int] = set()
+        self._acked: list[int] = []
+        self._failed: list[int] = []
+        self.last_error: str | None = None
+        self.sent = 0
+
+    def _on_delivery(self, seq: int) -> Any:
+        def done(err: KafkaError | None, msg: Message) -> None:
+            self._pending.discard(seq)
+            if err is None:
+                self._acked.append(seq)
+            else:
+                self._failed.append(seq)
+                self.last_error = err.str()
+        return done
+
+    def pump(self, timeout: float = 0.0) -> None:
+        """Serve delivery reports, forget what was acknowledged, send more (resending from the first
+        failure, in order, when something failed)."""
+        self.producer.poll(timeout)
+        acked, self._acked = self._acked, []
+        self.spool.ack(acked)
+        if self._failed:
+            self._sent_up_to = min(min(self._failed) - 1, self._sent_up_to)
+            self._failed = []
+        room = self.in_flight - len(self._pending)
+        if room <= 0:
+            return
+        for seq, topic, key, value in self.spool.after(self._sent_up_to, room):
+            if seq in self._pending:  # still in flight from before a failure: let it finish
+                self._sent_up_to = seq
+                continue
+            self._pending.add(seq)
+            self.producer.send_raw(topic, key, value, on_delivery=self._on_delivery(seq))
+            self._sent_up_to = seq
+            self.sent += 1
+
+    def drain(self, timeout: float) -> bool:
+        """Pump until the spool is empty or ``timeout`` seconds pass; True when empty."""
+        deadline = time.monotonic() + timeout
+        while self.spool.rows and time.monotonic() < deadline:
+            self.pump(0.05)
+        return self.spool.rows == 0
+
+    def close(self, timeout: float) -> None:
+        """Drain for up to ``timeout`` seconds, then release the producer; what is left stays spooled."""
+        self.drain(timeout)
+        self.producer.release()

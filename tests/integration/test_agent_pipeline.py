@@ -1,0 +1,49 @@
+"""The real node agent on real processes, through the real pipeline: two workloads share this
+machine, the agent shutters them and publishes their lifecycle, and a charge comes out for each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nodeshare.config import Settings
+from nodeshare.demo import running_pipeline
+from nodeshare.sinks.audit import audit
+from nodeshare.sinks.ledger import Ledger
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_two_real_jobs_shuttered_by_the_agent_are_charged(settings: Settings, tmp_path: Path) -> None:
+    job = [sys.executable, "-m", "nodeshare", "workload", "--seconds", "6"]
+    (tmp_path / "jobs.toml").write_text(
+        f'[[jobs]]\nid = "stream-1"\ncommand = {[*job, "--kind", "stream"]!r}\nprogram = "stream"\nuser = "ana"\n'
+        f'[[jobs]]\nid = "compute-2"\ncommand = {[*job, "--kind", "compute"]!r}\nprogram = "compute"\n'
+        'user = "bo"\naccount = "physics"\n'.replace("'", '"'))
+    env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(),
+           "NODESHARE_SAMPLE_US": "3200", "NODESHARE_PERIOD_MS": "100"}
+    with running_pipeline(settings, tmp_path / "run") as pipeline:
+        agent = subprocess.run(
+            [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
+             "--spool", str(tmp_path / "spool.db"), "--progress-dir", str(tmp_path / "progress"), "--until-idle"],
+            env=env, capture_output=True, text=True, timeout=120)
+        assert agent.returncode == 0, agent.stderr
+        pipeline.wait(charges=2, archived=0, timeout_s=60, report=lambda *_: None)
+    print(agent.stdout.strip())
+    with Ledger(pipeline.ledger_path, read_only=True) as ledger:
+        charges = {c.job_id: c for c in ledger.charges()}
+    assert charges.keys() == {"stream-1", "compute-2"}
+    for c in charges.values():
+        print(f"{c.job_id}: {c.blocks_used} blocks used, {c.blocks_rejected} rejected, degradation "
+              f"{c.degradation:.3f}, run {c.run_time_s:.2f} s, paused {c.pause_credit_s:.3f} s, price {c.price:.6f}")
+        assert c.nodes[0].node == "n1" and 5.0 < c.run_time_s < 30.0
+        assert c.blocks_used + c.blocks_rejected >= 10  # about one block per job per 0.2 s
+        # two jobs on two cores next to the agent, the worker and the broker: slowed, not stopped
+        assert 0.0 <= c.degradation < 0.6
+        assert 0.0 < c.pause_credit_s < 0.1 * c.run_time_s  # Eq. 10: S / P = 3.2 % per co-runner
+    assert charges["compute-2"].account == "physics" and charges["stream-1"].user == "ana"
+    assert audit(pipeline.archive_path, pipeline.ledger_path, settings.policy()).ok

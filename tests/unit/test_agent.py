@@ -1,0 +1,218 @@
+"""The node agent's parts that need no broker: rotation, samples, RAPL arithmetic, the job file,
+`scontrol listpids` parsing, the signalling guard, the spool, and the watchdog."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from nodeshare.producers.agent import rapl
+from nodeshare.producers.agent.jobs import JobFileError, load_job_file, parse_listpids
+from nodeshare.producers.agent.pausing import Pauser, Target, check_cgroup
+from nodeshare.producers.agent.processes import Guard, Proc, Refused, identity, state
+from nodeshare.producers.agent.progress import ApplicationCounter, ProgressFile, sample_between
+from nodeshare.producers.agent.shutter import next_lone, shutter_events
+from nodeshare.producers.agent.spool import Spool, SpoolFull
+from nodeshare.producers.agent.watchdog import Watchdog
+from nodeshare.schemas import CounterSource, IpcSample
+
+
+def wait_for_state(p: Proc, wanted: str, timeout_s: float = 2.0) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    while (s := state(p)) != wanted and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return s
+
+
+@pytest.fixture
+def sleeper() -> Proc:
+    proc = subprocess.Popen(["sleep", "60"])
+    p = identity(proc.pid)
+    assert p is not None
+    yield p
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.kill()
+    proc.wait()
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+def test_the_lone_job_rotates_through_the_sorted_jobs() -> None:
+    assert next_lone(["b", "a", "c"], None) == "a"
+    assert next_lone(["b", "a", "c"], "a") == "b"
+    assert next_lone(["b", "a", "c"], "c") == "a"
+    assert next_lone(["a", "c"], "b") == "c"  # the previous one has left: the next after it
+    with pytest.raises(ValueError):
+        next_lone([], None)
+
+
+def test_a_sample_is_the_difference_of_two_readings() -> None:
+    assert sample_between((100, 1_000, 1), (400, 4_000, 1)) == IpcSample(instructions=300, cycles=3_000)
+    # a counter that went backwards (restarted job) reads as no work, never as negative work
+    assert sample_between((400, 1_000, 1), (100, 2_000, 2)) == IpcSample(instructions=0, cycles=1_000, threads=2)
+
+
+def test_one_cycle_gives_the_lone_jobs_block_and_the_nodes_window() -> None:
+    t = datetime(2026, 11, 22, tzinfo=UTC)
+    s = [IpcSample(instructions=10, cycles=20)]
+    block, window = shutter_events(
+        node="n1", source="agent/n1", cycle=7, lone="a", paused=["c", "b"], counter=CounterSource.APPLICATION,
+        sample_us=3200, before=s, during=s, after=s, start=t, end=t + timedelta(milliseconds=4), at=t)
+    assert (block.job_id, block.cycle, block.k, block.event_id) == ("a", 7, 1, "n1/blk/a/7")
+    assert window.paused_jobs == ("b", "c") and window.lone_job == "a" and window.event_id == "n1/win/7"
+
+
+def test_rapl_watts_from_energy_deltas_across_a_wrap() -> None:
+    assert rapl.watts(1_000_000, 51_000_000, 2**32, 1.0) == 50.0
+    # the counter wrapped at 262,143,328,850 uJ (a real max_energy_range_uj): 10 J in 0.5 s
+    assert rapl.watts(262_143_328_850 - 4_000_000, 6_000_000, 262_143_328_850, 0.5) == pytest.approx(20.0)
+    with pytest.raises(ValueError):
+        rapl.watts(0, 1, 10, 0.0)
+
+
+def test_rapl_domains_are_the_packages_only(tmp_path: Path) -> None:
+    for name, energy in (("intel-rapl:1", "5"), ("intel-rapl:0", "7"), ("intel-rapl:0:0", "1")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "energy_uj").write_text(energy)
+    assert [d.processor for d in rapl.package_domains(tmp_path)] == [0, 1]
+    assert rapl.package_domains(tmp_path / "absent") == []  # no RAPL: no numbers (the agent says unavailable)
+
+
+def test_listpids_output_groups_pids_by_job() -> None:
+    text = ("PID      JOBID    STEPID   LOCALID GLOBALID\n"
+            "4242     17       batch    0       0\n"
+            "4250     17       batch    -       -\n"
+            "4301     18       0        0       0\n")
+    assert parse_listpids(text) == {"17": [4242, 4250], "18": [4301]}
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('[[jobs]]\nid = "a"\n', "exactly one of 'pids'"),
+    ('[[jobs]]\nid = "a"\npids = [1]\n', "above 1"),
+    ('[[jobs]]\nid = "a"\npids = [5]\n[[jobs]]\nid = "a"\ncommand = ["true"]\n', "duplicate job ids"),
+    ('[[jobs]]\nid = "a"\npids = [5]\ncolour = "red"\n', "jobs[0].colour"),
+    ('jobz = 1\n', "unknown key"),
+    ('[[jobs]\n', "jobs.toml"),
+])
+def test_job_file_errors_name_the_file_and_entry(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "jobs.toml"
+    path.write_text(body)
+    with pytest.raises(JobFileError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        load_job_file(path)
+
+
+# ----------------------------------------------------------------------------- the guard
+
+def test_the_guard_refuses_pid_1_itself_and_unmanaged_processes(sleeper: Proc) -> None:
+    guard = Guard.here()
+    me = identity(os.getpid())
+    assert me is not None
+    init = Proc(1, 0)
+    with pytest.raises(Refused, match="PID 1"):
+        guard.check(init, frozenset({init}))
+    with pytest.raises(Refused, match="agent itself"):
+        guard.check(me, frozenset({me}))
+    with pytest.raises(Refused, match="not a process of a managed job"):
+        guard.check(sleeper, frozenset())
+    guard.check(sleeper, frozenset({sleeper}))  # managed: allowed
+
+
+def test_a_reused_pid_is_not_the_same_process(sleeper: Proc) -> None:
+    pauser = Pauser(Guard.here())
+    impostor = Proc(sleeper.pid, sleeper.start_ticks + 1)  # same PID, another start time
+    pauser.pause(Target("j", frozenset({impostor})))
+    assert wait_for_state(sleeper, "T", 0.2) != "T"  # nothing was stopped
+    pauser.pause(Target("j", frozenset({sleeper})))
+    assert wait_for_state(sleeper, "T") == "T"
+    pauser.resume(Target("j", frozenset({sleeper})))
+    assert wait_for_state(sleeper, "S") == "S"
+
+
+def test_cgroups_outside_the_freezer_hierarchy_or_holding_the_agent_are_refused(tmp_path: Path) -> None:
+    root = tmp_path / "freezer"
+    (root / "slurm" / "job_1").mkdir(parents=True)
+    (root / "slurm" / "job_1" / "cgroup.procs").write_text("123\n")
+    (root / "mine").mkdir()
+    (root / "mine" / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    guard = Guard.here()
+    assert check_cgroup(root / "slurm" / "job_1", guard, root) == (root / "slurm" / "job_1").resolve()
+    with pytest.raises(Refused, match="not below"):
+        check_cgroup(root, guard, root)
+    with pytest.raises(Refused, match="not below"):
+        check_cgroup(tmp_path, guard, root)
+    with pytest.raises(Refused, match="agent's own"):
+        check_cgroup(root / "mine", guard, root)
+    with pytest.raises(Refused, match="not below"):
+        check_cgroup(root / "slurm" / ".." / "..", guard, root)
+
+
+# ----------------------------------------------------------------------------- counters, spool, watchdog
+
+def test_an_application_counter_is_read_through_shared_memory(tmp_path: Path) -> None:
+    writer = ProgressFile(tmp_path / "p" / "job")
+    reader = ApplicationCounter(tmp_path / "p" / "job")
+    first = reader.read()
+    for _ in range(1000):
+        writer.add()
+    second = reader.read()
+    assert second[0] - first[0] == 1000 and second[1] > first[1] and reader.source is CounterSource.APPLICATION
+    writer.close()
+    reader.close()
+    assert ProgressFile(tmp_path / "p" / "job").value == 1000  # a restarted job continues its count
+
+
+def test_the_spool_keeps_order_and_its_bound_and_survives_a_restart(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool.db", max_bytes=100)
+    spool.put([("t", b"k", b"x" * 30), ("t", b"k", b"y" * 30)], {"next_cycle": 3})
+    with pytest.raises(SpoolFull, match="not acknowledged"):
+        spool.put([("t", b"k", b"z" * 45)])
+    spool.put([("t", b"k", b"z" * 2)], reserve=True)  # a job's end marker still fits in the reserve
+    spool.close()
+
+    again = Spool(tmp_path / "spool.db", max_bytes=100)
+    rows = again.after(0, 10)
+    assert [r[3][:1] for r in rows] == [b"x", b"y", b"z"] and again.meta("next_cycle") == 3
+    again.ack([rows[0][0]])
+    assert [r[3][:1] for r in again.after(0, 10)] == [b"y", b"z"]
+    assert (again.rows, again.bytes) == (2, 31 + 3)
+
+
+def test_the_watchdog_resumes_what_was_paused_when_the_agent_dies(sleeper: Proc) -> None:
+    # the "agent" is a child that arms a watchdog, pauses the sleeper and is then SIGKILLed
+    code = (
+        "import os, signal, sys, time\n"
+        "from nodeshare.producers.agent.watchdog import Watchdog\n"
+        "from nodeshare.producers.agent.pausing import Pauser, Target\n"
+        "from nodeshare.producers.agent.processes import Guard, Proc\n"
+        f"p = Proc({sleeper.pid}, {sleeper.start_ticks})\n"
+        "w = Watchdog()\n"
+        "t = Target('j', frozenset({p}))\n"
+        "w.arm([t]); Pauser(Guard.here(w.pid)).pause(t)\n"
+        "print('paused', flush=True); time.sleep(60)\n"
+    )
+    agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert agent.stdout is not None and agent.stdout.readline().strip() == "paused"
+    assert wait_for_state(sleeper, "T") == "T"
+    agent.kill()
+    agent.wait()
+    assert wait_for_state(sleeper, "S", 1.0) == "S"  # resumed within a second of the SIGKILL
+
+
+def test_a_disarmed_watchdog_touches_nothing(sleeper: Proc) -> None:
+    w = Watchdog()
+    t = Target("j", frozenset({sleeper}))
+    w.arm([t])
+    w.disarm()
+    os.kill(sleeper.pid, signal.SIGSTOP)  # stopped by someone else after the shutter: not the watchdog's business
+    assert wait_for_state(sleeper, "T") == "T"
+    w.close()
+    assert w.process.returncode == 0
+    time.sleep(0.1)
+    assert state(sleeper) == "T"
