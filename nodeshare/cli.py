@@ -423,6 +423,67 @@ def agent(
               f"{stats.skipped_spool_full} skipped with a full spool")
 
 
+slurm_app = typer.Typer(no_args_is_help=True, help="Job lifecycle from a real Slurm.")
+app.add_typer(slurm_app, name="slurm")
+
+
+@slurm_app.command("install-hooks")
+def slurm_install_hooks(
+    hooks_dir: Annotated[Path, typer.Option(help="where the hook scripts go (readable by slurmctld)")]
+    = Path("/etc/slurm/nodeshare"),
+    events_dir: Annotated[Path, typer.Option(help="where the hooks drop one file per event")]
+    = Path("/var/spool/nodeshare/slurm-events"),
+) -> None:
+    """Write the controller hooks (PrologSlurmctld, EpilogSlurmctld, jobcomp/script) and print the
+    slurm.conf lines that enable them."""
+    from nodeshare.producers.slurm import install_hooks
+
+    try:
+        lines = install_hooks(hooks_dir, events_dir)
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]install-hooks[/red]: {exc}")
+        raise typer.Exit(2) from None
+    err.print(f"hooks written to {hooks_dir}; add to slurm.conf and run `scontrol reconfigure`:")
+    for key, value in lines.items():
+        out.print(f"{key}={value}", highlight=False)
+
+
+@slurm_app.command("source")
+def slurm_source(
+    events_dir: Annotated[Path, typer.Option(help="the hooks' events directory")]
+    = Path("/var/spool/nodeshare/slurm-events"),
+    poll: Annotated[float, typer.Option(min=0.1, help="seconds between squeue polls and directory scans")] = 2.0,
+    duration: Annotated[float | None, typer.Option(min=0.0, help="stop after this many seconds")] = None,
+    terminal_from_epilog: Annotated[bool, typer.Option(
+        help="take job ends from EpilogSlurmctld (when jobcomp/script is not configured)")] = False,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Publish Slurm job lifecycle events (hooks and squeue) to jobs.lifecycle."""
+    import logging
+    import time
+
+    from nodeshare.producers.kafka_producer import EventProducer
+    from nodeshare.producers.slurm import SlurmCommands, SlurmSource, cluster_name, run_source
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    if not events_dir.is_dir():
+        err.print(f"[red]slurm source[/red]: no events directory {events_dir}: run `nodeshare slurm install-hooks`")
+        raise typer.Exit(2)
+    commands = SlurmCommands()
+    source = SlurmSource(events_dir, commands, cluster_name(commands), terminal_from_epilog)
+    end = None if duration is None else time.monotonic() + duration
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with EventProducer(settings, client_id="nodeshare-slurm") as producer:
+        def publish(events: list[Any]) -> None:
+            producer.send_all(events)
+            producer.flush(30)
+
+        sent = run_source(source, publish, poll_s=poll, stop=lambda: end is not None and time.monotonic() > end)
+    out.print(f"published {sent} lifecycle events")
+
+
 @app.command()
 def workload(
     kind: Annotated[str, typer.Option(help="stream (memory-bound) or compute (cache-resident)")] = "stream",

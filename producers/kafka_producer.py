@@ -80,8 +80,9 @@ class EventProducer:
         remaining = self._producer.flush(timeout)
         if remaining:
             raise DeliveryError(f"{remaining} records still undelivered after {timeout:.0f} s")
-        if self.failed:
-            raise DeliveryError(f"{len(self.failed)} records failed, first: {self.failed[0]}")
+        if self.failed:  # reported once: a caller that retries starts clean
+            failed, self.failed = self.failed, []
+            raise DeliveryError(f"{len(failed)} records failed, first: {failed[0]}")
 
     def close(self, timeout: float = 30.0) -> None:
         """Flush, then release the client (its threads and connections) now rather than at GC."""

@@ -1,0 +1,312 @@
+"""Job lifecycle from a real Slurm.
+
+Three controller-side hooks (installed by ``nodeshare slurm install-hooks``) each drop one file
+per event, the hook's whole environment NUL-separated, into an events directory: no Python, no
+network, always exit 0 (a failing PrologSlurmctld would hold the job). The source turns files into
+``JobEvent`` records and deletes a file only after the broker acknowledged its event:
+
+* ``prolog_ctld`` (PrologSlurmctld) -> started; the file name carries the time in nanoseconds;
+* ``jobcomp`` (JobCompType=jobcomp/script) -> ended / failed / cancelled, with Slurm's own
+  SUBMIT, START and END;
+* ``epilog_ctld`` (EpilogSlurmctld) -> terminal only when jobcomp/script is not configured;
+* submissions: no hook sees them, so ``squeue`` is polled.
+
+Slurm versions with jobcomp/kafka (23.02+) send one JSON record per finished job; ``from_jobcomp_json``
+reads those. Event ids are ``slurm/<cluster>/<job id>/<state>``, so a file processed twice (the
+source died between the ack and the delete) is de-duplicated downstream.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from nodeshare.schemas import JobEvent, JobState
+
+log = logging.getLogger("nodeshare.slurm")
+
+HOOKS = ("prolog_ctld", "epilog_ctld", "jobcomp")
+_FILE = re.compile(r"^(\d+)-(prolog_ctld|epilog_ctld|jobcomp)-\d+$")
+
+# Slurm job states (squeue/jobcomp) -> lifecycle states
+_TERMINAL = {
+    "COMPLETED": JobState.ENDED, "CANCELLED": JobState.CANCELLED, "PREEMPTED": JobState.CANCELLED,
+    "DEADLINE": JobState.CANCELLED, "FAILED": JobState.FAILED, "TIMEOUT": JobState.FAILED,
+    "NODE_FAIL": JobState.FAILED, "OUT_OF_MEMORY": JobState.FAILED, "BOOT_FAIL": JobState.FAILED,
+}
+
+HOOK_SCRIPT = """#!/bin/sh
+# Written by `nodeshare slurm install-hooks`: records one Slurm {hook} event for nodeshare.
+# Always exits 0: a failing controller hook would hold or requeue the job.
+d='{events}'
+n=$(date +%s%N)
+f="$d/.$n-{hook}-$$"
+env -0 > "$f" 2>/dev/null && mv "$f" "$d/$n-{hook}-$$" 2>/dev/null
+exit 0
+"""
+
+
+class HookFileError(ValueError):
+    """A hook file that cannot become an event (moved aside to ``bad/`` with this reason)."""
+
+
+def install_hooks(hooks_dir: Path, events_dir: Path) -> dict[str, Path]:
+    """Write the three hook scripts; returns slurm.conf's lines to add, by key."""
+    if "'" in str(events_dir):
+        raise ValueError(f"the events directory may not contain a quote: {events_dir}")
+    hooks_dir.mkdir(parents=True, exist_ok=True)
+    events_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for hook in HOOKS:
+        path = hooks_dir / f"{hook}.sh"
+        path.write_text(HOOK_SCRIPT.format(hook=hook, events=events_dir.resolve()))
+        path.chmod(0o755)
+        paths[hook] = path.resolve()
+    return {"PrologSlurmctld": paths["prolog_ctld"], "EpilogSlurmctld": paths["epilog_ctld"],
+            "JobCompType": Path("jobcomp/script"), "JobCompLoc": paths["jobcomp"]}
+
+
+def total_cpus(cpus_per_node: str) -> int:
+    """SLURM_JOB_CPUS_PER_NODE ('4(x2),2') -> total CPUs (10)."""
+    total = 0
+    for part in cpus_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise HookFileError(f"unreadable SLURM_JOB_CPUS_PER_NODE {cpus_per_node!r}")
+        total += int(m.group(1)) * int(m.group(2) or 1)
+    return total
+
+
+def _name(value: str | None, default: str) -> str:
+    return default if not value or value == "(null)" else value
+
+
+def _epoch(value: str | None) -> datetime | None:
+    return None if not value or not value.isdigit() or value == "0" else datetime.fromtimestamp(int(value), UTC)
+
+
+def _exit_failed(code: str | None) -> bool:
+    """'0:0' or '0' -> False; '1:0' (exit 1) or '0:9' (killed by signal 9) -> True."""
+    return any(p.strip() not in ("", "0") for p in (code or "0").split(":"))
+
+
+@dataclass(frozen=True)
+class HookEvent:
+    hook: str
+    at: datetime
+    env: Mapping[str, str]
+
+
+def read_hook_file(path: Path) -> HookEvent:
+    m = _FILE.match(path.name)
+    if not m:
+        raise HookFileError(f"{path.name}: not a hook file name (<ns>-<hook>-<pid>)")
+    env = {}
+    for item in path.read_bytes().split(b"\0"):
+        key, sep, value = item.decode(errors="replace").partition("=")
+        if sep:
+            env[key] = value
+    return HookEvent(m.group(2), datetime.fromtimestamp(int(m.group(1)) / 1e9, UTC), env)
+
+
+Hostnames = Callable[[str], tuple[str, ...]]
+
+
+def event_from_hook(h: HookEvent, hostnames: Hostnames, *, terminal_from_epilog: bool = False,
+                    started: Mapping[str, datetime] | None = None) -> JobEvent | None:
+    """The lifecycle event a hook file stands for (None for one that carries none). An epilog's
+    terminal event takes its start time from ``started`` (job id -> the prolog's time)."""
+    e = h.env
+    if h.hook == "jobcomp":
+        job_id, state_name = e.get("JOBID"), e.get("JOBSTATE", "")
+        if not job_id:
+            raise HookFileError("jobcomp record without JOBID")
+        state = _TERMINAL.get(state_name.split()[0] if state_name else "")
+        if state is None:
+            raise HookFileError(f"job {job_id}: jobcomp state {state_name!r} is not a final state")
+        if state is JobState.ENDED and _exit_failed(e.get("EXITCODE")):
+            state = JobState.FAILED
+        end = _epoch(e.get("END")) or h.at
+        return _event(e.get("CLUSTER"), job_id, state, end, user=e.get("USERNAME"), account=e.get("ACCOUNT"),
+                      program=e.get("JOBNAME"), cores=e.get("PROCS"), nodes=hostnames(e.get("NODES", "")),
+                      submit=_epoch(e.get("SUBMIT")), start=_epoch(e.get("START")), end=end)
+    job_id = e.get("SLURM_JOB_ID")
+    if not job_id:
+        raise HookFileError(f"{h.hook} hook without SLURM_JOB_ID")
+    try:
+        cores = total_cpus(e.get("SLURM_JOB_CPUS_PER_NODE", "1"))
+    except HookFileError as exc:
+        raise HookFileError(f"job {job_id}: {exc}") from None
+    nodes = hostnames(e.get("SLURM_JOB_NODELIST", ""))
+
+    def event(state: JobState, **times: datetime | None) -> JobEvent:
+        return _event(e.get("SLURM_CLUSTER_NAME"), job_id, state, h.at, user=e.get("SLURM_JOB_USER"),
+                      account=e.get("SLURM_JOB_ACCOUNT"), program=e.get("SLURM_JOB_NAME"), cores=str(cores),
+                      nodes=nodes, **times)
+
+    if h.hook == "prolog_ctld":
+        return event(JobState.STARTED, start=h.at)
+    if not terminal_from_epilog:
+        return None
+    start = (started or {}).get(job_id)
+    if start is None:
+        raise HookFileError(f"job {job_id}: epilog without a known start (its prolog event was not seen)")
+    failed = _exit_failed(e.get("SLURM_JOB_EXIT_CODE2", e.get("SLURM_JOB_EXIT_CODE")))
+    return event(JobState.FAILED if failed else JobState.ENDED, start=start, end=h.at)
+
+
+def _event(cluster: str | None, job_id: str, state: JobState, at: datetime, *, user: str | None,
+           account: str | None, program: str | None, cores: str | None, nodes: tuple[str, ...],
+           submit: datetime | None = None, start: datetime | None = None, end: datetime | None = None) -> JobEvent:
+    cluster = _name(cluster, "slurm")
+    if not cores or not cores.isdigit() or int(cores) < 1:
+        raise HookFileError(f"job {job_id}: no CPU count ({cores!r})")
+    return JobEvent(
+        event_id=f"slurm/{cluster}/{job_id}/{state.value}", source=f"slurm/{cluster}", event_time=at,
+        job_id=job_id, state=state, user=_name(user, "unknown"), account=_name(account, "default"),
+        program=_name(program, "unknown"), cores=int(cores), nodes=nodes, submit_time=submit, start_time=start,
+        end_time=end,
+    )
+
+
+def from_jobcomp_json(record: Mapping[str, Any], cluster: str = "slurm") -> JobEvent:
+    """A jobcomp/kafka (Slurm >= 23.02) JSON job record -> its terminal event. Fields used: jobid,
+    username, account, job_name, total_cpus, nodes (one node list string), state, exit_code,
+    @submit/@start/@end (ISO 8601; taken as UTC when they carry no zone)."""
+    def when(key: str) -> datetime | None:
+        v = record.get(key)
+        if not v:
+            return None
+        t = datetime.fromisoformat(str(v))
+        return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+    try:
+        job_id = str(record["jobid"])
+        state = _TERMINAL[str(record["state"]).split()[0]]
+    except KeyError as exc:
+        raise HookFileError(f"jobcomp record: missing or unknown {exc}") from None
+    if state is JobState.ENDED and _exit_failed(str(record.get("exit_code", "0"))):
+        state = JobState.FAILED
+    end = when("@end") or datetime.now(UTC)
+    nodes = record.get("nodes") or ""
+    return _event(str(record.get("cluster") or cluster), job_id, state, end, user=record.get("username"),
+                  account=record.get("account"), program=record.get("job_name"),
+                  cores=str(record.get("total_cpus", "")), nodes=tuple(n for n in str(nodes).split(",") if n),
+                  submit=when("@submit"), start=when("@start"), end=end)
+
+
+@dataclass
+class SlurmCommands:
+    """The Slurm client commands the source uses (environment: SLURM_CONF and friends)."""
+
+    env: dict[str, str] | None = None
+
+    def _run(self, *args: str) -> str:
+        out = subprocess.run(list(args), capture_output=True, text=True, timeout=30, env=self.env)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+        return out.stdout
+
+    def hostnames(self, expression: str) -> tuple[str, ...]:
+        if not expression or expression == "(null)":
+            return ()
+        if re.fullmatch(r"[\w.-]+", expression):  # a single node: no need to ask
+            return (expression,)
+        return tuple(self._run("scontrol", "show", "hostnames", expression).split())
+
+    def queue(self) -> list[dict[str, str]]:
+        """Every job the controller still knows, with submit details."""
+        keys = ("job_id", "user", "account", "program", "cores", "submit", "state")
+        text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%j|%C|%V|%T")
+        return [dict(zip(keys, line.split("|", 6), strict=True)) for line in text.splitlines() if line.count("|") == 6]
+
+
+def submitted_event(row: Mapping[str, str], cluster: str) -> JobEvent:
+    submit = datetime.fromisoformat(row["submit"]).astimezone(UTC)  # squeue prints local time
+    return _event(cluster, row["job_id"], JobState.SUBMITTED, submit, user=row["user"], account=row["account"],
+                  program=row["program"], cores=row["cores"], nodes=(), submit=submit)
+
+
+@dataclass
+class SlurmSource:
+    """Turns hook files and squeue into lifecycle events; ``step()`` returns what to publish and
+    ``done()`` forgets it after the broker acknowledged it."""
+
+    events_dir: Path
+    commands: SlurmCommands
+    cluster: str = "slurm"
+    terminal_from_epilog: bool = False
+    seen_submitted: set[str] = field(default_factory=set)
+    started: dict[str, datetime] = field(default_factory=dict)
+
+    def step(self, poll_queue: bool = True) -> tuple[list[JobEvent], list[Path]]:
+        events: list[JobEvent] = []
+        files: list[Path] = []
+        if poll_queue:
+            for row in self.commands.queue():
+                if row["job_id"] not in self.seen_submitted:
+                    self.seen_submitted.add(row["job_id"])
+                    try:
+                        events.append(submitted_event(row, self.cluster))
+                    except (HookFileError, ValueError) as exc:
+                        log.error("job %s: submission not published: %s", row["job_id"], exc)
+        for path in sorted(p for p in self.events_dir.iterdir() if p.is_file() and not p.name.startswith(".")):
+            try:
+                event = event_from_hook(read_hook_file(path), self.commands.hostnames,
+                                        terminal_from_epilog=self.terminal_from_epilog, started=self.started)
+            except (HookFileError, ValueError, RuntimeError) as exc:
+                bad = self.events_dir / "bad"
+                bad.mkdir(exist_ok=True)
+                path.rename(bad / path.name)
+                (bad / f"{path.name}.reason").write_text(f"{exc}\n")
+                log.error("%s: moved to %s: %s", path.name, bad, exc)
+                continue
+            if event is not None:
+                events.append(event)
+                if event.state is JobState.STARTED and event.start_time is not None:
+                    self.started[event.job_id] = event.start_time
+            files.append(path)
+        return events, files
+
+    @staticmethod
+    def done(files: list[Path]) -> None:
+        for path in files:
+            path.unlink(missing_ok=True)
+
+
+def cluster_name(commands: SlurmCommands) -> str:
+    for line in commands._run("scontrol", "show", "config").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "ClusterName":
+            return _name(value.strip(), "slurm")
+    return "slurm"
+
+
+def run_source(source: SlurmSource, publish: Callable[[list[JobEvent]], None], *, poll_s: float = 2.0,
+               stop: Callable[[], bool] = lambda: False, sleep: Callable[[float], None] | None = None) -> int:
+    """Publish lifecycle events until ``stop()``; ``publish`` must raise unless the broker acknowledged
+    every event. Returns how many were published. Files stay until their events are acknowledged."""
+    import time
+
+    pause = sleep or time.sleep
+    published = 0
+    while not stop():
+        events, files = source.step()
+        if events:
+            try:
+                publish(events)
+            except Exception as exc:  # broker unreachable: keep the files, ask squeue again next time
+                source.seen_submitted -= {e.job_id for e in events if e.state is JobState.SUBMITTED}
+                log.error("lifecycle events not delivered, retrying: %s", exc)
+                pause(poll_s)
+                continue
+            published += len(events)
+        source.done(files)
+        pause(poll_s)
+    return published

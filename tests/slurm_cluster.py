@@ -1,0 +1,106 @@
+"""A real single-node Slurm (Debian's 22.05) in a temporary directory, as ../shared/SLURM.md
+describes: munged, slurmctld and slurmd started by hand, stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo")
+
+
+def missing() -> str | None:
+    """Why a local Slurm cannot run here (None when it can)."""
+    if os.geteuid() != 0:
+        return "a local Slurm needs root (SlurmUser=root)"
+    absent = [d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
+    return f"Slurm/munge not installed ({', '.join(absent)}): apt-get install slurmctld slurmd munge slurm-client" \
+        if absent else None
+
+
+def _conf(t: Path, host: str, hooks: Path | None) -> str:
+    hook_lines = "" if hooks is None else (
+        f"JobCompType=jobcomp/script\nJobCompLoc={hooks}/jobcomp.sh\n"
+        f"PrologSlurmctld={hooks}/prolog_ctld.sh\nEpilogSlurmctld={hooks}/epilog_ctld.sh\n")
+    return f"""ClusterName=nodeshare-test
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=16817
+SlurmdPort=16818
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={t}/run/munge.socket.2
+StateSaveLocation={t}/state
+SlurmdSpoolDir={t}/spool/slurmd-%n
+SlurmctldPidFile={t}/run/slurmctld.pid
+SlurmdPidFile={t}/run/slurmd-%n.pid
+SlurmctldLogFile={t}/log/slurmctld.log
+SlurmdLogFile={t}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+{hook_lines}MinJobAge=300
+NodeName={host} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
+"""
+
+
+def _wait(predicate: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+@contextmanager
+def local_slurm(t: Path, hooks: Path | None = None) -> Iterator[dict[str, str]]:
+    """Start munged, slurmctld and slurmd under ``t``; yields the environment for Slurm commands."""
+    host = socket.gethostname().split(".")[0]
+    for d in ("etc", "munge", "run", "state", "spool", "log"):
+        (t / d).mkdir(parents=True, exist_ok=True)
+    (t / "munge").chmod(0o700)
+    (t / "run").chmod(0o755)  # munged refuses a socket directory of mode 700
+    (t / "etc" / "slurm.conf").write_text(_conf(t, host, hooks))
+    env = {**os.environ, "SLURM_CONF": str(t / "etc" / "slurm.conf")}
+    key = t / "munge" / "munge.key"
+    subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True)
+    key.chmod(0o400)
+    procs = [subprocess.Popen(
+        ["munged", "-F", f"--socket={t}/run/munge.socket.2", f"--key-file={key}", f"--log-file={t}/log/munged.log",
+         f"--pid-file={t}/run/munged.pid", f"--seed-file={t}/munge/munged.seed"], env=env)]
+    try:
+        _wait(lambda: (t / "run" / "munge.socket.2").exists(), 10, "munged")
+        procs.append(subprocess.Popen(["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(["slurmd", "-D"], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
+            return out.stdout.strip() == "idle"
+        _wait(idle, 30, "an idle Slurm node")
+        yield env
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in reversed(procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,121 @@
+"""The Slurm lifecycle source's pure parts, on hook environments recorded from a real Slurm 22.05."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from nodeshare.producers.slurm import (
+    HookEvent,
+    HookFileError,
+    SlurmSource,
+    event_from_hook,
+    from_jobcomp_json,
+    install_hooks,
+    read_hook_file,
+    total_cpus,
+)
+from nodeshare.schemas import JobState
+
+DATA = Path(__file__).parent.parent / "data"
+AT = datetime(2026, 11, 22, 1, 0, tzinfo=UTC)
+
+
+def recorded(hook: str, **changes: str) -> HookEvent:
+    env = dict(line.split("=", 1) for line in (DATA / f"slurm-{hook}.env").read_text().splitlines()
+               if not line.startswith("#"))
+    return HookEvent(hook, AT, {**env, **changes})
+
+
+def one_node(expr: str) -> tuple[str, ...]:
+    return (expr,) if expr else ()
+
+
+@pytest.mark.parametrize(("text", "cpus"), [("1", 1), ("4(x2),2", 10), ("16(x4)", 64)])
+def test_cpus_per_node_expressions(text: str, cpus: int) -> None:
+    assert total_cpus(text) == cpus
+
+
+def test_prolog_is_a_start_with_the_hooks_time() -> None:
+    e = event_from_hook(recorded("prolog_ctld"), one_node)
+    assert e is not None
+    assert (e.job_id, e.state, e.user, e.account, e.program, e.cores, e.nodes) == (
+        "1", JobState.STARTED, "root", "default", "myprog", 1, ("vm",))  # "(null)" account -> default
+    assert e.start_time == AT and e.event_id == "slurm/nodeshare-test/1/started"
+
+
+def test_jobcomp_is_the_end_with_slurms_own_times() -> None:
+    e = event_from_hook(recorded("jobcomp"), one_node)
+    assert e is not None and e.state is JobState.ENDED
+    assert (e.submit_time, e.start_time, e.end_time) == tuple(
+        datetime.fromtimestamp(t, UTC) for t in (1795308724, 1795308726, 1795308727))
+    assert e.event_id == "slurm/slurm/1/ended"  # CLUSTER is empty in jobcomp/script's environment
+    assert event_from_hook(recorded("jobcomp", EXITCODE="1:0"), one_node).state is JobState.FAILED  # type: ignore[union-attr]
+    assert event_from_hook(recorded("jobcomp", EXITCODE="0:9"), one_node).state is JobState.FAILED  # type: ignore[union-attr]
+    cancelled = event_from_hook(recorded("jobcomp", JOBSTATE="CANCELLED by 0"), one_node)
+    assert cancelled is not None and cancelled.state is JobState.CANCELLED
+    with pytest.raises(HookFileError, match="not a final state"):
+        event_from_hook(recorded("jobcomp", JOBSTATE="RUNNING"), one_node)
+
+
+def test_the_epilog_ends_a_job_only_when_asked_and_only_after_its_prolog() -> None:
+    assert event_from_hook(recorded("epilog_ctld"), one_node) is None  # jobcomp/script is the authority
+    with pytest.raises(HookFileError, match="without a known start"):
+        event_from_hook(recorded("epilog_ctld"), one_node, terminal_from_epilog=True)
+    start = datetime(2026, 11, 22, 0, 59, tzinfo=UTC)
+    e = event_from_hook(recorded("epilog_ctld"), one_node, terminal_from_epilog=True, started={"1": start})
+    assert e is not None and e.state is JobState.ENDED and (e.start_time, e.end_time) == (start, AT)
+
+
+def test_a_jobcomp_kafka_record_becomes_the_terminal_event() -> None:
+    e = from_jobcomp_json({"jobid": 42, "username": "ana", "account": "phys", "job_name": "lulesh", "total_cpus": 8,
+                           "nodes": "n1,n2", "state": "TIMEOUT", "exit_code": "0:15",
+                           "@start": "2026-11-22T00:00:00", "@end": "2026-11-22T01:00:00+00:00"})
+    assert (e.job_id, e.state, e.cores, e.nodes, e.user) == ("42", JobState.FAILED, 8, ("n1", "n2"), "ana")
+    assert (e.end_time - e.start_time).total_seconds() == 3600  # type: ignore[operator]
+    with pytest.raises(HookFileError, match="missing or unknown"):
+        from_jobcomp_json({"jobid": 1, "state": "RUNNING"})
+
+
+def test_installed_hooks_record_their_environment_and_always_succeed(tmp_path: Path) -> None:
+    lines = install_hooks(tmp_path / "hooks", tmp_path / "events")
+    assert str(lines["JobCompType"]) == "jobcomp/script" and lines["JobCompLoc"].name == "jobcomp.sh"
+    env = {k: v for k, v in (line.split("=", 1) for line in (DATA / "slurm-prolog_ctld.env").read_text().splitlines()
+                             if not line.startswith("#"))}
+    subprocess.run([str(lines["PrologSlurmctld"])], env={"PATH": os.environ["PATH"], **env}, check=True)
+    [written] = list((tmp_path / "events").iterdir())
+    h = read_hook_file(written)
+    assert h.hook == "prolog_ctld" and h.env["SLURM_JOB_ID"] == "1"
+    # a missing events directory must not fail the hook (slurmctld would hold the job)
+    written.unlink()
+    (tmp_path / "events").rmdir()
+    hook = subprocess.run([str(lines["PrologSlurmctld"])], env={"PATH": os.environ["PATH"], **env},
+                          capture_output=True)
+    assert hook.returncode == 0 and not (tmp_path / "events").exists()
+
+
+def test_bad_hook_files_are_moved_aside_with_their_reason(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    events.mkdir()
+    (events / "123-jobcomp-9").write_bytes(b"JOBID=5\0JOBSTATE=RUNNING\0")
+    (events / "124-prolog_ctld-9").write_bytes(b"\0".join(
+        f"{k}={v}".encode() for k, v in recorded("prolog_ctld").env.items()))
+    (events / ".125-jobcomp-9").write_bytes(b"half written")  # still being written: not touched
+
+    class NoSlurm:
+        def hostnames(self, expr: str) -> tuple[str, ...]:
+            return one_node(expr)
+
+        def queue(self) -> list[dict[str, str]]:
+            return []
+
+    source = SlurmSource(events, NoSlurm())  # type: ignore[arg-type]
+    published, files = source.step()
+    assert [e.state for e in published] == [JobState.STARTED] and [f.name for f in files] == ["124-prolog_ctld-9"]
+    assert "not a final state" in (events / "bad" / "123-jobcomp-9.reason").read_text()
+    source.done(files)
+    assert sorted(p.name for p in events.iterdir()) == [".125-jobcomp-9", "bad"]
