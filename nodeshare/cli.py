@@ -800,6 +800,31 @@ def bench_power(
     out.print(f"wrote {out_file}")
 
 
+@bench_app.command("agent")
+def bench_agent(
+    jobs: Annotated[int, typer.Option(min=2, help="real workloads sharing the machine")] = 2,
+    seconds: Annotated[float, typer.Option(min=1.0, help="measured seconds per slot")] = 4.0,
+    slots: Annotated[int, typer.Option(min=2, help="slots without, and as many with, the agent (alternating)")]
+    = 10,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/agent.json"),
+    bootstrap: Bootstrap = None,
+) -> None:
+    """The node agent's overhead on real processes: its CPU use and the co-runners' dilation, vs Eq. 10."""
+    from nodeshare.deploy.broker import broker_for
+    from nodeshare.producers.agent.overhead import measure
+
+    settings = _settings(bootstrap=bootstrap)
+    with broker_for(settings.bootstrap) as where, _progress() as bar:
+        task = bar.add_task("slot pairs", total=slots)
+        env = {**settings.model_copy(update={"bootstrap": where}).as_env(), "NODESHARE_CONFIG": ""}
+        result = measure(env, jobs=jobs, seconds=seconds, slots=slots,
+                         progress=lambda done, total: bar.update(task, completed=done))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    out.print_json(json.dumps(result))
+    out.print(f"wrote {out_file}")
+
+
 @bench_app.command("placement")
 def bench_placement(
     repeats: Annotated[int, typer.Option(min=3, help="runs per measurement (median)")] = 5,

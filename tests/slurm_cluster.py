@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,8 +69,17 @@ def _wait(predicate: object, timeout_s: float, what: str) -> None:
 
 
 @contextmanager
-def local_slurm(t: Path, hooks: Path | None = None) -> Iterator[dict[str, str]]:
-    """Start munged, slurmctld and slurmd under ``t``; yields the environment for Slurm commands."""
+def local_slurm(hooks: Path | None = None) -> Iterator[dict[str, str]]:
+    """Start munged, slurmctld and slurmd in a fresh directory; yields the environment for Slurm commands.
+    The directory is short on purpose: munge's socket path must fit a sockaddr_un (108 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="ns-slurm-") as tmp:
+        Path(tmp).chmod(0o755)  # munged wants every directory above its socket searchable by all
+        with _running(Path(tmp), hooks) as env:
+            yield env
+
+
+@contextmanager
+def _running(t: Path, hooks: Path | None) -> Iterator[dict[str, str]]:
     host = socket.gethostname().split(".")[0]
     for d in ("etc", "munge", "run", "state", "spool", "log"):
         (t / d).mkdir(parents=True, exist_ok=True)

@@ -284,8 +284,10 @@ class Agent:
                         self._put(list(readings))
                     next_power = tick + self.options.power_interval_s
                 self.shutter()
+                after_shutter = time.monotonic()
                 self.forwarder.pump(0)
-                self.sleep(max(0.0, period - (time.monotonic() - tick)))
+                # Alg. 3 sleeps P after the three windows: a cycle lasts 3S + P (Eq. 9)
+                self.sleep(max(0.0, period - (time.monotonic() - after_shutter)))
         finally:
             self.close(drain_s)
         return self.stats

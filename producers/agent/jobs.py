@@ -181,6 +181,8 @@ class SlurmJobs:
     def poll(self) -> dict[str, LocalJob]:
         out = subprocess.run([self.scontrol, "listpids"], capture_output=True, text=True, timeout=10,
                              env=self.env)
+        if out.returncode != 0 and "No job steps exist" in out.stderr:  # an idle node
+            return {}
         if out.returncode != 0:
             raise RuntimeError(f"scontrol listpids failed ({out.returncode}): {out.stderr.strip()}")
         jobs = {}

@@ -1,0 +1,90 @@
+"""A real Slurm 22.05 (single node, node sharing on), two real jobs that share the node and count
+their progress, the node agent shuttering them, the Slurm source publishing their lifecycle, and
+the pipeline charging each. Skipped only where Slurm cannot run (not root, or not installed:
+deploy/local.sh test installs it from Debian when it can)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import local_slurm, missing
+
+from nodeshare.config import Settings
+from nodeshare.demo import running_pipeline
+from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.producers.slurm import SlurmCommands, SlurmSource, install_hooks, run_source
+from nodeshare.schemas import JobState
+from nodeshare.sinks.audit import audit
+from nodeshare.sinks.ledger import Ledger
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+
+
+def squeue_states(env: dict[str, str], job_ids: list[str]) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%T"], env=env,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_two_slurm_jobs_sharing_a_node_are_shuttered_and_charged(settings: Settings, tmp_path: Path) -> None:
+    hooks = install_hooks(tmp_path / "hooks", tmp_path / "events")
+    assert hooks["JobCompLoc"].parent == (tmp_path / "hooks").resolve()
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    with local_slurm(tmp_path / "hooks") as env, \
+            running_pipeline(settings, tmp_path / "run") as pipeline:
+        job_env = {**env, "NODESHARE_PROGRESS_DIR": str(progress)}
+        ids = []
+        for kind in ("stream", "compute"):
+            submit = subprocess.run(
+                ["sbatch", "--parsable", "-n", "1", "-J", kind, "-o", str(tmp_path / f"{kind}.out"),
+                 "--wrap", f"{sys.executable} -m nodeshare workload --kind {kind} --seconds 8"],
+                env=job_env, capture_output=True, text=True, check=True)
+            ids.append(submit.stdout.strip().split(";")[0])
+        deadline = time.monotonic() + 30
+        while squeue_states(env, ids) != ["RUNNING", "RUNNING"]:  # both at once: the node is shared
+            assert time.monotonic() < deadline, squeue_states(env, ids)
+            time.sleep(0.1)
+
+        stop = threading.Event()
+        commands = SlurmCommands(env)
+        source = SlurmSource(tmp_path / "events", commands, "nodeshare-test")
+        with EventProducer(settings, client_id="nodeshare-slurm") as producer:
+            def publish(events: list) -> None:
+                producer.send_all(events)
+                producer.flush(30)
+            published: list[int] = []
+            lifecycle = threading.Thread(target=lambda: published.append(
+                run_source(source, publish, poll_s=0.5, stop=stop.is_set)))
+            lifecycle.start()
+            agent = subprocess.run(
+                [sys.executable, "-m", "nodeshare", "agent", "--slurm", "--spool", str(tmp_path / "spool.db"),
+                 "--progress-dir", str(progress), "--until-idle"],
+                env={**env, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100"},
+                capture_output=True, text=True, timeout=120)
+            assert agent.returncode == 0, agent.stderr
+            pipeline.wait(charges=2, archived=0, timeout_s=60, report=lambda *_: None)
+            stop.set()
+            lifecycle.join(30)
+    print(agent.stdout.strip())
+    assert published and published[0] >= 6  # submitted, started and ended for each job
+    with Ledger(pipeline.ledger_path, read_only=True) as ledger:
+        charges = {c.job_id: c for c in ledger.charges()}
+    assert charges.keys() == set(ids)
+    for c in charges.values():
+        print(f"job {c.job_id} ({c.program}): {c.blocks_used} blocks used, {c.blocks_rejected} rejected, "
+              f"degradation {c.degradation:.3f}, run {c.run_time_s:.0f} s, paused {c.pause_credit_s:.3f} s")
+        assert c.final_state is JobState.ENDED and c.cores == 1 and c.user == "root"
+        assert c.blocks_used + c.blocks_rejected >= 10
+        assert 0.0 <= c.degradation < 0.6  # two jobs on two cores next to the pipeline: slowed, not stopped
+        assert 0.0 < c.pause_credit_s < 0.15 * c.run_time_s
+    assert {c.program for c in charges.values()} == {"stream", "compute"}
+    assert audit(pipeline.archive_path, pipeline.ledger_path, settings.policy()).ok
+    assert not os.listdir(tmp_path / "events")  # every hook file became an acknowledged event
