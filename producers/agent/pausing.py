@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,20 +74,18 @@ class Pauser:
         return target
 
     def pause(self, target: Target) -> None:
-        if target.cgroup is not None:
-            freeze(target.cgroup)
-            return
-        for p in sorted(target.procs):
-            self.guard.check(p, target.procs)
-            send(p, signal.SIGSTOP)
+        self._apply(target, freeze, signal.SIGSTOP)
 
     def resume(self, target: Target) -> None:
+        self._apply(target, thaw, signal.SIGCONT)
+
+    def _apply(self, target: Target, on_cgroup: Callable[[Path], None], sig: signal.Signals) -> None:
         if target.cgroup is not None:
-            thaw(target.cgroup)
+            on_cgroup(target.cgroup)
             return
         for p in sorted(target.procs):
             self.guard.check(p, target.procs)
-            send(p, signal.SIGCONT)
+            send(p, sig)
 
 
 def resume_all(procs: Iterable[Proc], cgroups: Iterable[Path], guard: Guard,
