@@ -324,8 +324,8 @@ def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm:
                          else SlurmJobs(progress_dir, options.freezer_root))
 
     def forwarder(spool: Spool) -> Forwarder:
-        # a message not acknowledged within 15 s is sent again from the spool, in order
-        return Forwarder(spool, EventProducer(settings, client_id=f"nodeshare-agent-{options.node}",
-                                              **{"message.timeout.ms": 15_000}))
+        # librdkafka retries without a deadline; the spool bounds what waits (see Forwarder)
+        return Forwarder(spool, lambda: EventProducer(settings, client_id=f"nodeshare-agent-{options.node}",
+                                                      **{"message.timeout.ms": 0}))
 
     return Agent(options, source, forwarder, settings.topic)

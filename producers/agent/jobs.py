@@ -3,7 +3,8 @@
 * ``StaticJobs``: a TOML job file for nodes without Slurm (and tests). Each ``[[jobs]]`` table has
   an ``id`` and either ``pids`` (processes already running) or ``command`` (the agent launches
   it); optional ``progress`` (the application counter file), ``user``, ``account``, ``program``,
-  ``cores``. The agent publishes these jobs' lifecycle itself.
+  ``cores``. The agent publishes these jobs' lifecycle itself; a launched job's output goes to
+  ``<progress_dir>/<id>.log``.
 * ``SlurmJobs``: ``scontrol listpids`` for processes, the job's freezer cgroup when Slurm made one
   (proctrack/cgroup), and ``<progress_dir>/<job id>`` as the application counter when the job
   writes one. Slurm's own hooks publish the lifecycle (``producers.slurm``).
@@ -115,7 +116,10 @@ class StaticJobs:
             progress = spec.progress or self.progress_dir / spec.id
             if spec.command:
                 env = {**os.environ, PROGRESS_ENV: str(progress)}
-                proc = subprocess.Popen(spec.command, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+                self.progress_dir.mkdir(parents=True, exist_ok=True)
+                with (self.progress_dir / f"{spec.id}.log").open("ab") as output:  # the job's, not the agent's
+                    proc = subprocess.Popen(spec.command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                            stdout=output, stderr=subprocess.STDOUT)
                 self._launched[spec.id] = proc
                 roots = identities([proc.pid])
             else:

@@ -12,16 +12,19 @@ transaction as the events they describe.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from confluent_kafka import KafkaError, Message
 
 from nodeshare.producers.kafka_producer import EventProducer
+
+log = logging.getLogger("nodeshare.agent.spool")
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 RESERVE_FRACTION = 0.05  # head-room kept for end-of-stream markers and lifecycle events when full
@@ -101,12 +104,19 @@ class Spool:
 
 
 class Forwarder:
-    """Sends spooled events in spool order, at most ``in_flight`` unacknowledged at a time."""
+    """Sends spooled events in spool order, at most ``in_flight`` unacknowledged at a time.
 
-    def __init__(self, spool: Spool, producer: EventProducer, in_flight: int = 5000) -> None:
+    The producer should retry without a deadline (``message.timeout.ms=0``): an idempotent
+    producer whose messages time out bumps its epoch, which a broker may answer with
+    ProducerFenced for good (Tansu does, after a 30 s stop). Should a fatal error still come, a
+    new producer from ``connect`` takes over and everything unacknowledged is sent again."""
+
+    def __init__(self, spool: Spool, connect: Callable[[], EventProducer], in_flight: int = 5000) -> None:
         self.spool = spool
-        self.producer = producer
+        self.connect = connect
+        self.producer = connect()
         self.in_flight = in_flight
+        self._fatal = False
         self._sent_up_to = 0  # highest seq handed to the producer
         self._pending: set[int] = set()
         self._acked: list[int] = []
@@ -122,6 +132,7 @@ class Forwarder:
             else:
                 self._failed.append(seq)
                 self.last_error = err.str()
+                self._fatal = self._fatal or err.fatal()
         return done
 
     def pump(self, timeout: float = 0.0) -> None:
@@ -130,6 +141,11 @@ class Forwarder:
         self.producer.poll(timeout)
         acked, self._acked = self._acked, []
         self.spool.ack(acked)
+        if self._fatal:  # this producer is done for: start over with a new one from the oldest unacknowledged
+            log.error("producer failed for good (%s); reconnecting and re-sending from the spool", self.last_error)
+            self.producer.release(0)
+            self.producer = self.connect()
+            self._fatal, self._pending, self._failed, self._sent_up_to = False, set(), [], 0
         if self._failed:
             self._sent_up_to = min(min(self._failed) - 1, self._sent_up_to)
             self._failed = []
