@@ -216,3 +216,40 @@ def test_a_disarmed_watchdog_touches_nothing(sleeper: Proc) -> None:
     assert w.process.returncode == 0
     time.sleep(0.1)
     assert state(sleeper) == "T"
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (FREEZER / "cgroup.procs").exists(),
+                    reason="needs root and a cgroup v1 freezer hierarchy")
+def test_a_job_cgroup_is_frozen_and_thawed_and_the_watchdog_thaws_it_after_sigkill(sleeper: Proc) -> None:
+    cgroup = FREEZER / f"nodeshare-test-{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        (cgroup / "cgroup.procs").write_text(str(sleeper.pid))
+        target = Target("j", frozenset({sleeper}), cgroup)
+        pauser = Pauser(Guard.here())
+        pauser.pause(pauser.checked(target))
+        assert (cgroup / "freezer.state").read_text().strip() == "FROZEN"
+        pauser.resume(target)
+        assert (cgroup / "freezer.state").read_text().strip() == "THAWED"
+
+        code = ("import time\nfrom pathlib import Path\n"
+                "from nodeshare.producers.agent.watchdog import Watchdog\n"
+                "from nodeshare.producers.agent.pausing import Pauser, Target\n"
+                "from nodeshare.producers.agent.processes import Guard\n"
+                f"t = Target('j', frozenset(), Path('{cgroup}'))\n"
+                "w = Watchdog(); w.arm([t]); Pauser(Guard.here(w.pid)).pause(t)\n"
+                "print('frozen', flush=True); time.sleep(60)\n")
+        agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "frozen"
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 1.0
+        while (cgroup / "freezer.state").read_text().strip() != "THAWED" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert (cgroup / "freezer.state").read_text().strip() == "THAWED"
+    finally:
+        (FREEZER / "cgroup.procs").write_text(str(sleeper.pid))  # back to the root before removing
+        cgroup.rmdir()
