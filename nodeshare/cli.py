@@ -398,6 +398,7 @@ def agent(
     from nodeshare.producers.agent.agent import AgentOptions, build
     from nodeshare.producers.agent.jobs import JobFileError
     from nodeshare.producers.agent.processes import Refused
+    from nodeshare.producers.agent.watchdog import WatchdogLost
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = _settings(bootstrap=bootstrap)
@@ -414,8 +415,8 @@ def agent(
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwinds through the agent's resume-and-close paths
     try:
         stats = the_agent.run(duration_s=duration, until_idle=until_idle, drain_s=drain_timeout)
-    except Refused as exc:
-        err.print(f"[red]agent refused[/red]: {exc}")
+    except (Refused, WatchdogLost) as exc:  # nothing is left paused: each shutter resumes before it returns
+        err.print(f"[red]agent stopped[/red]: {exc}")
         raise typer.Exit(3) from None
     shutters = stats.shutter_s
     mean_ms = 1000 * sum(shutters) / len(shutters) if shutters else 0.0
@@ -794,6 +795,11 @@ def bench_power(
     from nodeshare.experiments.power import bench_power as run
 
     result = run(repeats=repeats)
+    _write_bench(result, out_file)
+
+
+def _write_bench(result: dict[str, Any], out_file: Path) -> None:
+    """A benchmark's numbers: printed, and written to its JSON file."""
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(result, indent=2) + "\n")
     out.print_json(json.dumps(result))
@@ -819,10 +825,7 @@ def bench_agent(
         env = {**settings.model_copy(update={"bootstrap": where}).as_env(), "NODESHARE_CONFIG": ""}
         result = measure(env, jobs=jobs, seconds=seconds, slots=slots,
                          progress=lambda done, total: bar.update(task, completed=done))
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(json.dumps(result, indent=2) + "\n")
-    out.print_json(json.dumps(result))
-    out.print(f"wrote {out_file}")
+    _write_bench(result, out_file)
 
 
 @bench_app.command("placement")
@@ -837,10 +840,7 @@ def bench_placement(
     from nodeshare.experiments.pairing import bench_placement as run
 
     result = run(repeats=repeats, greedy_jobs=greedy_jobs, blossom_jobs=blossom_jobs, predict_jobs=predict_jobs)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(json.dumps(result, indent=2) + "\n")
-    out.print_json(json.dumps(result))
-    out.print(f"wrote {out_file}")
+    _write_bench(result, out_file)
 
 
 def _library(profiles: Path | None) -> Any:
@@ -998,10 +998,7 @@ def bench_simulate(
         task = bar.add_task("simulated seconds", total=round(hours * 3600))
         result = run(nodes=nodes, hours=hours, out_dir=keep,
                      progress=lambda t, _span: bar.update(task, completed=round(t)))
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(json.dumps(result, indent=2) + "\n")
-    out.print_json(json.dumps(result))
-    out.print(f"wrote {out_file}")
+    _write_bench(result, out_file)
 
 
 @decisions_app.command("tail")

@@ -306,10 +306,6 @@ class Agent:
                         self.spool.rows, self.spool.path)
         self.spool.close()
 
-    def describe(self) -> dict[str, Any]:
-        return {"node": self.options.node, "cycle": self.cycle, "jobs": sorted(self.jobs),
-                "spool_rows": self.spool.rows, "spool_bytes": self.spool.bytes}
-
 
 def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm: bool,
           progress_dir: Path) -> Agent:

@@ -17,7 +17,7 @@ import subprocess
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -204,6 +204,3 @@ class SlurmJobs:
     def close(self) -> None:
         pass
 
-
-def describe(jobs: dict[str, LocalJob]) -> dict[str, Any]:
-    return {j: sorted(p.pid for p in job.procs) for j, job in jobs.items()}
