@@ -418,9 +418,7 @@ def agent(
     except (Refused, WatchdogLost) as exc:  # nothing is left paused: each shutter resumes before it returns
         err.print(f"[red]agent stopped[/red]: {exc}")
         raise typer.Exit(3) from None
-    shutters = stats.shutter_s
-    mean_ms = 1000 * sum(shutters) / len(shutters) if shutters else 0.0
-    out.print(f"{stats.cycles} shutter cycles (mean pause {mean_ms:.2f} ms); "
+    out.print(f"{stats.cycles} shutter cycles (mean pause {stats.mean_shutter_ms:.2f} ms); "
               f"{stats.skipped_spool_full} skipped with a full spool")
 
 
@@ -464,7 +462,7 @@ def slurm_source(
     import time
 
     from nodeshare.producers.kafka_producer import EventProducer
-    from nodeshare.producers.slurm import SlurmCommands, SlurmSource, cluster_name, run_source
+    from nodeshare.producers.slurm import SlurmCommands, SlurmSource, run_source
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = _settings(bootstrap=bootstrap)
@@ -473,7 +471,7 @@ def slurm_source(
         err.print(f"[red]slurm source[/red]: no events directory {events_dir}: run `nodeshare slurm install-hooks`")
         raise typer.Exit(2)
     commands = SlurmCommands()
-    source = SlurmSource(events_dir, commands, cluster_name(commands), terminal_from_epilog)
+    source = SlurmSource(events_dir, commands, commands.cluster_name(), terminal_from_epilog)
     end = None if duration is None else time.monotonic() + duration
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with EventProducer(settings, client_id="nodeshare-slurm") as producer:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -220,6 +221,13 @@ class SlurmCommands:
             return (expression,)
         return tuple(self._run("scontrol", "show", "hostnames", expression).split())
 
+    def cluster_name(self) -> str:
+        for line in self._run("scontrol", "show", "config").splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "ClusterName":
+                return _name(value.strip(), "slurm")
+        return "slurm"
+
     def queue(self) -> list[dict[str, str]]:
         """Every job the controller still knows, with submit details."""
         keys = ("job_id", "user", "account", "program", "cores", "submit", "state")
@@ -280,20 +288,10 @@ class SlurmSource:
             path.unlink(missing_ok=True)
 
 
-def cluster_name(commands: SlurmCommands) -> str:
-    for line in commands._run("scontrol", "show", "config").splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "ClusterName":
-            return _name(value.strip(), "slurm")
-    return "slurm"
-
-
 def run_source(source: SlurmSource, publish: Callable[[list[JobEvent]], None], *, poll_s: float = 2.0,
                stop: Callable[[], bool] = lambda: False, sleep: Callable[[float], None] | None = None) -> int:
     """Publish lifecycle events until ``stop()``; ``publish`` must raise unless the broker acknowledged
     every event. Returns how many were published. Files stay until their events are acknowledged."""
-    import time
-
     pause = sleep or time.sleep
     published = 0
     while not stop():

@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,11 @@ class PublishedJob:
 class Stats:
     cycles: int = 0
     skipped_spool_full: int = 0
-    shutter_s: list[float] = field(default_factory=list)
+    shutter_total_s: float = 0.0  # a sum, not a list: an agent runs for months
+
+    @property
+    def mean_shutter_ms(self) -> float:
+        return 1000 * self.shutter_total_s / self.cycles if self.cycles else 0.0
 
 
 def _now() -> datetime:
@@ -216,7 +220,7 @@ class Agent:
                 self.watchdog.disarm()
         after = self._windows(counter, k)
         paused_us = (t1 - t0) // 1000
-        self.stats.shutter_s.append((t1 - t0) / 1e9)
+        self.stats.shutter_total_s += (t1 - t0) / 1e9
         block, window = shutter_events(
             node=self.options.node, source=self.source_name, cycle=self.cycle, lone=lone,
             paused=[t.job_id for t in others], counter=counter.source, sample_us=self.options.sample_us,

@@ -22,7 +22,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .pausing import FREEZER_ROOT
-from .processes import Proc, alive, descendants, identities, identity
+from .processes import Proc, alive, children, descendants, identities, identity
 
 PROGRESS_ENV = "NODESHARE_PROGRESS_FILE"  # where a launched job finds its application counter
 
@@ -131,6 +131,7 @@ class StaticJobs:
 
     def poll(self) -> dict[str, LocalJob]:
         jobs = {}
+        tree = children()  # one scan of /proc for all jobs
         for spec in self.specs:
             launched = self._launched.get(spec.id)
             if launched is not None:
@@ -140,7 +141,7 @@ class StaticJobs:
                 continue
             # the roots as first identified, plus whatever descends from them now
             procs = frozenset(roots) | self._known.get(spec.id, frozenset()) | identities(
-                {pid for r in roots for pid in descendants(r.pid)})
+                {pid for r in roots for pid in descendants(r.pid, tree)})
             procs = frozenset(p for p in procs if alive(p))
             if not procs:
                 continue

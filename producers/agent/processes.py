@@ -58,20 +58,26 @@ def alive(p: Proc) -> bool:
     return s is not None and s not in ("Z", "X")
 
 
-def descendants(root: int, proc: Path = PROC) -> set[int]:
-    """``root`` and every process below it in the parent tree, now."""
-    children: dict[int, list[int]] = {}
+def children(proc: Path = PROC) -> dict[int, list[int]]:
+    """Every process's children, now: one scan of /proc."""
+    tree: dict[int, list[int]] = {}
     for entry in proc.iterdir():
         if entry.name.isdigit():
             fields = _stat_fields(int(entry.name), proc)
             if fields is not None:
-                children.setdefault(int(fields[3]), []).append(int(entry.name))
+                tree.setdefault(int(fields[3]), []).append(int(entry.name))
+    return tree
+
+
+def descendants(root: int, tree: dict[int, list[int]] | None = None) -> set[int]:
+    """``root`` and every process below it in the parent tree (``tree`` from ``children()``, or scanned now)."""
+    tree = children() if tree is None else tree
     found, todo = set(), [root]
     while todo:
         pid = todo.pop()
         if pid not in found:
             found.add(pid)
-            todo.extend(children.get(pid, ()))
+            todo.extend(tree.get(pid, ()))
     return found
 
 
