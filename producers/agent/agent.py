@@ -23,7 +23,7 @@ from typing import Any
 from nodeshare.schemas import TOPIC_OF_RECORD, IpcSample, JobEvent, JobState, PowerReading, Record, encode, key_of
 
 from . import rapl
-from .jobs import JobSource, LocalJob
+from .jobs import JobSource, JobSpec, LocalJob
 from .pausing import FREEZER_ROOT, Pauser, Target
 from .processes import Guard, Refused
 from .progress import ApplicationCounter, Counter, HardwareCounter, hardware_counters_unavailable, sample_between
@@ -117,13 +117,12 @@ class Agent:
         meta = {"next_cycle": self.cycle, "jobs": {j: vars(s) for j, s in self.state.items()}}
         self.spool.put(events, meta, reserve=reserve)
 
-    def _lifecycle(self, job: LocalJob, state: JobState, start: str | None, end: datetime | None) -> JobEvent:
-        assert job.spec is not None
+    def _lifecycle(self, spec: JobSpec, state: JobState, start: str | None, end: datetime | None) -> JobEvent:
         at = end or _now()
         return JobEvent(
-            event_id=f"{self.options.node}/job/{job.job_id}/{state.value}", source=self.source_name,
-            event_time=at, job_id=job.job_id, state=state, user=job.spec.user, account=job.spec.account,
-            program=job.spec.program, cores=job.spec.cores, nodes=(self.options.node,),
+            event_id=f"{self.options.node}/job/{spec.id}/{state.value}", source=self.source_name,
+            event_time=at, job_id=spec.id, state=state, user=spec.user, account=spec.account,
+            program=spec.program, cores=spec.cores, nodes=(self.options.node,),
             start_time=datetime.fromisoformat(start) if start else at, end_time=end,
         )
 
@@ -149,9 +148,10 @@ class Agent:
                 st = self.state[job_id] = PublishedJob(start=_now().isoformat())
                 log.info("job %s: %d processes%s", job_id, len(job.procs),
                          f", cgroup {job.cgroup}" if job.cgroup else "")
-            if job.spec is not None and not st.started:
+            spec = self.source.spec(job_id)
+            if spec is not None and not st.started:
                 st.started = True
-                self._put([self._lifecycle(job, JobState.STARTED, st.start, None)], reserve=True)
+                self._put([self._lifecycle(spec, JobState.STARTED, st.start, None)], reserve=True)
             if job_id not in self.counters:
                 counter = self._open_counter(job)
                 if counter is not None:
@@ -160,17 +160,16 @@ class Agent:
 
     def _job_left(self, job_id: str) -> None:
         st = self.state.pop(job_id)
-        job = self.jobs.get(job_id)
         counter = self.counters.pop(job_id, None)
         if counter is not None:
             counter.close()
         records: list[Record] = [left_node(node=self.options.node, source=self.source_name, job_id=job_id,
                                            blocks_sent=st.blocks, last_cycle=st.last_cycle, paused_us=st.paused_us,
                                            at=_now())]
-        if job is not None and job.spec is not None:
-            code = self.source.exit_code(job_id)
-            state = JobState.ENDED if not code else JobState.FAILED
-            records.append(self._lifecycle(job, state, st.start, _now()))
+        spec = self.source.spec(job_id)  # also after a restart, when this agent never saw the job run
+        if spec is not None:
+            state = JobState.FAILED if self.source.exit_code(job_id) else JobState.ENDED
+            records.append(self._lifecycle(spec, state, st.start, _now()))
         log.info("job %s left: %d blocks, %.1f ms paused", job_id, st.blocks, st.paused_us / 1000)
         self._put(records, reserve=True)
 
@@ -226,17 +225,18 @@ class Agent:
             paused=[t.job_id for t in others], counter=counter.source, sample_us=self.options.sample_us,
             before=before, during=during, after=after, start=start, end=end, at=_now())
         st = self.state[lone]
-        st.blocks += 1
-        st.last_cycle = self.cycle
-        for target in others:
+        kept = st.blocks, st.last_cycle
+        st.blocks, st.last_cycle = st.blocks + 1, self.cycle
+        for target in others:  # the pause happened whether or not its record is kept
             self.state[target.job_id].paused_us += paused_us
         self.cycle += 1
         self.lone = lone
         self.stats.cycles += 1
         try:
             self._put([block, window])
-        except SpoolFull as e:  # measured but not kept: undo the count so blocks_sent stays true
-            st.blocks -= 1
+        except SpoolFull as e:  # measured but not kept: the block and its cycle number were never published
+            st.blocks, st.last_cycle = kept
+            self.cycle -= 1
             log.error("%s", e)
         return True
 

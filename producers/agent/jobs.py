@@ -60,8 +60,6 @@ class LocalJob:
     procs: frozenset[Proc]
     cgroup: Path | None = None
     progress: Path | None = None
-    spec: JobSpec | None = None  # set when the agent owns the job's lifecycle
-    exit_code: int | None = None
 
     @property
     def running(self) -> bool:
@@ -76,6 +74,11 @@ class JobSource(Protocol):
         ...
 
     def exit_code(self, job_id: str) -> int | None: ...
+
+    def spec(self, job_id: str) -> JobSpec | None:
+        """The job's billing details when the agent publishes its lifecycle (a static job file), else None.
+        Known whether or not the job still runs: its end may be noticed only after an agent restart."""
+        ...
 
     def close(self) -> None: ...
 
@@ -146,12 +149,15 @@ class StaticJobs:
             if not procs:
                 continue
             self._known[spec.id] = procs
-            jobs[spec.id] = LocalJob(spec.id, procs, None, spec.progress or self.progress_dir / spec.id, spec)
+            jobs[spec.id] = LocalJob(spec.id, procs, None, spec.progress or self.progress_dir / spec.id)
         return jobs
 
     def exit_code(self, job_id: str) -> int | None:
         launched = self._launched.get(job_id)
         return None if launched is None else launched.poll()
+
+    def spec(self, job_id: str) -> JobSpec | None:
+        return next((s for s in self.specs if s.id == job_id), None)
 
     def close(self) -> None:
         for proc in self._launched.values():
@@ -201,6 +207,9 @@ class SlurmJobs:
 
     def exit_code(self, job_id: str) -> int | None:
         return None
+
+    def spec(self, job_id: str) -> JobSpec | None:
+        return None  # Slurm's hooks publish the lifecycle
 
     def close(self) -> None:
         pass

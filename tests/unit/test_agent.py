@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from nodeshare.producers.agent import rapl
-from nodeshare.producers.agent.jobs import JobFileError, load_job_file, parse_listpids
+from nodeshare.producers.agent.agent import Agent, AgentOptions
+from nodeshare.producers.agent.jobs import JobFileError, JobSpec, LocalJob, load_job_file, parse_listpids
 from nodeshare.producers.agent.pausing import Pauser, Target, check_cgroup
 from nodeshare.producers.agent.processes import Guard, Proc, Refused, identity, state
 from nodeshare.producers.agent.progress import ApplicationCounter, ProgressFile, sample_between
@@ -253,3 +255,87 @@ def test_a_job_cgroup_is_frozen_and_thawed_and_the_watchdog_thaws_it_after_sigki
     finally:
         (FREEZER / "cgroup.procs").write_text(str(sleeper.pid))  # back to the root before removing
         cgroup.rmdir()
+
+
+# ----------------------------------------------------------------------------- the agent's books
+
+class FakeSource:
+    """Jobs the test says are running; a static job's billing details."""
+
+    def __init__(self, jobs: dict[str, LocalJob], specs: dict[str, JobSpec]) -> None:
+        self.jobs, self.specs = jobs, specs
+
+    def start(self) -> None: ...
+
+    def poll(self) -> dict[str, LocalJob]:
+        return dict(self.jobs)
+
+    def exit_code(self, job_id: str) -> int | None:
+        return None
+
+    def spec(self, job_id: str) -> JobSpec | None:
+        return self.specs.get(job_id)
+
+    def close(self) -> None: ...
+
+
+class NoBroker:
+    """A forwarder that never sends: what the agent publishes stays in its spool for the test to read."""
+
+    def __init__(self, spool: Spool) -> None: ...
+
+    def pump(self, timeout: float = 0.0) -> None: ...
+
+    def drain(self, timeout: float) -> bool:
+        return False
+
+    def close(self, timeout: float) -> None: ...
+
+
+def agent_on(tmp_path: Path, source: FakeSource, max_bytes: int = 2**20) -> Agent:
+    options = AgentOptions(node="n1", spool=tmp_path / "spool.db", spool_max_bytes=max_bytes, sample_us=1000,
+                           hardware_counters=False)
+    return Agent(options, source, NoBroker, lambda name: name)  # type: ignore[arg-type]
+
+
+def spooled_ids(tmp_path: Path) -> list[str]:
+    spool = Spool(tmp_path / "spool.db")
+    ids = [json.loads(r[3])["event_id"] for r in spool.after(0, 1000)]
+    spool.close()
+    return ids
+
+
+def test_a_static_job_that_ended_while_the_agent_was_down_still_gets_its_end(sleeper: Proc, tmp_path: Path) -> None:
+    spec = JobSpec(id="a", pids=[sleeper.pid], program="p", cores=2)
+    first = agent_on(tmp_path, FakeSource({"a": LocalJob("a", frozenset({sleeper}))}, {"a": spec}))
+    first.rescan()
+    first.close(0)
+    # restarted after the job ended: this agent never sees it run
+    second = agent_on(tmp_path, FakeSource({}, {"a": spec}))
+    second.rescan()
+    second.close(0)
+    assert spooled_ids(tmp_path) == ["n1/job/a/started", "n1/left/a", "n1/job/a/ended"]
+
+
+def test_a_cycle_the_full_spool_refused_is_not_counted(tmp_path: Path) -> None:
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        jobs = {}
+        for name, proc in zip("ab", procs, strict=True):
+            ProgressFile(tmp_path / name).close()
+            p = identity(proc.pid)
+            assert p is not None
+            jobs[name] = LocalJob(name, frozenset({p}), progress=tmp_path / name)
+        agent = agent_on(tmp_path, FakeSource(jobs, {}), max_bytes=1)  # no block fits
+        agent.rescan()
+        assert agent.shutter()  # measured, paused and resumed...
+        books = {j: (s.blocks, s.last_cycle) for j, s in agent.state.items()}
+        paused = [s.paused_us for s in agent.state.values()]
+        agent.close(0)
+        # ...but not kept: no block counted, the cycle number free again, the pause still credited
+        assert books == {"a": (0, -1), "b": (0, -1)} and agent.cycle == 0 and max(paused) > 0
+        assert all(state(p) != "T" for job in jobs.values() for p in job.procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
