@@ -12,8 +12,15 @@ import pytest
 
 from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
+from nodeshare.deploy.topics import create_topics
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
+
+# POPPA's defaults, but the stream worker starts only after the jobs have ended. While it ran on
+# the same 2 cores, a job was often descheduled for a whole 3.2 ms window; Alg. 4 then keeps just
+# the blocks whose before/after windows were idle, and CI saw a degradation of 0.99. A node that
+# gives each job its own cores does not have this problem; this machine has 2 cores for everything.
+SHUTTER = {"NODESHARE_SAMPLE_US": "3200", "NODESHARE_PERIOD_MS": "100"}
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,22 +31,25 @@ def test_two_real_jobs_shuttered_by_the_agent_are_charged(settings: Settings, tm
         f'[[jobs]]\nid = "stream-1"\ncommand = {[*job, "--kind", "stream"]!r}\nprogram = "stream"\nuser = "ana"\n'
         f'[[jobs]]\nid = "compute-2"\ncommand = {[*job, "--kind", "compute"]!r}\nprogram = "compute"\n'
         'user = "bo"\naccount = "physics"\n'.replace("'", '"'))
-    env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(),
-           "NODESHARE_SAMPLE_US": "3200", "NODESHARE_PERIOD_MS": "100"}
+    env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), **SHUTTER}
+    create_topics(settings)
+    agent = subprocess.run(
+        [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
+         "--spool", str(tmp_path / "spool.db"), "--progress-dir", str(tmp_path / "progress"), "--until-idle"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert agent.returncode == 0, agent.stderr
+    # the stream worker starts once the jobs have ended (see SHUTTER): it then reads it all
     with running_pipeline(settings, tmp_path / "run") as pipeline:
-        agent = subprocess.run(
-            [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
-             "--spool", str(tmp_path / "spool.db"), "--progress-dir", str(tmp_path / "progress"), "--until-idle"],
-            env=env, capture_output=True, text=True, timeout=120)
-        assert agent.returncode == 0, agent.stderr
-        pipeline.wait(charges=2, archived=0, timeout_s=60, report=lambda *_: None)
+        pipeline.wait(charges=2, archived=0, timeout_s=90, report=lambda *_: None)
     print(agent.stdout.strip())
     with Ledger(pipeline.ledger_path, read_only=True) as ledger:
         charges = {c.job_id: c for c in ledger.charges()}
     assert charges.keys() == {"stream-1", "compute-2"}
     for c in charges.values():
         print(f"{c.job_id}: {c.blocks_used} blocks used, {c.blocks_rejected} rejected, degradation "
-              f"{c.degradation:.3f}, run {c.run_time_s:.2f} s, paused {c.pause_credit_s:.3f} s, price {c.price:.6f}")
+              f"{c.degradation:.3f} "
+              f"(Alg. 4 {c.degradation_filtered:.3f}, unfiltered {c.degradation_unfiltered:.3f}), "
+              f"run {c.run_time_s:.2f} s, paused {c.pause_credit_s:.3f} s, price {c.price:.6f}")
         assert c.nodes[0].node == "n1" and 5.0 < c.run_time_s < 30.0
         assert c.blocks_used + c.blocks_rejected >= 10  # about one block per job per 0.2 s
         # two jobs on two cores next to the agent, the worker and the broker: slowed, not stopped
