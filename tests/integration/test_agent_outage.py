@@ -40,15 +40,20 @@ def test_the_agent_spools_through_a_broker_outage_and_loses_nothing(tmp_path: Pa
              "--drain-timeout", "60"],
             env={**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100"},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(5)
-        assert broker.pid is not None
-        os.kill(broker.pid, signal.SIGSTOP)
-        stopped_at = time.monotonic()
         try:
-            time.sleep(OUTAGE_S)
-        finally:
-            os.kill(broker.pid, signal.SIGCONT)
-        out, errors = agent.communicate(timeout=180)
+            time.sleep(5)
+            assert broker.pid is not None
+            os.kill(broker.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                time.sleep(OUTAGE_S)
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            out, errors = agent.communicate(timeout=180)
+        finally:  # an agent that cannot drain would otherwise outlive the test (one did)
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
         assert agent.returncode == 0, errors
         assert time.monotonic() - stopped_at > OUTAGE_S
         cycles = int(re.search(r"(\d+) shutter cycles", out).group(1))  # type: ignore[union-attr]

@@ -24,11 +24,12 @@ from nodeshare.schemas import JobState
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
 
-# POPPA's defaults, but the stream worker starts only after the jobs have ended. While it ran on
-# the same 2 cores, a job was often descheduled for a whole 3.2 ms window; Alg. 4 then keeps just
-# the blocks whose before/after windows were idle, and CI saw a degradation of 0.99. A node that
-# gives each job its own cores does not have this problem; this machine has 2 cores for everything.
-SHUTTER = {"NODESHARE_SAMPLE_US": "3200", "NODESHARE_PERIOD_MS": "100"}
+# This machine has 2 cores for everything. With POPPA's S = 3.2 ms a job was often descheduled
+# for a whole window, and Alg. 4 keeps just the blocks whose before/after windows caught it idle:
+# fresh-clone CI saw degradations of 0.99, also with the stream worker started after the jobs.
+# 20 ms windows span several scheduler slices, and the worker starts only once the jobs have ended.
+# A node that gives each job its own cores needs neither.
+SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100"}
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(missing() is not None, reason=str(missing()))]
