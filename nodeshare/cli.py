@@ -954,6 +954,49 @@ def experiment_pairing(
         f"rf_blossom: {r['rf_blossom_pairs']} pairs, {r['rf_blossom_serialized']} serialized (slower shared)"])
 
 
+@experiment_app.command("sns")
+def experiment_sns(
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="job trace in Standard Workload Format")],
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/sns.png"),
+    scaling_ratio: Annotated[float, typer.Option(min=0.01, max=0.99, help="chance a job runs a scaling program")] = 0.5,
+    nodes: Annotated[int | None, typer.Option(min=1, help="simulated nodes (default: the trace's MaxNodes)")] = None,
+    min_procs: Annotated[int, typer.Option(min=1, help="keep jobs with at least this many trace processors")] = 36,
+    limit: Annotated[int | None, typer.Option(min=1, help="replay only the first N kept jobs")] = None,
+    alpha: Annotated[float, typer.Option(min=0.01, max=1.0, help="every job's slowdown threshold")] = 0.9,
+    age_limit_s: Annotated[float, typer.Option(min=0.0, help="wait after which a job blocks younger ones")] = 3600.0,
+    bandwidth_budget: Annotated[float, typer.Option(min=0.05, max=1.0,
+                                                    help="share of a node's peak bandwidth SNS hands out")] = 0.92,
+    seed: Annotated[int, typer.Option(help="seed of the job-to-program mapping")] = 7,
+) -> None:
+    """Seed 001 Section 6.4: a real trace replayed on a simulated cluster under CE, CS and SNS:
+    throughput (1 / mean turnaround), wait and run times, and alpha violations."""
+    from nodeshare.experiments.sns import experiment_sns as run
+    from nodeshare.experiments.sns import plot_sns
+
+    try:
+        with _progress() as bar:
+            tasks: dict[str, Any] = {}
+
+            def progress(policy: str, done: int, total: int) -> None:
+                if policy not in tasks:
+                    tasks[policy] = bar.add_task(f"replaying under {policy}", total=total)
+                bar.update(tasks[policy], completed=done)
+
+            r = run(trace, scaling_ratio=scaling_ratio, nodes=nodes, min_procs=min_procs, limit=limit, alpha=alpha,
+                    age_limit_s=age_limit_s, seed=seed, bandwidth_budget=bandwidth_budget, progress=progress)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trace") from None
+    pol = r["policies"]
+    _experiment_out(r, as_json, png, plot_sns, [
+        f"{r['jobs']} jobs of {trace.name} on {r['nodes']} nodes of {r['node']['cores']} cores "
+        f"(scaling ratio {scaling_ratio}: {100 * r['scaling_core_hours_share']:.0f}% of core-hours scaling)",
+        *(f"{p:<4} wait {v['mean_wait_s']:>9.0f} s  run {v['mean_run_s']:>9.0f} s  turnaround "
+          f"{v['mean_turnaround_s']:>9.0f} s  run/CE {v['run_vs_ce_geomean']:.3f}  "
+          f"alpha violations {v['alpha_violations']}" for p, v in pol.items()),
+        "throughput vs CE: " + ", ".join(f"{p} {g:+.1f}%" for p, g in r["throughput_gain_vs_ce_pct"].items())])
+
+
 @experiment_app.command("shutter")
 def experiment_shutter(
     as_json: FullJson = False,

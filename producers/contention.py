@@ -45,18 +45,20 @@ def loaded_latency(rho: np.ndarray, queue: float) -> np.ndarray:
 
 
 def bandwidth_ipc(ipc0: np.ndarray, bw0: np.ndarray, stall: np.ndarray, active: np.ndarray, socket: Socket,
-                  iters: int = 40) -> tuple[np.ndarray, np.ndarray]:
+                  iters: int = 40, procs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """IPC of each co-runner once memory bandwidth is shared, and the socket's load rho.
 
     ``ipc0`` and ``bw0`` are each process's IPC and bandwidth at its ways without bandwidth
-    contention; inactive co-runners (paused or absent) count for nothing and get IPC 0."""
+    contention; inactive co-runners (paused or absent) count for nothing and get IPC 0.
+    ``procs``: processes of each co-runner on the socket (default ``socket.procs`` each)."""
+    n = socket.procs if procs is None else procs
     rho = np.zeros(ipc0.shape[:-1])
     ipc = ipc0
     safe0 = np.where(ipc0 > 0, ipc0, 1.0)
     for _ in range(iters):
         lat = loaded_latency(rho, socket.queue)[..., None]
         ipc = ipc0 / (1.0 + stall * (lat - 1.0))
-        demand = np.where(active, socket.procs * bw0 * ipc / safe0, 0.0)
+        demand = np.where(active, n * bw0 * ipc / safe0, 0.0)
         total = demand.sum(axis=-1)
         cap = socket.max_util * socket.bw_gbps
         scale = np.minimum(1.0, cap / np.maximum(total, 1e-12))
@@ -65,11 +67,13 @@ def bandwidth_ipc(ipc0: np.ndarray, bw0: np.ndarray, stall: np.ndarray, active: 
     return np.where(active, ipc, 0.0), rho
 
 
-def llc_ways(rpki: np.ndarray, ipc: np.ndarray, active: np.ndarray, socket: Socket) -> np.ndarray:
+def llc_ways(rpki: np.ndarray, ipc: np.ndarray, active: np.ndarray, socket: Socket,
+             procs: np.ndarray | None = None) -> np.ndarray:
     """Ways per process: the socket's ways shared in proportion to LLC access rates."""
-    access = np.where(active, socket.procs * np.maximum(rpki, 1e-3) * np.maximum(ipc, 1e-3), 0.0)
+    n = socket.procs if procs is None else procs
+    access = np.where(active, n * np.maximum(rpki, 1e-3) * np.maximum(ipc, 1e-3), 0.0)
     total = np.maximum(access.sum(axis=-1, keepdims=True), 1e-12)
-    return np.where(active, socket.ways * access / total / socket.procs, 0.0)
+    return np.where(active, socket.ways * access / total / n, 0.0)
 
 
 @dataclass(frozen=True)
@@ -81,20 +85,21 @@ class Steady:
 
 
 def at_ways(ipc_tab: np.ndarray, bw_tab: np.ndarray, stall: np.ndarray, ways: np.ndarray, active: np.ndarray,
-            socket: Socket) -> Steady:
+            socket: Socket, procs: np.ndarray | None = None) -> Steady:
     """IPC of co-runners holding the given ways, with bandwidth shared."""
     ipc0 = interp_ways(ipc_tab, ways)
     bw0 = interp_ways(bw_tab, ways)
-    ipc, rho = bandwidth_ipc(ipc0, bw0, stall, active, socket)
+    ipc, rho = bandwidth_ipc(ipc0, bw0, stall, active, socket, procs=procs)
     return Steady(ways, ipc, np.where(active, bw0, 0.0), rho)
 
 
 def equilibrium(ipc_tab: np.ndarray, bw_tab: np.ndarray, stall: np.ndarray, rpki: np.ndarray, active: np.ndarray,
-                socket: Socket, iters: int = 12) -> Steady:
-    """The steady state of co-runners that have shared the socket long enough (LLC and bandwidth)."""
+                socket: Socket, iters: int = 12, procs: np.ndarray | None = None) -> Steady:
+    """The steady state of co-runners that have shared the socket long enough (LLC and bandwidth).
+    ``procs``: processes of each co-runner on the socket (default ``socket.procs`` each)."""
     ipc = np.where(active, ipc_tab[..., -1], 0.0)
     for _ in range(iters):
-        st = at_ways(ipc_tab, bw_tab, stall, llc_ways(rpki, ipc, active, socket), active, socket)
+        st = at_ways(ipc_tab, bw_tab, stall, llc_ways(rpki, ipc, active, socket, procs), active, socket, procs)
         ipc = st.ipc
     return st
 

@@ -1,0 +1,376 @@
+"""Seed 001 Section 6.4 on a simulated cluster: a real job trace (Standard Workload Format)
+replayed under CE, CS and SNS; throughput, wait, run and turnaround times, alpha violations.
+
+As in the paper, each trace job is mapped to a program of the workload library, sampled with a
+bias (the *scaling ratio*: the chance a job runs a scaling program), and its trace run time is
+its CE run time. What the scheduler does not know and the simulation decides is how fast each
+job really runs where it was put:
+
+* **Nodes** are one contention domain each (:mod:`nodeshare.producers.contention`): 16 cores,
+  22 LLC ways and 76 GB/s, two of the library's sockets taken as one.
+* **Exclusive runs at scale k** (the profile): c = ceil(P / n) processes per node alone on the
+  node; compute speeds up by the IPC gained from more ways and bandwidth per process, and the
+  program's communication share grows by ``COMM_GROWTH`` per doubling of nodes (so
+  communication-heavy programs come out compact, memory-bound ones scaling).
+* **Shared nodes**: a job runs at the IPC its node's co-runners leave it, with the slowest of
+  its nodes setting its pace (bulk-synchronous codes). Under SNS every job holds its allocated
+  LLC ways (CAT) and unallocated ways are shared equally (Seed 001 Section 4.4); under CS the
+  ways go by access rates, as without CAT.
+
+A job's speed changes whenever its nodes' co-runners do; the simulation integrates progress
+between events. The scheduler sees only profiles (program-level: exclusive run times per scale
+and IPC-LLC / BW-LLC curves), never this truth.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nodeshare.experiments import pyplot, save
+from nodeshare.producers.contention import Socket, at_ways, equilibrium
+from nodeshare.producers.workloads import BUILTIN, WAYS, Workload, interp_ways
+from nodeshare.schemas.events import ProgramClass
+from nodeshare.streams.placement.sns import (
+    POLICIES,
+    SCALE_FACTORS,
+    LlcDemand,
+    NodeCapacity,
+    PendingJob,
+    Scheduler,
+    classify,
+    llc_demand,
+    spread,
+)
+
+#: One node of the simulated cluster: two of the library's sockets as one contention domain.
+NODE = Socket(ways=2.0 * WAYS, bw_gbps=76.0)
+NODE_CORES = 16
+#: How much a program's communication time grows per doubling of its node count (an assumption:
+#: more of its messages leave the node).
+COMM_GROWTH = 0.5
+#: The share of a node's peak memory bandwidth SNS hands out. Seed 001 adds up solo bandwidths
+#: against the node's capacity; near capacity, loaded latency (the model's queueing curve) slows
+#: every co-runner, so a budget below it trades wait time for fewer alpha violations.
+BANDWIDTH_BUDGET = NODE.max_util
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    job_id: str
+    submit_s: float
+    run_s: float  # the trace's run time: the job's CE run time here
+    procs: int  # processes on the simulated nodes
+
+
+def read_swf(path: Path, min_procs: int = 8, limit: int | None = None,
+             node_cores: int = NODE_CORES) -> tuple[list[TraceJob], dict[str, Any]]:
+    """Jobs of a Standard Workload Format trace with a positive run time and at least
+    ``min_procs`` processors (parallel jobs, as Seed 001 Section 6.4 selects), resized from the
+    trace's cores per node (MaxProcs / MaxNodes) to ``node_cores``. Raises ValueError naming the
+    line of anything malformed."""
+    header: dict[str, str] = {}
+    jobs: list[TraceJob] = []
+    with open(path) as fh:
+        for line_no, line in enumerate(fh, start=1):
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith(";"):
+                key, _, value = text[1:].partition(":")
+                header[key.strip()] = value.strip()
+                continue
+            fields = text.split()
+            if len(fields) < 18:
+                raise ValueError(f"{path}:{line_no}: {len(fields)} fields, the Standard Workload Format has 18")
+            try:
+                num, submit, run, alloc, req = (float(fields[i]) for i in (0, 1, 3, 4, 7))
+            except ValueError:
+                raise ValueError(f"{path}:{line_no}: a field is not a number: {text[:60]!r}") from None
+            procs = alloc if alloc > 0 else req
+            if run > 0 and procs >= min_procs:
+                jobs.append(TraceJob(str(int(num)), submit, run, int(procs)))
+    try:
+        trace_nodes, trace_procs = int(header["MaxNodes"]), int(header["MaxProcs"])
+    except (KeyError, ValueError):
+        raise ValueError(f"{path}: the header needs MaxNodes and MaxProcs to resize jobs to the simulated nodes") \
+            from None
+    if not jobs:
+        raise ValueError(f"{path}: no job with a run time and at least {min_procs} processors")
+    jobs.sort(key=lambda j: (j.submit_s, j.job_id))
+    jobs = jobs[:limit] if limit else jobs
+    per_node = trace_procs / trace_nodes
+    t0 = jobs[0].submit_s
+    resized = [TraceJob(j.job_id, j.submit_s - t0, j.run_s, max(1, math.ceil(j.procs * node_cores / per_node)))
+               for j in jobs]
+    return resized, {"trace_nodes": trace_nodes, "trace_cores_per_node": per_node}
+
+
+class Machine:
+    """The simulated truth for a library of programs on NODE (cached: the same co-runner sets recur)."""
+
+    def __init__(self, programs: Sequence[Workload], cores: int = NODE_CORES, node: Socket = NODE) -> None:
+        self.programs = list(programs)
+        self.cores = cores
+        self.node = node
+        self.ipc = np.array([w.ipc for w in programs])
+        self.bw = np.array([w.bw_gbps for w in programs])
+        self.stall = np.array([w.mem_stall for w in programs])
+        self.rpki = np.array([w.llc_rpki for w in programs])
+        self.comm = np.array([w.comm for w in programs])
+        self.exclusive_ipc = lru_cache(maxsize=None)(self._exclusive_ipc)
+        self.node_ipc = lru_cache(maxsize=1 << 16)(self._node_ipc)
+        self.curves = lru_cache(maxsize=None)(self._curves)
+
+    def _exclusive_ipc(self, prog: int, procs: int) -> float:
+        return float(self._node_ipc(((prog, procs, 0),), cat=False)[0])
+
+    def _node_ipc(self, jobs: tuple[tuple[int, int, int], ...], cat: bool) -> np.ndarray:
+        """IPC of each (program, processes, allocated ways) on one node. With ``cat`` each job holds
+        its ways and the rest are shared equally; without, ways go by access rates."""
+        prog = np.array([j[0] for j in jobs])
+        procs = np.array([float(j[1]) for j in jobs])
+        active = np.ones(len(jobs), bool)
+        if cat:
+            spare = max(0.0, self.node.ways - sum(j[2] for j in jobs)) / len(jobs)
+            ways = (np.array([float(j[2]) for j in jobs]) + spare) / procs
+            st = at_ways(self.ipc[prog], self.bw[prog], self.stall[prog], ways, active, self.node, procs)
+        else:
+            st = equilibrium(self.ipc[prog], self.bw[prog], self.stall[prog], self.rpki[prog], active, self.node,
+                             procs=procs)
+        return st.ipc
+
+    def stretch(self, prog: int, procs: int, scale: int, ipc: float) -> float:
+        """Run time relative to the CE run of a ``procs``-process job computing at ``ipc`` on scale ``scale``."""
+        _, c_ce = spread(procs, self.cores, 1)
+        comm = float(self.comm[prog])
+        return (1.0 - comm) * self.exclusive_ipc(prog, c_ce) / ipc + comm * (1.0 + COMM_GROWTH * math.log2(scale))
+
+    def runtime_by_scale(self, prog: int, procs: int) -> dict[int, float]:
+        """Exclusive run time per scale factor, relative to CE (what a profile holds)."""
+        out = {}
+        for k in SCALE_FACTORS:
+            _, c = spread(procs, self.cores, k)
+            out[k] = self.stretch(prog, procs, k, self.exclusive_ipc(prog, c))
+        return out
+
+    def _curves(self, prog: int, procs: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """IPC-LLC and BW-LLC curves of ``procs`` processes on a node, at 1 .. all its ways
+        (what CAT profiling measures): per-process curves at ways / procs; bandwidth capped by the node."""
+        ways = np.arange(1, int(self.node.ways) + 1) / procs
+        cap = self.node.bw_gbps * self.node.max_util
+        ipc = interp_ways(np.broadcast_to(self.ipc[prog], (len(ways), WAYS)), ways)
+        bw = np.minimum(procs * interp_ways(np.broadcast_to(self.bw[prog], (len(ways), WAYS)), ways), cap)
+        return tuple(ipc.tolist()), tuple(bw.tolist())
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A program's profile as SNS keeps it: program-level run times per scale (measured with one
+    node's worth of processes, like Seed 001 Fig. 13) and CAT curves at the job's density."""
+
+    machine: Machine
+    prog: int
+    runtimes: Mapping[int, float]
+
+    def runtime_by_scale(self) -> Mapping[int, float]:
+        return self.runtimes
+
+    def demand(self, cores_per_node: int, alpha: float) -> LlcDemand | None:
+        ipc, bw = self.machine.curves(self.prog, cores_per_node)
+        return llc_demand(ipc, bw, alpha)
+
+
+@dataclass
+class Running:
+    job: TraceJob
+    prog: int
+    scale: int
+    nodes: tuple[str, ...]
+    cores: int
+    ways: int
+    remaining: float  # CE seconds of work left
+    rate: float = 1.0  # CE seconds of work per second
+    since: float = 0.0  # when remaining and rate were last brought up to date
+
+
+def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machine, policy: str, nodes: int,
+             alpha: float = 0.9, age_limit_s: float = 3600.0, bandwidth_budget: float = BANDWIDTH_BUDGET,
+             progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
+    """Replay ``jobs`` (program ``assignment[i]``) under one policy; per job: start, end, scale."""
+    pol = POLICIES[policy]
+    cap = NodeCapacity(machine.cores, int(machine.node.ways), machine.node.bw_gbps * bandwidth_budget)
+    sched = Scheduler({f"n{i:04d}": cap for i in range(nodes)}, pol, age_limit_s)
+    profiles = {p: ModelProfile(machine, p, machine.runtime_by_scale(p, machine.cores)) for p in set(assignment)}
+    index = {j.job_id: i for i, j in enumerate(jobs)}
+    start, end, scale = np.full(len(jobs), np.nan), np.full(len(jobs), np.nan), np.zeros(len(jobs), int)
+    running: dict[str, Running] = {}
+    on_node: dict[str, set[str]] = {name: set() for name in sched.loads}
+    now, arrivals, done = 0.0, 0, 0
+    ends: list[tuple[float, str, int]] = []  # (end time, job, version) heap; stale versions skipped
+    version: dict[str, int] = {}
+
+    def rerate(changed: set[str]) -> None:
+        touched = {j for n in changed for j in on_node[n]}
+        for jid in touched:
+            r = running[jid]
+            r.remaining = max(0.0, r.remaining - r.rate * (now - r.since))
+            r.since = now
+            ipc = min(node_ipc(n, jid) for n in r.nodes)
+            r.rate = 1.0 / machine.stretch(r.prog, r.job.procs, r.scale, ipc)
+            version[jid] = version.get(jid, 0) + 1
+            heapq.heappush(ends, (now + r.remaining / r.rate, jid, version[jid]))
+
+    def node_ipc(name: str, jid: str) -> float:
+        ids = sorted(on_node[name])
+        key = tuple((running[j].prog, running[j].cores, running[j].ways) for j in ids)
+        return float(machine.node_ipc(key, pol.resource_aware)[ids.index(jid)])
+
+    while done < len(jobs):
+        t_arrive = jobs[arrivals].submit_s if arrivals < len(jobs) else math.inf
+        while ends and version.get(ends[0][1]) != ends[0][2]:
+            heapq.heappop(ends)
+        t_end = ends[0][0] if ends else math.inf
+        changed: set[str] = set()
+        if t_end <= t_arrive:
+            now, jid, _ = heapq.heappop(ends)
+            r = running.pop(jid)
+            del version[jid]
+            end[index[jid]] = now
+            sched.release(jid)
+            for n in r.nodes:
+                on_node[n].discard(jid)
+            changed.update(r.nodes)
+            done += 1
+            if progress and done % 500 == 0:
+                progress(done, len(jobs))
+        else:
+            now = t_arrive
+            while arrivals < len(jobs) and jobs[arrivals].submit_s <= now:
+                j = jobs[arrivals]
+                sched.submit(PendingJob(j.job_id, j.procs, alpha, j.submit_s, profiles[assignment[arrivals]]))
+                arrivals += 1
+        for d in sched.schedule(now):
+            if d.placement is None:
+                continue
+            i = index[d.job.job_id]
+            p = d.placement
+            running[d.job.job_id] = Running(jobs[i], assignment[i], p.scale, p.nodes, p.cores_per_node,
+                                            p.ways or 0, jobs[i].run_s, 1.0, now)
+            start[i], scale[i] = now, p.scale
+            for n in p.nodes:
+                on_node[n].add(d.job.job_id)
+            changed.update(p.nodes)
+        rerate(changed)
+    return {"start": start, "end": end, "scale": scale}
+
+
+def assign_programs(n: int, classes: Sequence[ProgramClass], scaling_ratio: float,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Seed 001 Section 6.4: a job runs a scaling program with probability ``scaling_ratio``, else a
+    non-scaling one; uniform within each group."""
+    scaling = [i for i, c in enumerate(classes) if c is ProgramClass.SCALING]
+    other = [i for i, c in enumerate(classes) if c is not ProgramClass.SCALING]
+    if not scaling or not other:
+        raise ValueError("the library needs scaling and non-scaling programs to set a scaling ratio")
+    pick = rng.random(n) < scaling_ratio
+    return np.where(pick, rng.choice(scaling, n), rng.choice(other, n))
+
+
+def experiment_sns(trace: Path, scaling_ratio: float = 0.5, nodes: int | None = None, min_procs: int = 8,
+                   limit: int | None = None, alpha: float = 0.9, age_limit_s: float = 3600.0, seed: int = 7,
+                   bandwidth_budget: float = BANDWIDTH_BUDGET,
+                   policies: Sequence[str] = ("CE", "CS", "SNS"),
+                   progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """CE vs CS vs SNS on a trace. Throughput is Seed 001's: the reciprocal of the mean
+    submit-to-finish time; an alpha violation is a job whose run time exceeds its CE run time / alpha."""
+    if not 0.0 < scaling_ratio < 1.0:
+        raise ValueError(f"--scaling-ratio must be within (0, 1), got {scaling_ratio}")
+    jobs, meta = read_swf(trace, min_procs, limit)
+    nodes = nodes or meta["trace_nodes"]
+    machine = Machine([w for name, w in BUILTIN.items() if name != "NULL"])
+    too_big = [j.job_id for j in jobs if math.ceil(j.procs / machine.cores) > nodes]
+    jobs = [j for j in jobs if math.ceil(j.procs / machine.cores) <= nodes]
+    ref = {i: machine.runtime_by_scale(i, machine.cores) for i in range(len(machine.programs))}
+    classes = [classify(ref[i]) for i in range(len(machine.programs))]
+    assignment = assign_programs(len(jobs), classes, scaling_ratio, np.random.default_rng(seed))
+    ce_run = np.array([j.run_s for j in jobs])
+    submit = np.array([j.submit_s for j in jobs])
+    results: dict[str, dict[str, Any]] = {}
+    for name in policies:
+        report: Callable[[int, int], None] | None = None
+        if progress is not None:
+            report = (lambda pol: lambda d, t: progress(pol, d, t))(name)
+        out = simulate(jobs, assignment.tolist(), machine, name, nodes, alpha=alpha, age_limit_s=age_limit_s,
+                       bandwidth_budget=bandwidth_budget,
+                       progress=report)
+        wait, run = out["start"] - submit, out["end"] - out["start"]
+        turnaround = out["end"] - submit
+        slowdown = run / ce_run
+        results[name] = {
+            "mean_wait_s": float(wait.mean()), "mean_run_s": float(run.mean()),
+            "mean_turnaround_s": float(turnaround.mean()), "throughput_per_h": 3600.0 / float(turnaround.mean()),
+            "makespan_s": float(out["end"].max()),
+            "run_vs_ce_geomean": float(np.exp(np.log(slowdown).mean())),
+            "run_vs_ce_max": float(slowdown.max()),
+            "alpha_violations": int((slowdown > 1.0 / alpha + 1e-9).sum()),
+            "scale_share": {str(k): float((out["scale"] == k).mean()) for k in SCALE_FACTORS},
+        }
+    ce_turn = results["CE"]["mean_turnaround_s"] if "CE" in results else None
+    core_s = np.array([j.procs * j.run_s for j in jobs])
+    scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
+    return {
+        "experiment": "sns", "trace": str(trace), "jobs": len(jobs), "skipped_too_big": len(too_big),
+        "nodes": nodes, "node": {"cores": machine.cores, "llc_ways": int(NODE.ways), "bandwidth_gbps": NODE.bw_gbps},
+        "min_procs": min_procs, "alpha": alpha, "bandwidth_budget": bandwidth_budget, "age_limit_s": age_limit_s,
+        "seed": seed,
+        "scaling_ratio": scaling_ratio, "scaling_core_hours_share": float(core_s[scaling].sum() / core_s.sum()),
+        "programs": {w.name: {"class": classes[i].value,
+                              "runtime_vs_ce_by_scale": {str(k): v for k, v in ref[i].items()}}
+                     for i, w in enumerate(machine.programs)},
+        "policies": results,
+        "throughput_gain_vs_ce_pct": {p: 100.0 * (ce_turn / r["mean_turnaround_s"] - 1.0)
+                                      for p, r in results.items() if ce_turn and p != "CE"},
+        "alpha_violations": {p: r["alpha_violations"] for p, r in results.items()},
+        **meta,
+    }
+
+
+def plot_sns(result: dict[str, Any], path: Path) -> Path:
+    """Seed 001 Fig. 20's breakdown: mean wait and run time per policy, normalized to CE's turnaround."""
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    pols = list(result["policies"])
+    ref = result["policies"].get("CE", result["policies"][pols[0]])["mean_turnaround_s"]
+    wait = [result["policies"][p]["mean_wait_s"] / ref for p in pols]
+    run = [result["policies"][p]["mean_run_s"] / ref for p in pols]
+    ax1.bar(pols, wait, label="wait (submit to start)")
+    ax1.bar(pols, run, bottom=wait, label="run (start to finish)")
+    for x, p in enumerate(pols):
+        gain = result["throughput_gain_vs_ce_pct"].get(p)
+        label = f"{gain:+.1f}%" if gain is not None else "baseline"
+        ax1.text(x, wait[x] + run[x], label, ha="center", va="bottom")
+    ax1.set(ylabel="time / CE mean turnaround",
+            title=f"{result['jobs']} jobs on {result['nodes']} nodes, scaling ratio {result['scaling_ratio']}")
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=2)
+    names = list(result["programs"])
+    width = 0.8 / len(SCALE_FACTORS)
+    for k_i, k in enumerate(SCALE_FACTORS):
+        ys = [result["programs"][n]["runtime_vs_ce_by_scale"][str(k)] for n in names]
+        ax2.bar(np.arange(len(names)) + k_i * width, ys, width, label=f"scale {k}")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_xticks(np.arange(len(names)) + width * 1.5,
+                   [f"{n} ({result['programs'][n]['class'][:4]})" for n in names], fontsize=7, rotation=40,
+                   ha="right")
+    top = max(v for n in names for v in result["programs"][n]["runtime_vs_ce_by_scale"].values())
+    ax2.set_ylim(0.6, top + 0.05)
+    ax2.set(ylabel="exclusive run time / CE", title="profiles: run time per scale factor (Seed 001 Fig. 13)")
+    ax2.legend(fontsize=8)
+    return save(fig, path)

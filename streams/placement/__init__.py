@@ -1,0 +1,1 @@
+"""Placement: Spread-n-Share (sns) and the placement manager that folds the cluster log (stream)."""

@@ -1,0 +1,312 @@
+"""Spread-n-Share (Seed 001, Section 4): choose a job's scale factor, its per-node demand in
+cores, LLC ways and memory bandwidth, and the nodes it runs on.
+
+Pure and deterministic: no clock (the caller passes ``now``), no I/O. CE (compact-exclusive)
+and CS (compact-share) are the same scheduler with other settings (``Policy``):
+
+* **CE**: scale factor 1, every node exclusive: the conventional HPC policy.
+* **CS**: nodes shared by cores only; the smallest scale factor that fits now.
+* **SNS**: scale factors fastest first (from the program's profile); per node ``c`` cores,
+  ``w`` LLC ways (the least that keeps IPC >= alpha * F-IPC on the IPC-LLC curve) and ``b``
+  memory bandwidth (the BW-LLC curve at ``w``); nodes with the lowest Co + Bo + 2 * Wo.
+
+A job that fits nowhere is delayed; the queue is scanned oldest first and a job that has
+waited ``age_limit_s`` stops the scan, so no younger job takes what it waits for (ageing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nodeshare.schemas.events import ProgramClass
+
+#: Seed 001 Section 5.1: the candidate scale factors of Uberun.
+SCALE_FACTORS = (1, 2, 4, 8)
+#: Seed 001 Section 4.3: slowdown threshold when the user gives none.
+DEFAULT_ALPHA = 0.9
+#: Seed 001 Section 4.2: a neutral program's run time varies within 5% over all scale factors.
+NEUTRAL_BAND = 0.05
+#: Seed 001 Section 4.4: beta, the weight of occupied LLC ways in a node's load (2 in Uberun).
+WAYS_WEIGHT = 2.0
+#: How long a job may be passed over before it blocks younger jobs (Seed 001 gives no number).
+DEFAULT_AGE_LIMIT_S = 3600.0
+
+
+def classify(runtime_by_scale: Mapping[int, float], band: float = NEUTRAL_BAND) -> ProgramClass:
+    """Seed 001 Section 4.2: neutral when the run time varies within ``band`` of its minimum over
+    the profiled scale factors; else scaling when some k > 1 beats k = 1, compact when none does.
+    Unknown without the k = 1 run and at least one other."""
+    if 1 not in runtime_by_scale or len(runtime_by_scale) < 2:
+        return ProgramClass.UNKNOWN
+    times = list(runtime_by_scale.values())
+    if max(times) <= (1.0 + band) * min(times):
+        return ProgramClass.NEUTRAL
+    best_spread = min(t for k, t in runtime_by_scale.items() if k > 1)
+    return ProgramClass.SCALING if best_spread < runtime_by_scale[1] else ProgramClass.COMPACT
+
+
+def fastest_first(runtime_by_scale: Mapping[int, float], allowed: Iterable[int] = SCALE_FACTORS) -> list[int]:
+    """Profiled scale factors by run time, fastest first (ties: the smaller factor); scale 1
+    alone when nothing is profiled yet (the first run is the CE run, Seed 001 Section 4.2)."""
+    known = [k for k in allowed if k in runtime_by_scale]
+    return sorted(known, key=lambda k: (runtime_by_scale[k], k)) or [1]
+
+
+def sns_scales(runtime_by_scale: Mapping[int, float]) -> list[int]:
+    """The scale factors SNS tries, in order (Seed 001 Sections 4.4 and 6.1): fastest first, except
+    for a neutral program, which gains nothing from spreading and is spread only "passively", to
+    use residual cores: smallest first."""
+    if classify(runtime_by_scale) is ProgramClass.NEUTRAL:
+        return [k for k in SCALE_FACTORS if k in runtime_by_scale]
+    return fastest_first(runtime_by_scale)
+
+
+def spread(procs: int, cores_per_node: int, scale: int) -> tuple[int, int]:
+    """Seed 001 Section 4.3: ``n = k * ceil(P / T)`` nodes and ``c = ceil(P / n)`` cores on each."""
+    if procs < 1 or cores_per_node < 1 or scale < 1:
+        raise ValueError("processes, cores per node and scale factor must be positive")
+    n = scale * math.ceil(procs / cores_per_node)
+    return n, math.ceil(procs / n)
+
+
+@dataclass(frozen=True)
+class LlcDemand:
+    ways: int  # LLC ways the job's processes on one node need
+    bandwidth_gbps: float  # memory bandwidth they use at those ways
+    ipc_share: float  # IPC at those ways / IPC at full ways (>= alpha)
+
+
+def llc_demand(ipc_by_ways: Sequence[float], bw_by_ways: Sequence[float], alpha: float) -> LlcDemand:
+    """Seed 001 Fig. 10: T-IPC = alpha * F-IPC (F-IPC: the IPC at the curve's last point, every
+    way); ``w`` is the fewest ways whose IPC reaches T-IPC; ``b`` the BW-LLC curve at ``w``.
+    Curves are sampled at 1, 2, ... ways."""
+    if not ipc_by_ways or len(ipc_by_ways) != len(bw_by_ways):
+        raise ValueError("IPC-LLC and BW-LLC curves need the same, non-zero number of points")
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be within (0, 1], got {alpha}")
+    full = ipc_by_ways[-1]
+    for i, ipc in enumerate(ipc_by_ways):
+        if ipc >= alpha * full:
+            return LlcDemand(i + 1, float(bw_by_ways[i]), float(ipc / full) if full > 0 else 1.0)
+    raise AssertionError("unreachable: the last point always reaches alpha * itself")
+
+
+class JobProfile(Protocol):
+    """What placement needs to know about a job's program."""
+
+    def runtime_by_scale(self) -> Mapping[int, float]:
+        """Exclusive run time per scale factor (any unit; only ratios matter)."""
+        ...
+
+    def demand(self, cores_per_node: int, alpha: float) -> LlcDemand | None:
+        """Per-node LLC ways and bandwidth of ``cores_per_node`` processes at slowdown ``alpha``;
+        None when the program has no IPC-LLC curve yet."""
+        ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    share_nodes: bool  # False: a node runs one job (CE)
+    resource_aware: bool  # check LLC ways and bandwidth as well as cores (SNS)
+    scales: Callable[[Mapping[int, float]], list[int]]  # scale factors to try, in order
+
+
+CE = Policy("CE", share_nodes=False, resource_aware=False, scales=lambda _profile: [1])
+CS = Policy("CS", share_nodes=True, resource_aware=False, scales=lambda _profile: list(SCALE_FACTORS))
+SNS = Policy("SNS", share_nodes=True, resource_aware=True, scales=sns_scales)
+POLICIES = {p.name: p for p in (CE, CS, SNS)}
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    cores: int
+    llc_ways: int
+    bandwidth_gbps: float
+
+
+@dataclass
+class NodeLoad:
+    """What is allocated on a node: cores, ways and bandwidth by job."""
+
+    capacity: NodeCapacity
+    jobs: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # job -> (cores, ways, bandwidth)
+    exclusive: bool = False
+
+    def used(self) -> tuple[int, int, float]:
+        c = sum(j[0] for j in self.jobs.values())
+        w = sum(j[1] for j in self.jobs.values())
+        b = sum(j[2] for j in self.jobs.values())
+        return c, w, b
+
+    def score(self, beta: float = WAYS_WEIGHT) -> float:
+        """Seed 001 Section 4.4: Co + Bo + beta * Wo, the occupied shares of cores, bandwidth, ways."""
+        c, w, b = self.used()
+        cap = self.capacity
+        return c / cap.cores + b / cap.bandwidth_gbps + beta * w / cap.llc_ways
+
+    def fits(self, cores: int, ways: int, bandwidth: float, policy: Policy) -> bool:
+        if self.exclusive:
+            return False
+        if not policy.share_nodes:
+            return not self.jobs and cores <= self.capacity.cores
+        c, w, b = self.used()
+        if c + cores > self.capacity.cores:
+            return False
+        if policy.resource_aware:
+            return w + ways <= self.capacity.llc_ways and b + bandwidth <= self.capacity.bandwidth_gbps + 1e-9
+        return True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A job's allocation: its scale factor, nodes and per-node demand, and the slowdown the
+    profile predicts against its CE run (scale factor's run time ratio / IPC share kept)."""
+
+    scale: int
+    nodes: tuple[str, ...]
+    cores_per_node: int
+    ways: int | None
+    bandwidth_gbps: float | None
+    predicted_slowdown: float | None
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    job_id: str
+    procs: int
+    alpha: float
+    submitted: float  # event time, seconds
+    profile: JobProfile
+
+
+@dataclass(frozen=True)
+class Decision:
+    job: PendingJob
+    placement: Placement | None  # None: delayed
+    reason: str
+
+
+def choose_nodes(loads: Mapping[str, NodeLoad], n: int, cores: int, ways: int, bandwidth: float,
+                 policy: Policy) -> tuple[str, ...] | None:
+    """Seed 001 Section 4.4: nodes grouped by idle cores; within the fullest group that can hold
+    the job (best fit keeps big holes for big jobs), the ``n`` idlest by Co + Bo + 2 Wo; if no
+    single group can, the ``n`` idlest of the whole cluster; None when fewer than ``n`` fit."""
+    fit = [name for name, load in loads.items() if load.fits(cores, ways, bandwidth, policy)]
+    if len(fit) < n:
+        return None
+    groups: dict[int, list[str]] = {}
+    for name in fit:
+        loads_c = loads[name]
+        groups.setdefault(loads_c.capacity.cores - loads_c.used()[0], []).append(name)
+    for _idle, names in sorted(groups.items()):
+        if len(names) >= n:
+            return tuple(sorted(names, key=lambda m: (loads[m].score(), m))[:n])
+    return tuple(sorted(fit, key=lambda m: (loads[m].score(), m))[:n])
+
+
+class Scheduler:
+    """One policy over one cluster: a queue of pending jobs and the allocation of every node."""
+
+    def __init__(self, nodes: Mapping[str, NodeCapacity], policy: Policy = SNS,
+                 age_limit_s: float = DEFAULT_AGE_LIMIT_S,
+                 veto: Callable[[PendingJob, Placement, Mapping[str, NodeLoad]], str | None] | None = None) -> None:
+        if not nodes:
+            raise ValueError("a cluster needs at least one node")
+        self.loads = {name: NodeLoad(cap) for name, cap in sorted(nodes.items())}
+        self.policy = policy
+        self.age_limit_s = age_limit_s
+        self.veto = veto  # a reason not to run the job there (e.g. a pair predicted too slow), or None
+        self.vetoed: dict[str, str] = {}  # job -> why its last candidate placement was refused
+        self.queue: dict[str, PendingJob] = {}  # insertion order = submission order
+        self.delayed: set[str] = set()  # queued jobs whose delay was already reported
+        self._sizes()
+
+    def _sizes(self) -> None:
+        caps = [x.capacity for x in self.loads.values()]
+        self.cores_per_node = min(c.cores for c in caps)
+        self.smallest = NodeCapacity(self.cores_per_node, min(c.llc_ways for c in caps),
+                                     min(c.bandwidth_gbps for c in caps))
+
+    def add_node(self, name: str, capacity: NodeCapacity) -> None:
+        load = self.loads.get(name)
+        self.loads[name] = NodeLoad(capacity, dict(load.jobs) if load else {}, load.exclusive if load else False)
+        self._sizes()
+
+    def submit(self, job: PendingJob) -> None:
+        self.queue.setdefault(job.job_id, job)
+
+    def withdraw(self, job_id: str) -> None:
+        """A job cancelled before it started."""
+        self.queue.pop(job_id, None)
+        self.delayed.discard(job_id)
+
+    def place_for(self, job: PendingJob) -> Placement | None:
+        """The first scale factor, in the policy's order, whose nodes are free now."""
+        runtimes = job.profile.runtime_by_scale()
+        base = runtimes.get(1)
+        for k in self.policy.scales(runtimes):
+            n, c = spread(job.procs, self.cores_per_node, k)
+            if n > len(self.loads):
+                continue
+            llc = None
+            if self.policy.resource_aware:
+                # alpha bounds the slowdown against the CE run (Seed 001 Section 4.3), and a scale
+                # factor already changes the run time by T_k / T_1: only the rest may go to sharing.
+                share = job.alpha * (runtimes[k] / base if base and k in runtimes else 1.0)
+                if share > 1.0:
+                    continue  # spreading alone already costs more than alpha allows
+                llc = job.profile.demand(c, share)
+            if llc is not None:  # what a job uses alone is at most what a node has: alone it always fits
+                llc = LlcDemand(min(llc.ways, self.smallest.llc_ways),
+                                min(llc.bandwidth_gbps, self.smallest.bandwidth_gbps), llc.ipc_share)
+            ways, bw = (llc.ways, llc.bandwidth_gbps) if llc else (0, 0.0)
+            nodes = choose_nodes(self.loads, n, c, ways, bw, self.policy)
+            if nodes is None:
+                continue
+            slowdown = None
+            if base and k in runtimes:
+                slowdown = runtimes[k] / base / (llc.ipc_share if llc else 1.0)
+            placement = Placement(k, nodes, c, llc.ways if llc else None, llc.bandwidth_gbps if llc else None,
+                                  slowdown)
+            refused = self.veto(job, placement, self.loads) if self.veto else None
+            if refused:
+                self.vetoed[job.job_id] = refused
+                continue
+            return placement
+        return None
+
+    def allocate(self, job_id: str, placement: Placement) -> None:
+        for name in placement.nodes:
+            load = self.loads[name]
+            load.jobs[job_id] = (placement.cores_per_node, placement.ways or 0, placement.bandwidth_gbps or 0.0)
+            load.exclusive = not self.policy.share_nodes
+
+    def release(self, job_id: str) -> None:
+        """A job ended: free what it held (it may hold nothing, e.g. placed by someone else)."""
+        for load in self.loads.values():
+            if load.jobs.pop(job_id, None) is not None and not load.jobs:
+                load.exclusive = False
+
+    def schedule(self, now: float) -> list[Decision]:
+        """Place what fits, oldest first. A job that does not fit is delayed; one older than the
+        age limit stops the scan. Delays are reported once per job."""
+        out: list[Decision] = []
+        for job in list(self.queue.values()):
+            self.vetoed.pop(job.job_id, None)
+            placement = self.place_for(job)
+            if placement is not None:
+                self.allocate(job.job_id, placement)
+                self.withdraw(job.job_id)
+                out.append(Decision(job, placement, f"{self.policy.name}: scale {placement.scale}"))
+                continue
+            if job.job_id not in self.delayed:
+                self.delayed.add(job.job_id)
+                why = self.vetoed.get(job.job_id, "no scale factor fits now")
+                out.append(Decision(job, None, f"{self.policy.name}: {why}"))
+            if now - job.submitted >= self.age_limit_s:
+                break  # aged out: younger jobs wait behind it
+        return out

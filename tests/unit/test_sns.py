@@ -1,0 +1,224 @@
+"""Spread-n-Share (Seed 001 Section 4) core and the trace-driven CE / CS / SNS experiment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nodeshare.experiments.sns import Machine, experiment_sns, read_swf, simulate
+from nodeshare.producers.workloads import BUILTIN
+from nodeshare.schemas.events import ProgramClass
+from nodeshare.streams.placement.sns import (
+    CE,
+    CS,
+    SNS,
+    LlcDemand,
+    NodeCapacity,
+    NodeLoad,
+    PendingJob,
+    Placement,
+    Scheduler,
+    choose_nodes,
+    classify,
+    llc_demand,
+    sns_scales,
+    spread,
+)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A profile given by hand."""
+
+    runtimes: Mapping[int, float]
+    ways: int = 4
+    bw: float = 10.0
+
+    def runtime_by_scale(self) -> Mapping[int, float]:
+        return self.runtimes
+
+    def demand(self, cores_per_node: int, alpha: float) -> LlcDemand | None:
+        return LlcDemand(self.ways, self.bw, 0.95)
+
+
+NODE = NodeCapacity(cores=16, llc_ways=22, bandwidth_gbps=76.0)
+
+
+def job(job_id: str, procs: int, profile: Fixed | None = None, submitted: float = 0.0) -> PendingJob:
+    return PendingJob(job_id, procs, 0.9, submitted, profile or Fixed({1: 100.0}))
+
+
+def test_classes_follow_the_five_percent_rule() -> None:
+    assert classify({1: 100.0, 2: 98.0, 4: 97.0}) is ProgramClass.NEUTRAL  # 100 <= 1.05 * 97
+    assert classify({1: 100.0, 2: 80.0, 4: 90.0}) is ProgramClass.SCALING
+    assert classify({1: 100.0, 2: 110.0}) is ProgramClass.COMPACT
+    assert classify({2: 80.0, 4: 70.0}) is ProgramClass.UNKNOWN  # no CE run yet
+    assert classify({1: 100.0}) is ProgramClass.UNKNOWN
+
+
+def test_scale_order_fastest_first_but_neutral_smallest_first() -> None:
+    assert sns_scales({1: 100.0, 2: 80.0, 4: 70.0, 8: 90.0}) == [4, 2, 8, 1]
+    assert sns_scales({1: 100.0, 2: 99.0, 4: 98.0}) == [1, 2, 4]  # neutral: spread only passively
+    assert sns_scales({}) == [1]  # unprofiled: the CE run that profiles it
+
+
+def test_spread_by_hand() -> None:
+    assert spread(20, 16, 1) == (2, 10)  # n = 1 * ceil(20/16) = 2, c = ceil(20/2) = 10
+    assert spread(20, 16, 4) == (8, 3)  # n = 8, c = ceil(20/8) = 3
+    assert spread(16, 16, 8) == (8, 2)
+    with pytest.raises(ValueError, match="positive"):
+        spread(0, 16, 1)
+
+
+def test_llc_demand_reads_the_curves_like_fig_10() -> None:
+    ipc, bw = (0.5, 0.8, 0.9, 1.0), (9.0, 7.0, 5.0, 4.0)
+    d = llc_demand(ipc, bw, 0.9)  # T-IPC = 0.9 * 1.0: first reached at 3 ways
+    assert (d.ways, d.bandwidth_gbps, d.ipc_share) == (3, 5.0, 0.9)
+    assert llc_demand(ipc, bw, 0.5).ways == 1
+    assert llc_demand(ipc, bw, 1.0).ways == 4
+    with pytest.raises(ValueError, match="same"):
+        llc_demand(ipc, bw[:2], 0.9)
+
+
+def test_node_score_is_co_plus_bo_plus_two_wo() -> None:
+    load = NodeLoad(NODE, {"a": (8, 11, 19.0)})
+    assert load.score() == pytest.approx(0.5 + 0.25 + 2 * 0.5)
+
+
+def test_nodes_chosen_within_one_idle_core_group_else_the_whole_cluster() -> None:
+    loads = {"a": NodeLoad(NODE), "b": NodeLoad(NODE, {"x": (8, 2, 5.0)}), "c": NodeLoad(NODE, {"y": (8, 1, 1.0)})}
+    assert choose_nodes(loads, 2, 4, 0, 0.0, CS) == ("c", "b")  # the 8-idle group, idlest first
+    assert choose_nodes(loads, 3, 4, 0, 0.0, CS) == ("a", "c", "b")  # no group of 3: whole cluster
+    assert choose_nodes(loads, 1, 12, 0, 0.0, CS) == ("a",)
+    assert choose_nodes(loads, 4, 4, 0, 0.0, CS) is None
+    assert choose_nodes(loads, 1, 4, 22, 0.0, SNS) == ("a",)  # only the empty node has all 22 ways free
+    assert choose_nodes(loads, 1, 4, 21, 0.0, SNS) == ("c",)  # c (1 way used) is fuller than a: best fit
+
+
+def test_ce_gives_each_job_whole_nodes() -> None:
+    s = Scheduler({"n1": NODE, "n2": NODE}, CE)
+    for j in ("a", "b", "c"):
+        s.submit(job(j, 1))
+    placed = [d for d in s.schedule(0.0) if d.placement]
+    assert [(d.job.job_id, d.placement.nodes) for d in placed if d.placement] == [("a", ("n1",)), ("b", ("n2",))]
+    assert list(s.queue) == ["c"]
+    s.release("a")
+    assert [d.job.job_id for d in s.schedule(10.0) if d.placement] == ["c"]
+
+
+def test_cs_shares_nodes_by_cores_and_sns_also_by_ways_and_bandwidth() -> None:
+    cs = Scheduler({"n1": NODE}, CS)
+    sns = Scheduler({"n1": NODE}, SNS)
+    for s in (cs, sns):
+        for j in ("a", "b", "c"):
+            s.submit(job(j, 4, Fixed({1: 100.0}, ways=8, bw=30.0)))
+    assert len([d for d in cs.schedule(0.0) if d.placement]) == 3  # 12 cores of 16
+    assert len([d for d in sns.schedule(0.0) if d.placement]) == 2  # 3 x 8 ways > 22
+    reasons = [d.reason for d in sns.schedule(1.0)]
+    assert reasons == []  # the delay was reported once, at the first pass
+
+
+def test_sns_spreads_a_scaling_job_to_its_fastest_scale() -> None:
+    s = Scheduler({f"n{i}": NODE for i in range(4)}, SNS)
+    s.submit(job("a", 16, Fixed({1: 100.0, 2: 80.0, 4: 75.0, 8: 90.0})))
+    [d] = s.schedule(0.0)
+    assert d.placement is not None
+    assert (d.placement.scale, len(d.placement.nodes), d.placement.cores_per_node) == (4, 4, 4)
+    # predicted slowdown against CE: 75 / 100 for the scale, / 0.95 for the IPC kept at 4 ways
+    assert d.placement.predicted_slowdown == pytest.approx(0.75 / 0.95)
+
+
+def test_alpha_counts_the_scale_factor_against_the_ce_run() -> None:
+    """A compact program 20% slower at scale 2 cannot also share: 1.2 > 1 / 0.9."""
+    for policy, placed in ((SNS, False), (CS, True)):  # CS knows no alpha: it spreads anyway
+        s = Scheduler({"n1": NODE, "n2": NODE}, policy)
+        s.allocate("big", Placement(1, ("n1",), 8, 2, 5.0, None))
+        s.allocate("other", Placement(1, ("n2",), 1, 1, 1.0, None))
+        s.submit(job("a", 16, Fixed({1: 100.0, 2: 120.0})))  # scale 1 fits nowhere, scale 2 on n1 + n2
+        [d] = s.schedule(0.0)
+        assert (d.placement is not None) is placed
+
+
+def test_an_aged_job_stops_younger_ones_from_jumping_ahead() -> None:
+    s = Scheduler({"n1": NODE}, CS, age_limit_s=100.0)
+    s.allocate("running", Placement(1, ("n1",), 8, None, None, None))
+    s.submit(job("big", 16, submitted=0.0))
+    s.submit(job("small", 4, submitted=1.0))
+    assert [d.job.job_id for d in s.schedule(50.0) if d.placement] == ["small"]  # backfilled
+    s.release("small")
+    s.submit(job("small2", 4, submitted=60.0))
+    assert [d.job.job_id for d in s.schedule(150.0) if d.placement] == []  # big has aged: small2 waits
+    s.release("running")
+    assert [d.job.job_id for d in s.schedule(160.0) if d.placement] == ["big"]
+
+
+def test_a_veto_delays_the_job_with_its_reason() -> None:
+    s = Scheduler({"n1": NODE}, SNS, veto=lambda j, p, loads: "predicted too slow: serialized")
+    s.submit(job("a", 4))
+    [d] = s.schedule(0.0)
+    assert d.placement is None and "serialized" in d.reason
+
+
+# --------------------------------------------------------------------------- the experiment
+
+SWF_HEADER = "; MaxNodes: 4\n; MaxProcs: 64\n"
+
+
+def swf(tmp_path: Path, rows: list[tuple[int, int, int, int]]) -> Path:
+    """A small Standard Workload Format trace: (job, submit, run time, processors)."""
+    path = tmp_path / "t.swf"
+    lines = [f"{j} {s} 0 {r} {p} -1 -1 {p} 3600 -1 1 1 1 -1 -1 1 -1 -1" for j, s, r, p in rows]
+    path.write_text(SWF_HEADER + "\n".join(lines) + "\n")
+    return path
+
+
+def test_read_swf_resizes_and_filters(tmp_path: Path) -> None:
+    path = swf(tmp_path, [(1, 100, 50, 32), (2, 110, 0, 32), (3, 120, 60, 4), (4, 90, 70, 16)])
+    jobs, meta = read_swf(path, min_procs=8, node_cores=8)
+    # 16 trace cores per node -> 8 simulated: processes halve; run time 0 and 4-proc jobs dropped
+    assert [(j.job_id, j.submit_s, j.procs) for j in jobs] == [("4", 0.0, 8), ("1", 10.0, 16)]
+    assert meta == {"trace_nodes": 4, "trace_cores_per_node": 16.0}
+    (tmp_path / "bad.swf").write_text("1 2 3\n")
+    with pytest.raises(ValueError, match="bad.swf:1: 3 fields"):
+        read_swf(tmp_path / "bad.swf")
+
+
+def test_a_job_alone_runs_exactly_its_ce_time() -> None:
+    m = Machine([BUILTIN["MG"], BUILTIN["LAMMPS"]])
+    for prog in (0, 1):
+        assert m.stretch(prog, 16, 1, m.exclusive_ipc(prog, 16)) == pytest.approx(1.0)
+    # MG (memory bound) speeds up when spread: fewer processes share a node's bandwidth
+    assert m.runtime_by_scale(0, 16)[4] < 0.9
+    assert classify(m.runtime_by_scale(1, 16)) is not ProgramClass.SCALING
+
+
+def test_shared_nodes_slow_jobs_down_and_ce_never() -> None:
+    m = Machine([BUILTIN["MG"], BUILTIN["ADVECT3D"]])
+    from nodeshare.experiments.sns import TraceJob
+    jobs = [TraceJob(str(i), float(i), 1000.0, 8) for i in range(4)]
+    ce = simulate(jobs, [0, 1, 0, 1], m, "CE", nodes=2)
+    cs = simulate(jobs, [0, 1, 0, 1], m, "CS", nodes=2)
+    ce_run = ce["end"] - ce["start"]
+    assert np.allclose(ce_run, 1000.0)
+    assert ce["start"][2] >= ce["end"][0] - 1e-6  # the third job waited for a whole node
+    cs_run = cs["end"] - cs["start"]
+    assert (cs_run > 1000.0).all()  # two memory-bound jobs per node: every one slower than alone
+
+
+def test_experiment_reports_what_the_issue_asks(tmp_path: Path) -> None:
+    rows = [(i, 60 * i, 600 + 37 * (i % 7), 16 * (1 + i % 3)) for i in range(40)]
+    r = experiment_sns(swf(tmp_path, rows), min_procs=8, nodes=4)
+    assert r["jobs"] == 40
+    assert set(r["throughput_gain_vs_ce_pct"]) == {"CS", "SNS"}
+    assert set(r["alpha_violations"]) == {"CE", "CS", "SNS"} and r["alpha_violations"]["CE"] == 0
+    assert r["policies"]["CE"]["run_vs_ce_geomean"] == pytest.approx(1.0)
+    assert r["policies"]["CE"]["scale_share"]["1"] == 1.0
+    ce, sns = r["policies"]["CE"], r["policies"]["SNS"]
+    gain = 100.0 * (ce["mean_turnaround_s"] / sns["mean_turnaround_s"] - 1.0)
+    assert r["throughput_gain_vs_ce_pct"]["SNS"] == pytest.approx(gain)
+    with pytest.raises(ValueError, match="scaling-ratio"):
+        experiment_sns(swf(tmp_path, rows), scaling_ratio=1.0)
