@@ -45,6 +45,7 @@ from nodeshare.schemas import (
     JobEvent,
     JobLeftNode,
     JobState,
+    LlcSample,
     NodeInventory,
     Record,
     ShutterBlock,
@@ -53,9 +54,13 @@ from nodeshare.schemas import (
 
 from .contention import Socket, at_ways, equilibrium, refill_ms, relax
 from .simulator import JobTruth
-from .workloads import BUILTIN, Workload
+from .workloads import BUILTIN, Workload, interp_ways
 
 SIM_NAMESPACE = uuid.UUID("6a0c1c52-3b0e-4f43-9d1e-8b7d6f3b2a10")
+#: The LLC way counts (of a node's, both sockets) a started job is profiled at with CAT, like
+#: Uberun's 2, 4, 8 and all 20 ways (Seed 001 Section 5.1).
+CAT_WAYS = (2, 4, 8, 16, 22)
+CAT_EPISODE_S = 5.0  # Uberun changes the allocation every 5 s
 SLOTS = 2
 USERS: tuple[tuple[str, str], ...] = (("alice", "physics"), ("bob", "physics"), ("carol", "climate"),
                                       ("dave", "climate"), ("erin", "bio"))
@@ -648,7 +653,7 @@ class RecordSink(Sink):
     def inventory(self, t: float, nodes: list[str], cores: int) -> None:
         for n in nodes:
             self._emit(t, NodeInventory(event_id=self.eid("inv", n), source="sim/inventory", event_time=self.at(t),
-                                        node=n, cores=cores, llc_ways=20,
+                                        node=n, cores=cores, llc_ways=int(2 * self.cfg.socket.ways),
                                         mem_bandwidth_gbps=2 * self.cfg.socket.bw_gbps))
 
     def lifecycle(self, t: float, job: int, state: JobState) -> None:
@@ -663,6 +668,25 @@ class RecordSink(Sink):
             cores=self.cfg.slot_cores * max(1, len(J.nodes[job]) if ran else spec.nodes), nodes=nodes,
             submit_time=self.at(J.submit[job]), start_time=self.at(J.start[job]) if ran else None,
             end_time=self.at(J.end[job]) if state is JobState.ENDED else None))
+        if state is JobState.STARTED:
+            self.cat_profile(t, job, nodes)
+
+    def cat_profile(self, t: float, job: int, nodes: tuple[str, ...]) -> None:
+        """CAT episodes of a job that starts: on each of its nodes, its processes held a few way
+        counts in turn; IPC and bandwidth are the program's curves at the ways each process got."""
+        assert self.engine is not None, "the sink is bound by the engine"
+        w = self.engine.programs[self._jobs().specs[job].program]
+        sock = self.cfg.socket
+        total = int(2 * sock.ways)
+        for node in nodes:
+            for i, ways in enumerate(w_ for w_ in CAT_WAYS if w_ <= total):
+                per_process = np.array([ways / 2.0 / sock.procs])
+                ipc = float(interp_ways(np.asarray(w.ipc)[None, :], per_process)[0])
+                bw = 2 * sock.procs * float(interp_ways(np.asarray(w.bw_gbps)[None, :], per_process)[0])
+                self._emit(t, LlcSample(
+                    event_id=self.eid("cat", job, node, ways), source=f"sim/{node}", event_time=self.at(t + i * 1e-6),
+                    job_id=job_id(job), node=node, llc_ways=ways, node_llc_ways=total, cores=self.cfg.slot_cores,
+                    ipc=ipc, bandwidth_gbps=min(bw, sock.bw_gbps * 2), interval_s=CAT_EPISODE_S))
 
     def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None:
         names = self._nodes()

@@ -22,6 +22,7 @@ from .events import (
     JobEvent,
     JobLeftNode,
     JobState,
+    LlcSample,
     NodeBlocks,
     NodeInventory,
     OffsetRange,
@@ -39,7 +40,7 @@ from .serde import DecodeError, decode, decode_model, encode
 __all__ = [
     "BY_NAME", "INPUT_TOPICS", "SCHEMA_VERSION", "TERMINAL_STATES", "TOPICS", "TOPIC_OF_RECORD",
     "Charge", "CounterSource", "DeadLetter", "DecodeError", "DegradationEstimate", "EstimateStatus",
-    "IpcSample", "JobEvent", "JobLeftNode", "JobState", "NodeBlocks", "NodeInventory", "OffsetRange",
+    "IpcSample", "JobEvent", "JobLeftNode", "JobState", "LlcSample", "NodeBlocks", "NodeInventory", "OffsetRange",
     "PlacementDecision", "PowerDecision", "PowerReading", "ProgramProfile", "Record", "Role",
     "ShutterBlock", "ShutterWindow", "TopicSpec", "clock_problem", "decode", "decode_model", "encode",
     "key_of", "spec_for_topic",

@@ -14,6 +14,7 @@ from .events import (
     DegradationEstimate,
     JobEvent,
     JobLeftNode,
+    LlcSample,
     NodeInventory,
     PlacementDecision,
     PowerDecision,
@@ -63,6 +64,10 @@ NODE_SHUTTER = TopicSpec(
     "node.shutter", "node", ShutterWindow, Role.INPUT, "delete",
     "shutter windows: the lone job, the paused jobs, start and end",
 )
+NODE_LLC = TopicSpec(
+    "node.llc", "job_id", LlcSample, Role.INPUT, "delete",
+    "CAT profiling episodes: a job's IPC and memory bandwidth at an LLC way allocation",
+)
 NODE_POWER = TopicSpec(
     "node.power", "node", PowerReading, Role.INPUT, "delete",
     "per-processor power readings (watts, cap, instructions)",
@@ -101,7 +106,7 @@ DLQ = TopicSpec(
 )
 
 TOPICS: tuple[TopicSpec, ...] = (
-    NODE_IPC, NODE_SHUTTER, NODE_POWER, JOBS_LIFECYCLE, CLUSTER_INVENTORY,
+    NODE_IPC, NODE_SHUTTER, NODE_LLC, NODE_POWER, JOBS_LIFECYCLE, CLUSTER_INVENTORY,
     ESTIMATES_DEGRADATION, PROFILES_PROGRAM, DECISIONS_POWER, DECISIONS_PLACEMENT,
     LEDGER_CHARGES, DLQ,
 )

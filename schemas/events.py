@@ -179,6 +179,31 @@ class ShutterWindow(Record):
         return v
 
 
+# --------------------------------------------------------------------------- node.llc
+
+
+class LlcSample(Record):
+    """One CAT profiling episode (Seed 001 Section 5.1): a job's processes on a node held
+    ``llc_ways`` ways of the node's LLC for ``interval_s`` and ran at this IPC and memory
+    bandwidth. Episodes at several way counts make a program's IPC-LLC and BW-LLC curves."""
+
+    kind: Literal["llc_sample"] = "llc_sample"
+    job_id: JobId
+    node: NodeName
+    llc_ways: PosInt  # ways allocated to the job on the node
+    node_llc_ways: PosInt  # all the node's ways (the curve's "full" point)
+    cores: PosInt  # the job's processes on the node
+    ipc: Annotated[float, Field(ge=0.0)]  # mean per process over the episode
+    bandwidth_gbps: Annotated[float, Field(ge=0.0)]  # the job's memory bandwidth on the node
+    interval_s: Annotated[float, Field(gt=0.0)]
+
+    @model_validator(mode="after")
+    def _within_node(self) -> LlcSample:
+        if self.llc_ways > self.node_llc_ways:
+            raise ValueError(f"llc_ways: {self.llc_ways} allocated but the node has {self.node_llc_ways}")
+        return self
+
+
 # --------------------------------------------------------------------------- node.power
 
 
@@ -413,6 +438,25 @@ class PlacementAction(StrEnum):
     DELAY = "delay"
 
 
+class PlacementInputs(BaseModel):
+    """What a placement decision was computed from, so that it can be checked against what the
+    degradation stream later measures."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    trigger_event_id: str  # the lifecycle event that caused the scheduling pass
+    program: str
+    processes: PosInt
+    alpha: Annotated[float, Field(gt=0.0, le=1.0)]
+    program_class: ProgramClass = ProgramClass.UNKNOWN
+    profile_samples: NonNegInt = 0  # events folded into the program's profile when it was read
+    runtime_s_by_scale: dict[str, float] = {}
+    node_scores: dict[str, float] = {}  # Co + Bo + 2 Wo of each chosen node before the job
+    co_runners: dict[str, str] = {}  # job id -> program of the jobs already on the chosen nodes
+    predicted_degradation_pct: dict[str, float] = {}  # co-runner job -> Deg next to it (the pair model)
+    model_pairs: NonNegInt = 0  # jobs measured in pairs that the pair model was trained on (0: no model)
+
+
 class PlacementDecision(Record):
     kind: Literal["placement_decision"] = "placement_decision"
     job_id: JobId
@@ -426,6 +470,7 @@ class PlacementDecision(Record):
     paired_with: JobId | None = None
     predicted_slowdown: Annotated[float, Field(ge=0.0)] | None = None
     reason: str = ""
+    inputs: PlacementInputs | None = None
 
 
 # --------------------------------------------------------------------------- ledger.charges

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +24,25 @@ from nodeshare import metrics
 from nodeshare.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
+    DECISIONS_PLACEMENT,
     DECISIONS_POWER,
     DLQ,
     ESTIMATES_DEGRADATION,
     JOBS_LIFECYCLE,
     LEDGER_CHARGES,
     NODE_IPC,
+    NODE_LLC,
     NODE_POWER,
+    PROFILES_PROGRAM,
+    TOPIC_OF_RECORD,
+    TopicSpec,
+    key_of,
 )
 from nodeshare.schemas.serde import encode
 
 from .accounting import Origin, fold_states, process_message
 from .kafka_security import faust_credentials
+from .placement.stream import PLACEMENT_LOG, ROUTED, PlacementManager
 from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope, screen
 
 log = logging.getLogger(__name__)
@@ -163,41 +171,36 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
             applied_live[(msg.topic, msg.partition)] = msg.offset
 
     add_power_agents(app, settings)
+    add_placement_agents(app, settings)
     return app
 
 
-def add_power_agents(app: faust.App, settings: Settings) -> None:
-    """PPartition needs the whole machine in one place: ``power-router`` forwards every lifecycle,
-    power and inventory record to the single-partition ``power.machine`` log, and ``power-manager``
-    folds that log (streams.power.stream) and publishes ``decisions.power``. After a start or a
+def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: str, inputs: Any,
+                    screened: tuple[TopicSpec, ...], fresh: Callable[[], Any],
+                    publish: Callable[[Any], Awaitable[None]]) -> None:
+    """A decision maker that needs the whole cluster in one place: ``<name>-router`` forwards
+    every record of ``inputs`` (bad ones of the ``screened`` topics go to the dead-letter topic
+    instead) to the single-partition ``log_topic``, and ``<name>-manager`` folds that log with
+    ``fresh().apply(topic, value)`` and publishes what each step returns. After a start or a
     rebalance the manager first re-folds the log up to where it resumes, without publishing."""
-    log_topic = settings.topic(POWER_LOG)
-    inputs = app.topic(*[settings.topic(t.name) for t in (JOBS_LIFECYCLE, NODE_POWER, CLUSTER_INVENTORY)],
-                       key_serializer="raw", value_serializer="raw")
-    power_log = app.topic(log_topic, partitions=1, key_serializer="raw", value_serializer="raw")
-    decisions = app.topic(settings.topic(DECISIONS_POWER.name), key_serializer="raw", value_serializer="raw")
-    state: dict[str, PowerManager] = {}
+    log_name = settings.topic(log_topic)
+    log_ = app.topic(log_name, partitions=1, key_serializer="raw", value_serializer="raw")
+    dlq = app.topic(settings.topic(DLQ.name), key_serializer="raw", value_serializer="raw")
+    state: dict[str, Any] = {}
     seen_rebalances = [app.rebalancing_count]
 
-    def fresh() -> PowerManager:
-        return PowerManager(settings.power_budget_watts, settings.power_policy(), settings.topic_prefix)
-
-    dlq = app.topic(settings.topic(DLQ.name), key_serializer="raw", value_serializer="raw")
-
-    @app.agent(inputs, name="power-router")
-    async def power_router(stream: Any) -> None:
+    async def route(stream: Any) -> None:
         async for event in stream.events():
             msg = event.message
             bad = screen(msg.topic, msg.partition, msg.offset, event.key, event.value, msg.timestamp,
-                         settings.topic_prefix)
-            if bad is not None:  # bad power and inventory input stops here, with its reason
+                         settings.topic_prefix, screened)
+            if bad is not None:  # bad input stops here, with its reason
                 await dlq.send(key=bad.origin_topic.encode(), value=encode(bad))
                 metrics.DEAD_LETTERS.labels(metrics.DECODE if bad.field != "event_time" else metrics.CLOCK).inc()
                 continue
-            await power_log.send(key=b"machine", value=envelope(msg.topic, event.value))
+            await log_.send(key=b"cluster", value=envelope(msg.topic, event.value))
 
-    @app.agent(power_log, name="power-manager")
-    async def power_manager(stream: Any) -> None:
+    async def manage(stream: Any) -> None:
         async for event in stream.events():
             while app.rebalancing or app.in_recovery:
                 await asyncio.sleep(0.05)
@@ -205,20 +208,57 @@ def add_power_agents(app: faust.App, settings: Settings) -> None:
                 seen_rebalances[0] = app.rebalancing_count
                 state.clear()
             msg = event.message
-            if "pm" not in state:
-                pm = fresh()
+            if "m" not in state:
+                m = fresh()
                 if msg.offset > 0:
                     loop = asyncio.get_running_loop()
-                    history = await loop.run_in_executor(None, read_range, settings, log_topic, msg.partition, 0,
+                    history = await loop.run_in_executor(None, read_range, settings, log_name, msg.partition, 0,
                                                          msg.offset)
                     for _origin, _key, value, _ts in history:
-                        pm.apply(*open_envelope(value or b""))
-                    log.warning("power-manager: rebuilt the machine from %d log records", len(history))
-                state["pm"] = pm
-            for decision in state["pm"].apply(*open_envelope(event.value or b"")):
-                await decisions.send(key=decision.job_id.encode(), value=encode(decision))
-                metrics.EVENTS_OUT.labels(settings.topic(DECISIONS_POWER.name)).inc()
-                metrics.POWER_DECISIONS.labels(decision.action.value).inc()
+                        m.apply(*open_envelope(value or b""))
+                    log.warning("%s-manager: rebuilt its state from %d log records", name, len(history))
+                state["m"] = m
+            for record in state["m"].apply(*open_envelope(event.value or b"")):
+                await publish(record)
+
+    app.agent(inputs, name=f"{name}-router")(route)
+    app.agent(log_, name=f"{name}-manager")(manage)
+
+
+def add_power_agents(app: faust.App, settings: Settings) -> None:
+    """PPartition needs the whole machine in one place: lifecycle, power and inventory records go
+    through the single-partition ``power.machine`` log to the PowerManager (streams.power.stream),
+    which publishes ``decisions.power``."""
+    inputs = app.topic(*[settings.topic(t.name) for t in (JOBS_LIFECYCLE, NODE_POWER, CLUSTER_INVENTORY)],
+                       key_serializer="raw", value_serializer="raw")
+    decisions = app.topic(settings.topic(DECISIONS_POWER.name), key_serializer="raw", value_serializer="raw")
+
+    async def publish(decision: Any) -> None:
+        await decisions.send(key=decision.job_id.encode(), value=encode(decision))
+        metrics.EVENTS_OUT.labels(settings.topic(DECISIONS_POWER.name)).inc()
+        metrics.POWER_DECISIONS.labels(decision.action.value).inc()
+
+    add_log_manager(app, settings, "power", POWER_LOG, inputs, (NODE_POWER, CLUSTER_INVENTORY),
+                    lambda: PowerManager(settings.power_budget_watts, settings.power_policy(), settings.topic_prefix),
+                    publish)
+
+
+def add_placement_agents(app: faust.App, settings: Settings) -> None:
+    """Spread-n-Share and the pair model need the whole cluster in one place: lifecycle, inventory,
+    shutter blocks, CAT episodes and final degradation estimates go through the single-partition
+    ``placement.cluster`` log to the PlacementManager (streams.placement.stream), which publishes
+    ``profiles.program`` and ``decisions.placement``."""
+    inputs = app.topic(*[settings.topic(t.name) for t in ROUTED], key_serializer="raw", value_serializer="raw")
+    outputs = {t.name: app.topic(settings.topic(t.name), key_serializer="raw", value_serializer="raw")
+               for t in (PROFILES_PROGRAM, DECISIONS_PLACEMENT)}
+
+    async def publish(record: Any) -> None:
+        spec = TOPIC_OF_RECORD[type(record)]
+        await outputs[spec.name].send(key=key_of(record), value=encode(record))
+        metrics.EVENTS_OUT.labels(settings.topic(spec.name)).inc()
+
+    add_log_manager(app, settings, "placement", PLACEMENT_LOG, inputs, (NODE_LLC,),
+                    lambda: PlacementManager(prefix=settings.topic_prefix), publish)
 
 
 def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> None:

@@ -249,7 +249,7 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
                 on_node[n].discard(jid)
             changed.update(r.nodes)
             done += 1
-            if progress and done % 500 == 0:
+            if progress and (done % 500 == 0 or done == len(jobs)):
                 progress(done, len(jobs))
         else:
             now = t_arrive

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE, NODE_POWER, spec_for_topic
+from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE, NODE_POWER, TopicSpec, spec_for_topic
 from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.events import (
     TERMINAL_STATES,
@@ -42,12 +42,12 @@ SOURCE = "nodeshare/power"
 
 
 def screen(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, timestamp_s: float,
-           prefix: str = "") -> DeadLetter | None:
-    """The dead letter for a ``node.power`` or ``cluster.inventory`` message the power router must
-    not forward (undecodable, or a wrong clock), else None. Lifecycle messages pass: the
-    accounting agent screens and dead-letters them, once."""
+           prefix: str = "", screened: tuple[TopicSpec, ...] = (NODE_POWER, CLUSTER_INVENTORY)) -> DeadLetter | None:
+    """The dead letter for a message of a ``screened`` topic (by default ``node.power`` and
+    ``cluster.inventory``) that a router must not forward (undecodable, or a wrong clock), else
+    None. Other topics pass: the agent that owns them screens and dead-letters them, once."""
     spec = spec_for_topic(topic, prefix)
-    if spec not in (NODE_POWER, CLUSTER_INVENTORY):
+    if spec not in screened:
         return None
     try:
         problem, field_name = clock_problem(decode(spec, value), timestamp_s), "event_time"

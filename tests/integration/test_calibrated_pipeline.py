@@ -50,3 +50,58 @@ def test_calibrated_cluster_charges_equal_the_experiments_fold_without_any_truth
     truth: dict[str, JobTruth] = {t.job_id: t for t in cluster.truth}
     for c in shared:
         assert abs(c.degradation - truth[c.job_id].true_degradation) < 0.06, (c.program, truth[c.job_id])
+
+
+def test_profiles_and_placement_decisions_come_out_of_the_running_pipeline(
+        kafka_bootstrap: str, tmp_path: Path) -> None:
+    """The placement manager in the worker publishes a decision for every submitted job and the
+    programs' profiles; the last profile of each program equals an offline fold of the same
+    records in another order (what a replay rebuilds)."""
+    import random
+
+    from topic_reading import read_until
+
+    from nodeshare.schemas import decode
+    from nodeshare.schemas.catalog import DECISIONS_PLACEMENT as PLACEMENT
+    from nodeshare.schemas.catalog import ESTIMATES_DEGRADATION, PROFILES_PROGRAM
+    from nodeshare.schemas.events import JobEvent, JobState, LlcSample, PlacementAction
+    from nodeshare.streams.profiles import ProfileBook
+
+    choice = ClusterChoice(nodes=4, jobs=8, seed=5, mean_work_s=20.0, span_s=20.0)
+    tag = uuid.uuid4().hex[:8]
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=f"p{tag}.", app_id=f"nodeshare-p{tag}")
+    run = run_demo(settings, source(choice), tmp_path / "run", timeout_s=120, truth=False)
+    assert run.audit.ok
+    events = build(choice).events
+    submitted = {e.job_id for e in events if isinstance(e, JobEvent) and e.state is JobState.SUBMITTED}
+    assert any(isinstance(e, LlcSample) for e in events)  # the simulated nodes profile with CAT
+
+    def decided(msgs: list) -> bool:
+        return {m.key().decode() for m in msgs} >= submitted
+    decisions = [decode(PLACEMENT, m.value()) for m in read_until(run.settings, PLACEMENT.name, decided)]
+    first = {}
+    for d in decisions:
+        first.setdefault(d.job_id, d)
+        assert d.inputs is not None and d.inputs.program and d.inputs.trigger_event_id
+    assert {d.action for d in first.values()} <= {PlacementAction.PLACE, PlacementAction.DELAY}
+    placed = [d for d in decisions if d.action is PlacementAction.PLACE]
+    assert placed and all(d.nodes and d.scale_factor for d in placed)
+
+    estimates = [decode(ESTIMATES_DEGRADATION, m.value()) for m in read_until(
+        run.settings, ESTIMATES_DEGRADATION.name,
+        lambda ms: sum(decode(ESTIMATES_DEGRADATION, m.value()).final for m in ms) >= len(run.charges))]
+    book = ProfileBook()
+    records = [*events, *estimates]
+    random.Random(3).shuffle(records)
+    for r in records:
+        book.apply(r)
+    programs = {c.program for c in run.charges}
+    expected = {p: book.profile(p) for p in programs}
+
+    def all_current(msgs: list) -> bool:
+        last = {}
+        for m in msgs:
+            last[m.key().decode()] = decode(PROFILES_PROGRAM, m.value())
+        return all(last.get(p) == expected[p] for p in programs)
+    read_until(run.settings, PROFILES_PROGRAM.name, all_current)
+    assert all(expected[p].ipc_by_llc_ways and expected[p].runtime_s_by_scale for p in programs)

@@ -183,7 +183,7 @@ def test_read_swf_resizes_and_filters(tmp_path: Path) -> None:
     assert [(j.job_id, j.submit_s, j.procs) for j in jobs] == [("4", 0.0, 8), ("1", 10.0, 16)]
     assert meta == {"trace_nodes": 4, "trace_cores_per_node": 16.0}
     (tmp_path / "bad.swf").write_text("1 2 3\n")
-    with pytest.raises(ValueError, match="bad.swf:1: 3 fields"):
+    with pytest.raises(ValueError, match=r"bad\.swf:1: 3 fields"):
         read_swf(tmp_path / "bad.swf")
 
 

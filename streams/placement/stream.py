@@ -1,0 +1,262 @@
+"""The placement manager: profiles and placement decisions folded from one ordered log.
+
+Placement needs the whole cluster in one place (every node's allocation, every pending job),
+as PPartition does, so the stream worker's ``placement-router`` forwards lifecycle, inventory,
+shutter blocks, CAT episodes and final degradation estimates to the single-partition
+``placement.cluster`` log, and ``placement-manager`` folds it here:
+
+* ``ProfileBook`` (streams.profiles) turns the records into program profiles, published on
+  ``profiles.program`` whenever one changes;
+* a Spread-n-Share ``Scheduler`` (placement.sns) queues submitted jobs and places them; node
+  allocations follow its decisions and the lifecycle (a job started elsewhere is booked where
+  it really runs; an ended one frees its nodes);
+* a Random Forest pair model (streams.pairing, Seed 003) is trained from the measured pairwise
+  degradations in the profiles and retrained as they grow; it predicts a job's degradation next
+  to the co-runners of its chosen nodes and refuses a placement predicted slower than alpha
+  allows (the job is *serialized*: it waits for other nodes or for them to leave).
+
+Each decision carries its inputs. Pure: the same log gives the same records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nodeshare.schemas.catalog import (
+    CLUSTER_INVENTORY,
+    ESTIMATES_DEGRADATION,
+    JOBS_LIFECYCLE,
+    NODE_IPC,
+    NODE_LLC,
+    spec_for_topic,
+)
+from nodeshare.schemas.events import (
+    TERMINAL_STATES,
+    DegradationEstimate,
+    JobEvent,
+    JobState,
+    NodeInventory,
+    PlacementAction,
+    PlacementDecision,
+    PlacementInputs,
+    Record,
+    ShutterBlock,
+)
+from nodeshare.schemas.serde import DecodeError, decode
+
+from ..pairing import DegradationModel
+from ..profiles import FEATURES, ProfileBook
+from .sns import (
+    DEFAULT_AGE_LIMIT_S,
+    POLICIES,
+    Decision,
+    LlcDemand,
+    NodeCapacity,
+    NodeLoad,
+    PendingJob,
+    Placement,
+    Scheduler,
+    classify,
+    llc_demand,
+)
+
+SOURCE = "nodeshare.streams.placement"
+PLACEMENT_LOG = "placement.cluster"
+#: The topics the router forwards to the placement log.
+ROUTED = (JOBS_LIFECYCLE, CLUSTER_INVENTORY, NODE_IPC, NODE_LLC, ESTIMATES_DEGRADATION)
+#: The pair model needs this many jobs measured next to one other program before it predicts,
+#: and is refitted when their number has grown by this share since the last fit.
+MIN_PAIRS = 4
+RETRAIN_GROWTH = 0.25
+STATS = ("mean", "min", "max", "sd")
+#: A program's profile is published on every estimate, CAT episode and job start that changes
+#: it, and on every PROFILE_EVERY-th shutter block (a job's final estimate follows all its blocks).
+PROFILE_EVERY = 256
+
+
+@dataclass(frozen=True)
+class BookProfile:
+    """A program's profile as the scheduler reads it, straight from the book."""
+
+    book: ProfileBook
+    program: str
+
+    def runtime_by_scale(self) -> Mapping[int, float]:
+        return self.book.runtime_by_scale(self.program)
+
+    def demand(self, cores_per_node: int, alpha: float) -> LlcDemand | None:
+        ipc, bw = self.book.curves(self.program)
+        return llc_demand(ipc, bw, alpha) if ipc else None
+
+
+def feature_vector(book: ProfileBook, program: str) -> np.ndarray:
+    """A program's counter features in a fixed order (0 where not measured yet)."""
+    notes = book.programs.get(program)
+    out = np.zeros(len(FEATURES) * len(STATS))
+    if notes is None:
+        return out
+    for i, name in enumerate(FEATURES):
+        m = notes.features.get(name)
+        if m is not None and m.n > 0:
+            s = m.summary()
+            out[i * len(STATS):(i + 1) * len(STATS)] = (s.mean, s.min, s.max, s.sd)
+    return out
+
+
+@dataclass
+class PairModel:
+    """Seed 003's Random Forest over the profiles' measured program pairs (one row per ordered
+    pair, its mean Deg), refitted whenever the jobs measured have grown by RETRAIN_GROWTH."""
+
+    trees: int = 50
+    model: DegradationModel | None = None
+    measured: int = 0  # jobs measured next to one other program when the model was fitted
+
+    def refresh(self, book: ProfileBook) -> bool:
+        samples = list(book.pair_samples())
+        total = sum(n for *_, n in samples)
+        if len(samples) < 2 or total < MIN_PAIRS or total < self.measured * (1.0 + RETRAIN_GROWTH):
+            return False
+        fi = np.array([feature_vector(book, a) for a, *_ in samples])
+        fj = np.array([feature_vector(book, b) for _, b, *_ in samples])
+        self.model = DegradationModel(self.trees, seed=0).fit(fi, fj, np.array([d for _, _, d, _ in samples]))
+        self.measured = total
+        return True
+
+    def predict(self, book: ProfileBook, program: str, others: list[str]) -> list[float]:
+        if self.model is None or not others:
+            return []
+        fi = np.repeat(feature_vector(book, program)[None, :], len(others), axis=0)
+        fj = np.array([feature_vector(book, o) for o in others])
+        return [float(x) for x in self.model.predict(fi, fj)]
+
+
+@dataclass
+class PlacementManager:
+    policy: str = "SNS"
+    age_limit_s: float = DEFAULT_AGE_LIMIT_S
+    prefix: str = ""
+    book: ProfileBook = field(default_factory=ProfileBook)
+    pairs: PairModel = field(default_factory=PairModel)
+    scheduler: Scheduler | None = None
+    programs: dict[str, str] = field(default_factory=dict)  # job -> program, for running and queued jobs
+    placed: dict[str, Placement] = field(default_factory=dict)  # our decisions for jobs not ended yet
+    early: list[JobEvent] = field(default_factory=list)  # submissions before any node was known
+    skipped: int = 0
+
+    def apply(self, topic: str, value: bytes | None) -> list[Record]:
+        try:
+            record = decode(spec_for_topic(topic, self.prefix), value)
+        except (KeyError, DecodeError):
+            self.skipped += 1  # the router dead-letters what it can; anything else is ignored here
+            return []
+        changed = self.book.apply(record)
+        if isinstance(record, ShutterBlock):  # blocks come by the thousand: publish every PROFILE_EVERY-th
+            changed = {p for p in changed if self.book.programs[p].samples % PROFILE_EVERY == 0}
+        out: list[Record] = [self.book.profile(p) for p in sorted(changed)]
+        if isinstance(record, DegradationEstimate) and changed:
+            self.pairs.refresh(self.book)  # measured pairs change only here
+        if isinstance(record, NodeInventory):
+            cap = NodeCapacity(record.cores, record.llc_ways, record.mem_bandwidth_gbps)
+            if self.scheduler is None:
+                self.scheduler = Scheduler({record.node: cap}, POLICIES[self.policy], self.age_limit_s, self._veto)
+                for ev in self.early:
+                    self._submit(ev)
+                self.early.clear()
+            else:
+                self.scheduler.add_node(record.node, cap)
+            out += self._schedule(record)
+        elif isinstance(record, JobEvent):
+            out += self._lifecycle(record)
+        return out
+
+    def _submit(self, ev: JobEvent) -> None:
+        assert self.scheduler is not None
+        submitted = (ev.submit_time or ev.event_time).timestamp()
+        self.scheduler.submit(PendingJob(ev.job_id, ev.cores, ev.alpha, submitted, BookProfile(self.book, ev.program)))
+
+    def _lifecycle(self, ev: JobEvent) -> list[Record]:
+        self.programs[ev.job_id] = ev.program
+        if ev.state is JobState.SUBMITTED:
+            if self.scheduler is None:
+                self.early.append(ev)
+                return []
+            self._submit(ev)
+            return self._schedule(ev)
+        if self.scheduler is None:
+            return []
+        if ev.state is JobState.STARTED:
+            self.scheduler.withdraw(ev.job_id)  # started by the resource manager, placed or not
+            ours = self.placed.get(ev.job_id)
+            if ours is None or set(ours.nodes) != set(ev.nodes):  # book it where it really runs
+                self.scheduler.release(ev.job_id)
+                known = [n for n in ev.nodes if n in self.scheduler.loads]
+                if known:
+                    c = math.ceil(ev.cores / len(ev.nodes))
+                    self.scheduler.allocate(ev.job_id, Placement(1, tuple(known), c, None, None, None))
+            return []
+        if ev.state in TERMINAL_STATES:
+            self.scheduler.withdraw(ev.job_id)
+            self.scheduler.release(ev.job_id)
+            self.placed.pop(ev.job_id, None)
+            self.programs.pop(ev.job_id, None)
+            return self._schedule(ev)
+        return []
+
+    def _co_runners(self, nodes: tuple[str, ...], loads: Mapping[str, NodeLoad]) -> dict[str, str]:
+        return {j: self.programs.get(j, "?") for n in nodes for j in sorted(loads[n].jobs)}
+
+    def _veto(self, job: PendingJob, placement: Placement, loads: Mapping[str, NodeLoad]) -> str | None:
+        co = self._co_runners(placement.nodes, loads)
+        program = self.programs.get(job.job_id)
+        if not co or program is None or self.pairs.model is None:
+            return None
+        worst = max(self.pairs.predict(self.book, program, list(co.values())))
+        slowdown = (placement.predicted_slowdown or 1.0) * (1.0 + worst / 100.0)
+        if slowdown > 1.0 / job.alpha:
+            return (f"predicted {slowdown:.2f}x slower than its CE run next to {sorted(set(co.values()))} "
+                    f"(alpha {job.alpha} allows {1.0 / job.alpha:.2f}x): serialized")
+        return None
+
+    def _schedule(self, trigger: Record) -> list[Record]:
+        if self.scheduler is None:
+            return []
+        loads_before = {n: NodeLoad(x.capacity, dict(x.jobs), x.exclusive) for n, x in self.scheduler.loads.items()}
+        out: list[Record] = []
+        for d in self.scheduler.schedule(trigger.event_time.timestamp()):
+            out.append(self._decision(d, trigger, loads_before))
+            if d.placement is not None:
+                self.placed[d.job.job_id] = d.placement
+                for n in d.placement.nodes:  # later decisions of this pass see this job's allocation
+                    loads_before[n].jobs[d.job.job_id] = self.scheduler.loads[n].jobs[d.job.job_id]
+        return out
+
+    def _decision(self, d: Decision, trigger: Record, loads: Mapping[str, NodeLoad]) -> PlacementDecision:
+        job, p = d.job, d.placement
+        program = self.programs.get(job.job_id, "?")
+        runtimes = self.book.runtime_by_scale(program)
+        notes = self.book.programs.get(program)
+        co = self._co_runners(p.nodes, loads) if p else {}
+        predicted = dict(zip(co, self.pairs.predict(self.book, program, list(co.values())), strict=False))
+        slowdown = p.predicted_slowdown if p else None
+        if slowdown is not None and predicted:
+            slowdown *= 1.0 + max(predicted.values()) / 100.0
+        action = PlacementAction.PLACE if p else (
+            PlacementAction.SERIALIZE if "serialized" in d.reason else PlacementAction.DELAY)
+        inputs = PlacementInputs(
+            trigger_event_id=trigger.event_id, program=program, processes=job.procs, alpha=job.alpha,
+            program_class=classify(runtimes), profile_samples=notes.samples if notes else 0,
+            runtime_s_by_scale={str(k): v for k, v in runtimes.items()},
+            node_scores={n: loads[n].score() for n in p.nodes} if p else {},
+            co_runners=co, predicted_degradation_pct=predicted, model_pairs=self.pairs.measured)
+        return PlacementDecision(
+            event_id=f"placement:{job.job_id}:{trigger.event_id}", source=SOURCE, event_time=trigger.event_time,
+            job_id=job.job_id, action=action, policy=self.policy,
+            scale_factor=p.scale if p else None, nodes=p.nodes if p else (),
+            cores_per_node=p.cores_per_node if p else None, llc_ways=p.ways if p else None,
+            bandwidth_gbps=p.bandwidth_gbps if p else None, predicted_slowdown=slowdown, reason=d.reason,
+            inputs=inputs)
