@@ -130,17 +130,26 @@ class NodeCapacity:
 
 @dataclass
 class NodeLoad:
-    """What is allocated on a node: cores, ways and bandwidth by job."""
+    """What is allocated on a node: cores, ways and bandwidth by job. Change it through ``hold``
+    and ``free``: the totals are kept, not summed again for every candidate job."""
 
     capacity: NodeCapacity
     jobs: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # job -> (cores, ways, bandwidth)
-    exclusive: bool = False
+    _used: tuple[int, int, float] | None = field(default=None, repr=False, compare=False)
 
     def used(self) -> tuple[int, int, float]:
-        c = sum(j[0] for j in self.jobs.values())
-        w = sum(j[1] for j in self.jobs.values())
-        b = sum(j[2] for j in self.jobs.values())
-        return c, w, b
+        if self._used is None:
+            self._used = (sum(j[0] for j in self.jobs.values()), sum(j[1] for j in self.jobs.values()),
+                          sum(j[2] for j in self.jobs.values()))
+        return self._used
+
+    def hold(self, job_id: str, cores: int, ways: int, bandwidth: float) -> None:
+        self.jobs[job_id] = (cores, ways, bandwidth)
+        self._used = None
+
+    def free(self, job_id: str) -> None:
+        if self.jobs.pop(job_id, None) is not None:
+            self._used = None
 
     def score(self, beta: float = WAYS_WEIGHT) -> float:
         """Seed 001 Section 4.4: Co + Bo + beta * Wo, the occupied shares of cores, bandwidth, ways."""
@@ -149,9 +158,7 @@ class NodeLoad:
         return c / cap.cores + b / cap.bandwidth_gbps + beta * w / cap.llc_ways
 
     def fits(self, cores: int, ways: int, bandwidth: float, policy: Policy) -> bool:
-        if self.exclusive:
-            return False
-        if not policy.share_nodes:
+        if not policy.share_nodes:  # CE: a node runs one job
             return not self.jobs and cores <= self.capacity.cores
         c, w, b = self.used()
         if c + cores > self.capacity.cores:
@@ -164,7 +171,8 @@ class NodeLoad:
 @dataclass(frozen=True)
 class Placement:
     """A job's allocation: its scale factor, nodes and per-node demand, and the slowdown the
-    profile predicts against its CE run (scale factor's run time ratio / IPC share kept)."""
+    profile predicts against its CE run (scale factor's run time ratio / IPC share kept). When the
+    scheduler chose it: the chosen nodes' scores and the jobs already on them, before this one."""
 
     scale: int
     nodes: tuple[str, ...]
@@ -172,6 +180,8 @@ class Placement:
     ways: int | None
     bandwidth_gbps: float | None
     predicted_slowdown: float | None
+    node_scores: tuple[float, ...] = ()
+    co_jobs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -188,6 +198,7 @@ class Decision:
     job: PendingJob
     placement: Placement | None  # None: delayed
     reason: str
+    refused: bool = False  # delayed because the veto refused where it would have gone
 
 
 def choose_nodes(loads: Mapping[str, NodeLoad], n: int, cores: int, ways: int, bandwidth: float,
@@ -213,43 +224,44 @@ class Scheduler:
 
     def __init__(self, nodes: Mapping[str, NodeCapacity], policy: Policy = SNS,
                  age_limit_s: float = DEFAULT_AGE_LIMIT_S,
-                 veto: Callable[[PendingJob, Placement, Mapping[str, NodeLoad]], str | None] | None = None) -> None:
+                 veto: Callable[[PendingJob, Placement], str | None] | None = None) -> None:
         if not nodes:
             raise ValueError("a cluster needs at least one node")
         self.loads = {name: NodeLoad(cap) for name, cap in sorted(nodes.items())}
         self.policy = policy
         self.age_limit_s = age_limit_s
         self.veto = veto  # a reason not to run the job there (e.g. a pair predicted too slow), or None
-        self.vetoed: dict[str, str] = {}  # job -> why its last candidate placement was refused
         self.queue: dict[str, PendingJob] = {}  # insertion order = submission order
         self.delayed: set[str] = set()  # queued jobs whose delay was already reported
         self._sizes()
 
     def _sizes(self) -> None:
+        """The smallest node's size: processes are spread over nodes of this many cores."""
         caps = [x.capacity for x in self.loads.values()]
-        self.cores_per_node = min(c.cores for c in caps)
-        self.smallest = NodeCapacity(self.cores_per_node, min(c.llc_ways for c in caps),
+        self.smallest = NodeCapacity(min(c.cores for c in caps), min(c.llc_ways for c in caps),
                                      min(c.bandwidth_gbps for c in caps))
 
     def add_node(self, name: str, capacity: NodeCapacity) -> None:
         load = self.loads.get(name)
-        self.loads[name] = NodeLoad(capacity, dict(load.jobs) if load else {}, load.exclusive if load else False)
+        self.loads[name] = NodeLoad(capacity, dict(load.jobs) if load else {})
         self._sizes()
 
     def submit(self, job: PendingJob) -> None:
         self.queue.setdefault(job.job_id, job)
 
     def withdraw(self, job_id: str) -> None:
-        """A job cancelled before it started."""
+        """Take a job off the queue (placed, started elsewhere, or cancelled)."""
         self.queue.pop(job_id, None)
         self.delayed.discard(job_id)
 
-    def place_for(self, job: PendingJob) -> Placement | None:
-        """The first scale factor, in the policy's order, whose nodes are free now."""
+    def place_for(self, job: PendingJob) -> tuple[Placement | None, str | None]:
+        """The first scale factor, in the policy's order, whose nodes are free now; else None and
+        the veto's reason when it refused a candidate."""
         runtimes = job.profile.runtime_by_scale()
         base = runtimes.get(1)
+        refused = None
         for k in self.policy.scales(runtimes):
-            n, c = spread(job.procs, self.cores_per_node, k)
+            n, c = spread(job.procs, self.smallest.cores, k)
             if n > len(self.loads):
                 continue
             llc = None
@@ -271,33 +283,34 @@ class Scheduler:
             if base and k in runtimes:
                 slowdown = runtimes[k] / base / (llc.ipc_share if llc else 1.0)
             placement = Placement(k, nodes, c, llc.ways if llc else None, llc.bandwidth_gbps if llc else None,
-                                  slowdown)
-            refused = self.veto(job, placement, self.loads) if self.veto else None
-            if refused:
-                self.vetoed[job.job_id] = refused
-                continue
-            return placement
-        return None
+                                  slowdown, tuple(self.loads[m].score() for m in nodes),
+                                  tuple(sorted({j for m in nodes for j in self.loads[m].jobs})))
+            why = self.veto(job, placement) if self.veto else None
+            if why is None:
+                return placement, None
+            refused = why
+        return None, refused
 
     def allocate(self, job_id: str, placement: Placement) -> None:
         for name in placement.nodes:
-            load = self.loads[name]
-            load.jobs[job_id] = (placement.cores_per_node, placement.ways or 0, placement.bandwidth_gbps or 0.0)
-            load.exclusive = not self.policy.share_nodes
+            self.loads[name].hold(job_id, placement.cores_per_node, placement.ways or 0,
+                                  placement.bandwidth_gbps or 0.0)
 
     def release(self, job_id: str) -> None:
         """A job ended: free what it held (it may hold nothing, e.g. placed by someone else)."""
         for load in self.loads.values():
-            if load.jobs.pop(job_id, None) is not None and not load.jobs:
-                load.exclusive = False
+            load.free(job_id)
+
+    def nodes_of(self, job_id: str) -> set[str]:
+        """The nodes a job is booked on."""
+        return {name for name, load in self.loads.items() if job_id in load.jobs}
 
     def schedule(self, now: float) -> list[Decision]:
         """Place what fits, oldest first. A job that does not fit is delayed; one older than the
         age limit stops the scan. Delays are reported once per job."""
         out: list[Decision] = []
         for job in list(self.queue.values()):
-            self.vetoed.pop(job.job_id, None)
-            placement = self.place_for(job)
+            placement, refused = self.place_for(job)
             if placement is not None:
                 self.allocate(job.job_id, placement)
                 self.withdraw(job.job_id)
@@ -305,8 +318,8 @@ class Scheduler:
                 continue
             if job.job_id not in self.delayed:
                 self.delayed.add(job.job_id)
-                why = self.vetoed.get(job.job_id, "no scale factor fits now")
-                out.append(Decision(job, None, f"{self.policy.name}: {why}"))
+                why = refused or "no scale factor fits now"
+                out.append(Decision(job, None, f"{self.policy.name}: {why}", refused=refused is not None))
             if now - job.submitted >= self.age_limit_s:
                 break  # aged out: younger jobs wait behind it
         return out

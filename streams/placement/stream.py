@@ -56,7 +56,6 @@ from .sns import (
     Decision,
     LlcDemand,
     NodeCapacity,
-    NodeLoad,
     PendingJob,
     Placement,
     Scheduler,
@@ -143,8 +142,6 @@ class PlacementManager:
     book: ProfileBook = field(default_factory=ProfileBook)
     pairs: PairModel = field(default_factory=PairModel)
     scheduler: Scheduler | None = None
-    programs: dict[str, str] = field(default_factory=dict)  # job -> program, for running and queued jobs
-    placed: dict[str, Placement] = field(default_factory=dict)  # our decisions for jobs not ended yet
     early: list[JobEvent] = field(default_factory=list)  # submissions before any node was known
     skipped: int = 0
 
@@ -179,8 +176,11 @@ class PlacementManager:
         submitted = (ev.submit_time or ev.event_time).timestamp()
         self.scheduler.submit(PendingJob(ev.job_id, ev.cores, ev.alpha, submitted, BookProfile(self.book, ev.program)))
 
+    def _program(self, job_id: str) -> str:
+        notes = self.book.jobs.get(job_id)
+        return notes.program if notes is not None and notes.program else "?"
+
     def _lifecycle(self, ev: JobEvent) -> list[Record]:
-        self.programs[ev.job_id] = ev.program
         if ev.state is JobState.SUBMITTED:
             if self.scheduler is None:
                 self.early.append(ev)
@@ -191,8 +191,7 @@ class PlacementManager:
             return []
         if ev.state is JobState.STARTED:
             self.scheduler.withdraw(ev.job_id)  # started by the resource manager, placed or not
-            ours = self.placed.get(ev.job_id)
-            if ours is None or set(ours.nodes) != set(ev.nodes):  # book it where it really runs
+            if self.scheduler.nodes_of(ev.job_id) != set(ev.nodes):  # not where we put it: book where it runs
                 self.scheduler.release(ev.job_id)
                 known = [n for n in ev.nodes if n in self.scheduler.loads]
                 if known:
@@ -202,18 +201,16 @@ class PlacementManager:
         if ev.state in TERMINAL_STATES:
             self.scheduler.withdraw(ev.job_id)
             self.scheduler.release(ev.job_id)
-            self.placed.pop(ev.job_id, None)
-            self.programs.pop(ev.job_id, None)
             return self._schedule(ev)
         return []
 
-    def _co_runners(self, nodes: tuple[str, ...], loads: Mapping[str, NodeLoad]) -> dict[str, str]:
-        return {j: self.programs.get(j, "?") for n in nodes for j in sorted(loads[n].jobs)}
+    def _co_runners(self, placement: Placement) -> dict[str, str]:
+        return {j: self._program(j) for j in placement.co_jobs}
 
-    def _veto(self, job: PendingJob, placement: Placement, loads: Mapping[str, NodeLoad]) -> str | None:
-        co = self._co_runners(placement.nodes, loads)
-        program = self.programs.get(job.job_id)
-        if not co or program is None or self.pairs.model is None:
+    def _veto(self, job: PendingJob, placement: Placement) -> str | None:
+        co = self._co_runners(placement)
+        program = self._program(job.job_id)
+        if not co or self.pairs.model is None:
             return None
         worst = max(self.pairs.predict(self.book, program, list(co.values())))
         slowdown = (placement.predicted_slowdown or 1.0) * (1.0 + worst / 100.0)
@@ -225,33 +222,24 @@ class PlacementManager:
     def _schedule(self, trigger: Record) -> list[Record]:
         if self.scheduler is None:
             return []
-        loads_before = {n: NodeLoad(x.capacity, dict(x.jobs), x.exclusive) for n, x in self.scheduler.loads.items()}
-        out: list[Record] = []
-        for d in self.scheduler.schedule(trigger.event_time.timestamp()):
-            out.append(self._decision(d, trigger, loads_before))
-            if d.placement is not None:
-                self.placed[d.job.job_id] = d.placement
-                for n in d.placement.nodes:  # later decisions of this pass see this job's allocation
-                    loads_before[n].jobs[d.job.job_id] = self.scheduler.loads[n].jobs[d.job.job_id]
-        return out
+        return [self._decision(d, trigger) for d in self.scheduler.schedule(trigger.event_time.timestamp())]
 
-    def _decision(self, d: Decision, trigger: Record, loads: Mapping[str, NodeLoad]) -> PlacementDecision:
+    def _decision(self, d: Decision, trigger: Record) -> PlacementDecision:
         job, p = d.job, d.placement
-        program = self.programs.get(job.job_id, "?")
+        program = self._program(job.job_id)
         runtimes = self.book.runtime_by_scale(program)
         notes = self.book.programs.get(program)
-        co = self._co_runners(p.nodes, loads) if p else {}
+        co = self._co_runners(p) if p else {}
         predicted = dict(zip(co, self.pairs.predict(self.book, program, list(co.values())), strict=False))
         slowdown = p.predicted_slowdown if p else None
         if slowdown is not None and predicted:
             slowdown *= 1.0 + max(predicted.values()) / 100.0
-        action = PlacementAction.PLACE if p else (
-            PlacementAction.SERIALIZE if "serialized" in d.reason else PlacementAction.DELAY)
+        action = PlacementAction.PLACE if p else (PlacementAction.SERIALIZE if d.refused else PlacementAction.DELAY)
         inputs = PlacementInputs(
             trigger_event_id=trigger.event_id, program=program, processes=job.procs, alpha=job.alpha,
             program_class=classify(runtimes), profile_samples=notes.samples if notes else 0,
             runtime_s_by_scale={str(k): v for k, v in runtimes.items()},
-            node_scores={n: loads[n].score() for n in p.nodes} if p else {},
+            node_scores=dict(zip(p.nodes, p.node_scores, strict=True)) if p else {},
             co_runners=co, predicted_degradation_pct=predicted, model_pairs=self.pairs.measured)
         return PlacementDecision(
             event_id=f"placement:{job.job_id}:{trigger.event_id}", source=SOURCE, event_time=trigger.event_time,

@@ -157,10 +157,10 @@ def test_an_aged_job_stops_younger_ones_from_jumping_ahead() -> None:
 
 
 def test_a_veto_delays_the_job_with_its_reason() -> None:
-    s = Scheduler({"n1": NODE}, SNS, veto=lambda j, p, loads: "predicted too slow: serialized")
+    s = Scheduler({"n1": NODE}, SNS, veto=lambda j, p: "predicted too slow: serialized")
     s.submit(job("a", 4))
     [d] = s.schedule(0.0)
-    assert d.placement is None and "serialized" in d.reason
+    assert d.placement is None and d.refused and "serialized" in d.reason
 
 
 # --------------------------------------------------------------------------- the experiment
