@@ -194,8 +194,6 @@ class Running:
     prog: int
     scale: int
     nodes: tuple[str, ...]
-    cores: int
-    ways: int
     remaining: float  # CE seconds of work left
     rate: float = 1.0  # CE seconds of work per second
     since: float = 0.0  # when remaining and rate were last brought up to date
@@ -211,14 +209,13 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
     profiles = {p: ModelProfile(machine, p, machine.runtime_by_scale(p, machine.cores)) for p in set(assignment)}
     index = {j.job_id: i for i, j in enumerate(jobs)}
     start, end, scale = np.full(len(jobs), np.nan), np.full(len(jobs), np.nan), np.zeros(len(jobs), int)
-    running: dict[str, Running] = {}
-    on_node: dict[str, set[str]] = {name: set() for name in sched.loads}
+    running: dict[str, Running] = {}  # what runs where: the scheduler's node loads
     now, arrivals, done = 0.0, 0, 0
     ends: list[tuple[float, str, int]] = []  # (end time, job, version) heap; stale versions skipped
     version: dict[str, int] = {}
 
     def rerate(changed: set[str]) -> None:
-        touched = {j for n in changed for j in on_node[n]}
+        touched = {j for n in changed for j in sched.loads[n].jobs}
         for jid in touched:
             r = running[jid]
             r.remaining = max(0.0, r.remaining - r.rate * (now - r.since))
@@ -229,8 +226,9 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
             heapq.heappush(ends, (now + r.remaining / r.rate, jid, version[jid]))
 
     def node_ipc(name: str, jid: str) -> float:
-        ids = sorted(on_node[name])
-        key = tuple((running[j].prog, running[j].cores, running[j].ways) for j in ids)
+        held = sched.loads[name].jobs  # job -> (cores, ways, bandwidth)
+        ids = sorted(held)
+        key = tuple((running[j].prog, held[j][0], held[j][1]) for j in ids)
         return float(machine.node_ipc(key, pol.resource_aware)[ids.index(jid)])
 
     while done < len(jobs):
@@ -245,8 +243,6 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
             del version[jid]
             end[index[jid]] = now
             sched.release(jid)
-            for n in r.nodes:
-                on_node[n].discard(jid)
             changed.update(r.nodes)
             done += 1
             if progress and (done % 500 == 0 or done == len(jobs)):
@@ -262,11 +258,8 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
                 continue
             i = index[d.job.job_id]
             p = d.placement
-            running[d.job.job_id] = Running(jobs[i], assignment[i], p.scale, p.nodes, p.cores_per_node,
-                                            p.ways or 0, jobs[i].run_s, 1.0, now)
+            running[d.job.job_id] = Running(jobs[i], assignment[i], p.scale, p.nodes, jobs[i].run_s, 1.0, now)
             start[i], scale[i] = now, p.scale
-            for n in p.nodes:
-                on_node[n].add(d.job.job_id)
             changed.update(p.nodes)
         rerate(changed)
     return {"start": start, "end": end, "scale": scale}
