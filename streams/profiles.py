@@ -151,6 +151,7 @@ class ProfileBook:
     def __init__(self) -> None:
         self.programs: dict[str, ProgramNotes] = {}
         self.jobs: dict[str, JobNotes] = {}
+        self.on_node: dict[str, set[str]] = {}  # node -> jobs that ran on it (and are remembered)
         self.node_cores: dict[str, int] = {}
         self.newest: datetime | None = None
 
@@ -158,7 +159,7 @@ class ProfileBook:
         self.newest = max(self.newest, record.event_time) if self.newest else record.event_time
         if isinstance(record, NodeInventory):
             self.node_cores[record.node] = record.cores
-            return self._refresh(j for j, n in self.jobs.items() if record.node in n.nodes)
+            return self._refresh(sorted(self.on_node.get(record.node, ())))
         if isinstance(record, JobEvent):
             return self._lifecycle(record)
         if isinstance(record, ShutterBlock | LlcSample):
@@ -179,6 +180,8 @@ class ProfileBook:
         job = self.jobs.setdefault(ev.job_id, JobNotes())
         job.program, job.cores = ev.program, ev.cores
         job.nodes = ev.nodes or job.nodes
+        for n in job.nodes:
+            self.on_node.setdefault(n, set()).add(ev.job_id)
         job.start = ev.start_time or job.start
         if ev.state in TERMINAL_STATES:
             job.end = ev.end_time or ev.event_time
@@ -188,8 +191,7 @@ class ProfileBook:
         for rec in waiting:
             changed |= self._sample(job, rec)
         # this job's facts may complete its own contribution and change its co-runners'
-        neighbours = [j for j, n in self.jobs.items() if set(n.nodes) & set(job.nodes)]
-        changed |= self._refresh([ev.job_id, *neighbours])
+        changed |= self._refresh([ev.job_id, *sorted(self.neighbours(ev.job_id, job))])
         if ev.state in TERMINAL_STATES:
             self._forget_old()
         return changed
@@ -230,15 +232,20 @@ class ProfileBook:
         k = len(job.nodes) / math.ceil(job.cores / per_node)
         return int(k) if k in SCALE_FACTORS else None
 
+    def neighbours(self, job_id: str, job: JobNotes) -> set[str]:
+        """The other remembered jobs that ran on any of this job's nodes, at any time."""
+        return {j for n in job.nodes for j in self.on_node.get(n, ())} - {job_id}
+
     def co_programs(self, job_id: str, job: JobNotes) -> set[str]:
         """Programs of the other jobs that ran on any of this job's nodes while it ran."""
         out = set()
-        for other_id, other in self.jobs.items():
-            if other_id == job_id or other.program is None or other.start is None:
+        for other_id in self.neighbours(job_id, job):
+            other = self.jobs[other_id]
+            if other.program is None or other.start is None:
                 continue
             overlap = ((other.end is None or job.start is None or other.end > job.start)
                        and (job.end is None or other.start < job.end))
-            if overlap and set(other.nodes) & set(job.nodes):
+            if overlap:
                 out.add(other.program)
         return out
 
@@ -285,7 +292,8 @@ class ProfileBook:
             return
         horizon = self.newest - JOB_MEMORY
         for job_id in [j for j, n in self.jobs.items() if n.end is not None and n.end < horizon]:
-            del self.jobs[job_id]
+            for n in self.jobs.pop(job_id).nodes:
+                self.on_node[n].discard(job_id)
 
     def runtime_by_scale(self, program: str) -> dict[int, float]:
         notes = self.programs.get(program)
