@@ -675,14 +675,14 @@ class RecordSink(Sink):
         """CAT episodes of a job that starts: on each of its nodes, its processes held a few way
         counts in turn; IPC and bandwidth are the program's curves at the ways each process got."""
         assert self.engine is not None, "the sink is bound by the engine"
-        w = self.engine.programs[self._jobs().specs[job].program]
+        program = self.engine.programs[self._jobs().specs[job].program]
         sock = self.cfg.socket
         total = int(2 * sock.ways)
         for node in nodes:
-            for i, ways in enumerate(w_ for w_ in CAT_WAYS if w_ <= total):
+            for i, ways in enumerate(w for w in CAT_WAYS if w <= total):
                 per_process = np.array([ways / 2.0 / sock.procs])
-                ipc = float(interp_ways(np.asarray(w.ipc)[None, :], per_process)[0])
-                bw = 2 * sock.procs * float(interp_ways(np.asarray(w.bw_gbps)[None, :], per_process)[0])
+                ipc = float(interp_ways(np.asarray(program.ipc)[None, :], per_process)[0])
+                bw = 2 * sock.procs * float(interp_ways(np.asarray(program.bw_gbps)[None, :], per_process)[0])
                 self._emit(t, LlcSample(
                     event_id=self.eid("cat", job, node, ways), source=f"sim/{node}", event_time=self.at(t + i * 1e-6),
                     job_id=job_id(job), node=node, llc_ways=ways, node_llc_ways=total, cores=self.cfg.slot_cores,
