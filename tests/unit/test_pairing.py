@@ -19,6 +19,7 @@ from nodeshare.streams.pairing import (
     fifo_shared,
     greedy_pairs,
     makespan,
+    pair_queue,
     pair_time,
     pair_weights,
     r2,
@@ -118,3 +119,36 @@ def test_bench_placement_writes_its_json(tmp_path: Path):
     r = run_json("bench", "placement", "--repeats", "3", "--greedy-jobs", "100", "--blossom-jobs", "20",
                  "--predict-jobs", "10", "--out", str(out))
     assert {"greedy_100_ms", "blossom_20_ms", "predict_10_ms"} <= set(r) and out.exists()
+
+
+@pytest.mark.parametrize("n", [2, 7, 30, 31])
+def test_blossom_finds_a_perfect_matching_as_light_as_networkx(n):
+    nx = pytest.importorskip("networkx")
+    rng = np.random.default_rng(n)
+    times = rng.lognormal(np.log(600.0), 0.8, n)
+    deg = rng.uniform(0.0, 80.0, (n, n))
+    w, alone = pair_weights(times, deg), exclusive_times(times, deg)
+    ours = blossom_pairs(alone, w, serialize=False)
+    assert sorted(k for t in ours for k in t.jobs) == list(range(n)) and sum(len(t.jobs) == 1 for t in ours) == n % 2
+    g = nx.Graph()
+    g.add_weighted_edges_from((i, j, w[i, j]) for i in range(n) for j in range(i + 1, n))
+    g.add_weighted_edges_from((k, n, alone[k]) for k in range(n) if n % 2)
+    best = sum(g[a][b]["weight"] for a, b in nx.min_weight_matching(g))
+    cost = sum(w[t.jobs] if len(t.jobs) == 2 else alone[t.jobs[0]] for t in ours)
+    assert cost == pytest.approx(best, abs=n * 1e-3)  # weights are rounded to the millisecond
+
+
+def test_pair_queue_keeps_pairs_within_alpha_and_faster_than_serial():
+    times = np.full(4, 100.0)
+    # 0 and 1 are cache-hungry (80% next to each other), 2 and 3 compute-bound; 0/2 and 1/3 mix well
+    deg = np.array([[80.0, 80.0, 5.0, 8.0], [80.0, 80.0, 8.0, 5.0], [5.0, 8.0, 0.0, 0.0], [8.0, 5.0, 0.0, 0.0]])
+    alphas = np.full(4, 0.9)
+    assert pair_queue(times, alphas, deg) == [(0, 2), (1, 3)]
+    # greedy takes the cheapest edge first, (2, 3) at 0%, and is left with (0, 1) at 80%: beyond alpha
+    assert pair_queue(times, alphas, deg, "greedy") == [(2, 3)]
+    # a stricter job refuses what a 5% slowdown costs it: 0.96 * 1.05 > 1
+    assert pair_queue(times, np.array([0.96, 0.9, 0.9, 0.9]), deg) == [(1, 3)]
+    # two jobs that slow each other 3x are better run one after the other: not paired
+    assert pair_queue(np.full(2, 100.0), np.full(2, 0.1), np.full((2, 2), 200.0)) == []
+    with pytest.raises(ValueError, match="pairing must be one of"):
+        pair_queue(times, alphas, deg, "fifo")
