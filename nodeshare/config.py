@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from nodeshare.streams.accounting import PricingPolicy
 from nodeshare.streams.degradation import DEFAULT_DELTA
+from nodeshare.streams.placement.sns import DEFAULT_AGE_LIMIT_S
 from nodeshare.streams.power.ppartition import PowerPolicy
 from nodeshare.streams.pricing import POPPA_EQ4
 
@@ -58,6 +59,9 @@ class Settings(BaseSettings):
     power_release: Literal["proportional", "pool"] = "proportional"
     power_min_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
     power_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
+    placement_policy: Literal["SNS", "CS", "CE"] = "SNS"  # streams.placement.sns.POLICIES
+    placement_pairing: Literal["blossom", "greedy", "off"] = "blossom"  # Seed 003 pairs of waiting jobs
+    placement_age_limit_s: Annotated[float, Field(gt=0.0)] = DEFAULT_AGE_LIMIT_S  # longer waits block younger jobs
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None  # Prometheus endpoint; off when unset
     metrics_addr: str = "127.0.0.1"
 

@@ -258,7 +258,8 @@ def add_placement_agents(app: faust.App, settings: Settings) -> None:
         metrics.EVENTS_OUT.labels(settings.topic(spec.name)).inc()
 
     add_log_manager(app, settings, "placement", PLACEMENT_LOG, inputs, (NODE_LLC,),
-                    lambda: PlacementManager(prefix=settings.topic_prefix), publish)
+                    lambda: PlacementManager(settings.placement_policy, settings.placement_age_limit_s,
+                                             settings.placement_pairing, prefix=settings.topic_prefix), publish)
 
 
 def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> None:

@@ -199,6 +199,7 @@ class Decision:
     placement: Placement | None  # None: delayed
     reason: str
     refused: bool = False  # delayed because the veto refused where it would have gone
+    partner: str | None = None  # placed together with this job (Seed 003 pairing)
 
 
 def choose_nodes(loads: Mapping[str, NodeLoad], n: int, cores: int, ways: int, bandwidth: float,
@@ -271,10 +272,7 @@ class Scheduler:
                 share = job.alpha * (runtimes[k] / base if base and k in runtimes else 1.0)
                 if share > 1.0:
                     continue  # spreading alone already costs more than alpha allows
-                llc = job.profile.demand(c, share)
-            if llc is not None:  # what a job uses alone is at most what a node has: alone it always fits
-                llc = LlcDemand(min(llc.ways, self.smallest.llc_ways),
-                                min(llc.bandwidth_gbps, self.smallest.bandwidth_gbps), llc.ipc_share)
+                llc = self._demand(job, c, share)
             ways, bw = (llc.ways, llc.bandwidth_gbps) if llc else (0, 0.0)
             nodes = choose_nodes(self.loads, n, c, ways, bw, self.policy)
             if nodes is None:
@@ -290,6 +288,36 @@ class Scheduler:
                 return placement, None
             refused = why
         return None, refused
+
+    def _demand(self, job: PendingJob, cores: int, share: float) -> LlcDemand | None:
+        """The profile's per-node demand, capped at the smallest node: what a job uses alone is at
+        most what a node has, so alone it always fits."""
+        llc = job.profile.demand(cores, share)
+        if llc is None:
+            return None
+        return LlcDemand(min(llc.ways, self.smallest.llc_ways), min(llc.bandwidth_gbps, self.smallest.bandwidth_gbps),
+                         llc.ipc_share)
+
+    def place_pair(self, a: PendingJob, b: PendingJob) -> tuple[Placement, Placement] | None:
+        """Seed 003: two jobs started together on one node, each at scale factor 1 with its
+        alpha's LLC demand under SNS; the node the policy's choice picks for both, or None when
+        no node holds the pair now (or the policy does not share nodes)."""
+        if not self.policy.share_nodes or a.procs + b.procs > self.smallest.cores:
+            return None
+        llc = [self._demand(j, j.procs, j.alpha) if self.policy.resource_aware else None for j in (a, b)]
+        ways = sum(x.ways for x in llc if x)
+        bw = sum(x.bandwidth_gbps for x in llc if x)
+        nodes = choose_nodes(self.loads, 1, a.procs + b.procs, ways, bw, self.policy)
+        if nodes is None:
+            return None
+        scores = (self.loads[nodes[0]].score(),)
+        there = set(self.loads[nodes[0]].jobs)
+        out = []
+        for job, other, x in ((a, b, llc[0]), (b, a, llc[1])):
+            slowdown = 1.0 / (x.ipc_share if x else 1.0) if job.profile.runtime_by_scale().get(1) else None
+            out.append(Placement(1, nodes, job.procs, x.ways if x else None, x.bandwidth_gbps if x else None,
+                                 slowdown, scores, tuple(sorted(there | {other.job_id}))))
+        return out[0], out[1]
 
     def allocate(self, job_id: str, placement: Placement) -> None:
         for name in placement.nodes:

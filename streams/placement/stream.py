@@ -13,7 +13,10 @@ shutter blocks, CAT episodes and final degradation estimates to the single-parti
 * a Random Forest pair model (streams.pairing, Seed 003) is trained from the measured pairwise
   degradations in the profiles and retrained as they grow; it predicts a job's degradation next
   to the co-runners of its chosen nodes and refuses a placement predicted slower than alpha
-  allows (the job is *serialized*: it waits for other nodes or for them to leave).
+  allows (the job is *serialized*: it waits for other nodes or for them to leave);
+* before each Spread-n-Share pass, the waiting jobs that fit half a node are paired on the
+  model's degradation graph (blossom or greedy, Seed 003); a pair predicted faster than one
+  after the other and within both jobs' alpha starts together on one node (``pair`` decisions).
 
 Each decision carries its inputs. Pure: the same log gives the same records.
 """
@@ -48,7 +51,7 @@ from nodeshare.schemas.events import (
 )
 from nodeshare.schemas.serde import DecodeError, decode
 
-from ..pairing import DegradationModel
+from ..pairing import PAIRINGS, DegradationModel, pair_queue
 from ..profiles import FEATURES, ProfileBook
 from .sns import (
     DEFAULT_AGE_LIMIT_S,
@@ -71,10 +74,14 @@ ROUTED = (JOBS_LIFECYCLE, CLUSTER_INVENTORY, NODE_IPC, NODE_LLC, ESTIMATES_DEGRA
 #: and is refitted when their number has grown by this share since the last fit.
 MIN_PAIRS = 4
 RETRAIN_GROWTH = 0.25
+#: A program pair measured n times trains the model with min(n, ROWS_PER_PAIR) rows.
+ROWS_PER_PAIR = 16
 STATS = ("mean", "min", "max", "sd")
 #: A program's profile is published on every estimate, CAT episode and job start that changes
 #: it, and on every PROFILE_EVERY-th shutter block (a job's final estimate follows all its blocks).
 PROFILE_EVERY = 256
+#: The pairing pass looks at this many of the oldest waiting jobs that fit half a node.
+PAIR_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -120,9 +127,13 @@ class PairModel:
         total = sum(n for *_, n in samples)
         if len(samples) < 2 or total < MIN_PAIRS or total < self.measured * (1.0 + RETRAIN_GROWTH):
             return False
-        fi = np.array([feature_vector(book, a) for a, *_ in samples])
-        fj = np.array([feature_vector(book, b) for _, b, *_ in samples])
-        self.model = DegradationModel(self.trees, seed=0).fit(fi, fj, np.array([d for _, _, d, _ in samples]))
+        # one row per measured job (up to ROWS_PER_PAIR): a forest's bootstrap drawn from a handful of
+        # program pairs would leave each tree without some of them and blur every prediction
+        reps = np.minimum([n for *_, n in samples], ROWS_PER_PAIR)
+        fi = np.repeat([feature_vector(book, a) for a, *_ in samples], reps, axis=0)
+        fj = np.repeat([feature_vector(book, b) for _, b, *_ in samples], reps, axis=0)
+        deg = np.repeat([d for _, _, d, _ in samples], reps)
+        self.model = DegradationModel(self.trees, seed=0).fit(fi, fj, deg)
         self.measured = total
         return True
 
@@ -138,6 +149,7 @@ class PairModel:
 class PlacementManager:
     policy: str = "SNS"
     age_limit_s: float = DEFAULT_AGE_LIMIT_S
+    pairing: str = "blossom"  # or "greedy", or "off"
     prefix: str = ""
     book: ProfileBook = field(default_factory=ProfileBook)
     pairs: PairModel = field(default_factory=PairModel)
@@ -219,10 +231,65 @@ class PlacementManager:
                     f"(alpha {job.alpha} allows {1.0 / job.alpha:.2f}x): serialized")
         return None
 
+    def __post_init__(self) -> None:
+        if self.pairing != "off" and self.pairing not in PAIRINGS:
+            raise ValueError(f"pairing must be 'off' or one of {sorted(PAIRINGS)}, got {self.pairing!r}")
+
     def _schedule(self, trigger: Record) -> list[Record]:
         if self.scheduler is None:
             return []
-        return [self._decision(d, trigger) for d in self.scheduler.schedule(trigger.event_time.timestamp())]
+        now = trigger.event_time.timestamp()
+        decisions = self._pair(now) + self.scheduler.schedule(now)
+        return [self._decision(d, trigger) for d in decisions]
+
+    def _pair(self, now: float) -> list[Decision]:
+        """Seed 003 on the waiting queue: the oldest PAIR_WINDOW jobs that fit half a node, paired
+        on the predicted degradation graph; each pair the model deems worth it (``pair_queue``)
+        starts on one node when one holds both and the veto accepts both. An aged job that cannot
+        be paired stops the window, so pairs never take what it waits for."""
+        s = self.scheduler
+        if self.pairing == "off" or self.pairs.model is None or s is None or not s.policy.share_nodes:
+            return []
+        window: list[PendingJob] = []
+        for job in s.queue.values():
+            if 2 * job.procs <= s.smallest.cores:
+                window.append(job)
+                if len(window) == PAIR_WINDOW:
+                    break
+            elif now - job.submitted >= s.age_limit_s:
+                break
+        if len(window) < 2:
+            return []
+        room = max(load.capacity.cores - load.used()[0] for load in s.loads.values())
+        if room < sum(sorted(j.procs for j in window)[:2]):
+            return []  # no node holds even the two smallest: nothing worth predicting
+        programs = [self._program(j.job_id) for j in window]
+        deg, times = self._pair_inputs(programs)
+        out: list[Decision] = []
+        for i, j in pair_queue(times, np.array([x.alpha for x in window]), deg, self.pairing):
+            a, b = window[i], window[j]
+            placed = s.place_pair(a, b)
+            if placed is None or self._veto(a, placed[0]) or self._veto(b, placed[1]):
+                continue
+            for job, p, other in ((a, placed[0], b), (b, placed[1], a)):
+                s.allocate(job.job_id, p)
+                s.withdraw(job.job_id)
+                out.append(Decision(job, p, f"{s.policy.name}: paired with {other.job_id} ({self.pairing})",
+                                    partner=other.job_id))
+        return out
+
+    def _pair_inputs(self, programs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted Deg for every ordered pair of these jobs (one prediction per pair of distinct
+        programs) and their solo run times (profiled at scale 1; the median of the known ones
+        for a program not profiled yet, all equal when none is)."""
+        assert self.pairs.model is not None
+        uniq = sorted(set(programs))
+        matrix = self.pairs.model.matrix(np.array([feature_vector(self.book, p) for p in uniq]))
+        ix = np.array([uniq.index(p) for p in programs])
+        solo = {p: self.book.runtime_by_scale(p).get(1) for p in uniq}
+        known = [t for t in solo.values() if t]
+        default = float(np.median(known)) if known else 1.0
+        return matrix[np.ix_(ix, ix)], np.array([solo[p] or default for p in programs])
 
     def _decision(self, d: Decision, trigger: Record) -> PlacementDecision:
         job, p = d.job, d.placement
@@ -234,7 +301,10 @@ class PlacementManager:
         slowdown = p.predicted_slowdown if p else None
         if slowdown is not None and predicted:
             slowdown *= 1.0 + max(predicted.values()) / 100.0
-        action = PlacementAction.PLACE if p else (PlacementAction.SERIALIZE if d.refused else PlacementAction.DELAY)
+        if p is None:
+            action = PlacementAction.SERIALIZE if d.refused else PlacementAction.DELAY
+        else:
+            action = PlacementAction.PAIR if d.partner else PlacementAction.PLACE
         inputs = PlacementInputs(
             trigger_event_id=trigger.event_id, program=program, processes=job.procs, alpha=job.alpha,
             program_class=classify(runtimes), profile_samples=notes.samples if notes else 0,
@@ -246,5 +316,6 @@ class PlacementManager:
             job_id=job.job_id, action=action, policy=self.policy,
             scale_factor=p.scale if p else None, nodes=p.nodes if p else (),
             cores_per_node=p.cores_per_node if p else None, llc_ways=p.ways if p else None,
-            bandwidth_gbps=p.bandwidth_gbps if p else None, predicted_slowdown=slowdown, reason=d.reason,
+            bandwidth_gbps=p.bandwidth_gbps if p else None, paired_with=d.partner, predicted_slowdown=slowdown,
+            reason=d.reason,
             inputs=inputs)
