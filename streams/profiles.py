@@ -96,6 +96,10 @@ class ProgramNotes:
     blocks: int = 0  # shutter blocks folded
     episodes: int = 0  # CAT episodes folded
     last_time: datetime | None = None
+    # (episodes folded, the curves): the curves change only with an episode, and placement reads
+    # them for every candidate job, scale factor and pass
+    _curves: tuple[int, tuple[tuple[float, ...], tuple[float, ...]]] | None = field(default=None, repr=False,
+                                                                                 compare=False)
 
     @property
     def samples(self) -> int:
@@ -303,9 +307,11 @@ class ProfileBook:
         notes = self.programs.get(program)
         if notes is None or not notes.ipc_at:
             return (), ()
-        ipc = {w: m.value for w, m in notes.ipc_at.items() if m.n > 0}
-        bw = {w: m.value for w, m in notes.bw_at.items() if m.n > 0}
-        return interpolate(ipc, notes.full_ways), interpolate(bw, notes.full_ways)
+        if notes._curves is None or notes._curves[0] != notes.episodes:
+            ipc = {w: m.value for w, m in notes.ipc_at.items() if m.n > 0}
+            bw = {w: m.value for w, m in notes.bw_at.items() if m.n > 0}
+            notes._curves = (notes.episodes, (interpolate(ipc, notes.full_ways), interpolate(bw, notes.full_ways)))
+        return notes._curves[1]
 
     def profile(self, program: str) -> ProgramProfile:
         """The program's profile record; its event id is a hash of its content, so a replay that

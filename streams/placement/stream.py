@@ -24,7 +24,7 @@ Each decision carries its inputs. Pure: the same log gives the same records.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,12 +115,16 @@ def feature_vector(book: ProfileBook, program: str) -> np.ndarray:
 
 @dataclass
 class PairModel:
-    """Seed 003's Random Forest over the profiles' measured program pairs (one row per ordered
-    pair, its mean Deg), refitted whenever the jobs measured have grown by RETRAIN_GROWTH."""
+    """Seed 003's Random Forest over the profiles' measured program pairs, refitted whenever the
+    jobs measured have grown by RETRAIN_GROWTH. Predictions are kept per ordered program pair
+    until the next fit (a forest's predict costs ~10 ms whatever the rows, and the same pairs
+    are asked about at every scheduling pass); a program first seen after a fit is predicted
+    from its features when first asked about."""
 
     trees: int = 50
     model: DegradationModel | None = None
     measured: int = 0  # jobs measured next to one other program when the model was fitted
+    predicted: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def refresh(self, book: ProfileBook) -> bool:
         samples = list(book.pair_samples())
@@ -135,14 +139,28 @@ class PairModel:
         deg = np.repeat([d for _, _, d, _ in samples], reps)
         self.model = DegradationModel(self.trees, seed=0).fit(fi, fj, deg)
         self.measured = total
+        self.predicted.clear()
         return True
 
+    def _fill(self, book: ProfileBook, pairs: Iterable[tuple[str, str]]) -> None:
+        assert self.model is not None
+        missing = sorted(set(pairs) - self.predicted.keys())
+        if missing:
+            fi = np.array([feature_vector(book, a) for a, _ in missing])
+            fj = np.array([feature_vector(book, b) for _, b in missing])
+            self.predicted.update(zip(missing, self.model.predict(fi, fj).tolist(), strict=True))
+
     def predict(self, book: ProfileBook, program: str, others: list[str]) -> list[float]:
+        """Predicted Deg (%) of ``program`` next to each of ``others``; empty before the first fit."""
         if self.model is None or not others:
             return []
-        fi = np.repeat(feature_vector(book, program)[None, :], len(others), axis=0)
-        fj = np.array([feature_vector(book, o) for o in others])
-        return [float(x) for x in self.model.predict(fi, fj)]
+        self._fill(book, [(program, o) for o in others])
+        return [self.predicted[(program, o)] for o in others]
+
+    def matrix(self, book: ProfileBook, programs: list[str]) -> np.ndarray:
+        """Predicted Deg for every ordered pair of ``programs``: ``out[i, j]`` is i next to j."""
+        self._fill(book, [(a, b) for a in programs for b in programs])
+        return np.array([[self.predicted[(a, b)] for b in programs] for a in programs])
 
 
 @dataclass
@@ -282,9 +300,8 @@ class PlacementManager:
         """Predicted Deg for every ordered pair of these jobs (one prediction per pair of distinct
         programs) and their solo run times (profiled at scale 1; the median of the known ones
         for a program not profiled yet, all equal when none is)."""
-        assert self.pairs.model is not None
         uniq = sorted(set(programs))
-        matrix = self.pairs.model.matrix(np.array([feature_vector(self.book, p) for p in uniq]))
+        matrix = self.pairs.matrix(self.book, uniq)
         ix = np.array([uniq.index(p) for p in programs])
         solo = {p: self.book.runtime_by_scale(p).get(1) for p in uniq}
         known = [t for t in solo.values() if t]
