@@ -91,6 +91,9 @@ def test_profile_worked_by_hand() -> None:
     assert (shared.mean, shared.min, shared.max) == pytest.approx((0.75, 0.6, 0.9))
     assert p.degradation_next_to == pytest.approx({"LAMMPS": 25.0})  # b shared n3 with c, a ran alone
     assert list(book.pair_samples()) == [("CG", "LAMMPS", pytest.approx(25.0), 1)]
+    # the curves are kept between episodes: a new episode at 8 ways moves them
+    book.apply(cat("a", "n1", 8, 0.8, 4.0).model_copy(update={"event_id": "cat-a-late"}))
+    assert book.curves("CG")[0][-1] == pytest.approx(0.9)
 
 
 def test_the_profile_is_the_same_in_any_order_and_with_redeliveries() -> None:
