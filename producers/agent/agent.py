@@ -130,7 +130,7 @@ class Agent:
 
     def _open_counter(self, job: LocalJob) -> Counter | None:
         if job.progress is not None and job.progress.exists() and job.progress.stat().st_size >= 8:
-            return ApplicationCounter(job.progress)
+            return ApplicationCounter(job.progress, sorted(p.pid for p in job.procs))
         if not self._hw_reason:
             try:
                 return HardwareCounter(sorted(p.pid for p in job.procs))

@@ -5,7 +5,11 @@ A counter returns two cumulative numbers: work done, and time spent doing it.
   thread's pair read as one group so the two counts cover the same interval.
 * Application: the job increments a 64-bit little-endian counter at offset 0 of a file it shares
   with the agent (``ProgressFile``; an mmap, so incrementing costs no system call). Work is that
-  count; time is wall-clock nanoseconds, so a "sample IPC" is units per nanosecond.
+  count; time is the CPU time of the job's processes in nanoseconds (wall-clock time when the
+  agent knows no process of the job), so a "sample IPC" is units per CPU nanosecond. Like
+  cycles, CPU time stands still while the job waits for a processor: a job the OS deschedules
+  for a window does not read as slowed by its co-runners (on a machine with fewer cores than
+  runnable processes, wall-clock time made that look like a 90% degradation).
 The estimator only compares a job's rate during a shutter with its rate around it, so both are
 valid; every block names the source it used.
 """
@@ -18,6 +22,7 @@ import os
 import platform
 import struct
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -64,18 +69,34 @@ class ProgressFile:
         self._file.close()
 
 
+def cpu_clock(pid: int) -> int:
+    """The clock id of a process's CPU time, all its threads (what glibc's clock_getcpuclockid
+    returns on Linux: the pid, complemented, shifted by 3, with CPUCLOCK_SCHED = 2)."""
+    return (~pid << 3) | 2
+
+
 class ApplicationCounter:
-    """The agent's side of an application counter."""
+    """The agent's side of an application counter; time is the CPU time of ``pids`` (see above)."""
 
     source = CounterSource.APPLICATION
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, pids: Iterable[int] = ()) -> None:
         self.path = path
         self._file = path.open("rb")
         self._map = mmap.mmap(self._file.fileno(), COUNTER.size, prot=mmap.PROT_READ)
+        self._cpu_ns = {pid: 0 for pid in pids}  # the last reading of each process's CPU clock
+        self._live = set(self._cpu_ns)
 
     def read(self) -> tuple[int, int, int]:
-        return COUNTER.unpack_from(self._map)[0], time.monotonic_ns(), 1
+        work = COUNTER.unpack_from(self._map)[0]
+        if not self._cpu_ns:
+            return work, time.monotonic_ns(), 1
+        for pid in sorted(self._live):
+            try:
+                self._cpu_ns[pid] = max(self._cpu_ns[pid], time.clock_gettime_ns(cpu_clock(pid)))
+            except OSError:  # exited: the time it ran stays counted, and its pid is never read again
+                self._live.discard(pid)
+        return work, sum(self._cpu_ns.values()), 1
 
     def close(self) -> None:
         self._map.close()

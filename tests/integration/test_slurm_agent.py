@@ -24,11 +24,12 @@ from nodeshare.schemas import JobState
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
 
-# This machine has 2 cores for everything. With POPPA's S = 3.2 ms a job was often descheduled
-# for a whole window, and Alg. 4 keeps just the blocks whose before/after windows caught it idle:
-# fresh-clone CI saw degradations of 0.99, also with the stream worker started after the jobs.
-# 20 ms windows span several scheduler slices, and the worker starts only once the jobs have ended.
-# A node that gives each job its own cores needs neither.
+# This machine has 2 cores for everything. When the application counter's time was wall-clock
+# time, a job descheduled for a window read as slowed by its co-runner: fresh-clone CI saw
+# degradations of 0.91-0.99. Its time is now the job's CPU time, which stands still while it waits
+# (unfiltered degradations 0-2% in three runs). 20 ms windows still span several scheduler
+# slices, so a window is rarely all wait (then its rate rests on little CPU time), and the stream
+# worker starts only once the jobs have ended. A node that gives each job its own cores needs neither.
 SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100"}
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,

@@ -170,6 +170,30 @@ def test_an_application_counter_is_read_through_shared_memory(tmp_path: Path) ->
     assert ProgressFile(tmp_path / "p" / "job").value == 1000  # a restarted job continues its count
 
 
+def test_an_application_counters_time_is_the_jobs_cpu_time(tmp_path: Path) -> None:
+    """A job that cannot run (here: stopped; in life: descheduled) spends no time, so its rate
+    is not diluted by the wait; an exited process keeps the time it ran."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        ProgressFile(tmp_path / "job").close()
+        reader = ApplicationCounter(tmp_path / "job", [busy.pid])
+        time.sleep(0.3)
+        os.kill(busy.pid, signal.SIGSTOP)
+        stopped = reader.read()
+        time.sleep(0.3)
+        still = reader.read()
+        assert still[1] - stopped[1] < 10_000_000  # under 10 ms of CPU in 300 ms stopped
+        os.kill(busy.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        ran = reader.read()
+        assert ran[1] - still[1] > 30_000_000  # it ran again (at least 10% of a core)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert reader.read()[1] >= ran[1]  # exited: its time stays counted
+    reader.close()
+
+
 def test_the_spool_keeps_order_and_its_bound_and_survives_a_restart(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "spool.db", max_bytes=100)
     spool.put([("t", b"k", b"x" * 30), ("t", b"k", b"y" * 30)], {"next_cycle": 3})
