@@ -27,7 +27,7 @@ from nodeshare.sinks.ledger import Ledger
 # This machine has 2 cores for everything. When the application counter's time was wall-clock
 # time, a job descheduled for a window read as slowed by its co-runner: fresh-clone CI saw
 # degradations of 0.91-0.99. Its time is now the job's CPU time, which stands still while it waits
-# (unfiltered degradations 0-2% in three runs). 20 ms windows still span several scheduler
+# (unfiltered degradations within ±2% in three runs). 20 ms windows still span several scheduler
 # slices, so a window is rarely all wait (then its rate rests on little CPU time), and the stream
 # worker starts only once the jobs have ended. A node that gives each job its own cores needs neither.
 SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100"}
