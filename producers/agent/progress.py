@@ -85,17 +85,20 @@ class ApplicationCounter:
         self._file = path.open("rb")
         self._map = mmap.mmap(self._file.fileno(), COUNTER.size, prot=mmap.PROT_READ)
         self._cpu_ns = {pid: 0 for pid in pids}  # the last reading of each process's CPU clock
-        self._live = set(self._cpu_ns)
+        self._live = [(pid, cpu_clock(pid)) for pid in self._cpu_ns]  # read at every window: kept ready
 
     def read(self) -> tuple[int, int, int]:
         work = COUNTER.unpack_from(self._map)[0]
         if not self._cpu_ns:
             return work, time.monotonic_ns(), 1
-        for pid in sorted(self._live):
+        gone = []
+        for pid, clock in self._live:
             try:
-                self._cpu_ns[pid] = max(self._cpu_ns[pid], time.clock_gettime_ns(cpu_clock(pid)))
+                self._cpu_ns[pid] = max(self._cpu_ns[pid], time.clock_gettime_ns(clock))
             except OSError:  # exited: the time it ran stays counted, and its pid is never read again
-                self._live.discard(pid)
+                gone.append(pid)
+        if gone:
+            self._live = [(pid, clock) for pid, clock in self._live if pid not in gone]
         return work, sum(self._cpu_ns.values()), 1
 
     def close(self) -> None:
