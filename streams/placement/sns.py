@@ -277,17 +277,23 @@ class Scheduler:
             nodes = choose_nodes(self.loads, n, c, ways, bw, self.policy)
             if nodes is None:
                 continue
-            slowdown = None
-            if base and k in runtimes:
-                slowdown = runtimes[k] / base / (llc.ipc_share if llc else 1.0)
-            placement = Placement(k, nodes, c, llc.ways if llc else None, llc.bandwidth_gbps if llc else None,
-                                  slowdown, tuple(self.loads[m].score() for m in nodes),
-                                  tuple(sorted({j for m in nodes for j in self.loads[m].jobs})))
+            placement = self._placement(runtimes, k, nodes, c, llc)
             why = self.veto(job, placement) if self.veto else None
             if why is None:
                 return placement, None
             refused = why
         return None, refused
+
+    def _placement(self, runtimes: Mapping[int, float], k: int, nodes: tuple[str, ...], cores: int,
+                   llc: LlcDemand | None, partner: str | None = None) -> Placement:
+        """The placement on ``nodes`` as chosen now: the slowdown its profile predicts against the
+        CE run (T_k / T_1 over the IPC share kept), the nodes' scores and the jobs already there
+        (and the partner it starts with)."""
+        base = runtimes.get(1)
+        slowdown = runtimes[k] / base / (llc.ipc_share if llc else 1.0) if base and k in runtimes else None
+        co = {j for m in nodes for j in self.loads[m].jobs} | ({partner} if partner else set())
+        return Placement(k, nodes, cores, llc.ways if llc else None, llc.bandwidth_gbps if llc else None, slowdown,
+                         tuple(self.loads[m].score() for m in nodes), tuple(sorted(co)))
 
     def _demand(self, job: PendingJob, cores: int, share: float) -> LlcDemand | None:
         """The profile's per-node demand, capped at the smallest node: what a job uses alone is at
@@ -310,14 +316,8 @@ class Scheduler:
         nodes = choose_nodes(self.loads, 1, a.procs + b.procs, ways, bw, self.policy)
         if nodes is None:
             return None
-        scores = (self.loads[nodes[0]].score(),)
-        there = set(self.loads[nodes[0]].jobs)
-        out = []
-        for job, other, x in ((a, b, llc[0]), (b, a, llc[1])):
-            slowdown = 1.0 / (x.ipc_share if x else 1.0) if job.profile.runtime_by_scale().get(1) else None
-            out.append(Placement(1, nodes, job.procs, x.ways if x else None, x.bandwidth_gbps if x else None,
-                                 slowdown, scores, tuple(sorted(there | {other.job_id}))))
-        return out[0], out[1]
+        return (self._placement(a.profile.runtime_by_scale(), 1, nodes, a.procs, llc[0], b.job_id),
+                self._placement(b.profile.runtime_by_scale(), 1, nodes, b.procs, llc[1], a.job_id))
 
     def allocate(self, job_id: str, placement: Placement) -> None:
         for name in placement.nodes:
