@@ -8,6 +8,7 @@ name the key. deploy/nodeshare.example.toml documents every key.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from contextvars import ContextVar
 from pathlib import Path
@@ -27,6 +28,8 @@ CONFIG_FILE: ContextVar[Path | None] = ContextVar("nodeshare_config_file", defau
 
 #: Kafka client settings whose values must never be printed or logged.
 SECRET_KAFKA_KEYS = frozenset({"sasl.password", "ssl.key.password", "ssl.keystore.password"})
+#: Where the confluent-kafka clients' (librdkafka's) log lines go.
+KAFKA_LOG = logging.getLogger("nodeshare.kafka")
 
 
 class Settings(BaseSettings):
@@ -64,6 +67,7 @@ class Settings(BaseSettings):
     placement_age_limit_s: Annotated[float, Field(gt=0.0)] = DEFAULT_AGE_LIMIT_S  # longer waits block younger jobs
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None  # Prometheus endpoint; off when unset
     metrics_addr: str = "127.0.0.1"
+    log_format: Literal["text", "json"] = "text"  # nodeshare.logs: "json" writes one JSON object per line
 
     @classmethod
     def settings_customise_sources(
@@ -94,7 +98,10 @@ class Settings(BaseSettings):
         if not self.bootstrap:
             raise RuntimeError("no Kafka bootstrap server: set NODESHARE_BOOTSTRAP or start the bundled broker")
         # An idle connection closed by the broker is normal (e.g. at shutdown), not worth a log line.
-        return {"bootstrap.servers": self.bootstrap, "log.connection.close": False, **self.kafka, **extra}
+        # librdkafka's own log lines go through Python logging (nodeshare.logs: the operator's format,
+        # secrets masked) rather than straight to stderr.
+        return {"bootstrap.servers": self.bootstrap, "log.connection.close": False, "logger": KAFKA_LOG,
+                **self.kafka, **extra}
 
     def as_env(self) -> dict[str, str]:
         """NODESHARE_* variables that reproduce these settings in a child process."""
@@ -104,6 +111,10 @@ class Settings(BaseSettings):
                 continue
             env[f"NODESHARE_{name.upper()}"] = json.dumps(value) if isinstance(value, dict) else str(value)
         return env
+
+    def secret_values(self) -> list[str]:
+        """The values that must never be printed or logged (nodeshare.logs masks them)."""
+        return [v for k, v in self.kafka.items() if k in SECRET_KAFKA_KEYS and v]
 
     def masked(self) -> dict[str, Any]:
         """The settings as a dict, with secrets replaced by '***'."""

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from nodeshare.logs import fields
 from nodeshare.schemas import JobEvent, JobState
 
 log = logging.getLogger("nodeshare.slurm")
@@ -263,7 +264,8 @@ class SlurmSource:
                     try:
                         events.append(submitted_event(row, self.cluster))
                     except (HookFileError, ValueError) as exc:
-                        log.error("job %s: submission not published: %s", row["job_id"], exc)
+                        log.error("job %s: submission not published: %s", row["job_id"], exc,
+                                  extra=fields(job_id=str(row["job_id"])))
         for path in sorted(p for p in self.events_dir.iterdir() if p.is_file() and not p.name.startswith(".")):
             try:
                 event = event_from_hook(read_hook_file(path), self.commands.hostnames,

@@ -11,6 +11,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from nodeshare import metrics
 from nodeshare.config import Settings
+from nodeshare.logs import fields
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ class BatchSink:
                     elif err.code() != KafkaError._PARTITION_EOF:
                         if err.fatal():
                             raise KafkaException(err)
-                        log.warning("consumer error on %s: %s", self.topics, err)
+                        log.warning("consumer error on %s: %s", self.topics, err,
+                                    extra=fields(topic=",".join(self.topics)))
                 if batch and (len(batch) >= self.max_batch or time.monotonic() - first_at >= self.max_delay_s):
                     self._flush(consumer, batch)
                     batch = []

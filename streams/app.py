@@ -20,7 +20,7 @@ from typing import Any
 import faust
 from confluent_kafka import Consumer, TopicPartition
 
-from nodeshare import metrics
+from nodeshare import logs, metrics
 from nodeshare.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
@@ -79,7 +79,12 @@ def committed_offset(settings: Settings, topic: str, partition: int) -> int:
         consumer.close()
 
 
-def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
+def _job_id(key: bytes | None) -> str | None:
+    """A message key as a log field: input keys are job ids, but a bad message's key may be anything."""
+    return None if key is None else key[:64].decode("utf-8", "replace")
+
+
+def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:
     if not settings.bootstrap:
         raise RuntimeError("the stream worker needs a broker: set NODESHARE_BOOTSTRAP")
     app = faust.App(
@@ -97,6 +102,9 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
         key_serializer="raw",  # topics and tables carry bytes; nodeshare's serde does the JSON
         value_serializer="raw",
         datadir=str(datadir or Path.cwd() / ".nodeshare-worker"),
+        # faust's worker installs this instead of its coloured handler: the operator's format, secrets masked
+        logging_config=logs.dict_config(settings.log_format, loglevel, settings.secret_values(),
+                                        logs.fields(component="worker")),
     )
     policy = settings.policy()
     prefix = settings.topic_prefix
@@ -123,8 +131,13 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
             metrics.EVENTS_OUT.labels(settings.topic(o.topic)).inc()
             if o.kind:
                 metrics.DEAD_LETTERS.labels(o.kind).inc()
+                log.warning("dead letter (%s) for %s[%d]@%d; `nodeshare dlq show` has the reason", o.kind,
+                            origin.topic, origin.partition, origin.offset, extra=logs.fields(
+                                kind=o.kind, topic=origin.topic, partition=origin.partition, job_id=_job_id(key)))
             elif o.topic == LEDGER_CHARGES.name:
                 metrics.CHARGES_EMITTED.inc()
+                log.info("charge published", extra=logs.fields(job_id=_job_id(key), topic=origin.topic,
+                                                               partition=origin.partition))
         metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
 
     async def rebuild(partition: int, topic: str, offset: int) -> None:
@@ -144,7 +157,8 @@ def make_app(settings: Settings, datadir: Path | None = None) -> faust.App:
                 messages += await loop.run_in_executor(None, read_range, settings, t, partition, 0, stop)
         states, charges = fold_states(messages, policy, prefix)
         log.warning("job-accounting: rebuilt %d job states of partition %d from %d input messages; "
-                    "re-sending %d charges", len(states), partition, len(messages), len(charges))
+                    "re-sending %d charges", len(states), partition, len(messages), len(charges),
+                    extra=logs.fields(topic=topic, partition=partition))
         for key, state in states.items():
             accounts[key] = state
         for o in charges:
@@ -216,7 +230,8 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
                                                          msg.offset)
                     for _origin, _key, value, _ts in history:
                         m.apply(*open_envelope(value or b""))
-                    log.warning("%s-manager: rebuilt its state from %d log records", name, len(history))
+                    log.warning("%s-manager: rebuilt its state from %d log records", name, len(history),
+                                extra=logs.fields(topic=log_name, partition=msg.partition))
                 state["m"] = m
             for record in state["m"].apply(*open_envelope(event.value or b"")):
                 await publish(record)
@@ -264,8 +279,10 @@ def add_placement_agents(app: faust.App, settings: Settings) -> None:
 
 def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> None:
     """Run one stream worker in the foreground until SIGTERM/SIGINT."""
-    app = make_app(settings, datadir)
+    app = make_app(settings, datadir, loglevel)
     metrics.serve(settings.metrics_port, settings.metrics_addr)
     # The web server is off (BROKER.md: it would bind 0.0.0.0:6066 otherwise).
-    sys.argv = ["nodeshare-worker", "worker", "--without-web", "--loglevel", loglevel]
+    # With JSON logs, --quiet leaves out faust's banner so that every line is one JSON object.
+    quiet = ["--quiet"] if settings.log_format == "json" else []
+    sys.argv = ["nodeshare-worker", *quiet, "worker", "--without-web", "--loglevel", loglevel]
     app.main()

@@ -23,10 +23,14 @@ class Certificates:
     ca: Path
     cert: Path
     key: Path
+    client_cert: Path  # signed by the same CA; its key is encrypted with client_key_password
+    client_key: Path
+    client_key_password: str
 
 
-def make_certificates(out: Path) -> Certificates:
-    """A throwaway CA and a server certificate for 127.0.0.1 and localhost (openssl CLI)."""
+def make_certificates(out: Path, client_key_password: str = "test-only-key-pass") -> Certificates:
+    """A throwaway CA, a server certificate for 127.0.0.1 and localhost, and a client certificate
+    whose key is encrypted with ``client_key_password`` (openssl CLI)."""
     if shutil.which("openssl") is None:
         raise RuntimeError("openssl is needed to make test certificates")
     out.mkdir(parents=True, exist_ok=True)
@@ -43,16 +47,25 @@ def make_certificates(out: Path) -> Certificates:
         "-subj", "/CN=127.0.0.1")
     run("x509", "-req", "-in", str(out / "server.csr"), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
         "-out", str(cert), "-days", "2", "-extfile", str(ext))
-    return Certificates(ca, cert, key)
+    client_cert, client_key = out / "client.pem", out / "client.key"
+    run("req", "-newkey", "rsa:2048", "-passout", f"pass:{client_key_password}", "-keyout", str(client_key),
+        "-out", str(out / "client.csr"), "-subj", "/CN=nodeshare")
+    run("x509", "-req", "-in", str(out / "client.csr"), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+        "-out", str(client_cert), "-days", "2")
+    return Certificates(ca, cert, key, client_cert, client_key, client_key_password)
 
 
 class TlsProxy:
-    """Accept TLS on 127.0.0.1:``port`` and relay the plain bytes to 127.0.0.1:``upstream``."""
+    """Accept TLS on 127.0.0.1:``port`` and relay the plain bytes to 127.0.0.1:``upstream``;
+    ``connections`` counts the TLS sessions that completed the handshake."""
 
-    def __init__(self, port: int, upstream: int, certs: Certificates) -> None:
+    def __init__(self, port: int, upstream: int, certs: Certificates, require_client_cert: bool = False) -> None:
         self.port, self.upstream = port, upstream
         self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.context.load_cert_chain(certs.cert, certs.key)
+        if require_client_cert:  # mutual TLS: a client without a certificate from our CA is refused
+            self.context.load_verify_locations(certs.ca)
+            self.context.verify_mode = ssl.CERT_REQUIRED
         self.connections = 0  # TLS sessions accepted (the test checks the clients came through here)
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
