@@ -331,8 +331,9 @@ def worker(
 
 
 def _run_sink(sink: Any) -> None:
-    from nodeshare import metrics
+    from nodeshare import logs, metrics
 
+    logs.configure(sink.settings, f"{sink.name}-sink")
     metrics.serve(sink.settings.metrics_port, sink.settings.metrics_addr)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -392,19 +393,21 @@ def agent(
     bootstrap: Bootstrap = None,
 ) -> None:
     """Run the node agent: POPPA's shutters on this node's real jobs; events go through a local spool."""
-    import logging
     import socket
 
+    from nodeshare import logs, metrics
     from nodeshare.producers.agent.agent import AgentOptions, build
     from nodeshare.producers.agent.jobs import JobFileError
     from nodeshare.producers.agent.processes import Refused
     from nodeshare.producers.agent.watchdog import WatchdogLost
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = _settings(bootstrap=bootstrap)
     _require_bootstrap(settings)
+    node = node or socket.gethostname().split(".")[0]
+    logs.configure(settings, "agent", node=node)
+    metrics.serve(settings.metrics_port, settings.metrics_addr)
     options = AgentOptions(
-        node=node or socket.gethostname().split(".")[0], spool=spool, sample_us=settings.sample_us,
+        node=node, spool=spool, sample_us=settings.sample_us,
         k=settings.samples_per_region, period_ms=settings.period_ms, spool_max_bytes=int(spool_max_mb * 2**20),
         hardware_counters=hardware_counters)
     try:
@@ -458,15 +461,15 @@ def slurm_source(
     bootstrap: Bootstrap = None,
 ) -> None:
     """Publish Slurm job lifecycle events (hooks and squeue) to jobs.lifecycle."""
-    import logging
     import time
 
+    from nodeshare import logs
     from nodeshare.producers.kafka_producer import EventProducer
     from nodeshare.producers.slurm import SlurmCommands, SlurmSource, run_source
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = _settings(bootstrap=bootstrap)
     _require_bootstrap(settings)
+    logs.configure(settings, "slurm-source")
     if not events_dir.is_dir():
         err.print(f"[red]slurm source[/red]: no events directory {events_dir}: run `nodeshare slurm install-hooks`")
         raise typer.Exit(2)

@@ -1,13 +1,15 @@
-"""Prometheus metrics of the stream worker, the sinks and the demo (prometheus-client).
+"""Prometheus metrics of the stream worker, the sinks, the node agent and the demo (prometheus-client).
 
 Each process serves its own registry on ``NODESHARE_METRICS_PORT`` (off when unset), bound to
 ``NODESHARE_METRICS_ADDR`` (loopback by default). Label values are bounded sets: topics of the
-catalog and dead-letter kinds, never raw reasons or job ids.
+catalog and dead-letter kinds, never raw reasons or job ids. Each process also exports
+prometheus-client's process metrics: ``process_cpu_seconds_total`` is the agent's CPU (its
+overhead on the node), ``process_resident_memory_bytes`` its memory.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 EVENTS_IN = Counter("nodeshare_events_in_total", "Input messages consumed", ["topic"])
 EVENTS_OUT = Counter("nodeshare_events_out_total", "Messages published", ["topic"])
@@ -20,6 +22,12 @@ PROCESSING_SECONDS = Histogram("nodeshare_processing_seconds", "Time to apply on
 POWER_DECISIONS = Counter("nodeshare_power_decisions_total", "Power decisions published, by action", ["action"])
 SINK_ROWS = Counter("nodeshare_sink_rows_total", "Messages made durable by a sink", ["sink"])
 LEDGER_ROWS = Counter("nodeshare_ledger_rows_total", "New ledger rows (redelivered charges excluded)")
+# The node agent (producers/agent)
+SPOOL_EVENTS = Gauge("nodeshare_agent_spool_events", "Events in the agent's spool not yet acknowledged by the broker")
+SPOOL_BYTES = Gauge("nodeshare_agent_spool_bytes", "Bytes in the agent's spool not yet acknowledged by the broker")
+SHUTTER_SECONDS = Histogram("nodeshare_agent_shutter_seconds", "How long one shutter kept the co-runners paused",
+                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0))
+SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters not taken, by reason", ["reason"])
 
 #: Dead-letter kinds: the label values of DEAD_LETTERS.
 DECODE, KEY_MISMATCH, CLOCK, REJECTED = "decode", "key_mismatch", "clock", "rejected"

@@ -20,6 +20,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from nodeshare import metrics
+from nodeshare.logs import fields
 from nodeshare.schemas import TOPIC_OF_RECORD, IpcSample, JobEvent, JobState, PowerReading, Record, encode, key_of
 
 from . import rapl
@@ -93,6 +95,8 @@ class Agent:
         self.topic = topic
         self.sleep = sleep
         self.spool = Spool(options.spool, options.spool_max_bytes)
+        metrics.SPOOL_EVENTS.set_function(lambda: self.spool.rows)  # read at scrape time, off the shutter path
+        metrics.SPOOL_BYTES.set_function(lambda: self.spool.bytes)
         self.forwarder = forwarder_factory(self.spool)
         self.watchdog = Watchdog(options.freezer_root)
         self.pauser = Pauser(Guard.here(self.watchdog.pid), options.freezer_root)
@@ -135,7 +139,7 @@ class Agent:
             try:
                 return HardwareCounter(sorted(p.pid for p in job.procs))
             except OSError as e:
-                log.warning("job %s: hardware counters failed (%s)", job.job_id, e)
+                log.warning("job %s: hardware counters failed (%s)", job.job_id, e, extra=fields(job_id=job.job_id))
         return None
 
     def rescan(self) -> None:
@@ -147,7 +151,7 @@ class Agent:
             if st is None:
                 st = self.state[job_id] = PublishedJob(start=_now().isoformat())
                 log.info("job %s: %d processes%s", job_id, len(job.procs),
-                         f", cgroup {job.cgroup}" if job.cgroup else "")
+                         f", cgroup {job.cgroup}" if job.cgroup else "", extra=fields(job_id=job_id))
             spec = self.source.spec(job_id)
             if spec is not None and not st.started:
                 st.started = True
@@ -170,7 +174,8 @@ class Agent:
         if spec is not None:
             state = JobState.FAILED if self.source.exit_code(job_id) else JobState.ENDED
             records.append(self._lifecycle(spec, state, st.start, _now()))
-        log.info("job %s left: %d blocks, %.1f ms paused", job_id, st.blocks, st.paused_us / 1000)
+        log.info("job %s left: %d blocks, %.1f ms paused", job_id, st.blocks, st.paused_us / 1000,
+                 extra=fields(job_id=job_id))
         self._put(records, reserve=True)
 
     # ------------------------------------------------------------------ one shutter
@@ -189,6 +194,7 @@ class Agent:
             return False
         if self.spool.bytes >= self.spool.max_bytes:
             self.stats.skipped_spool_full += 1
+            metrics.SHUTTERS_SKIPPED.labels("spool_full").inc()
             if self.stats.skipped_spool_full == 1:
                 log.error("spool full (%d bytes unacknowledged): shutters stop until the broker drains it",
                           self.spool.bytes)
@@ -213,13 +219,14 @@ class Agent:
                     try:
                         self.pauser.resume(target)
                     except (OSError, Refused) as e:  # the watchdog will still try
-                        log.error("job %s: resume failed: %s", target.job_id, e)
+                        log.error("job %s: resume failed: %s", target.job_id, e, extra=fields(job_id=target.job_id))
                 t1 = time.monotonic_ns()
                 end = _now()
                 self.watchdog.disarm()
         after = self._windows(counter, k)
         paused_us = (t1 - t0) // 1000
         self.stats.shutter_total_s += (t1 - t0) / 1e9
+        metrics.SHUTTER_SECONDS.observe((t1 - t0) / 1e9)
         block, window = shutter_events(
             node=self.options.node, source=self.source_name, cycle=self.cycle, lone=lone,
             paused=[t.job_id for t in others], counter=counter.source, sample_us=self.options.sample_us,

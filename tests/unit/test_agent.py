@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from nodeshare.producers.agent import rapl
 from nodeshare.producers.agent.agent import Agent, AgentOptions
@@ -337,6 +338,7 @@ def test_a_static_job_that_ended_while_the_agent_was_down_still_gets_its_end(sle
     # restarted after the job ended: this agent never sees it run
     second = agent_on(tmp_path, FakeSource({}, {"a": spec}))
     second.rescan()
+    assert REGISTRY.get_sample_value("nodeshare_agent_spool_events") == 3  # nothing acknowledged: all spooled
     second.close(0)
     assert spooled_ids(tmp_path) == ["n1/job/a/started", "n1/left/a", "n1/job/a/ended"]
 
@@ -352,7 +354,10 @@ def test_a_cycle_the_full_spool_refused_is_not_counted(tmp_path: Path) -> None:
             jobs[name] = LocalJob(name, frozenset({p}), progress=tmp_path / name)
         agent = agent_on(tmp_path, FakeSource(jobs, {}), max_bytes=1)  # no block fits
         agent.rescan()
+        shutters = REGISTRY.get_sample_value("nodeshare_agent_shutter_seconds_count") or 0.0
         assert agent.shutter()  # measured, paused and resumed...
+        assert REGISTRY.get_sample_value("nodeshare_agent_shutter_seconds_count") == shutters + 1
+        assert REGISTRY.get_sample_value("nodeshare_agent_spool_events") == agent.spool.rows == 0
         books = {j: (s.blocks, s.last_cycle) for j, s in agent.state.items()}
         paused = [s.paused_us for s in agent.state.values()]
         agent.close(0)
