@@ -1,17 +1,23 @@
 """The real node agent on real processes, through the real pipeline: two workloads share this
-machine, the agent shutters them and publishes their lifecycle, and a charge comes out for each."""
+machine, the agent shutters them and publishes their lifecycle, and a charge comes out for each.
+The agent's metrics are scraped while it runs and its JSON log lines are read back."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
+from nodeshare.deploy.broker import free_port
 from nodeshare.deploy.topics import create_topics
 from nodeshare.schemas.events import Charge
 from nodeshare.sinks.audit import audit
@@ -30,6 +36,23 @@ ATTEMPTS = 2
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+def scrape_while_running(proc: subprocess.Popen[str], port: int) -> dict[str, float]:
+    """The agent's metrics, scraped until a shutter has been counted (or the agent exits)."""
+    wanted = ("nodeshare_agent_shutter_seconds_count", "nodeshare_agent_spool_events", "process_cpu_seconds_total")
+    found: dict[str, float] = {}
+    while proc.poll() is None and found.get(wanted[0], 0.0) == 0.0:
+        time.sleep(0.5)
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            continue  # not serving yet
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    found[sample.name] = sample.value
+    return found
+
+
 def run_two_jobs(settings: Settings, tmp_path: Path) -> dict[str, Charge]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     job = [sys.executable, "-m", "nodeshare", "workload", "--seconds", "6"]
@@ -37,17 +60,28 @@ def run_two_jobs(settings: Settings, tmp_path: Path) -> dict[str, Charge]:
         f'[[jobs]]\nid = "stream-1"\ncommand = {[*job, "--kind", "stream"]!r}\nprogram = "stream"\nuser = "ana"\n'
         f'[[jobs]]\nid = "compute-2"\ncommand = {[*job, "--kind", "compute"]!r}\nprogram = "compute"\n'
         'user = "bo"\naccount = "physics"\n'.replace("'", '"'))
-    env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), **SHUTTER}
+    port = free_port()
+    env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), **SHUTTER,
+           "NODESHARE_METRICS_PORT": str(port), "NODESHARE_LOG_FORMAT": "json"}
     create_topics(settings)
-    agent = subprocess.run(
-        [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
-         "--spool", str(tmp_path / "spool.db"), "--progress-dir", str(tmp_path / "progress"), "--until-idle"],
-        env=env, capture_output=True, text=True, timeout=120)
-    assert agent.returncode == 0, agent.stderr
+    with subprocess.Popen(
+            [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
+             "--spool", str(tmp_path / "spool.db"), "--progress-dir", str(tmp_path / "progress"), "--until-idle"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as agent:
+        scraped = scrape_while_running(agent, port)
+        stdout, stderr = agent.communicate(timeout=120)
+    assert agent.returncode == 0, stderr
+    # the agent's metrics moved while it ran, and its logs are JSON lines naming the node and the jobs
+    print(f"agent metrics mid-run: {scraped}")
+    assert scraped["nodeshare_agent_shutter_seconds_count"] > 0 and scraped["process_cpu_seconds_total"] > 0
+    assert "nodeshare_agent_spool_events" in scraped
+    lines = [json.loads(line) for line in stderr.splitlines() if line.strip()]
+    assert {r["job_id"] for r in lines if r["msg"].startswith("job ") and "left" in r["msg"]} == {
+        "stream-1", "compute-2"} and all(r["component"] == "agent" and r["node"] == "n1" for r in lines)
     # the stream worker starts once the jobs have ended (see SHUTTER): it then reads it all
     with running_pipeline(settings, tmp_path / "run") as pipeline:
         pipeline.wait(charges=2, archived=0, timeout_s=90, report=lambda *_: None)
-    print(agent.stdout.strip())
+    print(stdout.strip())
     with Ledger(pipeline.ledger_path, read_only=True) as ledger:
         charges = {c.job_id: c for c in ledger.charges()}
     assert charges.keys() == {"stream-1", "compute-2"}
