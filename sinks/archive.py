@@ -6,7 +6,11 @@ Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offse
 * a file's name states its offset range, so on start the sink resumes after the highest offset
   it holds per partition, whatever Kafka's committed offset says: no duplicates, no gaps;
 * a row is (kafka_topic, partition, offset, timestamp_ms, key, value) with the value's bytes as
-  they were received, so the audit decodes exactly what the stream worker decoded.
+  they were received, so the audit decodes exactly what the stream worker decoded;
+* ``node.ipc`` files also carry the value's fields as typed columns (``IPC_FIELDS``), extracted
+  in bulk when the file is written. They are a cache for scans, never the record: the audit
+  uses a row's typed columns only where re-encoding them reproduces the value's exact bytes
+  (``fast_audit.canonical_ipc_sql``), and parses the value otherwise.
 """
 
 from __future__ import annotations
@@ -39,6 +43,41 @@ ARCHIVE_SCHEMA = pa.schema([
     ("value", pa.binary()),
 ])
 _FILE = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
+
+#: node.ipc typed columns: (column, Arrow type, JSON path in the value). Absent or mistyped: null.
+IPC_FIELDS: list[tuple[str, pa.DataType, str]] = [
+    ("kind", pa.string(), "$.kind"), ("event_id", pa.string(), "$.event_id"),
+    ("schema_version", pa.int64(), "$.schema_version"), ("source", pa.string(), "$.source"),
+    ("event_time", pa.string(), "$.event_time"), ("job_id", pa.string(), "$.job_id"),
+    ("node", pa.string(), "$.node"), ("cycle", pa.int64(), "$.cycle"), ("k", pa.int64(), "$.k"),
+    ("sample_us", pa.int64(), "$.sample_us"), ("counter", pa.string(), "$.counter"),
+    *[(f"{region[0]}_{name}", pa.int64(), f"$.{region}[0].{name}")
+      for region in ("before", "during", "after") for name in ("instructions", "cycles", "threads")],
+    ("blocks_sent", pa.int64(), "$.blocks_sent"), ("last_cycle", pa.int64(), "$.last_cycle"),
+    ("paused_us", pa.int64(), "$.paused_us"),
+]
+IPC_SCHEMA = pa.schema([*ARCHIVE_SCHEMA, *[(name, kind) for name, kind, _ in IPC_FIELDS]])
+#: Topics whose files carry typed columns, and their schema.
+TYPED = {"node.ipc": IPC_SCHEMA}
+
+
+def with_typed_columns(topic: str, table: pa.Table) -> pa.Table:
+    """The table with its topic's typed columns, parsed from the values by DuckDB in one pass."""
+    schema = TYPED.get(topic)
+    if schema is None:
+        return table
+    paths = ", ".join(f"'{path}'" for _, _, path in IPC_FIELDS)
+    columns = ", ".join(
+        f"f[{i}] AS {name}" if kind == pa.string() else f"TRY_CAST(f[{i}] AS BIGINT) AS {name}"
+        for i, (name, kind, _) in enumerate(IPC_FIELDS, start=1))
+    con = duckdb.connect()
+    con.register("batch", table)
+    typed = con.sql(f"""
+        SELECT * EXCLUDE (v, f), {columns} FROM (
+            SELECT *, CASE WHEN json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
+            FROM (SELECT *, try(decode(value)) AS v FROM batch))
+    """).to_arrow_table()
+    return typed.cast(schema)
 
 
 @dataclass(frozen=True)
@@ -93,7 +132,7 @@ class ParquetArchive:
                 "key": [r.key for r in group],
                 "value": [r.value for r in group],
             }, schema=ARCHIVE_SCHEMA)
-            _atomic_write(table, path)
+            _atomic_write(with_typed_columns(topic, table), path)
             written.append(path)
         return written
 
@@ -111,7 +150,7 @@ class ParquetArchive:
         con = duckdb.connect()
         rows = con.execute(
             f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
-                FROM read_parquet('{self._glob()}', hive_partitioning = true)
+                FROM read_parquet('{self._glob()}', hive_partitioning = true, union_by_name = true)
                 WHERE topic IN (SELECT unnest(?)) {key_filter}
                 QUALIFY row_number() OVER (PARTITION BY topic, "partition", "offset") = 1
                 ORDER BY topic, "partition", "offset" """,
@@ -150,7 +189,10 @@ class ParquetArchive:
     def _merge(self, directory: Path, partition: int, files: list[Path], row_group_rows: int) -> None:
         if len(files) < 2:
             return
-        table = pa.concat_tables([pq.read_table(f, schema=ARCHIVE_SCHEMA) for f in files])
+        # Files written before typed columns existed get them here; the value is read as it is.
+        topic = directory.parent.name.removeprefix("topic=")
+        tables = [pq.read_table(f, columns=ARCHIVE_SCHEMA.names, schema=ARCHIVE_SCHEMA) for f in files]
+        table = with_typed_columns(topic, pa.concat_tables(tables))
         offsets = table.column("offset").to_numpy()
         order = np.argsort(offsets, kind="stable")
         keep = order[np.r_[True, offsets[order][1:] != offsets[order][:-1]]]  # first copy of each offset
@@ -165,7 +207,8 @@ class ParquetArchive:
     def count(self) -> int:
         if not self.files():
             return 0
-        row = duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{self._glob()}')").fetchone()
+        row = duckdb.connect().execute(
+            f"SELECT count(*) FROM read_parquet('{self._glob()}', union_by_name = true)").fetchone()
         return int(row[0]) if row else 0
 
 
