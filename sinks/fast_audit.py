@@ -19,11 +19,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import duckdb
-import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, clock_problem, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
@@ -31,31 +32,74 @@ from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S
 from nodeshare.streams.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
 from nodeshare.streams.degradation import estimate_from_totals
 
-from .archive import ParquetArchive
+from .archive import IPC_FIELDS, ParquetArchive
 
 _EXACT_INT = 2**53  # int64 -> float64 is exact below this
 
-#: Integer fields extracted from every node.ipc record, in this order (absent or not an integer: -1).
-_INT_PATHS = ["$.cycle", "$.k", "$.before[0].instructions", "$.before[0].cycles", "$.during[0].instructions",
-              "$.during[0].cycles", "$.after[0].instructions", "$.after[0].cycles", "$.paused_us",
-              "$.blocks_sent", "$.last_cycle"]
+#: Integer fields of every node.ipc record, in this order (absent or not an integer: -1): the typed
+#: columns of the archive (sinks.archive.IPC_FIELDS) and their JSON paths in the value.
+_INTS = [("cycle", "$.cycle"), ("k", "$.k"),
+         *[(f"{r[0]}_{n}", f"$.{r}[0].{n}") for r in ("before", "during", "after") for n in ("instructions", "cycles")],
+         ("paused_us", "$.paused_us"), ("blocks_sent", "$.blocks_sent"), ("last_cycle", "$.last_cycle")]
+_INT_PATHS = [path for _, path in _INTS]
 #: Paths that must be absent for a block to have exactly one sample per region.
 _SECOND_SAMPLES = ["$.before[1]", "$.during[1]", "$.after[1]"]
 
 
-@dataclass
-class IpcColumns:
-    """The archived node.ipc records as columns, in (partition, offset) order."""
+def canonical_ipc_sql() -> str:
+    """SQL for the bytes ``schemas.encode`` writes for the record in a row's typed columns: a K = 1
+    shutter block or a JobLeftNode (NULL for anything else). Where it equals the archived value,
+    the typed columns are exactly what decoding the value gives: strings are re-escaped
+    (``to_json``), integers printed in decimal, every field in the model's order, nothing left out.
+    (``concat`` rather than ``||``: measured 3x faster here.)
+    """
+    head = """'{"event_id":', to_json(event_id), ',"schema_version":', schema_version, ',"source":', to_json(source),
+              ',"event_time":', to_json(event_time), ',"kind":', to_json(kind), ',"job_id":', to_json(job_id),
+              ',"node":', to_json(node)"""
+    regions = ", ".join(
+        f"""',"{region}":[{{"instructions":', {region[0]}_instructions, ',"cycles":', {region[0]}_cycles,
+            ',"threads":', {region[0]}_threads, '}}]'"""
+        for region in ("before", "during", "after"))
+    block = f"""concat({head}, ',"cycle":', cycle, ',"k":1,"sample_us":', sample_us, ',"counter":', to_json(counter),
+                       {regions}, '}}')"""
+    left = f"""concat({head}, ',"blocks_sent":', blocks_sent, ',"last_cycle":', last_cycle,
+                      ',"paused_us":', paused_us, '}}')"""
+    return f"""CASE kind WHEN 'shutter_block' THEN encode({block})
+                         WHEN 'job_left_node' THEN encode({left}) END"""
 
-    partition: np.ndarray
-    offset: np.ndarray
-    key: np.ndarray  # object (str)
-    kind: np.ndarray
-    job: np.ndarray
-    node: np.ndarray
-    ints: np.ndarray  # int64 [n, len(_INT_PATHS)]
-    single_samples: np.ndarray  # bool: before/during/after hold one sample each
-    clock_ok: np.ndarray  # bool: event_time passes schemas.clock_problem against the broker timestamp
+
+#: Alg. 4's sums are exact: each IPC x is a double m * 2**e with e >= -FIXED_POINT_BITS when
+#: x >= 2**-30, so x * 2**FIXED_POINT_BITS is an integer and DuckDB sums those in HUGEINT (128 bits)
+#: without rounding. Rounding the exact sum once gives the correctly rounded sum, the value of
+#: ``math.fsum`` and of the reference path's ``ExactSum``. IPCs outside [2**-30, 2**16) (other
+#: than 0) do not fit: their job goes to the reference path.
+FIXED_POINT_BITS = 82
+_IPC_MIN, _IPC_MAX = 2.0**-30, 2.0**16
+_SUMS = ("solo_filtered", "co_filtered", "solo_all", "co_all", "before_filtered", "after_filtered")
+
+
+@dataclass(frozen=True)
+class StreamRow:
+    """One (job, node) stream of the archive, aggregated by DuckDB."""
+
+    job: str
+    node: str | None
+    min_partition: int
+    max_partition: int
+    clean: bool  # every row well formed, keyed by its job, a plausible clock, a K = 1 block or a marker
+    increasing: bool  # block cycles strictly increase in offset order
+    blocks: int
+    lefts: int
+    first_offset: int
+    last_offset: int
+    left_offset: int | None
+    blocks_sent: int | None
+    paused_us: int | None
+    first_cycle: int | None
+    last_cycle: int | None
+    accepted: int
+    rejected: int
+    sums: tuple[int, ...]  # _SUMS, fixed point
 
 
 @dataclass
@@ -63,49 +107,118 @@ class FastResult:
     charges: dict[tuple[str, int], Charge] = field(default_factory=dict)
     ineligible: set[str] = field(default_factory=set)
     samples: int = 0
+    typed_rows: int = 0  # node.ipc rows read from typed columns that reproduce the value's bytes
+    parsed_rows: int = 0  # rows parsed from the value's JSON (no typed columns, or they disagree)
 
 
-def read_ipc_columns(archive: ParquetArchive) -> IpcColumns:
-    """Parse every archived node.ipc value once, in DuckDB, into typed columns.
+def _source_sql(glob: str, files: list[Path]) -> str:
+    """The node.ipc files as one relation with every typed column (null where a file has none)."""
+    if any("kind" in pq.read_schema(f).names for f in files):  # the first one, but for old archives
+        return f"read_parquet('{glob}', union_by_name = true)"
+    nulls = ", ".join(f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
+                      for name, kind, _ in IPC_FIELDS)
+    return f"(SELECT *, {nulls} FROM read_parquet('{glob}'))"
 
-    Validation here is structural only; a record the reference decoder would refuse shows up
-    as a charge that differs from the ledger, which sends its job to the reference path.
-    """
-    glob = str(archive.root / f"topic={NODE_IPC.name}" / "date=*" / "p*.parquet").replace("'", "''")
-    n_int = len(_INT_PATHS)
-    if not list((archive.root / f"topic={NODE_IPC.name}").glob("date=*/p*.parquet")):
-        e = np.array([], dtype=object)
-        return IpcColumns(np.array([], np.int64), np.array([], np.int64), e, e, e, e,
-                          np.zeros((0, n_int), np.int64), np.array([], bool), np.array([], bool))
-    paths = ", ".join(f"'{p}'" for p in ["$.kind", "$.job_id", "$.node", *_INT_PATHS, *_SECOND_SAMPLES,
-                                         "$.event_time"])
-    ints = ", ".join(f"coalesce(TRY_CAST(f[{4 + i}] AS BIGINT), -1) AS i{i}" for i in range(n_int))
-    firsts = len(_INT_PATHS) + 4
-    when = firsts + 3
-    cols = duckdb.connect().execute(f"""
-        SELECT "partition", "offset", key, f[1] AS kind, f[2] AS job, f[3] AS node, {ints},
-               f[{firsts}] IS NULL AND f[{firsts + 1}] IS NULL AND f[{firsts + 2}] IS NULL AS single,
-               coalesce(epoch(TRY_CAST(f[{when}] AS TIMESTAMPTZ)) >= {EARLIEST_EVENT_TIME.timestamp()}
-                        AND (timestamp_ms <= 0
-                             OR epoch(TRY_CAST(f[{when}] AS TIMESTAMPTZ))
-                                <= timestamp_ms / 1000 + {MAX_AHEAD_OF_BROKER_S}), false) AS clock_ok
+
+def _rows_sql(source: str, dedupe: bool) -> str:
+    """Every node.ipc row with its fields: from its typed columns where they reproduce the value's
+    bytes, else parsed from the value's JSON; rows that are neither are left out."""
+    strings = ["kind", "job_id", "node", "event_time"]
+    paths = ", ".join(f"'{p}'" for p in [*(f"$.{s}" for s in strings), *_INT_PATHS, *_SECOND_SAMPLES])
+    pick = ", ".join(f"CASE WHEN typed THEN {name} ELSE f[{i}] END AS {name}"
+                     for i, name in enumerate(strings, start=1))
+    ints = ", ".join(f"coalesce(CASE WHEN typed THEN {name} ELSE TRY_CAST(f[{5 + i}] AS BIGINT) END, -1) AS {name}"
+                     for i, (name, _) in enumerate(_INTS))
+    second = len(strings) + len(_INTS) + 1
+    copies = 'QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1' if dedupe else ""
+    return f"""
+        SELECT "partition", "offset", timestamp_ms, try(decode(key)) AS key, typed, {pick}, {ints},
+               typed OR (f[{second}] IS NULL AND f[{second + 1}] IS NULL AND f[{second + 2}] IS NULL) AS single
         FROM (
-            SELECT "partition", "offset", timestamp_ms, decode(key) AS key,
-                   json_extract_string(v, [{paths}]) AS f
-            FROM (SELECT "partition", "offset", timestamp_ms, key, decode(value) AS v
-                  FROM read_parquet('{glob}')
-                  QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1)
-            WHERE json_valid(v)  -- (measured: faster here than one try(json_extract_string(...)))
+            SELECT *, CASE WHEN NOT typed AND json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
+            FROM (
+                SELECT *, CASE WHEN typed THEN NULL ELSE try(decode(value)) END AS v
+                FROM (SELECT *, coalesce(({canonical_ipc_sql()}) = value, false) AS typed
+                      FROM {source} {copies})))
+        WHERE typed OR f IS NOT NULL"""
+
+
+def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delta: float
+                 ) -> tuple[list[StreamRow], int, int]:
+    """The archive's node.ipc records folded per (job, node) stream in one DuckDB query: the checks
+    that make a job eligible, Alg. 4's verdicts (with each job's delta) and exact sums. Returns the
+    streams and the counts of typed and parsed rows."""
+    files = list((archive.root / f"topic={NODE_IPC.name}").glob("date=*/p*.parquet"))
+    if not files:
+        return [], 0, 0
+    glob = str(archive.root / f"topic={NODE_IPC.name}" / "date=*" / "p*.parquet").replace("'", "''")
+    scale = f"{2.0**FIXED_POINT_BITS:.1f}"
+    block = "kind = 'shutter_block'"
+    when = "epoch(TRY_CAST(event_time AS TIMESTAMPTZ))"
+    valid_block = (f"k = 1 AND single AND b_cycles > 0 AND d_cycles > 0 AND a_cycles > 0 AND b_instructions >= 0 "
+                   f"AND d_instructions >= 0 AND a_instructions >= 0 AND greatest(b_instructions, b_cycles, "
+                   f"d_instructions, d_cycles, a_instructions, a_cycles) < {_EXACT_INT}")
+    in_range = " AND ".join(f"({x} = 0 OR ({x} >= {_IPC_MIN!r} AND {x} < {_IPC_MAX!r}))" for x in ("b", "d", "a"))
+    con = duckdb.connect()
+    con.execute("CREATE TEMP TABLE deltas (job VARCHAR, delta DOUBLE)")
+    if deltas:
+        con.executemany("INSERT INTO deltas VALUES (?, ?)", list(deltas.items()))
+    fixed = {"solo_filtered": "d", "co_filtered": "co", "solo_all": "d", "co_all": "co",
+             "before_filtered": "b", "after_filtered": "a"}
+    sums = ", ".join(
+        f"coalesce(sum(CAST({x} * {scale} AS HUGEINT)) FILTER (WHERE is_block{' AND keep' if 'filtered' in n else ''}"
+        f"), 0) AS {n}" for n, x in fixed.items())
+    rows = con.execute(f"""
+        WITH r AS ({_rows_sql(_source_sql(glob, files), dedupe=_overlapping(files))}),
+        m0 AS (
+            SELECT r."partition", r."offset", r.job_id, r.node, r.cycle, r.paused_us, r.blocks_sent, r.typed,
+                   r.{block} AS is_block, r.kind = 'job_left_node' AS is_left,
+                   coalesce(dl.delta, {default_delta!r}) AS delta,
+                   r.key IS NOT DISTINCT FROM r.job_id
+                     AND coalesce({when} >= {EARLIEST_EVENT_TIME.timestamp()}
+                         AND (r.timestamp_ms <= 0 OR {when} <= r.timestamp_ms / 1000 + {MAX_AHEAD_OF_BROKER_S}),
+                         false)
+                     AND CASE WHEN r.{block} THEN {valid_block}
+                              WHEN r.kind = 'job_left_node' THEN r.blocks_sent >= 0 AND r.last_cycle >= -1
+                              ELSE false END AS row_ok,
+                   CASE WHEN r.{block} AND b_cycles > 0 THEN b_instructions::DOUBLE / b_cycles END AS b,
+                   CASE WHEN r.{block} AND d_cycles > 0 THEN d_instructions::DOUBLE / d_cycles END AS d,
+                   CASE WHEN r.{block} AND a_cycles > 0 THEN a_instructions::DOUBLE / a_cycles END AS a
+            FROM r LEFT JOIN deltas dl ON dl.job = r.job_id
+            WHERE r.job_id IS NOT NULL
+        ),
+        m AS (  -- the window carries only what the aggregation needs
+            SELECT *, is_block AND ({in_range}) AND abs(b - a) < delta AND b < d AND a < d AS keep, 0.5 * (b + a) AS co,
+                   -- ordered by offset alone: a job on two partitions fails the one-partition check
+                   CASE WHEN is_block THEN cycle - lag(cycle) OVER (
+                       PARTITION BY job_id, node ORDER BY "offset") END AS step
+            FROM m0
         )
-        ORDER BY "partition", "offset"
-    """).fetchnumpy()
-    matrix = np.column_stack([np.asarray(cols[f"i{i}"], np.int64) for i in range(n_int)])
-    return IpcColumns(
-        np.asarray(cols["partition"], np.int64), np.asarray(cols["offset"], np.int64),
-        np.asarray(cols["key"], dtype=object), np.asarray(cols["kind"], dtype=object),
-        np.asarray(cols["job"], dtype=object), np.asarray(cols["node"], dtype=object),
-        matrix, np.asarray(cols["single"], bool), np.asarray(cols["clock_ok"], bool),
-    )
+        SELECT job_id, node, min("partition"), max("partition"),
+               bool_and(row_ok AND (NOT is_block OR ({in_range}))),
+               coalesce(bool_and(step IS NULL OR step > 0) FILTER (WHERE is_block), true),
+               count(*) FILTER (WHERE is_block), count(*) FILTER (WHERE is_left),
+               min("offset"), max("offset"),
+               max("offset") FILTER (WHERE is_left), max(blocks_sent) FILTER (WHERE is_left),
+               max(paused_us) FILTER (WHERE is_left),
+               arg_min(cycle, "offset") FILTER (WHERE is_block), arg_max(cycle, "offset") FILTER (WHERE is_block),
+               count(*) FILTER (WHERE keep), count(*) FILTER (WHERE is_block AND NOT keep),
+               {sums},
+               sum(typed::INT), count(*)
+        FROM m
+        GROUP BY job_id, node
+    """).fetchall()
+    typed = sum(int(r[-2]) for r in rows)
+    names = [f.name for f in fields(StreamRow)][:-1]  # every field but the sums, in the query's order
+    streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[17:23])) for r in rows]
+    return streams, typed, sum(int(r[-1]) for r in rows) - typed
+
+
+def _overlapping(files: list[Path]) -> bool:
+    """Whether two archive files hold the same offsets (a compaction in progress): only then are
+    copies removed row by row."""
+    ranges = sorted((f.name.split("-")[0], int(f.name.split("-")[1]), int(f.stem.split("-")[2])) for f in files)
+    return any(a[0] == b[0] and b[1] <= a[2] for a, b in itertools.pairwise(ranges))
 
 
 def terminal_events(archive: ParquetArchive) -> tuple[dict[str, list[TerminalEvent]], set[str]]:
@@ -128,19 +241,15 @@ def terminal_events(archive: ParquetArchive) -> tuple[dict[str, list[TerminalEve
 
 def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], default: PricingPolicy) -> FastResult:
     archive = ParquetArchive(archive_root)
-    cols = read_ipc_columns(archive)
+    deltas = {job: p.delta for job, p in policies.items() if p.delta != default.delta}
+    streams, typed, parsed = read_streams(archive, deltas, default.delta)
     ends, wrong_clock = terminal_events(archive)
-    result = FastResult()
-    order = np.argsort(cols.job.astype(str), kind="stable")  # group by job, keep offset order within
-    jobs_sorted = cols.job[order].astype(str)
-    bounds: list[int] = (np.flatnonzero(np.r_[True, jobs_sorted[1:] != jobs_sorted[:-1], True]).tolist()
-                         if len(order) else [])
-    seen_jobs: set[str] = set()
-    for lo, hi in itertools.pairwise(bounds):
-        idx = order[lo:hi]
-        job = jobs_sorted[lo]
-        seen_jobs.add(job)
-        charge = None if job in wrong_clock else _job_charge(job, idx, cols, ends.get(job, []),
+    result = FastResult(typed_rows=typed, parsed_rows=parsed)
+    by_job: dict[str, dict[str | None, StreamRow]] = defaultdict(dict)
+    for row in streams:
+        by_job[row.job][row.node] = row
+    for job, nodes in by_job.items():
+        charge = None if job in wrong_clock else _job_charge(job, nodes, ends.get(job, []),
                                                                policies.get(job, default))
         if charge is None:
             result.ineligible.add(job)
@@ -148,61 +257,35 @@ def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], defau
             result.charges[(job, 0)] = charge
             result.samples += 3 * int(sum(n.blocks for n in charge.nodes))
     # Jobs with a terminal event but no node.ipc record at all: only the reference path can say.
-    result.ineligible |= {j for j in ends if j not in seen_jobs and j != "None"}
+    result.ineligible |= {j for j in ends if j not in by_job}
     return result
 
 
-def _job_charge(job: str, idx: np.ndarray, c: IpcColumns, terminals: list[TerminalEvent],
+def _job_charge(job: str, nodes: dict[str | None, StreamRow], terminals: list[TerminalEvent],
                 policy: PricingPolicy) -> Charge | None:
-    if len(terminals) != 1 or len({int(p) for p in c.partition[idx]}) != 1:
+    rows = list(nodes.values())
+    if len(terminals) != 1 or not all(r.clean for r in rows):
+        return None
+    partitions = {r.min_partition for r in rows} | {r.max_partition for r in rows}
+    if len(partitions) != 1:
         return None
     terminal = terminals[0]
-    if not (c.key[idx] == job).all() or not c.clock_ok[idx].all():
-        return None
-    kinds = c.kind[idx]
-    is_block = kinds == "shutter_block"
-    if not (is_block | (kinds == "job_left_node")).all():
-        return None
-    ints = c.ints[idx]
-    blocks = ints[is_block]
-    if len(blocks) and ((blocks[:, 1] != 1).any() or not c.single_samples[idx][is_block].all()
-                        or (blocks[:, [3, 5, 7]] <= 0).any() or (blocks[:, [2, 4, 6]] < 0).any()
-                        or (blocks[:, 2:8] >= _EXACT_INT).any()):
-        return None
-    if (ints[~is_block][:, [9, 10]] < -1).any() or (ints[~is_block][:, 9] < 0).any():
-        return None  # a JobLeftNode without a proper blocks_sent
-    nodes_all = c.node[idx]
     streams: list[tuple[str, NodeStream]] = []
-    # solo_filtered, co_filtered, solo_all, co_all, before_filtered, after_filtered; per node
-    sums: list[list[np.ndarray]] = [[], [], [], [], [], []]
+    sums = [0] * len(_SUMS)
     accepted = rejected = 0
-    offsets = c.offset[idx]
     for name in sorted(terminal.event.nodes):
-        on = nodes_all == name
-        lefts = np.flatnonzero(on & ~is_block)
-        if len(lefts) != 1 or lefts[0] != np.flatnonzero(on)[-1]:
-            return None  # not closed exactly once, or a block after the close
-        mine = ints[on & is_block]
-        cycles = mine[:, 0]
-        if len(cycles) > 1 and (np.diff(cycles) <= 0).any():
-            return None  # duplicates or out of order: the reference path counts them
-        b = mine[:, 2] / mine[:, 3]
-        d = mine[:, 4] / mine[:, 5]
-        a = mine[:, 6] / mine[:, 7]
-        keep = (np.abs(b - a) < policy.delta) & (b < d) & (a < d)
-        co = 0.5 * (b + a)
-        for target, values in zip(sums, (d[keep], co[keep], d, co, b[keep], a[keep]), strict=True):
-            target.append(values)
-        accepted += int(keep.sum())
-        rejected += int((~keep).sum())
-        left = ints[lefts[0]]
+        row = nodes.get(name)
+        if row is None or row.lefts != 1 or row.left_offset != row.last_offset or not row.increasing:
+            return None  # not closed exactly once, a block after the close, or duplicates / out of order
+        sums = [a + b for a, b in zip(sums, row.sums, strict=True)]
+        accepted += row.accepted
+        rejected += row.rejected
         streams.append((name, NodeStream(
-            blocks=len(mine), first_cycle=int(cycles[0]) if len(cycles) else -1,
-            last_cycle=int(cycles[-1]) if len(cycles) else -1,
-            first_offset=int(offsets[on][0]), close_offset=int(offsets[lefts[0]]), closed=True,
-            blocks_sent=int(left[9]), paused_us=max(0, int(left[8])),
+            blocks=row.blocks, first_cycle=-1 if row.first_cycle is None else row.first_cycle,
+            last_cycle=-1 if row.last_cycle is None else row.last_cycle,
+            first_offset=row.first_offset, close_offset=row.last_offset, closed=True,
+            blocks_sent=int(row.blocks_sent or 0), paused_us=max(0, int(row.paused_us or 0)),
         )))
-    totals = [math.fsum(np.concatenate(parts)) if parts else 0.0 for parts in sums]
+    totals = [math.ldexp(float(x), -FIXED_POINT_BITS) for x in sums]  # one rounding of each exact sum
     est = estimate_from_totals(*totals[:4], accepted, rejected, *totals[4:], policy.estimator)
-    partition = int(c.partition[idx][0])
-    return build_charge(job, 0, terminal, streams, est, policy, (NODE_IPC.name, partition))
+    return build_charge(job, 0, terminal, streams, est, policy, (NODE_IPC.name, partitions.pop()))

@@ -87,3 +87,108 @@ def test_bench_audit_runs_and_reports_its_figures(tmp_path):
     body = json.loads((tmp_path / "audit.json").read_text())
     assert body["blocks"] == 3000 and body["samples"] == 9000 and body["jobs"] == 3
     assert body["samples_per_s"] > 0 and body["ratio_to_scan"] > 0
+
+
+# ---------------------------------------------------------------- typed archive columns
+
+
+def _ipc_files(archive):
+    return sorted((archive / "topic=node.ipc").rglob("*.parquet"))
+
+
+def _edit(path, column, row, value):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    values = table.column(column).to_pylist()
+    values[row] = value
+    i = table.schema.get_field_index(column)
+    pq.write_table(table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type)), path)
+
+
+def test_node_ipc_files_carry_typed_columns_equal_to_the_decoded_value(tmp_path):
+    import pyarrow.parquet as pq
+
+    from nodeshare.schemas import BY_NAME, decode
+
+    archive, _, _ = build(tmp_path)
+    rows = pq.read_table(_ipc_files(archive)[0]).to_pylist()
+    blocks = [r for r in rows if r["kind"] == "shutter_block"]
+    assert blocks
+    for r in blocks:
+        rec = decode(BY_NAME["node.ipc"], r["value"])
+        assert (r["job_id"], r["node"], r["cycle"], r["k"]) == (rec.job_id, rec.node, rec.cycle, rec.k)
+        assert (r["b_instructions"], r["d_cycles"], r["a_threads"]) == (
+            rec.before[0].instructions, rec.during[0].cycles, rec.after[0].threads)
+    fast = fast_recompute(archive, {}, POLICY)
+    assert fast.parsed_rows == 0 and fast.typed_rows == sum(1 for _ in ParquetArchive(archive).events(["node.ipc"]))
+
+
+def test_the_value_rules_when_typed_columns_disagree_with_it(tmp_path):
+    """Typed columns are a cache: edited alone, the audit parses that row's value and still passes;
+    a value edited with its typed columns to match is a changed event, and the audit says so."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    archive, ledger, n = build(tmp_path)
+    f = _ipc_files(archive)[0]
+    row = next(i for i, r in enumerate(pq.read_table(f).to_pylist()) if r["kind"] == "shutter_block")
+    _edit(f, "d_instructions", row, 1)  # the cache now says the job barely ran alone
+    fast = fast_recompute(archive, {}, POLICY)
+    assert fast.parsed_rows == 1
+    report = audit(archive, ledger, POLICY)
+    assert report.ok and report.matches == n
+
+    rec = json.loads(pq.read_table(f).column("value")[row].as_py())
+    rec["during"][0]["instructions"] = 1
+    _edit(f, "value", row, json.dumps(rec, separators=(",", ":")).encode())  # value and cache agree again
+    assert fast_recompute(archive, {}, POLICY).parsed_rows == 0  # byte-exact: the cache is trusted...
+    report = audit(archive, ledger, POLICY)
+    assert not report.ok and {m.job_id for m in report.mismatches} == {rec["job_id"]}  # ...and the edit is seen
+
+
+def test_overlapping_files_are_counted_once(tmp_path):
+    """A compaction that crashed between writing the merged file and removing its inputs leaves
+    offsets in two files: the fast path removes the copies, as the reference path does."""
+    import shutil
+
+    archive, ledger, n = build(tmp_path)
+    f = _ipc_files(archive)[0]
+    shutil.copy(f, f.parent / (f.stem.rsplit("-", 1)[0] + "-999999999999.parquet"))  # same first offset
+    fast, reference = _both(archive)
+    assert fast.charges == reference and len(fast.charges) == n
+    assert audit(archive, ledger, POLICY).ok
+
+
+def test_compaction_gives_old_files_their_typed_columns(tmp_path):
+    import pyarrow.parquet as pq
+
+    from nodeshare.sinks.archive import ARCHIVE_SCHEMA
+
+    archive, ledger, n = build(tmp_path)
+    for f in _ipc_files(archive):  # as written before typed columns existed
+        pq.write_table(pq.read_table(f, columns=ARCHIVE_SCHEMA.names), f)
+    before = fast_recompute(archive, {}, POLICY)
+    assert before.typed_rows == 0 and len(before.charges) == n  # parsed from the values, same charges
+    ParquetArchive(archive).compact(min_rows=10**9)
+    after = fast_recompute(archive, {}, POLICY)
+    assert after.parsed_rows == 0 and after.charges == before.charges
+    assert audit(archive, ledger, POLICY).ok
+
+
+def test_an_ipc_outside_the_exact_fixed_point_range_goes_to_the_reference_path(tmp_path):
+    tiny = block(1.0, 2.0, 1.0, job="tiny", cycle=0).model_copy(
+        update={"during": samples_of(1, 2**40)})  # IPC 2**-40: x * 2**82 is not an integer
+    records = [tiny, left("tiny", "n1", 1, 0), job_event("tiny", JobState.ENDED)]
+    archive, ledger, n = archive_records(tmp_path, records)
+    fast = fast_recompute(archive, {}, POLICY)
+    assert fast.ineligible == {"tiny"} and n == 1
+    assert audit(archive, ledger, POLICY).ok
+
+
+def samples_of(instructions, cycles):
+    from nodeshare.schemas.events import IpcSample
+
+    return (IpcSample(instructions=instructions, cycles=cycles),)
