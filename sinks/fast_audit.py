@@ -166,8 +166,9 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     fixed = {"solo_filtered": "d", "co_filtered": "co", "solo_all": "d", "co_all": "co",
              "before_filtered": "b", "after_filtered": "a"}
     sums = ", ".join(
-        f"coalesce(sum(CAST({x} * {scale} AS HUGEINT)) FILTER (WHERE is_block{' AND keep' if 'filtered' in n else ''}"
-        f"), 0) AS {n}" for n, x in fixed.items())
+        # CASE, not FILTER: the cast must never see an IPC that does not fit (DuckDB casts before filtering)
+        f"coalesce(sum(CASE WHEN {'keep' if 'filtered' in n else 'exact'} THEN CAST({x} * {scale} AS HUGEINT) END), 0)"
+        f" AS {n}" for n, x in fixed.items())
     rows = con.execute(f"""
         WITH r AS ({_rows_sql(_source_sql(glob, files), dedupe=_overlapping(files))}),
         m0 AS (
@@ -187,15 +188,18 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
             FROM r LEFT JOIN deltas dl ON dl.job = r.job_id
             WHERE r.job_id IS NOT NULL
         ),
+        m1 AS (  -- exact: the block's IPCs fit the fixed point (its job is ineligible otherwise)
+            SELECT *, is_block AND ({in_range}) AS exact FROM m0
+        ),
         m AS (  -- the window carries only what the aggregation needs
-            SELECT *, is_block AND ({in_range}) AND abs(b - a) < delta AND b < d AND a < d AS keep, 0.5 * (b + a) AS co,
+            SELECT *, exact AND abs(b - a) < delta AND b < d AND a < d AS keep, 0.5 * (b + a) AS co,
                    -- ordered by offset alone: a job on two partitions fails the one-partition check
                    CASE WHEN is_block THEN cycle - lag(cycle) OVER (
                        PARTITION BY job_id, node ORDER BY "offset") END AS step
-            FROM m0
+            FROM m1
         )
         SELECT job_id, node, min("partition"), max("partition"),
-               bool_and(row_ok AND (NOT is_block OR ({in_range}))),
+               bool_and(row_ok AND (NOT is_block OR exact)),
                coalesce(bool_and(step IS NULL OR step > 0) FILTER (WHERE is_block), true),
                count(*) FILTER (WHERE is_block), count(*) FILTER (WHERE is_left),
                min("offset"), max("offset"),

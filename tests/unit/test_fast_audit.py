@@ -179,12 +179,14 @@ def test_compaction_gives_old_files_their_typed_columns(tmp_path):
 
 
 def test_an_ipc_outside_the_exact_fixed_point_range_goes_to_the_reference_path(tmp_path):
-    tiny = block(1.0, 2.0, 1.0, job="tiny", cycle=0).model_copy(
-        update={"during": samples_of(1, 2**40)})  # IPC 2**-40: x * 2**82 is not an integer
-    records = [tiny, left("tiny", "n1", 1, 0), job_event("tiny", JobState.ENDED)]
+    records = []
+    # IPC 2**-40: x * 2**82 is not an integer; IPC 2**52: x * 2**82 does not fit 128 bits
+    for job, sample in (("tiny", samples_of(1, 2**40)), ("huge", samples_of(2**52, 1))):
+        odd = block(1.0, 2.0, 1.0, job=job, cycle=0).model_copy(update={"during": sample})
+        records += [odd, left(job, "n1", 1, 0), job_event(job, JobState.ENDED)]
     archive, ledger, n = archive_records(tmp_path, records)
     fast = fast_recompute(archive, {}, POLICY)
-    assert fast.ineligible == {"tiny"} and n == 1
+    assert fast.ineligible == {"tiny", "huge"} and n == 2
     assert audit(archive, ledger, POLICY).ok
 
 
