@@ -44,6 +44,13 @@ ARCHIVE_SCHEMA = pa.schema([
 ])
 _FILE = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
 
+
+def file_range(path: Path) -> tuple[int, int, int] | None:
+    """(partition, first offset, last offset) from an archive file's name; None for other files."""
+    m = _FILE.match(path.name)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
 #: node.ipc typed columns: (column, Arrow type, JSON path in the value). Absent or mistyped: null.
 IPC_FIELDS: list[tuple[str, pa.DataType, str]] = [
     ("kind", pa.string(), "$.kind"), ("event_id", pa.string(), "$.event_id"),
@@ -70,13 +77,13 @@ def with_typed_columns(topic: str, table: pa.Table) -> pa.Table:
     columns = ", ".join(
         f"f[{i}] AS {name}" if kind == pa.string() else f"TRY_CAST(f[{i}] AS BIGINT) AS {name}"
         for i, (name, kind, _) in enumerate(IPC_FIELDS, start=1))
-    con = duckdb.connect()
-    con.register("batch", table)
-    typed = con.sql(f"""
-        SELECT * EXCLUDE (v, f), {columns} FROM (
-            SELECT *, CASE WHEN json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
-            FROM (SELECT *, try(decode(value)) AS v FROM batch))
-    """).to_arrow_table()
+    with duckdb.connect() as con:
+        con.register("batch", table)
+        typed = con.sql(f"""
+            SELECT * EXCLUDE (v, f), {columns} FROM (
+                SELECT *, CASE WHEN json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
+                FROM (SELECT *, try(decode(value)) AS v FROM batch))
+        """).to_arrow_table()
     return typed.cast(schema)
 
 
@@ -101,11 +108,10 @@ class ParquetArchive:
         """(catalog topic, partition) -> the highest offset archived."""
         hw: dict[tuple[str, int], int] = {}
         for f in self.files():
-            m = _FILE.match(f.name)
-            if m:
-                topic = f.parent.parent.name.removeprefix("topic=")
-                key = (topic, int(m.group(1)))
-                hw[key] = max(hw.get(key, -1), int(m.group(3)))
+            r = file_range(f)
+            if r:
+                key = (f.parent.parent.name.removeprefix("topic="), r[0])
+                hw[key] = max(hw.get(key, -1), r[2])
         return hw
 
     def _glob(self) -> str:
@@ -170,9 +176,9 @@ class ParquetArchive:
         before = self.files()
         groups: dict[tuple[Path, int], list[tuple[int, int, Path]]] = defaultdict(list)
         for f in before:
-            m = _FILE.match(f.name)
-            if m:
-                groups[(f.parent, int(m.group(1)))].append((int(m.group(2)), int(m.group(3)), f))
+            r = file_range(f)
+            if r:
+                groups[(f.parent, r[0])].append((r[1], r[2], f))
         for (directory, partition), files in sorted(groups.items()):
             files.sort()
             run: list[Path] = []

@@ -32,7 +32,7 @@ from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S
 from nodeshare.streams.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
 from nodeshare.streams.degradation import estimate_from_totals
 
-from .archive import IPC_FIELDS, ParquetArchive
+from .archive import IPC_FIELDS, ParquetArchive, file_range
 
 _EXACT_INT = 2**53  # int64 -> float64 is exact below this
 
@@ -221,7 +221,7 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
 def _overlapping(files: list[Path]) -> bool:
     """Whether two archive files hold the same offsets (a compaction in progress): only then are
     copies removed row by row."""
-    ranges = sorted((f.name.split("-")[0], int(f.name.split("-")[1]), int(f.stem.split("-")[2])) for f in files)
+    ranges = sorted(r for r in map(file_range, files) if r)  # by partition, then first offset
     return any(a[0] == b[0] and b[1] <= a[2] for a, b in itertools.pairwise(ranges))
 
 
