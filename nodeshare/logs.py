@@ -15,7 +15,10 @@ import logging
 import logging.config
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nodeshare.config import Settings
 
 #: Structured fields a record may carry, in the order they are printed.
 FIELDS = ("component", "node", "job_id", "topic", "partition", "kind")
@@ -55,15 +58,19 @@ class _Masking(logging.Formatter):
 
 
 class TextFormatter(_Masking):
-    """``time logger LEVEL message key=value ...``"""
+    """``time logger LEVEL message key=value ...``, then the traceback if there is one: the fields
+    stay on the record's first line, where a grep finds them."""
 
     def __init__(self, secrets: Iterable[str] = (), static: Mapping[str, Any] | None = None) -> None:
         super().__init__(TEXT_FORMAT, secrets, static)
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
         extra = " ".join(f"{k}={v}" for k, v in self._fields(record).items())
-        return self.mask(f"{line} {extra}" if extra else line)
+        return f"{line} {extra}" if extra else line
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.mask(super().format(record))
 
 
 class JsonFormatter(_Masking):
@@ -99,7 +106,7 @@ def dict_config(log_format: str, level: str | int, secrets: Iterable[str] = (),
     }
 
 
-def configure(settings: Any, component: str, level: str | int = "info", **static: Any) -> None:
+def configure(settings: Settings, component: str, level: str | int = "info", **static: Any) -> None:
     """Configure this process's logging from its settings: format, masked secrets, static fields."""
     logging.config.dictConfig(dict_config(settings.log_format, level, settings.secret_values(),
                                           fields(component=component, **static)))

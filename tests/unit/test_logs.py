@@ -64,6 +64,10 @@ def test_text_lines_end_with_key_value_fields(capsys, root_logging):
     lines = _emit(capsys, "text", component="ledger-sink")
     assert lines[0].endswith("nodeshare.test INFO job j-7 left: 12 blocks component=ledger-sink job_id=j-7 "
                              "topic=node.ipc")
+    # a record with a traceback keeps its fields on its first line, where a grep finds them
+    failed = next(i for i, line in enumerate(lines) if "broker refused" in line)
+    assert lines[failed].endswith("broker refused component=ledger-sink partition=3")
+    assert lines[failed + 1].startswith("Traceback")
 
 
 def test_a_longer_secret_containing_a_shorter_one_is_masked_whole():
