@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     partitions: Annotated[int, Field(ge=1, le=1024)] = 4
     app_id: str = Field("nodeshare", description="faust application id (consumer group of the stream worker)")
     session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000  # BROKER.md: ~3 s to join at 6 s
+    # How often the stream worker looks for messages faust skipped at a partition's end (streams.cursor)
+    skip_check_interval_s: Annotated[float, Field(gt=0.0)] = 5.0
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
     delta: Annotated[float, Field(gt=0.0)] = DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = POPPA_EQ4  # streams.pricing.RATE_FUNCTIONS

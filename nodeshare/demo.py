@@ -25,6 +25,7 @@ from nodeshare.sinks.archive import ArchiveSink
 from nodeshare.sinks.audit import AuditReport, audit
 from nodeshare.sinks.consumer import run_in_thread
 from nodeshare.sinks.ledger import Ledger, LedgerSink
+from nodeshare.streams.cursor import unconsumed, worker_topics
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -117,6 +118,22 @@ class Pipeline:
         self.threads = [run_in_thread(self.ledger_sink, self.stop, "ledger-sink"),
                         run_in_thread(self.archive_sink, self.stop, "archive-sink")]
 
+    def wait_for_decisions(self, timeout_s: float, report: Progress) -> None:
+        """Until the worker has handled everything it reads, the decision makers' logs included:
+        charges complete before the power and placement managers have folded their last records,
+        and stopping the worker then would leave decisions unmade. Two checks in a row, since a
+        handled record may still produce one (a final estimate routed to the placement log)."""
+        topics = worker_topics(self.settings)
+        deadline = time.monotonic() + timeout_s
+        quiet = 0
+        while quiet < 2:
+            left = unconsumed(self.settings, topics)
+            report("waiting for decisions", 0 if left else 1, 1)
+            quiet = quiet + 1 if left == 0 else 0
+            if quiet < 2 and time.monotonic() > deadline:
+                raise DemoError(f"the stream worker still had {left} messages to handle after {timeout_s:.0f} s; "
+                                f"see {self.out / 'worker.log'}")
+
     def wait(self, charges: int, archived: int, timeout_s: float, report: Progress) -> None:
         """Until the ledger holds ``charges`` rows and the archive ``archived`` events, or fail."""
         deadline = time.monotonic() + timeout_s
@@ -205,6 +222,7 @@ def run_demo(settings: Settings, source: Source, out: Path, *, timeout_s: float 
                 ended = source(send, report)
             pipeline.wait(len(ended), published + len(extra_inputs), timeout_s, report)
             report("waiting for charges", pipeline.ledger_sink.rows_inserted, len(ended))
+            pipeline.wait_for_decisions(timeout_s, report)
     truth_path = out / "truth.parquet" if truth else None
     if truth_path is not None:
         write_truth(ended, truth_path)

@@ -19,6 +19,8 @@ SHUTTER_BLOCKS = Counter("nodeshare_shutter_blocks_total", "Shutter blocks by th
 CHARGES_EMITTED = Counter("nodeshare_charges_emitted_total", "Charge revisions published by the stream worker")
 PROCESSING_SECONDS = Histogram("nodeshare_processing_seconds", "Time to apply one input message",
                                buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0))
+REFETCHED = Counter("nodeshare_messages_refetched_total",
+                    "Input messages the stream skipped that the worker read back from the broker", ["agent"])
 POWER_DECISIONS = Counter("nodeshare_power_decisions_total", "Power decisions published, by action", ["action"])
 SINK_ROWS = Counter("nodeshare_sink_rows_total", "Messages made durable by a sink", ["sink"])
 LEDGER_ROWS = Counter("nodeshare_ledger_rows_total", "New ledger rows (redelivered charges excluded)")

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import faust
-from confluent_kafka import Consumer, TopicPartition
 
 from nodeshare import logs, metrics
 from nodeshare.config import Settings
@@ -40,44 +39,13 @@ from nodeshare.schemas.catalog import (
 )
 from nodeshare.schemas.serde import encode
 
-from .accounting import Origin, fold_states, process_message
+from .accounting import Message, Origin, fold_states, process_message
+from .cursor import Cursor, blocking, committed_offsets, read_range
 from .kafka_security import faust_credentials
 from .placement.stream import PLACEMENT_LOG, ROUTED, PlacementManager
 from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope, screen
 
 log = logging.getLogger(__name__)
-
-def read_range(settings: Settings, topic: str, partition: int, start: int, stop: int,
-               timeout_s: float = 60.0) -> list[tuple[Origin, bytes | None, bytes | None, float]]:
-    """Messages [start, stop) of one topic partition, in offset order. Waits on content, never on
-    end offsets (wrong on the bundled broker); raises if the range cannot be read in time."""
-    consumer = Consumer(settings.client_config(**{
-        "group.id": f"{settings.app_id}-repair", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
-    consumer.assign([TopicPartition(topic, partition, start)])
-    out: list[tuple[Origin, bytes | None, bytes | None, float]] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while (not out or out[-1][0].offset < stop - 1) and time.monotonic() < deadline:
-            for m in consumer.consume(5000, timeout=0.5):
-                if m.error() is None and start <= (m.offset() or 0) < stop:
-                    out.append((Origin(topic, partition, m.offset() or 0), m.key(), m.value(), m.timestamp()[1] / 1000))
-    finally:
-        consumer.close()
-    if stop > start and (not out or out[-1][0].offset < stop - 1):
-        raise RuntimeError(f"could not re-read {topic}[{partition}] offsets {start}..{stop - 1} within "
-                           f"{timeout_s:.0f} s; rebuild from the archive with `nodeshare replay`")
-    return out
-
-
-def committed_offset(settings: Settings, topic: str, partition: int) -> int:
-    """The stream worker group's committed offset of a partition (0 when none)."""
-    consumer = Consumer(settings.client_config(**{"group.id": settings.app_id, "enable.auto.commit": False}))
-    try:
-        [tp] = consumer.committed([TopicPartition(topic, partition)], timeout=10)
-        return max(0, tp.offset)
-    finally:
-        consumer.close()
-
 
 def _job_id(key: bytes | None) -> str | None:
     """A message key as a log field: input keys are job ids, but a bad message's key may be anything."""
@@ -91,11 +59,12 @@ def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "w
         settings.app_id,
         broker=[f"kafka://{h.strip()}" for h in settings.bootstrap.split(",")],
         broker_credentials=faust_credentials(settings.kafka),  # TLS / SASL as every other client has them
-        store="memory://",  # tables are rebuilt from their changelog topics on start
+        store="memory://",  # no tables: state is rebuilt from the input topics (streams.cursor)
         processing_guarantee="at_least_once",
         topic_partitions=settings.partitions,
         broker_session_timeout=settings.session_timeout_ms / 1000,
         broker_heartbeat_interval=1.0,
+        broker_commit_interval=1.0,  # how stale the group's committed offsets (which the cursor checks) may be
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
         web_enabled=False,
@@ -114,15 +83,19 @@ def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "w
 
     inputs = raw_topic(NODE_IPC.name, JOBS_LIFECYCLE.name)
     outputs = {t.name: raw_topic(t.name) for t in (LEDGER_CHARGES, ESTIMATES_DEGRADATION, DLQ)}
-    accounts = app.Table("job-accounts", default=None, partitions=settings.partitions)
     input_topics = [settings.topic(NODE_IPC.name), settings.topic(JOBS_LIFECYCLE.name)]
+    # Job states per input partition, in memory only: they are rebuilt from the input topics when a
+    # partition is assigned, so no changelog is written (or trusted) for them.
+    states: dict[int, dict[bytes | None, bytes]] = {}
+    cursors: list[Cursor] = []
 
-    async def apply(origin: Origin, key: bytes | None, value: bytes | None, ts: float) -> None:
+    async def apply(message: Message) -> None:
+        origin, key, value, ts = message
         started = time.perf_counter()
-        state = accounts.get(key) if key is not None else None
-        new_state, out, block_accepted = process_message(state, origin, key, value, ts, policy, prefix)
+        jobs = states.setdefault(origin.partition, {})
+        new_state, out, block_accepted = process_message(jobs.get(key), origin, key, value, ts, policy, prefix)
         if new_state is not None:
-            accounts[key] = new_state
+            jobs[key] = new_state
         metrics.EVENTS_IN.labels(origin.topic).inc()
         if block_accepted is not None:
             metrics.SHUTTER_BLOCKS.labels("accepted" if block_accepted else "rejected").inc()
@@ -140,58 +113,84 @@ def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "w
                                                                partition=origin.partition))
         metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
 
-    async def rebuild(partition: int, topic: str, offset: int) -> None:
+    cursor = Cursor(settings, "job-accounting", apply)
+    cursors.append(cursor)
+
+    async def rebuild(topic: str, partition: int, offset: int) -> None:
         """Before the first event of a partition since this process started (or since a rebalance):
-        rebuild its job states from the input topics, up to where consumption resumes. The table
-        restored from the changelog is not trusted: after SIGKILLs on the bundled broker it was seen
-        to lack events whose offsets were committed (README, Reliability)."""
-        loop = asyncio.get_running_loop()
-        messages = []
-        for t in input_topics:
-            if t == topic:
-                stop = offset  # the event in hand is where consumption resumes
-            else:  # where it resumes for the other topic: at least what this process already applied live
-                committed = await loop.run_in_executor(None, committed_offset, settings, t, partition)
-                stop = max(committed, applied_live.get((t, partition), -1) + 1)
-            if stop > 0:
-                messages += await loop.run_in_executor(None, read_range, settings, t, partition, 0, stop)
-        states, charges = fold_states(messages, policy, prefix)
-        log.warning("job-accounting: rebuilt %d job states of partition %d from %d input messages; "
-                    "re-sending %d charges", len(states), partition, len(messages), len(charges),
+        fold its job states from the input topics, from offset 0 up to where consumption resumes,
+        and re-send the charges they complete (the ledger's key absorbs copies). Reading further than
+        faust resumes is harmless (the cursor drops what it has seen); reading less is repaired by
+        the cursor, which reads back any offsets skipped."""
+        others = [(t, partition) for t in input_topics if t != topic]
+        stops = {(topic, partition): offset,
+                 **await blocking("job-accounting: committed offsets", committed_offsets, settings, others)}
+        messages: list[Message] = []
+        for (t, p), stop in stops.items():
+            messages += await blocking(f"job-accounting: rebuilding from {t}[{p}]", read_range, settings, t, p, 0,
+                                       stop)
+        rebuilt, charges = fold_states(messages, policy, prefix)
+        for gone in [p for p in states if not any(cursor.knows(t, p) for t in input_topics)]:
+            del states[gone]  # moved away, or rebuilt before its next event
+        states[partition] = rebuilt
+        for (t, p), stop in stops.items():
+            cursor.start(t, p, stop)
+        log.warning("job-accounting: rebuilt %d job states of partition %d from %d input messages (up to %s); "
+                    "re-sending %d charges", len(rebuilt), partition, len(messages),
+                    ", ".join(f"{t}@{stop}" for (t, _), stop in stops.items()), len(charges),
                     extra=logs.fields(topic=topic, partition=partition))
-        for key, state in states.items():
-            accounts[key] = state
         for o in charges:
             await outputs[o.topic].send(key=o.key, value=o.value)
 
-    checked: set[int] = set()
-    applied_live: dict[tuple[str, int], int] = {}  # (topic, partition) -> last offset this process applied
+    app.agent(inputs, name="job-accounting")(follow(app, cursor, rebuild))
+
+    add_power_agents(app, settings, cursors)
+    add_placement_agents(app, settings, cursors)
+    add_skip_repair(app, settings, cursors)
+    return app
+
+
+First = Callable[[str, int, int], Awaitable[None]]
+
+
+def follow(app: faust.App, cursor: Cursor, first: First) -> Callable[[Any], Awaitable[None]]:
+    """An agent body that hands each event to ``cursor`` (which reads back what faust skipped).
+    Before the first event of a (topic, partition) since the start or the last rebalance, ``first``
+    (topic, partition, offset) prepares it and starts the cursor there."""
     seen_rebalances = [app.rebalancing_count]
 
-    @app.agent(inputs, name="job-accounting")
-    async def job_accounting(stream: Any) -> None:
+    async def agent(stream: Any) -> None:
         async for event in stream.events():
-            # Never apply an event to a table that is being rebalanced or recovered.
+            # Never handle an event while partitions are being rebalanced.
             while app.rebalancing or app.in_recovery:
                 await asyncio.sleep(0.05)
-            if app.rebalancing_count != seen_rebalances[0]:  # partitions may have moved: check again
-                seen_rebalances[0] = app.rebalancing_count
-                checked.clear()
             msg = event.message
-            if msg.partition not in checked:
-                await rebuild(msg.partition, msg.topic, msg.offset)
-                checked.add(msg.partition)
-            await apply(Origin(msg.topic, msg.partition, msg.offset), event.key, event.value, msg.timestamp)
-            applied_live[(msg.topic, msg.partition)] = msg.offset
+            async with cursor.lock:
+                if app.rebalancing_count != seen_rebalances[0]:  # partitions may have moved
+                    seen_rebalances[0] = app.rebalancing_count
+                    cursor.forget()
+                if not cursor.knows(msg.topic, msg.partition):
+                    await first(msg.topic, msg.partition, msg.offset)
+                await cursor.deliver((Origin(msg.topic, msg.partition, msg.offset), event.key, event.value,
+                                      msg.timestamp))
 
-    add_power_agents(app, settings)
-    add_placement_agents(app, settings)
-    return app
+    return agent
+
+
+def add_skip_repair(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:
+    """A timer that reads back messages faust skipped at the end of a partition (streams.cursor)."""
+
+    @app.timer(interval=settings.skip_check_interval_s, name="skip-repair")
+    async def repair() -> None:
+        if app.rebalancing or app.in_recovery:
+            return
+        for cursor in cursors:
+            await cursor.tail()
 
 
 def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: str, inputs: Any,
                     screened: tuple[TopicSpec, ...], fresh: Callable[[], Any],
-                    publish: Callable[[Any], Awaitable[None]]) -> None:
+                    publish: Callable[[Any], Awaitable[None]], cursors: list[Cursor]) -> None:
     """A decision maker that needs the whole cluster in one place: ``<name>-router`` forwards
     every record of ``inputs`` (bad ones of the ``screened`` topics go to the dead-letter topic
     instead) to the single-partition ``log_topic``, and ``<name>-manager`` folds that log with
@@ -201,46 +200,53 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
     log_ = app.topic(log_name, partitions=1, key_serializer="raw", value_serializer="raw")
     dlq = app.topic(settings.topic(DLQ.name), key_serializer="raw", value_serializer="raw")
     state: dict[str, Any] = {}
-    seen_rebalances = [app.rebalancing_count]
 
-    async def route(stream: Any) -> None:
-        async for event in stream.events():
-            msg = event.message
-            bad = screen(msg.topic, msg.partition, msg.offset, event.key, event.value, msg.timestamp,
-                         settings.topic_prefix, screened)
-            if bad is not None:  # bad input stops here, with its reason
-                await dlq.send(key=bad.origin_topic.encode(), value=encode(bad))
-                metrics.DEAD_LETTERS.labels(metrics.DECODE if bad.field != "event_time" else metrics.CLOCK).inc()
-                continue
-            await log_.send(key=b"cluster", value=envelope(msg.topic, event.value))
+    async def route(message: Message) -> None:
+        origin, key, value, ts = message
+        bad = screen(origin.topic, origin.partition, origin.offset, key, value, ts, settings.topic_prefix, screened)
+        if bad is not None:  # bad input stops here, with its reason
+            await dlq.send(key=bad.origin_topic.encode(), value=encode(bad))
+            metrics.DEAD_LETTERS.labels(metrics.DECODE if bad.field != "event_time" else metrics.CLOCK).inc()
+            return
+        await log_.send(key=b"cluster", value=envelope(origin.topic, value))
 
-    async def manage(stream: Any) -> None:
-        async for event in stream.events():
-            while app.rebalancing or app.in_recovery:
-                await asyncio.sleep(0.05)
-            if app.rebalancing_count != seen_rebalances[0]:
-                seen_rebalances[0] = app.rebalancing_count
-                state.clear()
-            msg = event.message
-            if "m" not in state:
-                m = fresh()
-                if msg.offset > 0:
-                    loop = asyncio.get_running_loop()
-                    history = await loop.run_in_executor(None, read_range, settings, log_name, msg.partition, 0,
-                                                         msg.offset)
-                    for _origin, _key, value, _ts in history:
-                        m.apply(*open_envelope(value or b""))
-                    log.warning("%s-manager: rebuilt its state from %d log records", name, len(history),
-                                extra=logs.fields(topic=log_name, partition=msg.partition))
-                state["m"] = m
-            for record in state["m"].apply(*open_envelope(event.value or b"")):
-                await publish(record)
+    router = Cursor(settings, f"{name}-router", route)
 
-    app.agent(inputs, name=f"{name}-router")(route)
-    app.agent(log_, name=f"{name}-manager")(manage)
+    async def route_from(topic: str, partition: int, offset: int) -> None:
+        """Routing is stateless: it continues after what this process routed before a rebalance, or
+        else where the group committed (messages skipped before the first one are read back)."""
+        handled = router.before_rebalance.get((topic, partition))
+        if handled is None:
+            committed = await blocking(f"{name}-router: committed offsets", committed_offsets, settings,
+                                       [(topic, partition)])
+            handled = committed.get((topic, partition), offset)
+        router.start(topic, partition, handled)
+
+    async def manage(message: Message) -> None:
+        for record in state["m"].apply(*open_envelope(message[2] or b"")):
+            await publish(record)
+
+    manager = Cursor(settings, f"{name}-manager", manage)
+
+    async def refold(topic: str, partition: int, offset: int) -> None:
+        """A fresh manager folds the log up to where consumption resumes, without publishing."""
+        m = fresh()
+        history = await blocking(f"{name}-manager: re-folding {topic}", read_range, settings, topic, partition, 0,
+                                 offset)
+        for _origin, _key, value, _ts in history:
+            m.apply(*open_envelope(value or b""))
+        if history:
+            log.warning("%s-manager: rebuilt its state from %d log records", name, len(history),
+                        extra=logs.fields(topic=topic, partition=partition))
+        state["m"] = m
+        manager.start(topic, partition, offset)
+
+    cursors += [router, manager]
+    app.agent(inputs, name=f"{name}-router")(follow(app, router, route_from))
+    app.agent(log_, name=f"{name}-manager")(follow(app, manager, refold))
 
 
-def add_power_agents(app: faust.App, settings: Settings) -> None:
+def add_power_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:
     """PPartition needs the whole machine in one place: lifecycle, power and inventory records go
     through the single-partition ``power.machine`` log to the PowerManager (streams.power.stream),
     which publishes ``decisions.power``."""
@@ -255,10 +261,10 @@ def add_power_agents(app: faust.App, settings: Settings) -> None:
 
     add_log_manager(app, settings, "power", POWER_LOG, inputs, (NODE_POWER, CLUSTER_INVENTORY),
                     lambda: PowerManager(settings.power_budget_watts, settings.power_policy(), settings.topic_prefix),
-                    publish)
+                    publish, cursors)
 
 
-def add_placement_agents(app: faust.App, settings: Settings) -> None:
+def add_placement_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:
     """Spread-n-Share and the pair model need the whole cluster in one place: lifecycle, inventory,
     shutter blocks, CAT episodes and final degradation estimates go through the single-partition
     ``placement.cluster`` log to the PlacementManager (streams.placement.stream), which publishes
@@ -274,7 +280,8 @@ def add_placement_agents(app: faust.App, settings: Settings) -> None:
 
     add_log_manager(app, settings, "placement", PLACEMENT_LOG, inputs, (NODE_LLC,),
                     lambda: PlacementManager(settings.placement_policy, settings.placement_age_limit_s,
-                                             settings.placement_pairing, prefix=settings.topic_prefix), publish)
+                                             settings.placement_pairing, prefix=settings.topic_prefix), publish,
+                    cursors)
 
 
 def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> None:

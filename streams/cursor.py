@@ -1,0 +1,196 @@
+"""Reading input back from the broker: what a stream worker needs to never miss a message.
+
+faust (at least once) acknowledges, and so commits, messages that it drops from a stream's buffer
+without delivering them: messages fetched under an older consumer generation, or while flow
+control is paused around a rebalance (faust ``Stream._py_aiter``). Nothing delivers them again.
+On the bundled broker this was measured after restarts: the first event after a worker's rebuild
+was followed by one 22 to 40 offsets later, and those blocks were missing from the charges that a
+five-SIGKILL run produced (README, Reliability).
+
+A ``Cursor`` remembers, per (topic, partition), the next offset its agent expects. A message past
+that offset means messages were skipped: the cursor reads them back from the broker, in order,
+before the message itself. A message before it was handled already by this process (faust
+redelivers after a rebalance) and is skipped. Skipped messages at the end of a partition are
+found by ``tail``: the group's committed offset is past what the agent has handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from nodeshare import logs, metrics
+from nodeshare.config import Settings
+
+from .accounting import Message, Origin
+
+log = logging.getLogger(__name__)
+
+
+def read_range(settings: Settings, topic: str, partition: int, start: int, stop: int,
+               timeout_s: float = 60.0) -> list[Message]:
+    """Messages [start, stop) of one topic partition, in offset order. Waits on content and on the
+    consumer's position, never on end offsets (wrong on the bundled broker); offsets without a
+    message (transaction markers on Apache Kafka) are passed by the position. Raises if the range
+    cannot be read in time."""
+    if stop <= start:
+        return []
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"{settings.app_id}-repair", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    tp = TopicPartition(topic, partition, start)
+    consumer.assign([tp])
+    out: list[Message] = []
+    position = start
+    deadline = time.monotonic() + timeout_s
+    try:
+        while position < stop and time.monotonic() < deadline:
+            for m in consumer.consume(5000, timeout=0.5):
+                offset = m.offset() or 0
+                if m.error() is None and start <= offset < stop:
+                    out.append((Origin(topic, partition, offset), m.key(), m.value(), m.timestamp()[1] / 1000))
+                    position = max(position, offset + 1)
+            [now] = consumer.position([TopicPartition(topic, partition)])
+            position = max(position, now.offset)
+    finally:
+        consumer.close()
+    if position < stop:
+        raise RuntimeError(f"could not re-read {topic}[{partition}] offsets {start}..{stop - 1} within "
+                           f"{timeout_s:.0f} s; rebuild from the archive with `nodeshare replay`")
+    return out
+
+
+def committed_offsets(settings: Settings, positions: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """The stream worker group's committed offset of each (topic, partition); 0 when none."""
+    if not positions:
+        return {}
+    consumer = Consumer(settings.client_config(**{"group.id": settings.app_id, "enable.auto.commit": False}))
+    try:
+        found = consumer.committed([TopicPartition(t, p) for t, p in positions], timeout=10)
+        return {(tp.topic, tp.partition): max(0, tp.offset) for tp in found}
+    finally:
+        consumer.close()
+
+
+Handler = Callable[[Message], Awaitable[None]]
+T = TypeVar("T")
+
+
+async def blocking(what: str, fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking broker call in a thread. While the broker cannot answer (an outage), retry
+    every second, logged: the agent cannot go on without the answer, and an exception would crash
+    the whole worker (a faust agent or timer that raises stops the app)."""
+    loop = asyncio.get_running_loop()
+    attempt = 0
+    while True:
+        try:
+            return await loop.run_in_executor(None, fn, *args)
+        except (KafkaException, RuntimeError) as exc:
+            attempt += 1
+            log.warning("%s failed (attempt %d); retrying in 1 s: %s", what, attempt, exc)
+            await asyncio.sleep(1.0)
+
+
+class Cursor:
+    """The next offset an agent expects per (topic, partition), and the repair of skipped messages.
+
+    ``handle`` processes one message; the cursor calls it for messages read back from the broker
+    and the agent calls it (through ``deliver``) for the message in hand, always under ``lock``,
+    so a tail repair from a timer never interleaves with the agent.
+    """
+
+    def __init__(self, settings: Settings, name: str, handle: Handler) -> None:
+        self.settings = settings
+        self.name = name
+        self.handle = handle
+        self.lock = asyncio.Lock()
+        self.next: dict[tuple[str, int], int] = {}
+        self.before_rebalance: dict[tuple[str, int], int] = {}  # ``next`` as the last rebalance found it
+        self.refetched = 0  # messages read back because faust skipped them
+
+    def start(self, topic: str, partition: int, offset: int) -> None:
+        """Live consumption of (topic, partition) continues at ``offset``: what precedes it is handled."""
+        self.next[(topic, partition)] = offset
+
+    def forget(self) -> None:
+        """After a rebalance: partitions may have moved; each is started again before its next event
+        (``before_rebalance`` keeps where this process had got to)."""
+        self.before_rebalance.update(self.next)
+        self.next.clear()
+
+    def knows(self, topic: str, partition: int) -> bool:
+        return (topic, partition) in self.next
+
+    async def deliver(self, message: Message) -> None:
+        """Handle a message from the stream, after any messages skipped before it; drop it when this
+        process handled it already. Call under ``lock``."""
+        origin = message[0]
+        where = (origin.topic, origin.partition)
+        expected = self.next.get(where, origin.offset)
+        if origin.offset < expected:
+            return
+        if origin.offset > expected:
+            await self._refetch(origin.topic, origin.partition, expected, origin.offset)
+        await self.handle(message)
+        self.next[where] = origin.offset + 1
+
+    async def tail(self) -> int:
+        """Handle messages skipped at the end of a partition: those below the group's committed offset
+        that the agent never saw. Returns how many were read back."""
+        async with self.lock:
+            loop = asyncio.get_running_loop()
+            try:
+                committed = await loop.run_in_executor(None, committed_offsets, self.settings, list(self.next))
+            except KafkaException as exc:  # the broker is away: look again at the next interval
+                log.warning("%s: could not read committed offsets: %s", self.name, exc)
+                return 0
+            before = self.refetched
+            for (topic, partition), offset in committed.items():
+                expected = self.next.get((topic, partition))
+                if expected is not None and offset > expected:
+                    await self._refetch(topic, partition, expected, offset)
+                    self.next[(topic, partition)] = offset
+            return self.refetched - before
+
+    async def _refetch(self, topic: str, partition: int, start: int, stop: int) -> None:
+        missed = await blocking(f"{self.name}: reading back {topic}[{partition}]", read_range, self.settings, topic,
+                                partition, start, stop)
+        log.warning("%s: read back %d messages of %s[%d] at offsets %d..%d that the stream skipped", self.name,
+                    len(missed), topic, partition, start, stop - 1,
+                    extra=logs.fields(topic=topic, partition=partition))
+        for m in missed:
+            await self.handle(m)
+            self.next[(topic, partition)] = m[0].offset + 1
+        self.refetched += len(missed)
+        metrics.REFETCHED.labels(self.name).inc(len(missed))
+
+
+def worker_topics(settings: Settings) -> list[str]:
+    """Every topic the stream worker's consumer group reads: the inputs and the decision logs."""
+    from nodeshare.schemas.catalog import CLUSTER_INVENTORY, ESTIMATES_DEGRADATION, NODE_LLC, NODE_POWER
+
+    from .placement.stream import PLACEMENT_LOG, ROUTED
+    from .power.stream import POWER_LOG
+
+    names = {t.name for t in (*ROUTED, NODE_POWER, CLUSTER_INVENTORY, NODE_LLC, ESTIMATES_DEGRADATION)}
+    return sorted(settings.topic(n) for n in (*names, POWER_LOG, PLACEMENT_LOG))
+
+
+def unconsumed(settings: Settings, topics: list[str], idle_s: float = 1.0) -> int:
+    """How many messages of ``topics`` lie after the stream worker group's committed offsets (read
+    within ``idle_s``; 0 means the worker has handled, and committed, everything). Counts content,
+    never end offsets, which are wrong on the bundled broker."""
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"{settings.app_id}-progress", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    try:
+        metadata = consumer.list_topics(timeout=10).topics
+        positions = [(t, p) for t in topics if t in metadata for p in metadata[t].partitions]
+        committed = committed_offsets(settings, positions)
+        consumer.assign([TopicPartition(t, p, committed[(t, p)]) for t, p in positions])
+        return sum(1 for m in consumer.consume(100_000, timeout=idle_s) if m.error() is None)
+    finally:
+        consumer.close()
