@@ -340,14 +340,16 @@ def _billing_changes(old: JobEvent, new: JobEvent) -> list[str]:
     return [f for f in _BILLED_FIELDS if getattr(old, f) != getattr(new, f)]
 
 
-def process_message(
-    state: bytes | None, origin: Origin, key: bytes | None, value: bytes | None, timestamp_s: float,
+def apply_message(
+    account: JobAccount | None, origin: Origin, key: bytes | None, value: bytes | None, timestamp_s: float,
     policy: PricingPolicy, prefix: str = "",
-) -> Processed:
-    """One input message in, the job's new state and the messages to publish out.
+) -> tuple[JobAccount | None, list[Outgoing], bool | None]:
+    """One input message in: the job's account after it (``account`` itself, changed in place, or a
+    new one; None when the message changed no account) and the messages to publish.
 
-    Pure: the faust agent only does the table and topic I/O around it; the audit folds the
-    archive through it too, so both apply the same rules to the same bytes.
+    The stream worker keeps accounts in memory and calls this; ``process_message`` is the same
+    step on serialized state. The audit folds the archive through it too, so both apply the same
+    rules to the same bytes.
     """
     def reject(reason: str, field: str | None = None, kind: str = "rejected") -> list[Outgoing]:
         dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, timestamp_s, reason,
@@ -358,45 +360,54 @@ def process_message(
     try:
         record: Record = decode(spec, value)
     except DecodeError as exc:
-        return Processed(None, reject(exc.reason, exc.field, "decode"), None)
+        return None, reject(exc.reason, exc.field, "decode"), None
     job_id: str = record.job_id  # type: ignore[attr-defined]  # both input topics carry job_id
     if key != job_id.encode():
-        return Processed(None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key", "key_mismatch"),
-                         None)
+        return None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key", "key_mismatch"), None
     wrong_clock = clock_problem(record, timestamp_s)
     if wrong_clock:
-        return Processed(None, reject(wrong_clock, "event_time", "clock"), None)
-    account = JobAccount.loads(state, job_id)
+        return None, reject(wrong_clock, "event_time", "clock"), None
+    if account is None:
+        account = JobAccount(job_id=job_id)
     # Charges name catalog topics: a topic prefix is a deployment detail, and replay into another
     # prefix must rebuild identical charges.
     step = account.apply(record, Origin(spec.name, origin.partition, origin.offset), policy)
-    if step.redelivered:  # state unchanged; only charges this event had completed are re-sent
-        return Processed(None, [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges],
-                         None)
+    if step.redelivered:  # account unchanged; only charges this event had completed are re-sent
+        return None, [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges], None
     out: list[Outgoing] = []
     if step.rejected:
         out += reject(step.rejected)
     if step.estimate is not None:
         out.append(Outgoing(ESTIMATES_DEGRADATION.name, job_id.encode(), encode(step.estimate)))
     out += [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges]
-    return Processed(account.dumps(), out, step.block_accepted)
+    return account, out, step.block_accepted
+
+
+def process_message(
+    state: bytes | None, origin: Origin, key: bytes | None, value: bytes | None, timestamp_s: float,
+    policy: PricingPolicy, prefix: str = "",
+) -> Processed:
+    """``apply_message`` on a serialized account: the new state as bytes (None when unchanged)."""
+    account = JobAccount.model_validate_json(state) if state is not None else None
+    new, out, accepted = apply_message(account, origin, key, value, timestamp_s, policy, prefix)
+    return Processed(new.dumps() if new is not None else None, out, accepted)
 
 
 Message = tuple[Origin, bytes | None, bytes | None, float]  # (origin, key, value, timestamp in s)
 
 
 def fold_states(messages: Iterable[Message], policy: PricingPolicy,
-                prefix: str = "") -> tuple[dict[bytes | None, bytes], list[Outgoing]]:
+                prefix: str = "") -> tuple[dict[bytes | None, JobAccount], list[Outgoing]]:
     """Fold raw input messages (in the order given) exactly as the stream worker does: every job's
-    final state, and the charge messages the fold produced (a re-sent charge appears again)."""
-    states: dict[bytes | None, bytes] = {}
+    final account, and the charge messages the fold produced (a re-sent charge appears again)."""
+    accounts: dict[bytes | None, JobAccount] = {}
     charges: list[Outgoing] = []
     for origin, key, value, ts in messages:
-        new_state, out, _ = process_message(states.get(key), origin, key, value, ts, policy, prefix)
-        if new_state is not None:
-            states[key] = new_state
+        new, out, _ = apply_message(accounts.get(key), origin, key, value, ts, policy, prefix)
+        if new is not None:
+            accounts[key] = new
         charges += [o for o in out if o.topic == LEDGER_CHARGES.name]
-    return states, charges
+    return accounts, charges
 
 
 def fold_messages(messages: Iterable[Message], policy: PricingPolicy, prefix: str = "") -> list[Charge]:

@@ -39,7 +39,7 @@ from nodeshare.schemas.catalog import (
 )
 from nodeshare.schemas.serde import encode
 
-from .accounting import Message, Origin, fold_states, process_message
+from .accounting import JobAccount, Message, Origin, apply_message, fold_states
 from .cursor import Cursor, blocking, committed_offsets, read_range
 from .kafka_security import faust_credentials
 from .placement.stream import PLACEMENT_LOG, ROUTED, PlacementManager
@@ -86,16 +86,16 @@ def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "w
     input_topics = [settings.topic(NODE_IPC.name), settings.topic(JOBS_LIFECYCLE.name)]
     # Job states per input partition, in memory only: they are rebuilt from the input topics when a
     # partition is assigned, so no changelog is written (or trusted) for them.
-    states: dict[int, dict[bytes | None, bytes]] = {}
+    states: dict[int, dict[bytes | None, JobAccount]] = {}
     cursors: list[Cursor] = []
 
     async def apply(message: Message) -> None:
         origin, key, value, ts = message
         started = time.perf_counter()
         jobs = states.setdefault(origin.partition, {})
-        new_state, out, block_accepted = process_message(jobs.get(key), origin, key, value, ts, policy, prefix)
-        if new_state is not None:
-            jobs[key] = new_state
+        account, out, block_accepted = apply_message(jobs.get(key), origin, key, value, ts, policy, prefix)
+        if account is not None:
+            jobs[key] = account
         metrics.EVENTS_IN.labels(origin.topic).inc()
         if block_accepted is not None:
             metrics.SHUTTER_BLOCKS.labels("accepted" if block_accepted else "rejected").inc()
