@@ -807,6 +807,32 @@ def _write_bench(result: dict[str, Any], out_file: Path) -> None:
     out.print(f"wrote {out_file}")
 
 
+@bench_app.command("stream")
+def bench_stream(
+    blocks: Annotated[int, typer.Option(min=10_000, help="shutter blocks for the throughput run")] = 200_000,
+    rate: Annotated[float, typer.Option(min=100.0, help="input events per second in the latency run")] = 10_000.0,
+    seconds: Annotated[float, typer.Option(min=2.0, help="length of the latency run")] = 20.0,
+    workdir: Annotated[Path, typer.Option(help="scratch space (removed after)")] = Path("bench"),
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/stream.json"),
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Shutter blocks per second through one stream worker, its ratio to a raw confluent-kafka
+    consumer of the same topic, and job-end to charge-row latency at a steady input rate."""
+    from nodeshare.bench_stream import as_dict, run_stream_bench
+
+    settings = _settings(bootstrap=bootstrap)
+    with _progress() as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        result = run_stream_bench(settings, workdir, blocks=blocks, rate=rate, seconds=seconds, progress=progress)
+    _write_bench(as_dict(result), out_file)
+
+
 @bench_app.command("agent")
 def bench_agent(
     jobs: Annotated[int, typer.Option(min=2, help="real workloads sharing the machine")] = 2,

@@ -46,6 +46,36 @@ class AuditBench:
     date: str
 
 
+def block_json(job: str, node: str, cycle: int, before: int, during: int, after: int) -> str:
+    """A valid K = 1 shutter block with these instruction counts, as JSON (fast: no model)."""
+    return (
+        f'{{"event_id":"{job}-{cycle}","schema_version":{SCHEMA_VERSION},"source":"bench","event_time":'
+        f'"2026-01-01T00:00:00Z","kind":"shutter_block","job_id":"{job}","node":"{node}","cycle":{cycle},'
+        f'"k":1,"sample_us":3200,"counter":"simulated",'
+        f'"before":[{{"instructions":{before},"cycles":{_CYC},"threads":1}}],'
+        f'"during":[{{"instructions":{during},"cycles":{_CYC},"threads":1}}],'
+        f'"after":[{{"instructions":{after},"cycles":{_CYC},"threads":1}}]}}'
+    )
+
+
+def left_json(job: str, node: str, blocks: int) -> str:
+    """The JobLeftNode marker closing a stream of ``blocks`` blocks (cycles 0..blocks-1)."""
+    return (f'{{"event_id":"{job}-left","schema_version":{SCHEMA_VERSION},"source":"bench",'
+            f'"event_time":"2026-01-01T01:00:00Z",'
+            f'"kind":"job_left_node","job_id":"{job}","node":"{node}","blocks_sent":{blocks},'
+            f'"last_cycle":{blocks - 1},"paused_us":{blocks * 3200}}}')
+
+
+def end_json(job: str, node: str) -> str:
+    """The job's end event: one hour on ``node`` with 8 cores."""
+    end = _T0 + timedelta(hours=1)
+    return json.dumps({
+        "event_id": f"{job}-end", "source": "bench", "event_time": end.isoformat(), "kind": "job_event",
+        "job_id": job, "state": "ended", "user": "u", "account": "a", "program": "p", "cores": 8,
+        "nodes": [node], "start_time": _T0.isoformat(), "end_time": end.isoformat(),
+    })
+
+
 def write_synthetic_archive(root: Path, blocks: int, blocks_per_job: int = 1000, seed: int = 1,
                             batch: int = 50_000) -> int:
     """Write ``blocks`` shutter blocks (plus markers and end events) into an archive at ``root``."""
@@ -73,28 +103,13 @@ def write_synthetic_archive(root: Path, blocks: int, blocks_per_job: int = 1000,
         ts = int(_T0.timestamp() * 1000) + j
         for c in range(n):
             b, d, a = instr[c]
-            value = (
-                f'{{"event_id":"{job}-{c}","schema_version":{SCHEMA_VERSION},"source":"bench","event_time":'
-                f'"2026-01-01T00:00:00Z","kind":"shutter_block","job_id":"{job}","node":"n{j % 97}","cycle":{c},'
-                f'"k":1,"sample_us":3200,"counter":"simulated",'
-                f'"before":[{{"instructions":{b},"cycles":{_CYC},"threads":1}}],'
-                f'"during":[{{"instructions":{d},"cycles":{_CYC},"threads":1}}],'
-                f'"after":[{{"instructions":{a},"cycles":{_CYC},"threads":1}}]}}'
-            )
+            value = block_json(job, f"n{j % 97}", c, b, d, a)
             ipc_rows.append(ArchivedEvent("node.ipc", 0, offset, ts, job.encode(), value.encode()))
             offset += 1
-        left = (f'{{"event_id":"{job}-left","schema_version":{SCHEMA_VERSION},"source":"bench",'
-                f'"event_time":"2026-01-01T01:00:00Z",'
-                f'"kind":"job_left_node","job_id":"{job}","node":"n{j % 97}","blocks_sent":{n},'
-                f'"last_cycle":{n - 1},"paused_us":{n * 3200}}}')
+        left = left_json(job, f"n{j % 97}", n)
         ipc_rows.append(ArchivedEvent("node.ipc", 0, offset, ts, job.encode(), left.encode()))
         offset += 1
-        end = _T0 + timedelta(hours=1)
-        life = json.dumps({
-            "event_id": f"{job}-end", "source": "bench", "event_time": end.isoformat(), "kind": "job_event",
-            "job_id": job, "state": "ended", "user": "u", "account": "a", "program": "p", "cores": 8,
-            "nodes": [f"n{j % 97}"], "start_time": _T0.isoformat(), "end_time": end.isoformat(),
-        })
+        life = end_json(job, f"n{j % 97}")
         life_rows.append(ArchivedEvent("jobs.lifecycle", 0, j, ts, job.encode(), life.encode()))
         flush()
     flush(force=True)

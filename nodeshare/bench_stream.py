@@ -1,0 +1,293 @@
+"""`nodeshare bench stream`: what one stream worker sustains, next to what the broker can deliver.
+
+Two runs, each on topics and consumer groups of its own:
+
+* **Throughput.** ``blocks`` shutter blocks are published to ``node.ipc`` first; then a raw
+  confluent-kafka consumer reads the topic (the yardstick: what the broker and a client deliver
+  on this machine) and then one ``nodeshare worker`` consumes it, timed through its own
+  ``nodeshare_events_in_total`` counter from its first block to its last. The worker does all its
+  usual work per block: the job's reducer, and routing the block to the placement manager, which
+  folds it too.
+* **Latency.** The worker, the ledger sink and the archive sink run while jobs (blocks, their
+  JobLeftNode marker, then the end event) are published at a steady ``rate`` events per second.
+  A job's latency runs from the send of its last event to the moment its charge row is durable
+  in the ledger.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import socket
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from confluent_kafka import Consumer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+
+from nodeshare.config import Settings
+from nodeshare.deploy.broker import broker_for
+from nodeshare.deploy.processes import start_worker, stop_process
+from nodeshare.deploy.topics import create_topics
+from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
+from nodeshare.sinks.archive import ArchiveSink
+from nodeshare.sinks.bench_audit import _CYC, available_cores, block_json, end_json, left_json
+from nodeshare.sinks.consumer import run_in_thread
+from nodeshare.sinks.ledger import LedgerSink
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass
+class StreamBench:
+    blocks: int
+    partitions: int
+    raw_s: float
+    raw_per_s: float
+    worker_s: float
+    blocks_per_s: float
+    ratio_to_raw: float
+    rate_per_s: float  # offered in the latency run
+    achieved_rate_per_s: float
+    latency_jobs: int
+    latency_p50_s: float
+    latency_p99_s: float
+    latency_max_s: float
+    broker: str
+    machine: str
+    date: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fresh(settings: Settings, bootstrap: str, run: str, **update: Any) -> Settings:
+    tag = f"bench-{run}-{uuid.uuid4().hex[:6]}"
+    return settings.model_copy(update={"bootstrap": bootstrap, "topic_prefix": f"{tag}.",
+                                       "app_id": f"nodeshare-{tag}", **update})
+
+
+def _job_blocks(job: str, node: str, n: int, rng: np.random.Generator) -> list[bytes]:
+    solo, slow = rng.uniform(0.5, 2.0), rng.uniform(0.6, 1.0)
+    ipc = np.column_stack([np.full(n, solo * slow), np.full(n, solo), np.full(n, solo * slow)])
+    instr = np.rint(ipc * rng.normal(1.0, 0.02, size=(n, 3)) * _CYC).astype(np.int64)
+    return [block_json(job, node, c, *instr[c]).encode() for c in range(n)]
+
+
+def publish_blocks(settings: Settings, blocks: int, blocks_per_job: int = 1000, seed: int = 1,
+                   progress: Progress | None = None) -> None:
+    """``blocks`` valid shutter blocks on ``node.ipc``, keyed by job (no markers: no charges)."""
+    rng = np.random.default_rng(seed)
+    topic = settings.topic(NODE_IPC.name)
+    with EventProducer(settings, client_id="nodeshare-bench") as producer:
+        sent, j = 0, 0
+        while sent < blocks:
+            job = str(2_000_000 + j)
+            values = _job_blocks(job, f"n{j % 97}", min(blocks_per_job, blocks - sent), rng)
+            for v in values:
+                producer.send_raw(topic, job.encode(), v)
+            sent, j = sent + len(values), j + 1
+            if progress:
+                progress("publishing blocks", sent, blocks)
+
+
+def raw_consume(settings: Settings, topic: str, expected: int, timeout_s: float = 120.0) -> float:
+    """Seconds a plain confluent-kafka consumer takes to read ``expected`` messages of ``topic``,
+    from its first message to its last."""
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"{settings.app_id}-raw", "enable.auto.commit": False, "auto.offset.reset": "earliest",
+        "fetch.max.bytes": 52_428_800, "max.partition.fetch.bytes": 10_485_760}))
+    parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+    consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+    got, first, last = 0, 0.0, 0.0
+    deadline = time.monotonic() + timeout_s
+    try:
+        while got < expected and time.monotonic() < deadline:
+            batch = consumer.consume(10_000, timeout=1.0)
+            if batch and not first:
+                first = time.monotonic()
+            got += sum(1 for m in batch if m.error() is None and m.value())
+            last = time.monotonic()
+    finally:
+        consumer.close()
+    if got < expected:
+        raise RuntimeError(f"the raw consumer read {got}/{expected} messages of {topic} in {timeout_s:.0f} s")
+    return last - first
+
+
+def _events_in(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "nodeshare_events_in"
+               for s in f.samples if s.name == "nodeshare_events_in_total")
+
+
+def worker_consume(settings: Settings, workdir: Path, expected: int, timeout_s: float = 600.0,
+                   progress: Progress | None = None) -> tuple[float, float]:
+    """Start one worker on a topic already full; (seconds, blocks) from its first block to its last,
+    read from its metrics every 0.1 s."""
+    port = _free_port()
+    worker = start_worker(settings.model_copy(update={"metrics_port": port}), workdir / "worker",
+                          workdir / "worker.log", loglevel="warn")
+    try:
+        deadline = time.monotonic() + timeout_s
+        first_t, first_n, n = 0.0, 0.0, 0.0
+        while n < expected:
+            if worker.poll() is not None:
+                raise RuntimeError(f"the worker exited with {worker.returncode}; see {workdir / 'worker.log'}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker handled {n:.0f}/{expected} blocks in {timeout_s:.0f} s")
+            time.sleep(0.1)
+            try:
+                n = _events_in(port)
+            except OSError:
+                continue  # not serving yet
+            if n and not first_t:
+                first_t, first_n = time.monotonic(), n
+            if progress:
+                progress("worker", int(n), expected)
+        return time.monotonic() - first_t, expected - first_n
+    finally:
+        stop_process(worker)
+
+
+class TimedLedgerSink(LedgerSink):
+    """The ledger sink, noting when each job's first charge row became durable."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.durable_at: dict[bytes, float] = {}
+
+    def write(self, messages: list[Any]) -> None:
+        super().write(messages)
+        now = time.monotonic()
+        for m in messages:
+            self.durable_at.setdefault(m.key(), now)
+
+
+def _latency_schedule(jobs: int, blocks_per_job: int, concurrent: int, seed: int,
+                      ) -> list[tuple[str, bytes, bytes, bool]]:
+    """(catalog topic, key, value, completes its job) in send order: ``concurrent`` jobs at a time,
+    their blocks interleaved cycle by cycle, then each job's marker and end event."""
+    rng = np.random.default_rng(seed)
+    out: list[tuple[str, bytes, bytes, bool]] = []
+    for first in range(0, jobs, concurrent):
+        group = [str(3_000_000 + j) for j in range(first, min(jobs, first + concurrent))]
+        streams = {job: _job_blocks(job, f"n{int(job) % 97}", blocks_per_job, rng) for job in group}
+        for c in range(blocks_per_job):
+            out += [(NODE_IPC.name, job.encode(), streams[job][c], False) for job in group]
+        for job in group:
+            node = f"n{int(job) % 97}"
+            out.append((NODE_IPC.name, job.encode(), left_json(job, node, blocks_per_job).encode(), False))
+            out.append((JOBS_LIFECYCLE.name, job.encode(), end_json(job, node).encode(), True))
+    return out
+
+
+def latency_run(settings: Settings, workdir: Path, rate: float, seconds: float, blocks_per_job: int = 48,
+                concurrent: int = 100, timeout_s: float = 300.0, progress: Progress | None = None,
+                ) -> tuple[list[float], float]:
+    """Publish jobs at ``rate`` events/s for ``seconds`` through a running pipeline; returns each
+    job's latency (last event sent to charge row durable) and the rate achieved."""
+    jobs = max(1, int(rate * seconds) // (blocks_per_job + 2))
+    schedule = _latency_schedule(jobs, blocks_per_job, concurrent, seed=2)
+    create_topics(settings)
+    stop = threading.Event()
+    ledger = TimedLedgerSink(settings, workdir / "ledger.duckdb")
+    threads = [run_in_thread(ledger, stop, "ledger-sink"),
+               run_in_thread(ArchiveSink(settings, workdir / "archive"), stop, "archive-sink")]
+    worker = start_worker(settings, workdir / "worker", workdir / "worker.log", loglevel="warn")
+    sent_at: dict[bytes, float] = {}
+    try:
+        with EventProducer(settings, client_id="nodeshare-bench") as producer:
+            # Warm up: one job through the whole pipeline before the clock starts.
+            for topic, key, value, _ in _latency_schedule(1, 4, 1, seed=9):
+                producer.send_raw(settings.topic(topic), key, value)
+            producer.flush()
+            deadline = time.monotonic() + 120
+            while not ledger.durable_at and time.monotonic() < deadline:
+                _check_alive(worker, threads, workdir)
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            for i, (topic, key, value, completes) in enumerate(schedule):
+                if i % 100 == 0:
+                    ahead = t0 + i / rate - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                    if progress and i % 10_000 == 0:
+                        progress("publishing at a steady rate", i, len(schedule))
+                producer.send_raw(settings.topic(topic), key, value)
+                if completes:
+                    sent_at[key] = time.monotonic()
+            achieved = len(schedule) / (time.monotonic() - t0)
+        deadline = time.monotonic() + timeout_s
+        while sum(k in ledger.durable_at for k in sent_at) < len(sent_at):
+            _check_alive(worker, threads, workdir)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{sum(k in ledger.durable_at for k in sent_at)}/{len(sent_at)} charges "
+                                   f"after {timeout_s:.0f} s; see {workdir / 'worker.log'}")
+            if progress:
+                progress("waiting for charges", sum(k in ledger.durable_at for k in sent_at), len(sent_at))
+            time.sleep(0.2)
+    finally:
+        stop_process(worker)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    return [ledger.durable_at[k] - sent_at[k] for k in sent_at], achieved
+
+
+def _check_alive(worker: Any, threads: list[Any], workdir: Path) -> None:
+    if worker.poll() is not None:
+        raise RuntimeError(f"the worker exited with {worker.returncode}; see {workdir / 'worker.log'}")
+    for t in threads:
+        if t.errors:
+            raise RuntimeError(f"{t.name} failed: {t.errors[0]}")
+
+
+def run_stream_bench(settings: Settings, workdir: Path, blocks: int = 200_000, rate: float = 10_000.0,
+                     seconds: float = 20.0, progress: Progress | None = None) -> StreamBench:
+    work = workdir / f"stream-{uuid.uuid4().hex[:8]}"  # ledger, archive and worker logs; removed after
+    work.mkdir(parents=True)
+    result = _run(settings, work, blocks, rate, seconds, progress)  # on failure, its logs stay for a look
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: float,
+         progress: Progress | None) -> StreamBench:
+    with broker_for(settings.bootstrap, workdir) as bootstrap:
+        s = _fresh(settings, bootstrap, "throughput")
+        create_topics(s)
+        publish_blocks(s, blocks, progress=progress)
+        raw_s = raw_consume(s, s.topic(NODE_IPC.name), blocks)
+        worker_s, measured = worker_consume(s, workdir / "throughput", blocks, progress=progress)
+        lat, achieved = latency_run(_fresh(settings, bootstrap, "latency"), workdir / "latency", rate, seconds,
+                                    progress=progress)
+    raw_per_s, per_s = blocks / raw_s, measured / worker_s
+    return StreamBench(
+        blocks=blocks, partitions=settings.partitions,
+        raw_s=round(raw_s, 3), raw_per_s=round(raw_per_s), worker_s=round(worker_s, 2), blocks_per_s=round(per_s),
+        ratio_to_raw=round(per_s / raw_per_s, 4),
+        rate_per_s=rate, achieved_rate_per_s=round(achieved), latency_jobs=len(lat),
+        latency_p50_s=round(float(np.percentile(lat, 50)), 3), latency_p99_s=round(float(np.percentile(lat, 99)), 3),
+        latency_max_s=round(max(lat), 3),
+        broker="configured" if settings.bootstrap else "bundled tansu",
+        machine=f"{platform.machine()}, {available_cores()} cores, Python {platform.python_version()}",
+        date=datetime.now(UTC).date().isoformat(),
+    )
+
+
+def as_dict(bench: StreamBench) -> dict[str, Any]:
+    return asdict(bench)

@@ -1,0 +1,26 @@
+"""The stream bench's workload: valid records that complete every job exactly once."""
+
+from __future__ import annotations
+
+from nodeshare.bench_stream import _latency_schedule
+from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
+from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
+
+
+def test_latency_schedule_is_valid_input_that_prices_every_job_once() -> None:
+    schedule = _latency_schedule(jobs=7, blocks_per_job=5, concurrent=3, seed=1)
+    assert len(schedule) == 7 * (5 + 2)
+    assert sum(completes for *_, completes in schedule) == 7
+    offsets = {NODE_IPC.name: -1, JOBS_LIFECYCLE.name: -1}
+    messages = []
+    for topic, key, value, _ in schedule:
+        offsets[topic] += 1
+        messages.append((Origin(topic, 0, offsets[topic]), key, value, 1.8e9))
+    charges = fold_messages(messages, PricingPolicy())
+    assert sorted(c.job_id for c in charges) == sorted({k.decode() for _, k, *_ in schedule})
+    assert all(c.blocks_used + c.blocks_rejected == 5 and c.run_time_s == 3600 for c in charges)
+    # each job's completing event is its last one
+    last = {}
+    for i, (_, key, _, completes) in enumerate(schedule):
+        last[key] = (i, completes)
+    assert all(completes for _, completes in last.values())
