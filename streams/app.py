@@ -9,7 +9,6 @@ BROKER.md) but from the reducer's offset de-duplication and the ledger's idempot
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import time
@@ -157,17 +156,18 @@ def follow(app: faust.App, cursor: Cursor, first: First) -> Callable[[Any], Awai
     """An agent body that hands each event to ``cursor`` (which reads back what faust skipped).
     Before the first event of a (topic, partition) since the start or the last rebalance, ``first``
     (topic, partition, offset) prepares it and starts the cursor there."""
-    seen_rebalances = [app.rebalancing_count]
+    cursor.generation = app.rebalancing_count
 
     async def agent(stream: Any) -> None:
         async for event in stream.events():
-            # Never handle an event while partitions are being rebalanced.
-            while app.rebalancing or app.in_recovery:
-                await asyncio.sleep(0.05)
+            # No waiting for a rebalance to end while holding an event: faust's revocation waits for
+            # the events in hand to be acknowledged, and a two-worker takeover hung so for minutes.
+            # Handling it is harmless: this process's state of the partition is consistent, and
+            # copies downstream are absorbed; the count check below rebuilds what may have moved.
             msg = event.message
             async with cursor.lock:
-                if app.rebalancing_count != seen_rebalances[0]:  # partitions may have moved
-                    seen_rebalances[0] = app.rebalancing_count
+                if app.rebalancing_count != cursor.generation:  # partitions may have moved
+                    cursor.generation = app.rebalancing_count
                     cursor.forget()
                 if not cursor.knows(msg.topic, msg.partition):
                     await first(msg.topic, msg.partition, msg.offset)
@@ -185,7 +185,10 @@ def add_skip_repair(app: faust.App, settings: Settings, cursors: list[Cursor]) -
         if app.rebalancing or app.in_recovery:
             return
         for cursor in cursors:
-            await cursor.tail()
+            # After a rebalance the cursor's partitions may belong to another worker now: its agent
+            # forgets them at its next event, and until then there is nothing to repair here.
+            if cursor.generation == app.rebalancing_count:
+                await cursor.tail()
 
 
 def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: str, inputs: Any,

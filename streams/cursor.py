@@ -110,6 +110,7 @@ class Cursor:
         self.lock = asyncio.Lock()
         self.next: dict[tuple[str, int], int] = {}
         self.before_rebalance: dict[tuple[str, int], int] = {}  # ``next`` as the last rebalance found it
+        self.generation = -1  # the app's rebalance count when the agent last started or checked its partitions
         self.refetched = 0  # messages read back because faust skipped them
 
     def start(self, topic: str, partition: int, offset: int) -> None:

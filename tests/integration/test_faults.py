@@ -104,7 +104,7 @@ def test_worker_killed_five_times_while_processing_loses_and_duplicates_nothing(
         kafka_bootstrap: str, tmp_path: Path) -> None:
     """Each kill lands while the restarted worker is producing charges, at a random moment."""
     settings = _settings(kafka_bootstrap, "k")
-    sim = simulate(SimConfig(nodes=16, jobs=160, seed=31))
+    sim = simulate(SimConfig(nodes=12, jobs=100, seed=31))
     rng = random.Random(5)
     with running_pipeline(settings, tmp_path) as pipeline:
         publish(settings, sim, lambda *_: None)
@@ -159,7 +159,7 @@ def _assigned(log: Path) -> str:
 def test_two_workers_one_killed_the_other_takes_over(kafka_bootstrap: str, tmp_path: Path) -> None:
     """Two workers share four partitions; one is SIGKILLed while charges flow and never restarted."""
     settings = _settings(kafka_bootstrap, "r", partitions=4)
-    sim = simulate(SimConfig(nodes=16, jobs=160, seed=37))
+    sim = simulate(SimConfig(nodes=12, jobs=100, seed=37))
     second_log = tmp_path / "worker2.log"
     with running_pipeline(settings, tmp_path) as pipeline:
         second = start_worker(settings, tmp_path / "worker2", second_log)
