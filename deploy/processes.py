@@ -29,20 +29,26 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def start_worker(settings: Settings, datadir: Path, log_path: Path, loglevel: str = "info") -> subprocess.Popen[bytes]:
-    """Start a faust stream worker (``nodeshare worker``) that dies with its parent."""
-    datadir.mkdir(parents=True, exist_ok=True)
+def start_nodeshare(settings: Settings, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``nodeshare ARGS`` with these settings (and no other NODESHARE_* variable), its
+    output appended to ``log_path``; it dies with its parent."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NODESHARE_")}
     env.update(settings.as_env())
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "nodeshare", "worker", "--datadir", str(datadir), "--loglevel", loglevel],
+            [sys.executable, "-m", "nodeshare", *args],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
         )
     finally:
         log.close()
+
+
+def start_worker(settings: Settings, datadir: Path, log_path: Path, loglevel: str = "info") -> subprocess.Popen[bytes]:
+    """Start a faust stream worker (``nodeshare worker``) that dies with its parent."""
+    datadir.mkdir(parents=True, exist_ok=True)
+    return start_nodeshare(settings, ["worker", "--datadir", str(datadir), "--loglevel", loglevel], log_path)
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import platform
 import shutil
-import socket
 import threading
 import time
 import urllib.request
@@ -34,13 +33,13 @@ from confluent_kafka import Consumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodeshare.config import Settings
-from nodeshare.deploy.broker import broker_for
+from nodeshare.deploy.broker import broker_for, free_port
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.sinks.archive import ArchiveSink
-from nodeshare.sinks.bench_audit import _CYC, available_cores, block_json, end_json, left_json
+from nodeshare.sinks.bench_audit import available_cores, block_json, end_json, left_json, synthetic_instructions
 from nodeshare.sinks.consumer import run_in_thread
 from nodeshare.sinks.ledger import LedgerSink
 
@@ -67,12 +66,6 @@ class StreamBench:
     date: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _fresh(settings: Settings, bootstrap: str, run: str, **update: Any) -> Settings:
     tag = f"bench-{run}-{uuid.uuid4().hex[:6]}"
     return settings.model_copy(update={"bootstrap": bootstrap, "topic_prefix": f"{tag}.",
@@ -80,9 +73,7 @@ def _fresh(settings: Settings, bootstrap: str, run: str, **update: Any) -> Setti
 
 
 def _job_blocks(job: str, node: str, n: int, rng: np.random.Generator) -> list[bytes]:
-    solo, slow = rng.uniform(0.5, 2.0), rng.uniform(0.6, 1.0)
-    ipc = np.column_stack([np.full(n, solo * slow), np.full(n, solo), np.full(n, solo * slow)])
-    instr = np.rint(ipc * rng.normal(1.0, 0.02, size=(n, 3)) * _CYC).astype(np.int64)
+    instr = synthetic_instructions(n, rng)
     return [block_json(job, node, c, *instr[c]).encode() for c in range(n)]
 
 
@@ -138,7 +129,7 @@ def worker_consume(settings: Settings, workdir: Path, expected: int, timeout_s: 
                    progress: Progress | None = None) -> tuple[float, float]:
     """Start one worker on a topic already full; (seconds, blocks) from its first block to its last,
     read from its metrics every 0.1 s."""
-    port = _free_port()
+    port = free_port()
     worker = start_worker(settings.model_copy(update={"metrics_port": port}), workdir / "worker",
                           workdir / "worker.log", loglevel="warn")
     try:

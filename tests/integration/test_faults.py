@@ -6,8 +6,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +19,7 @@ from topic_reading import read_until
 from nodeshare.config import Settings
 from nodeshare.demo import publish, running_pipeline
 from nodeshare.deploy.broker import BundledBroker
-from nodeshare.deploy.processes import start_worker, stop_process
+from nodeshare.deploy.processes import start_nodeshare, start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import SimConfig, simulate
@@ -185,13 +183,6 @@ def test_two_workers_one_killed_the_other_takes_over(kafka_bootstrap: str, tmp_p
     _check(pipeline, sim, settings, 1)
 
 
-def _start_sink(settings: Settings, kind: str, path: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NODESHARE_")}, **settings.as_env()}
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "nodeshare", "sink", kind, f"--{kind}", str(path)],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
 def _ledger_rows(path: Path) -> int:
     """Rows in the ledger, read between the sink's writes (it holds the file only while writing)."""
     try:
@@ -209,7 +200,7 @@ def test_sinks_killed_mid_write_leave_no_partial_file_and_no_duplicate(kafka_boo
     ledger_path, archive_path = tmp_path / "ledger.duckdb", tmp_path / "archive"
     create_topics(settings)
     worker = start_worker(settings, tmp_path / "worker", tmp_path / "worker.log")
-    start = lambda: [_start_sink(settings, k, p, tmp_path / f"{k}.log")  # noqa: E731
+    start = lambda: [start_nodeshare(settings, ["sink", k, f"--{k}", str(p)], tmp_path / f"{k}.log")  # noqa: E731
                      for k, p in (("ledger", ledger_path), ("archive", archive_path))]
     sinks = start()
     mid_write = 0
