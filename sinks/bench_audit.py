@@ -76,6 +76,15 @@ def end_json(job: str, node: str) -> str:
     })
 
 
+def synthetic_instructions(n: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, 3) instruction counts (before, during, after) of one job's K = 1 blocks: a solo IPC in
+    0.5-2.0, slowed by 0-40% next to its co-runners (before and after), with 2% noise."""
+    solo, slow = rng.uniform(0.5, 2.0), rng.uniform(0.6, 1.0)
+    noise = rng.normal(1.0, 0.02, size=(n, 3))
+    ipc = np.column_stack([solo * slow * noise[:, 0], solo * noise[:, 1], solo * slow * noise[:, 2]])
+    return np.rint(ipc * _CYC).astype(np.int64)
+
+
 def write_synthetic_archive(root: Path, blocks: int, blocks_per_job: int = 1000, seed: int = 1,
                             batch: int = 50_000) -> int:
     """Write ``blocks`` shutter blocks (plus markers and end events) into an archive at ``root``."""
@@ -95,11 +104,7 @@ def write_synthetic_archive(root: Path, blocks: int, blocks_per_job: int = 1000,
     for j in range(jobs):
         job = str(1_000_000 + j)
         n = blocks_per_job if j < jobs - 1 else blocks - blocks_per_job * (jobs - 1)
-        solo = rng.uniform(0.5, 2.0)
-        slow = rng.uniform(0.6, 1.0)
-        noise = rng.normal(1.0, 0.02, size=(n, 3))
-        ipc = np.column_stack([solo * slow * noise[:, 0], solo * noise[:, 1], solo * slow * noise[:, 2]])
-        instr = np.rint(ipc * _CYC).astype(np.int64)
+        instr = synthetic_instructions(n, rng)
         ts = int(_T0.timestamp() * 1000) + j
         for c in range(n):
             b, d, a = instr[c]
