@@ -26,8 +26,11 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from nodeshare import logs, metrics
 from nodeshare.config import Settings
+from nodeshare.schemas.catalog import CLUSTER_INVENTORY, ESTIMATES_DEGRADATION, NODE_LLC, NODE_POWER
 
 from .accounting import Message, Origin
+from .placement.stream import PLACEMENT_LOG, ROUTED
+from .power.stream import POWER_LOG
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +175,6 @@ class Cursor:
 
 def worker_topics(settings: Settings) -> list[str]:
     """Every topic the stream worker's consumer group reads: the inputs and the decision logs."""
-    from nodeshare.schemas.catalog import CLUSTER_INVENTORY, ESTIMATES_DEGRADATION, NODE_LLC, NODE_POWER
-
-    from .placement.stream import PLACEMENT_LOG, ROUTED
-    from .power.stream import POWER_LOG
-
     names = {t.name for t in (*ROUTED, NODE_POWER, CLUSTER_INVENTORY, NODE_LLC, ESTIMATES_DEGRADATION)}
     return sorted(settings.topic(n) for n in (*names, POWER_LOG, PLACEMENT_LOG))
 
