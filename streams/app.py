@@ -43,6 +43,7 @@ from .cursor import Cursor, blocking, committed_offsets, read_range
 from .kafka_security import faust_credentials
 from .placement.stream import PLACEMENT_LOG, ROUTED, PlacementManager
 from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope, screen
+from .transport import use_short_fetch_wait
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "w
         logging_config=logs.dict_config(settings.log_format, loglevel, settings.secret_values(),
                                         logs.fields(component="worker")),
     )
+    use_short_fetch_wait(app)
     policy = settings.policy()
     prefix = settings.topic_prefix
 
