@@ -68,11 +68,9 @@ _DDL = (
     " seq BIGINT NOT NULL UNIQUE, prev_hash VARCHAR NOT NULL, row_hash VARCHAR NOT NULL,"
     " PRIMARY KEY (job_id, revision))"
 )
-_INSERT = (
-    "INSERT INTO charges ("
-    + ", ".join(f'"{c}"' for c in (*_COLUMNS, *_CHAIN_COLUMNS))
-    + ") VALUES (" + ", ".join("?" for _ in range(len(_COLUMNS) + len(_CHAIN_COLUMNS))) + ")"
-)
+_INSERT = "INSERT INTO charges (" + ", ".join(f'"{c}"' for c in (*_COLUMNS, *_CHAIN_COLUMNS)) + ") VALUES "
+_ROWS_PER_INSERT = 256
+_ROW = "(" + ", ".join("?" for _ in range(len(_COLUMNS) + len(_CHAIN_COLUMNS))) + ")"
 GENESIS = "0" * 64
 
 #: Views for analysts (documented in the README). Only current revisions are counted.
@@ -150,8 +148,10 @@ class Ledger:
                 params.append([_sql_value(data[c]) for c in _COLUMNS]
                               + [record, partition, offset, seq, prev, row_hash])
                 seq, prev = seq + 1, row_hash
-            if params:
-                self.con.executemany(_INSERT, params)
+            # multi-row statements: executemany runs one statement per row (40 rows: 70 ms, here 16 ms)
+            for i in range(0, len(params), _ROWS_PER_INSERT):
+                chunk = params[i:i + _ROWS_PER_INSERT]
+                self.con.execute(_INSERT + ", ".join(_ROW for _ in chunk), [v for p in chunk for v in p])
             self.con.execute("COMMIT")
         except BaseException:
             self.con.execute("ROLLBACK")
@@ -214,7 +214,9 @@ class LedgerSink(BatchSink):
     to the dead-letter topic; a redelivered charge is ignored by the (job id, revision) key."""
 
     def __init__(self, settings: Settings, ledger_path: Path, dead_letters: Any = None) -> None:
-        super().__init__(settings, [LEDGER_CHARGES.name], "ledger")
+        # a charge is durable at most 0.2 s after it arrives; a batch costs one open of the
+        # DuckDB file (~35 ms), which is let go between batches for analysts' read-only opens
+        super().__init__(settings, [LEDGER_CHARGES.name], "ledger", max_delay_s=0.2)
         self.ledger_path = ledger_path
         self.dead_letters = dead_letters  # an EventProducer, or None to raise instead
         self.rows_inserted = 0

@@ -32,6 +32,18 @@ def test_a_redelivered_charge_never_makes_a_second_row(tmp_path):
         assert ledger.count() == n
 
 
+def test_a_batch_larger_than_one_insert_statement_lands_whole_and_chained(tmp_path):
+    _, ledger_path, n = build(tmp_path)
+    with Ledger(ledger_path) as ledger:
+        charges = ledger.charges()
+        copies = [c.model_copy(update={"job_id": f"{c.job_id}-copy{k}"}) for k in range(70) for c in charges]
+        assert len(copies) > 2 * 256  # three multi-row INSERT statements
+        assert ledger.append([(c, encode(c), 0, i) for i, c in enumerate(copies)]) == len(copies)
+        assert ledger.count() == n + len(copies)
+        assert ledger.verify_chain().ok
+        assert [c.job_id for c in ledger.charges()[n:]] == [c.job_id for c in copies]
+
+
 def test_an_edited_ledger_row_is_detected(tmp_path):
     archive, ledger, _ = build(tmp_path)
     con = duckdb.connect(str(ledger))
