@@ -20,7 +20,8 @@ from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import JobTruth
-from nodeshare.schemas import Charge, Record
+from nodeshare.schemas import Charge, Record, ShutterWindow
+from nodeshare.schemas.catalog import NODE_SHUTTER
 from nodeshare.sinks.archive import ArchiveSink
 from nodeshare.sinks.audit import AuditReport, audit
 from nodeshare.sinks.consumer import run_in_thread
@@ -134,12 +135,14 @@ class Pipeline:
                 raise DemoError(f"the stream worker still had {left} messages to handle after {timeout_s:.0f} s; "
                                 f"see {self.out / 'worker.log'}")
 
-    def wait(self, charges: int, archived: int, timeout_s: float, report: Progress) -> None:
-        """Until the ledger holds ``charges`` rows and the archive ``archived`` events, or fail."""
+    def wait(self, charges: int, archived: int, timeout_s: float, report: Progress, windows: int = 0) -> None:
+        """Until the ledger holds ``charges`` rows and has read ``windows`` shutter windows for its
+        co-runner counts, and the archive holds ``archived`` events, or fail."""
         deadline = time.monotonic() + timeout_s
         while True:
             report("waiting for charges", self.ledger_sink.rows_inserted, charges)
-            if self.ledger_sink.rows_inserted >= charges and self.archive_sink.messages_written >= archived:
+            if (self.ledger_sink.rows_inserted >= charges and self.archive_sink.messages_written >= archived
+                    and self.ledger_sink.shutter_messages >= windows):
                 return
             if self.worker.poll() is not None:
                 log = self.out / "worker.log"
@@ -213,14 +216,16 @@ def run_demo(settings: Settings, source: Source, out: Path, *, timeout_s: float 
                 for topic, key, value in extra_inputs:
                     producer.send_raw(s.topic(topic), key, value)
                 published = 0
+                windows = sum(topic == NODE_SHUTTER.name for topic, _, _ in extra_inputs)
 
                 def send(batch: list[Record]) -> None:
-                    nonlocal published
+                    nonlocal published, windows
                     producer.send_all(batch)
                     published += len(batch)
+                    windows += sum(isinstance(r, ShutterWindow) for r in batch)
 
                 ended = source(send, report)
-            pipeline.wait(len(ended), published + len(extra_inputs), timeout_s, report)
+            pipeline.wait(len(ended), published + len(extra_inputs), timeout_s, report, windows)
             report("waiting for charges", pipeline.ledger_sink.rows_inserted, len(ended))
             pipeline.wait_for_decisions(timeout_s, report)
     truth_path = out / "truth.parquet" if truth else None

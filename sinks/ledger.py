@@ -3,12 +3,18 @@
 Rows are chained: ``row_hash = sha256(prev_hash || record)`` in insertion order (``seq``), so
 editing, deleting or reordering any row breaks the chain. The chain assumes one writer per
 ledger file (one ledger sink), which is how the sink is deployed.
+
+Next to the charges, for analysts: ``co_runners`` counts, per job and co-runner job, the shutter
+windows (``node.shutter``) in which the first ran alone while the second was paused beside it.
+It is not billing data and not in the chain; ``shutter_watermarks`` (the last cycle counted per
+node) makes the count exactly-once under redelivery.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +24,8 @@ from confluent_kafka import Message
 
 from nodeshare import metrics
 from nodeshare.config import Settings
-from nodeshare.schemas import Charge, DecodeError, decode_model
-from nodeshare.schemas.catalog import LEDGER_CHARGES
+from nodeshare.schemas import Charge, DecodeError, ShutterWindow, decode, decode_model
+from nodeshare.schemas.catalog import LEDGER_CHARGES, NODE_SHUTTER
 from nodeshare.schemas.dead_letters import dead_letter
 
 from .consumer import BatchSink, position
@@ -68,6 +74,11 @@ _DDL = (
     " seq BIGINT NOT NULL UNIQUE, prev_hash VARCHAR NOT NULL, row_hash VARCHAR NOT NULL,"
     " PRIMARY KEY (job_id, revision))"
 )
+_CO_RUNNER_DDL = (
+    "CREATE TABLE IF NOT EXISTS co_runners (job_id VARCHAR NOT NULL, co_job_id VARCHAR NOT NULL,"
+    " shutters BIGINT NOT NULL, PRIMARY KEY (job_id, co_job_id));"
+    "CREATE TABLE IF NOT EXISTS shutter_watermarks (node VARCHAR PRIMARY KEY, last_cycle BIGINT NOT NULL)"
+)
 _INSERT = "INSERT INTO charges (" + ", ".join(f'"{c}"' for c in (*_COLUMNS, *_CHAIN_COLUMNS)) + ") VALUES "
 _ROWS_PER_INSERT = 256
 _ROW = "(" + ", ".join("?" for _ in range(len(_COLUMNS) + len(_CHAIN_COLUMNS))) + ")"
@@ -98,6 +109,16 @@ VIEWS: dict[str, str] = {
                      from_json(record->'nodes', '[{"node": "VARCHAR"}]') AS nodes FROM charges_current) c,
              unnest(c.nodes) AS t(node)
         GROUP BY ALL""",
+    # Seed 002 Fig. 11 as a table: program a's jobs' measured degradation, each job weighted by how
+    # many of its shutters had a job of program b paused beside it (sinks/report.pair_degradation).
+    "degradation_by_pair": """CREATE OR REPLACE VIEW degradation_by_pair AS
+        SELECT a.program, b.program AS co_program, count(DISTINCT a.job_id) AS jobs,
+               sum(p.shutters) AS shutters, sum(p.shutters * a.degradation) / sum(p.shutters) AS degradation
+        FROM co_runners p
+        JOIN charges_current a ON a.job_id = p.job_id
+        JOIN charges_current b ON b.job_id = p.co_job_id
+        WHERE a.estimate_status = 'ok'
+        GROUP BY ALL""",
 }
 
 
@@ -123,6 +144,7 @@ class Ledger:
         self.con = duckdb.connect(str(self.path), read_only=read_only)
         if not read_only:
             self.con.execute(_DDL)
+            self.con.execute(_CO_RUNNER_DDL)
             for ddl in VIEWS.values():
                 self.con.execute(ddl)
 
@@ -157,6 +179,42 @@ class Ledger:
             self.con.execute("ROLLBACK")
             raise
         return len(params)
+
+    def count_shutters(self, windows: list[ShutterWindow]) -> int:
+        """Add shutter windows (in the order each node emitted them) to ``co_runners``. A window
+        whose cycle is not after the last one counted for its node is a redelivery and is skipped
+        (node agents number cycles upwards across restarts). Returns how many windows counted."""
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            nodes = sorted({w.node for w in windows})
+            last = dict(self.con.execute("SELECT node, last_cycle FROM shutter_watermarks WHERE node IN "
+                                         "(SELECT unnest(?))", [nodes]).fetchall())
+            pairs: Counter[tuple[str, str]] = Counter()
+            counted = 0
+            for w in windows:
+                if w.cycle <= last.get(w.node, -1):
+                    continue
+                last[w.node] = w.cycle
+                pairs.update((w.lone_job, other) for other in w.paused_jobs)
+                counted += 1
+            if pairs:
+                self.con.executemany(
+                    "INSERT INTO co_runners VALUES (?, ?, ?) ON CONFLICT (job_id, co_job_id) "
+                    "DO UPDATE SET shutters = co_runners.shutters + excluded.shutters",
+                    [[a, b, n] for (a, b), n in sorted(pairs.items())])
+                self.con.executemany(
+                    "INSERT INTO shutter_watermarks VALUES (?, ?) ON CONFLICT (node) "
+                    "DO UPDATE SET last_cycle = excluded.last_cycle",
+                    [[n, last[n]] for n in nodes if n in last])
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        return counted
+
+    def co_runner_counts(self) -> dict[tuple[str, str], int]:
+        """(job, co-runner job) -> shutter windows counted (see ``count_shutters``)."""
+        return {(a, b): int(n) for a, b, n in self.con.execute("SELECT * FROM co_runners").fetchall()}
 
     def verify_chain(self) -> ChainCheck:
         """Walk the rows in order and recompute every hash."""
@@ -210,23 +268,31 @@ def _sql_value(v: Any) -> Any:
 
 
 class LedgerSink(BatchSink):
-    """Consumes ``ledger.charges`` into the ledger. A record that does not decode as a charge goes
-    to the dead-letter topic; a redelivered charge is ignored by the (job id, revision) key."""
+    """Consumes ``ledger.charges`` into the ledger, and ``node.shutter`` into its co-runner counts.
+    A record that does not decode goes to the dead-letter topic; a redelivered charge is ignored by
+    the (job id, revision) key, a redelivered shutter window by its node's cycle."""
 
     def __init__(self, settings: Settings, ledger_path: Path, dead_letters: Any = None) -> None:
         # a charge is durable at most 0.2 s after it arrives; a batch costs one open of the
         # DuckDB file (~35 ms), which is let go between batches for analysts' read-only opens
-        super().__init__(settings, [LEDGER_CHARGES.name], "ledger", max_delay_s=0.2)
+        super().__init__(settings, [LEDGER_CHARGES.name, NODE_SHUTTER.name], "ledger", max_delay_s=0.2)
+        self.shutter_topic = settings.topic(NODE_SHUTTER.name)
         self.ledger_path = ledger_path
         self.dead_letters = dead_letters  # an EventProducer, or None to raise instead
         self.rows_inserted = 0
+        self.shutter_messages = 0  # node.shutter messages written (counted, redelivered or dead-lettered)
         self._lock = threading.Lock()
 
     def write(self, messages: list[Message]) -> None:
         rows: list[tuple[Charge, bytes, int | None, int | None]] = []
+        windows: list[ShutterWindow] = []
         for m in messages:
             raw = m.value()
             try:
+                if m.topic() == self.shutter_topic:
+                    self.shutter_messages += 1
+                    windows.append(decode(NODE_SHUTTER, raw))
+                    continue
                 if raw is None:
                     raise DecodeError("empty message (tombstone) on the charges topic")
                 rows.append((decode_model(Charge, raw), raw, m.partition(), m.offset()))
@@ -234,6 +300,7 @@ class LedgerSink(BatchSink):
                 self._reject(m, exc)
         with self._lock, Ledger(self.ledger_path) as ledger:
             new = ledger.append(rows)
+            ledger.count_shutters(windows)
         self.rows_inserted += new
         metrics.LEDGER_ROWS.inc(new)
         if self.dead_letters is not None:

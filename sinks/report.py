@@ -81,13 +81,15 @@ def build_report(ledger_path: Path, archive_root: Path | None, out_dir: Path,
                  truth_path: Path | None = None) -> ReportFiles:
     with Ledger(ledger_path, read_only=True) as ledger:
         charges = current_revisions(ledger.charges())
+        counts = ledger.co_runner_counts()  # kept by the ledger sink from node.shutter
     if not charges:
         raise ValueError(f"the ledger {ledger_path} holds no charges")
     out_dir.mkdir(parents=True, exist_ok=True)
     truth = _truth(truth_path) if truth_path else {}
     pngs = [
         _prices(charges, truth, out_dir / "prices.png"),
-        _pairs(charges, co_runner_counts(archive_root) if archive_root else {}, out_dir / "pairs.png"),
+        # a ledger written by another path than the sink (or before it counted): from the archive
+        _pairs(charges, counts or (co_runner_counts(archive_root) if archive_root else {}), out_dir / "pairs.png"),
         _dividend(charges, out_dir / "dividend.png"),
         _confidence(charges, out_dir / "confidence.png"),
     ]

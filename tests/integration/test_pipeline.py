@@ -15,6 +15,7 @@ from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBlock, decode, decode_model
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
+from nodeshare.sinks.report import co_runner_counts
 from nodeshare.streams.degradation import filtered_degradation
 from nodeshare.streams.pricing import fair_charge
 
@@ -90,6 +91,14 @@ def test_archive_holds_every_input_event_once(run: DemoResult) -> None:
     assert run.events_archived == run.events_published + len(BAD_INPUTS)
     assert ParquetArchive(run.archive).count() == run.events_archived
     assert not list(run.archive.rglob("*.tmp"))
+
+
+def test_the_ledger_counts_co_runners_as_the_archive_has_them(run: DemoResult) -> None:
+    with Ledger(run.ledger, read_only=True) as ledger:
+        counts = ledger.co_runner_counts()
+        pairs = ledger.con.execute("SELECT count(*), sum(shutters) FROM degradation_by_pair").fetchone()
+    assert counts and counts == co_runner_counts(run.archive)  # every window once, none twice
+    assert pairs[0] > 0 and pairs[1] > 0
 
 
 def test_malformed_input_lands_in_the_dead_letter_topic(run: DemoResult) -> None:

@@ -1,13 +1,15 @@
 """`nodeshare report`: the pair matrix by hand, and real PNG and HTML files."""
 
 import math
+from datetime import timedelta
 
 import pytest
-from factories import POLICY, block, build, job_event, left
+from factories import POLICY, T0, block, build, job_event, left
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.schemas import JobState, encode
+from nodeshare.schemas import JobState, ShutterWindow, encode
+from nodeshare.sinks.ledger import Ledger
 from nodeshare.sinks.report import build_report, pair_degradation
 from nodeshare.streams.accounting import Origin, fold_messages
 
@@ -28,6 +30,31 @@ def test_pair_matrix_by_hand():
     assert programs == ["A", "B"]
     assert m[0, 1] == pytest.approx((1 * 0.5 + 3 * 0.75) / 4)  # A next to B, weighted by shutters
     assert m[1, 0] == pytest.approx(0.2) and m[0, 0] == pytest.approx(0.5) and math.isnan(m[1, 1])
+
+
+def _window(node, cycle, lone, *paused):
+    t = T0 + timedelta(seconds=cycle)
+    return ShutterWindow(event_id=f"{node}/{cycle}", source="t", event_time=t, node=node, cycle=cycle,
+                         lone_job=lone, paused_jobs=paused, start=t, end=t)
+
+
+def test_the_ledger_view_by_program_pair_matches_the_matrix_by_hand(tmp_path):
+    charges = [_charge("a1", "A", 2.0), _charge("a2", "A", 4.0), _charge("b1", "B", 1.25)]  # D = .5, .75, .2
+    # the counts of the test above: a1 beside b1 once, a2 beside b1 3x, b1 beside a1 2x, a1 beside a2 5x
+    windows = ([_window("n1", 0, "a1", "b1")] + [_window("n2", c, "a2", "b1") for c in range(3)]
+               + [_window("n1", c, "b1", "a1") for c in (1, 2)] + [_window("n3", c, "a1", "a2") for c in range(5)])
+    with Ledger(tmp_path / "l.duckdb") as ledger:
+        ledger.append([(c, encode(c), 0, i) for i, c in enumerate(charges)])
+        assert ledger.count_shutters(windows) == 11
+        assert ledger.count_shutters(windows[:4]) == 0  # redelivered: the nodes' cycles were counted
+        assert ledger.count_shutters([_window("n2", 2, "a2", "b1"), _window("n2", 3, "a2", "b1")]) == 1
+        assert ledger.co_runner_counts() == {("a1", "b1"): 1, ("a2", "b1"): 4, ("b1", "a1"): 2, ("a1", "a2"): 5}
+        view = {(a, b): (jobs, n, d) for a, b, jobs, n, d in ledger.con.execute(
+            "SELECT program, co_program, jobs, shutters, degradation FROM degradation_by_pair").fetchall()}
+    assert view.keys() == {("A", "B"), ("B", "A"), ("A", "A")}
+    assert view[("A", "B")] == (2, 5, pytest.approx((1 * 0.5 + 4 * 0.75) / 5))
+    assert view[("B", "A")] == (1, 2, pytest.approx(0.2))
+    assert view[("A", "A")] == (1, 5, pytest.approx(0.5))
 
 
 def test_report_writes_pictures_and_a_page(tmp_path):
