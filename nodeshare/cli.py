@@ -710,6 +710,33 @@ def archive_compact(
     out.print(f"{before} files -> {after} files")
 
 
+@archive_app.command("prune")
+def archive_prune(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    before: Annotated[str, typer.Option(help="remove the events of every date before this one (YYYY-MM-DD, UTC)")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would go, remove nothing")] = False,
+) -> None:
+    """Retention: remove archived events of whole dates. Charges computed from removed events stay
+    in the ledger; the audit then checks their hash chain and conservation, and counts them as
+    beyond retention instead of recomputing them."""
+    from datetime import date
+
+    from nodeshare.sinks.archive import ParquetArchive
+
+    try:
+        cutoff = date.fromisoformat(before)
+    except ValueError:
+        err.print(f"[red]--before[/red]: {before!r} is not a date (YYYY-MM-DD)")
+        raise typer.Exit(2) from None
+    if not archive.is_dir():
+        err.print(f"[red]no archive at[/red] {archive}")
+        raise typer.Exit(2)
+    pruned = ParquetArchive(archive).prune(cutoff, dry_run=dry_run)
+    span = f"{pruned.dates[0]} .. {pruned.dates[-1]}" if pruned.dates else "none"
+    verb = "would remove" if dry_run else "removed"
+    out.print(f"{verb} {pruned.events:,} events in {pruned.files} files (dates {span})")
+
+
 @bench_app.command("audit")
 def bench_audit(
     blocks: Annotated[int, typer.Option(min=1000, help="shutter blocks in the synthetic archive")] = 1_000_000,

@@ -7,6 +7,9 @@ Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offse
   it holds per partition, whatever Kafka's committed offset says: no duplicates, no gaps;
 * a row is (kafka_topic, partition, offset, timestamp_ms, key, value) with the value's bytes as
   they were received, so the audit decodes exactly what the stream worker decoded;
+* retention (``prune``) removes whole dates before a cutoff and notes in ``retention.json`` the
+  highest offset it removed per (topic, partition); a charge whose event range reaches back to a
+  removed offset can no longer be recomputed, and the audit says so instead of diffing it;
 * ``node.ipc`` files also carry the value's fields as typed columns (``IPC_FIELDS``), extracted
   in bulk when the file is written. They are a cache for scans, never the record: the audit
   uses a row's typed columns only where re-encoding them reproduces the value's exact bytes
@@ -15,12 +18,13 @@ Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offse
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import duckdb
@@ -43,6 +47,9 @@ ARCHIVE_SCHEMA = pa.schema([
     ("value", pa.binary()),
 ])
 _FILE = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
+
+
+RETENTION_FILE = "retention.json"
 
 
 def file_range(path: Path) -> tuple[int, int, int] | None:
@@ -210,6 +217,47 @@ class ParquetArchive:
             if f != target:
                 f.unlink()
 
+    def retention(self) -> dict[tuple[str, int], int]:
+        """(catalog topic, partition) -> the highest offset retention removed (none: empty)."""
+        marker = self.root / RETENTION_FILE
+        if not marker.exists():
+            return {}
+        out: dict[tuple[str, int], int] = {}
+        for name, offset in json.loads(marker.read_text())["pruned_through"].items():
+            topic, partition = name.rsplit(":", 1)
+            out[(topic, int(partition))] = int(offset)
+        return out
+
+    def prune(self, before: date, *, dry_run: bool = False) -> Pruned:
+        """Remove every archived event of the dates before ``before`` (UTC, by broker timestamp).
+
+        The marker is durable before any file goes, so a crash in between leaves charges treated
+        as beyond retention whose events are still there (a second run removes them), never the
+        reverse. Offsets removed need not be a prefix of a partition (late events are filed
+        under their old date): the marker's highest offset makes the audit skip every charge
+        that may have lost an event, and no other."""
+        doomed = [f for f in self.files() if f.parent.name.removeprefix("date=") < before.isoformat()]
+        through = self.retention()
+        events = 0
+        for f in doomed:
+            r = file_range(f)
+            if r:
+                key = (f.parent.parent.name.removeprefix("topic="), r[0])
+                through[key] = max(through.get(key, -1), r[2])
+                events += pq.ParquetFile(f).metadata.num_rows
+        dates = sorted({f.parent.name.removeprefix("date=") for f in doomed})
+        if dry_run or not doomed:
+            return Pruned(dates, len(doomed), events)
+        marker = {"pruned_before": before.isoformat(),
+                  "pruned_through": {f"{t}:{p}": o for (t, p), o in sorted(through.items())}}
+        _atomic_write_bytes(json.dumps(marker, indent=1).encode(), self.root / RETENTION_FILE)
+        for f in doomed:
+            f.unlink()
+        for d in {f.parent for f in doomed}:
+            if not any(d.iterdir()):
+                d.rmdir()
+        return Pruned(dates, len(doomed), events)
+
     def count(self) -> int:
         if not self.files():
             return 0
@@ -218,9 +266,27 @@ class ParquetArchive:
         return int(row[0]) if row else 0
 
 
+@dataclass(frozen=True)
+class Pruned:
+    dates: list[str]
+    files: int
+    events: int
+
+
 def _atomic_write(table: pa.Table, path: Path, row_group_rows: int | None = None) -> None:
     tmp = path.with_name(path.name + ".tmp")  # not matched by the *.parquet globs readers use
     pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_rows)
+    _publish(tmp, path)
+
+
+def _atomic_write_bytes(data: bytes, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    _publish(tmp, path)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """fsync ``tmp``, rename it to ``path`` and fsync the directory: ``path`` is whole or absent."""
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

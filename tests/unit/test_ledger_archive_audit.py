@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from datetime import date
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from factories import POLICY, build
@@ -205,3 +207,58 @@ def test_compaction_resolves_overlapping_files(tmp_path):
     assert archive.compact(min_rows=100) == (2, 1)
     assert [e.offset for _, e in archive.events(["jobs.lifecycle"])] == list(range(10))
     assert archive.high_water() == {("jobs.lifecycle", 0): 9}
+
+
+def _move_to_the_day_before(archive: Path, files: list[Path]) -> None:
+    for f in files:
+        day = archive / f.parent.parent.name / "date=2025-12-31"
+        day.mkdir(parents=True, exist_ok=True)
+        f.rename(day / f.name)
+
+
+def test_retention_prunes_dates_and_the_audit_skips_only_the_charges_that_lost_events(tmp_path):
+    archive, ledger, n = build(tmp_path, batch=100)
+    store = ParquetArchive(archive)
+    # the first 100 blocks become the day before's (the simulated run is all on 2026-01-01)
+    _move_to_the_day_before(archive, [f for f in store.files() if f.name == "p0000-000000000000-000000000099.parquet"
+                                      and "node.ipc" in str(f)])
+    total = store.count()
+    assert store.prune(date(2025, 12, 31)).files == 0  # nothing before that day
+    dry = store.prune(date(2026, 1, 1), dry_run=True)
+    assert dry.dates == ["2025-12-31"] and dry.files == 1 and dry.events == 100 and store.count() == total
+    pruned = store.prune(date(2026, 1, 1))
+    assert pruned == dry and store.count() == total - pruned.events
+    assert store.retention()[("node.ipc", 0)] == 99
+    report = audit(archive, ledger, POLICY)
+    assert report.ok, report.as_dict()
+    assert 0 < report.beyond_retention < n and report.charges_checked == report.matches == n - report.beyond_retention
+    assert report.as_dict()["beyond_retention"] == report.beyond_retention
+
+
+def test_after_pruning_an_edited_retained_event_is_still_detected(tmp_path):
+    archive, ledger, _ = build(tmp_path, batch=100)
+    store = ParquetArchive(archive)
+    _move_to_the_day_before(archive, [f for f in store.files() if f.name == "p0000-000000000000-000000000099.parquet"
+                                      and "node.ipc" in str(f)])
+    store.prune(date(2026, 1, 1))
+    [end] = [f for f in store.files() if "jobs.lifecycle" in str(f)]  # retained whole
+    table = pq.read_table(end)
+    rows = table.to_pylist()
+    edited = rows[-1]["value"].replace(b'"cores":', b'"cores":1', 1)  # e.g. 8 cores -> 18
+    assert edited != rows[-1]["value"]
+    rows[-1]["value"] = edited
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), end)
+    assert not audit(archive, ledger, POLICY).ok
+
+
+def test_archive_prune_cli(tmp_path):
+    archive, _, _ = build(tmp_path)
+    res = CliRunner().invoke(app, ["archive", "prune", "--archive", str(archive), "--before", "2026-01-02",
+                                   "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "would remove" in res.output and ParquetArchive(archive).count() > 0
+    res = CliRunner().invoke(app, ["archive", "prune", "--archive", str(archive), "--before", "2026-01-02"])
+    assert res.exit_code == 0, res.output
+    assert ParquetArchive(archive).count() == 0 and "removed" in res.output
+    res = CliRunner().invoke(app, ["archive", "prune", "--archive", str(archive), "--before", "March"])
+    assert res.exit_code != 0 and "YYYY-MM-DD" in res.output
