@@ -45,10 +45,11 @@ def start_nodeshare(settings: Settings, args: list[str], log_path: Path) -> subp
         log.close()
 
 
-def start_worker(settings: Settings, datadir: Path, log_path: Path, loglevel: str = "info") -> subprocess.Popen[bytes]:
-    """Start a faust stream worker (``nodeshare worker``) that dies with its parent."""
+def start_worker(settings: Settings, datadir: Path, log_path: Path, loglevel: str = "info",
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """Start a faust stream worker (``nodeshare worker [EXTRA]``) that dies with its parent."""
     datadir.mkdir(parents=True, exist_ok=True)
-    return start_nodeshare(settings, ["worker", "--datadir", str(datadir), "--loglevel", loglevel], log_path)
+    return start_nodeshare(settings, ["worker", "--datadir", str(datadir), "--loglevel", loglevel, *extra], log_path)
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:

@@ -4,10 +4,11 @@ Two runs, each on topics and consumer groups of its own:
 
 * **Throughput.** ``blocks`` shutter blocks are published to ``node.ipc`` first; then a raw
   confluent-kafka consumer reads the topic (the yardstick: what the broker and a client deliver
-  on this machine) and then one ``nodeshare worker`` consumes it, timed through its own
-  ``nodeshare_events_in_total`` counter from its first block to its last. The worker does all its
-  usual work per block: the job's reducer, and routing the block to the placement manager, which
-  folds it too.
+  on this machine), then a faust worker whose one agent only counts (faust's own ceiling: its
+  consumer hands each message over in a task of its own), and then one ``nodeshare worker``
+  consumes it. Both workers are timed through their ``nodeshare_events_in_total`` counter from
+  their first block to their last. The worker does all its usual work per block: the job's
+  reducer, and routing the block to the placement manager, which folds it too.
 * **Latency.** The worker, the ledger sink and the archive sink run while jobs (blocks, their
   JobLeftNode marker, then the end event) are published at a steady ``rate`` events per second.
   A job's latency runs from the send of its last event to the moment its charge row is durable
@@ -52,6 +53,7 @@ class StreamBench:
     partitions: int
     raw_s: float
     raw_per_s: float
+    faust_count_only_per_s: float  # the same topic through a faust agent that only counts
     worker_s: float
     blocks_per_s: float
     ratio_to_raw: float
@@ -126,12 +128,16 @@ def _events_in(port: int) -> float:
 
 
 def worker_consume(settings: Settings, workdir: Path, expected: int, timeout_s: float = 600.0,
-                   progress: Progress | None = None) -> tuple[float, float]:
-    """Start one worker on a topic already full; (seconds, blocks) from its first block to its last,
-    read from its metrics every 0.1 s."""
+                   progress: Progress | None = None, count_only: bool = False) -> tuple[float, float]:
+    """Start one worker (``count_only``: the counting yardstick, in a consumer group of its own) on
+    a topic already full; (seconds, blocks) from its first block to its last, read from its metrics
+    every 0.1 s."""
     port = free_port()
-    worker = start_worker(settings.model_copy(update={"metrics_port": port}), workdir / "worker",
-                          workdir / "worker.log", loglevel="warn")
+    update: dict[str, Any] = {"metrics_port": port}
+    if count_only:
+        update["app_id"] = f"{settings.app_id}-count-only"
+    worker = start_worker(settings.model_copy(update=update), workdir / "worker", workdir / "worker.log",
+                          loglevel="warn", extra=("--count-only",) if count_only else ())
     try:
         deadline = time.monotonic() + timeout_s
         first_t, first_n, n = 0.0, 0.0, 0.0
@@ -148,7 +154,7 @@ def worker_consume(settings: Settings, workdir: Path, expected: int, timeout_s: 
             if n and not first_t:
                 first_t, first_n = time.monotonic(), n
             if progress:
-                progress("worker", int(n), expected)
+                progress("faust, counting only" if count_only else "worker", int(n), expected)
         return time.monotonic() - first_t, expected - first_n
     finally:
         stop_process(worker)
@@ -263,13 +269,15 @@ def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: f
         create_topics(s)
         publish_blocks(s, blocks, progress=progress)
         raw_s = raw_consume(s, s.topic(NODE_IPC.name), blocks)
+        floor_s, floor_n = worker_consume(s, workdir / "count-only", blocks, progress=progress, count_only=True)
         worker_s, measured = worker_consume(s, workdir / "throughput", blocks, progress=progress)
         lat, achieved = latency_run(_fresh(settings, bootstrap, "latency"), workdir / "latency", rate, seconds,
                                     progress=progress)
     raw_per_s, per_s = blocks / raw_s, measured / worker_s
     return StreamBench(
         blocks=blocks, partitions=settings.partitions,
-        raw_s=round(raw_s, 3), raw_per_s=round(raw_per_s), worker_s=round(worker_s, 2), blocks_per_s=round(per_s),
+        raw_s=round(raw_s, 3), raw_per_s=round(raw_per_s), faust_count_only_per_s=round(floor_n / floor_s),
+        worker_s=round(worker_s, 2), blocks_per_s=round(per_s),
         ratio_to_raw=round(per_s / raw_per_s, 4),
         rate_per_s=rate, achieved_rate_per_s=round(achieved), latency_jobs=len(lat),
         latency_p50_s=round(float(np.percentile(lat, 50)), 3), latency_p99_s=round(float(np.percentile(lat, 99)), 3),

@@ -315,6 +315,8 @@ def schemas_export(
 def worker(
     datadir: Annotated[Path, typer.Option(help="faust data directory")] = Path(".nodeshare-worker"),
     loglevel: Annotated[str, typer.Option(help="faust log level")] = "warning",
+    count_only: Annotated[bool, typer.Option("--count-only", hidden=True,
+                                             help="only count node.ipc messages (bench stream's yardstick)")] = False,
 ) -> None:
     """Run one stream worker (faust) in the foreground."""
     from nodeshare.streams.app import run_worker
@@ -327,7 +329,7 @@ def worker(
     except SecurityConfigError as exc:
         err.print(f"[red]configuration error[/red]: kafka: {exc}")
         raise typer.Exit(2) from None
-    run_worker(settings, datadir, loglevel)
+    run_worker(settings, datadir, loglevel, count_only)
 
 
 def _run_sink(sink: Any) -> None:

@@ -52,7 +52,8 @@ def _job_id(key: bytes | None) -> str | None:
     return None if key is None else key[:64].decode("utf-8", "replace")
 
 
-def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:
+def faust_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:
+    """A faust App configured as nodeshare's workers are (broker, security, commits, logs), no agents."""
     if not settings.bootstrap:
         raise RuntimeError("the stream worker needs a broker: set NODESHARE_BOOTSTRAP")
     app = faust.App(
@@ -76,6 +77,11 @@ def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "w
                                         logs.fields(component="worker")),
     )
     use_short_fetch_wait(app)
+    return app
+
+
+def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:
+    app = faust_app(settings, datadir, loglevel)
     policy = settings.policy()
     prefix = settings.topic_prefix
 
@@ -289,9 +295,25 @@ def add_placement_agents(app: faust.App, settings: Settings, cursors: list[Curso
                     cursors)
 
 
-def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> None:
+def make_counting_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:
+    """A yardstick for `nodeshare bench stream`: a worker whose one agent reads ``node.ipc`` and
+    only counts (``nodeshare_events_in_total``). What it sustains is faust's own ceiling here."""
+    app = faust_app(settings, datadir, loglevel)
+    topic = app.topic(settings.topic(NODE_IPC.name), key_serializer="raw", value_serializer="raw")
+    counter = metrics.EVENTS_IN.labels(settings.topic(NODE_IPC.name))
+
+    @app.agent(topic, name="count-only")
+    async def count(stream: Any) -> None:
+        async for _event in stream.events():
+            counter.inc()
+
+    return app
+
+
+def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning",
+               count_only: bool = False) -> None:
     """Run one stream worker in the foreground until SIGTERM/SIGINT."""
-    app = make_app(settings, datadir, loglevel)
+    app = (make_counting_app if count_only else make_app)(settings, datadir, loglevel)
     metrics.serve(settings.metrics_port, settings.metrics_addr)
     # The web server is off (BROKER.md: it would bind 0.0.0.0:6066 otherwise).
     # With JSON logs, --quiet leaves out faust's banner so that every line is one JSON object.

@@ -20,3 +20,14 @@ def test_worker_consumer_waits_at_most_the_short_fetch_wait(tmp_path: Path) -> N
 
     assert FETCH_MAX_WAIT_MS == 100
     assert asyncio.run(build()) == 100
+
+
+def test_the_count_only_yardstick_is_configured_as_the_worker_with_one_agent_on_node_ipc(tmp_path: Path) -> None:
+    from nodeshare.streams.app import make_counting_app
+
+    settings = Settings.model_validate({"bootstrap": "127.0.0.1:1", "topic_prefix": "t."})
+    app = make_counting_app(settings, datadir=tmp_path)
+    assert isinstance(app.transport, Transport)  # same consumer settings as the worker it is compared with
+    [agent] = app.agents.values()
+    assert agent.name == "count-only"
+    assert agent.channel.topics == ("t.node.ipc",)
