@@ -112,8 +112,9 @@ class ParquetArchive:
         return sorted(self.root.glob("topic=*/date=*/p*.parquet"))
 
     def high_water(self) -> dict[tuple[str, int], int]:
-        """(catalog topic, partition) -> the highest offset archived."""
-        hw: dict[tuple[str, int], int] = {}
+        """(catalog topic, partition) -> the highest offset archived (pruned ones included: the
+        sink must not archive again what retention removed)."""
+        hw = self.retention()
         for f in self.files():
             r = file_range(f)
             if r:

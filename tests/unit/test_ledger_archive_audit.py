@@ -257,8 +257,10 @@ def test_archive_prune_cli(tmp_path):
                                    "--dry-run"])
     assert res.exit_code == 0, res.output
     assert "would remove" in res.output and ParquetArchive(archive).count() > 0
+    resume_after = ParquetArchive(archive).high_water()
     res = CliRunner().invoke(app, ["archive", "prune", "--archive", str(archive), "--before", "2026-01-02"])
     assert res.exit_code == 0, res.output
     assert ParquetArchive(archive).count() == 0 and "removed" in res.output
+    assert ParquetArchive(archive).high_water() == resume_after  # the sink resumes after what was pruned
     res = CliRunner().invoke(app, ["archive", "prune", "--archive", str(archive), "--before", "March"])
     assert res.exit_code != 0 and "YYYY-MM-DD" in res.output
