@@ -213,7 +213,11 @@ class Ledger:
         return counted
 
     def co_runner_counts(self) -> dict[tuple[str, str], int]:
-        """(job, co-runner job) -> shutter windows counted (see ``count_shutters``)."""
+        """(job, co-runner job) -> shutter windows counted (see ``count_shutters``); empty for a
+        ledger written before the sink counted them (opened read-only, it has no such table)."""
+        present = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'co_runners'").fetchone()
+        if not present or not present[0]:
+            return {}
         return {(a, b): int(n) for a, b, n in self.con.execute("SELECT * FROM co_runners").fetchall()}
 
     def verify_chain(self) -> ChainCheck:

@@ -3,6 +3,7 @@
 import math
 from datetime import timedelta
 
+import duckdb
 import pytest
 from factories import POLICY, T0, block, build, job_event, left
 from typer.testing import CliRunner
@@ -65,6 +66,16 @@ def test_report_writes_pictures_and_a_page(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5_000
     page = files.html.read_text()
     assert all(f'src="{p.name}"' in page for p in files.pngs) and "dividend (SU)" in page
+
+
+def test_a_ledger_from_before_the_co_runner_counts_still_reports_from_the_archive(tmp_path):
+    archive, ledger, _ = build(tmp_path)
+    con = duckdb.connect(str(ledger))
+    con.execute("DROP VIEW degradation_by_pair")
+    con.execute("DROP TABLE co_runners")
+    con.close()
+    files = build_report(ledger, archive, tmp_path / "report")  # opens the ledger read-only: no DDL runs
+    assert (tmp_path / "report" / "pairs.png") in files.pngs
 
 
 def test_report_cli_refuses_an_empty_ledger(tmp_path):
