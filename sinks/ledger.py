@@ -152,6 +152,8 @@ class Ledger:
         """Append charges (with their raw bytes and origin) to the chain; a (job id, revision)
         already in the ledger is skipped, so redelivery never makes a second row. Returns how
         many rows were new."""
+        if not rows:  # most of the sink's batches are shutter windows only
+            return 0
         self.con.execute("BEGIN TRANSACTION")
         try:
             last = self.con.execute("SELECT seq, row_hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
@@ -184,6 +186,8 @@ class Ledger:
         """Add shutter windows (in the order each node emitted them) to ``co_runners``. A window
         whose cycle is not after the last one counted for its node is a redelivery and is skipped
         (node agents number cycles upwards across restarts). Returns how many windows counted."""
+        if not windows:  # a batch of charges only
+            return 0
         self.con.execute("BEGIN TRANSACTION")
         try:
             nodes = sorted({w.node for w in windows})
