@@ -1,8 +1,9 @@
 """The faust application: thin shells that move bytes between topics and the pure core.
 
 Agent ``job-accounting`` consumes ``node.ipc`` and ``jobs.lifecycle`` (co-partitioned by job
-id), folds each event into the job's ``JobAccount`` (streams.accounting) held in a faust
-Table, and publishes what the fold produced: charges, degradation estimates, dead letters.
+id), folds each event into the job's ``JobAccount`` (streams.accounting), held in memory and
+rebuilt from the input topics when a partition is assigned (no faust Table, no changelog), and
+publishes what the fold produced: charges, degradation estimates, dead letters.
 Exactly-once does not come from the broker (faust's exactly_once fails on Tansu, see
 BROKER.md) but from the reducer's offset de-duplication and the ledger's idempotent key.
 """
