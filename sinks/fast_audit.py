@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -132,7 +133,7 @@ def _rows_sql(source: str, dedupe: bool) -> str:
     second = len(strings) + len(_INTS) + 1
     copies = 'QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1' if dedupe else ""
     return f"""
-        SELECT "partition", "offset", timestamp_ms, try(decode(key)) AS key, typed, {pick}, {ints},
+        SELECT "partition", "offset", timestamp_ms, key, typed, {pick}, {ints},
                typed OR (f[{second}] IS NULL AND f[{second + 1}] IS NULL AND f[{second + 2}] IS NULL) AS single
         FROM (
             SELECT *, CASE WHEN NOT typed AND json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
@@ -160,9 +161,10 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
                    f"d_instructions, d_cycles, a_instructions, a_cycles) < {_EXACT_INT}")
     in_range = " AND ".join(f"({x} = 0 OR ({x} >= {_IPC_MIN!r} AND {x} < {_IPC_MAX!r}))" for x in ("b", "d", "a"))
     con = duckdb.connect()
-    con.execute("CREATE TEMP TABLE deltas (job VARCHAR, delta DOUBLE)")
-    if deltas:
-        con.executemany("INSERT INTO deltas VALUES (?, ?)", list(deltas.items()))
+    delta, join = repr(default_delta), ""
+    if deltas:  # a hash join on every row: only for the jobs whose delta is not the default
+        con.register("deltas", pa.table({"job": list(deltas), "delta": list(deltas.values())}))
+        delta, join = f"coalesce(dl.delta, {default_delta!r})", "LEFT JOIN deltas dl ON dl.job = r.job_id"
     fixed = {"solo_filtered": "d", "co_filtered": "co", "solo_all": "d", "co_all": "co",
              "before_filtered": "b", "after_filtered": "a"}
     sums = ", ".join(
@@ -174,8 +176,8 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
         m0 AS (
             SELECT r."partition", r."offset", r.job_id, r.node, r.cycle, r.paused_us, r.blocks_sent, r.typed,
                    r.{block} AS is_block, r.kind = 'job_left_node' AS is_left,
-                   coalesce(dl.delta, {default_delta!r}) AS delta,
-                   r.key IS NOT DISTINCT FROM r.job_id
+                   {delta} AS delta,
+                   coalesce(r.key = encode(r.job_id), false)  -- bytes: no UTF-8 decode per row
                      AND coalesce({when} >= {EARLIEST_EVENT_TIME.timestamp()}
                          AND (r.timestamp_ms <= 0 OR {when} <= r.timestamp_ms / 1000 + {MAX_AHEAD_OF_BROKER_S}),
                          false)
@@ -185,7 +187,7 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
                    CASE WHEN r.{block} AND b_cycles > 0 THEN b_instructions::DOUBLE / b_cycles END AS b,
                    CASE WHEN r.{block} AND d_cycles > 0 THEN d_instructions::DOUBLE / d_cycles END AS d,
                    CASE WHEN r.{block} AND a_cycles > 0 THEN a_instructions::DOUBLE / a_cycles END AS a
-            FROM r LEFT JOIN deltas dl ON dl.job = r.job_id
+            FROM r {join}
             WHERE r.job_id IS NOT NULL
         ),
         m1 AS (  -- exact: the block's IPCs fit the fixed point (its job is ineligible otherwise)
@@ -245,9 +247,15 @@ def terminal_events(archive: ParquetArchive) -> tuple[dict[str, list[TerminalEve
 
 def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], default: PricingPolicy) -> FastResult:
     archive = ParquetArchive(archive_root)
-    deltas = {job: p.delta for job, p in policies.items() if p.delta != default.delta}
-    streams, typed, parsed = read_streams(archive, deltas, default.delta)
-    ends, wrong_clock = terminal_events(archive)
+    # The most common delta is the query's constant; only the others need a per-row lookup.
+    common = Counter(p.delta for p in policies.values()).most_common(1)
+    default_delta = common[0][0] if common else default.delta
+    deltas = {job: p.delta for job, p in policies.items() if p.delta != default_delta}
+    # The lifecycle events are decoded in Python while DuckDB (which releases the GIL) folds node.ipc.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        terminals = pool.submit(terminal_events, archive)
+        streams, typed, parsed = read_streams(archive, deltas, default_delta)
+        ends, wrong_clock = terminals.result()
     result = FastResult(typed_rows=typed, parsed_rows=parsed)
     by_job: dict[str, dict[str | None, StreamRow]] = defaultdict(dict)
     for row in streams:

@@ -35,6 +35,27 @@ def test_fast_path_equals_the_reference_on_a_larger_multi_node_run(tmp_path):
     assert any(len(c.nodes) == 2 for c in reference.values())
 
 
+def test_per_job_deltas_are_applied_whatever_the_default(tmp_path):
+    """Most jobs share a delta unlike the CLI default (the query's constant is the common one) and two
+    jobs have their own; the fast path still equals the reference job by job."""
+    from dataclasses import replace
+
+    archive, _, n = build(tmp_path)
+    common_policies = {job: replace(POLICY, delta=0.3) for job, _ in recompute(
+        archived_messages(ParquetArchive(archive)), {}, POLICY)}
+    common = recompute(archived_messages(ParquetArchive(archive)), common_policies, POLICY)
+    jobs = sorted(common, key=lambda k: -common[k].blocks_used)  # the three with the most blocks first
+    policies = dict(common_policies)
+    policies[jobs[0][0]] = replace(POLICY, delta=0.001)
+    policies[jobs[1][0]] = replace(POLICY, delta=1e-9)
+    fast = fast_recompute(archive, policies, POLICY)
+    reference = recompute(archived_messages(ParquetArchive(archive)), policies, POLICY)
+    assert not fast.ineligible and fast.charges == reference and len(reference) == n
+    assert reference[jobs[1]].blocks_used == 0 < common[jobs[1]].blocks_used  # each job's own delta did matter
+    assert reference[jobs[0]].blocks_used < common[jobs[0]].blocks_used
+    assert reference[jobs[2]] == common[jobs[2]]
+
+
 def test_messy_jobs_are_left_to_the_reference_path(tmp_path):
     clean = [block(1.0, 2.0, 1.0, job="ok", cycle=0), left("ok", "n1", 1, 0), job_event("ok", JobState.ENDED)]
     out_of_order = [block(1.0, 2.0, 1.0, job="ooo", cycle=3), block(1.0, 2.0, 1.0, job="ooo", cycle=2),
