@@ -3,6 +3,7 @@
 Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offset>-<last offset>.parquet``
 
 * each file is written to a temporary name, fsynced, then renamed: readers never see half a file;
+  a sink killed mid-write leaves the temporary, which the partition's next owner removes;
 * a file's name states its offset range, so on start the sink resumes after the highest offset
   it holds per partition, whatever Kafka's committed offset says: no duplicates, no gaps;
 * a row is (kafka_topic, partition, offset, timestamp_ms, key, value) with the value's bytes as
@@ -19,6 +20,7 @@ Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offse
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections import defaultdict
@@ -37,6 +39,8 @@ from nodeshare.config import Settings
 from nodeshare.schemas import INPUT_TOPICS, spec_for_topic
 
 from .consumer import BatchSink, position
+
+log = logging.getLogger(__name__)
 
 ARCHIVE_SCHEMA = pa.schema([
     ("kafka_topic", pa.string()),
@@ -181,6 +185,8 @@ class ParquetArchive:
         before the files it replaces are removed; until then readers see overlapping offset
         ranges, which every reader here de-duplicates by (topic, partition, offset).
         """
+        for stale in self.root.glob(f"topic=*/date=*/p*.parquet{COMPACT_TMP}"):  # an interrupted compaction
+            stale.unlink()
         before = self.files()
         groups: dict[tuple[Path, int], list[tuple[int, int, Path]]] = defaultdict(list)
         for f in before:
@@ -213,10 +219,18 @@ class ParquetArchive:
         table = table.take(pa.array(keep))
         first, last = int(table.column("offset")[0].as_py()), int(table.column("offset")[-1].as_py())
         target = directory / f"p{partition:04d}-{first:012d}-{last:012d}.parquet"
-        _atomic_write(table, target, row_group_rows)
+        _atomic_write(table, target, row_group_rows, COMPACT_TMP)
         for f in files:
             if f != target:
                 f.unlink()
+
+    def remove_stale_temporaries(self, topic: str, partition: int) -> list[Path]:
+        """Remove the half-written files a killed sink left for this catalog topic's partition. Only
+        the partition's owner calls this, when it is assigned: no live write of it can be under way."""
+        stale = sorted((self.root / f"topic={topic}").glob(f"date=*/p{partition:04d}-*.parquet{SINK_TMP}"))
+        for f in stale:
+            f.unlink(missing_ok=True)
+        return stale
 
     def retention(self) -> dict[tuple[str, int], int]:
         """(catalog topic, partition) -> the highest offset retention removed (none: empty)."""
@@ -274,8 +288,13 @@ class Pruned:
     events: int
 
 
-def _atomic_write(table: pa.Table, path: Path, row_group_rows: int | None = None) -> None:
-    tmp = path.with_name(path.name + ".tmp")  # not matched by the *.parquet globs readers use
+#: Temporary names (not matched by the *.parquet globs readers use): the sink's files, and compaction's
+#: (a sink restart removes its own partitions' leftovers, never a compaction's in progress).
+SINK_TMP, COMPACT_TMP = ".tmp", ".compact.tmp"
+
+
+def _atomic_write(table: pa.Table, path: Path, row_group_rows: int | None = None, suffix: str = SINK_TMP) -> None:
+    tmp = path.with_name(path.name + suffix)
     pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_rows)
     _publish(tmp, path)
 
@@ -309,7 +328,12 @@ class ArchiveSink(BatchSink):
     def resume_offsets(self, partitions: list[TopicPartition]) -> None:
         hw = self.archive.high_water()
         for p in partitions:
-            last = hw.get((spec_for_topic(p.topic, self.settings.topic_prefix).name, p.partition))
+            name = spec_for_topic(p.topic, self.settings.topic_prefix).name
+            stale = self.archive.remove_stale_temporaries(name, p.partition)
+            if stale:
+                log.warning("removed %d half-written archive file(s) of %s[%d] left by a killed sink: %s",
+                            len(stale), name, p.partition, ", ".join(f.name for f in stale))
+            last = hw.get((name, p.partition))
             if last is not None:
                 p.offset = last + 1
 

@@ -227,13 +227,16 @@ def test_sinks_killed_mid_write_leave_no_partial_file_and_no_duplicate(kafka_boo
     files = sorted(archive_path.rglob("*.parquet"))
     for f in files:
         pq.read_metadata(f)  # every file a reader can see is whole
+    leftovers = list(archive_path.rglob("*.tmp"))  # each restarted sink removed what its killed one left
     total, distinct = duckdb.connect().execute(
         "SELECT count(*), count(DISTINCT (kafka_topic, partition, \"offset\")) "
         "FROM read_parquet(?, union_by_name = true)", [[str(f) for f in files]]).fetchone()
     inputs = sum(1 for e in sim.events if TOPIC_OF_RECORD[type(e)].role is Role.INPUT)
     print(f"4 SIGKILLs of both sinks, {mid_write} with a Parquet file half written (its .tmp is never read); "
-          f"{len(files)} archive files, {total} events archived ({distinct} distinct) of {inputs} published")
+          f"{len(files)} archive files, {total} events archived ({distinct} distinct) of {inputs} published, "
+          f"{len(leftovers)} half-written files left")
     assert mid_write, "no kill landed while a file was being written"
+    assert not leftovers, leftovers
     assert total == distinct == inputs
     _check(SimpleNamespace(ledger_path=ledger_path, archive_path=archive_path), sim, settings, 4)
 

@@ -112,6 +112,29 @@ def test_archive_layout_resume_point_and_no_temporary_files(tmp_path):
     assert hw[("jobs.lifecycle", 0)] == 3 * 8 - 1  # submitted, started, ended per job
 
 
+def test_a_restarted_sink_removes_the_half_written_files_of_its_partitions_only(tmp_path):
+    from confluent_kafka import TopicPartition
+
+    from nodeshare.config import Settings
+    from nodeshare.sinks.archive import ArchiveSink
+
+    archive, _, _ = build(tmp_path, batch=100)
+    day = next((archive / "topic=node.ipc").iterdir())
+    mine = day / "p0000-000000009000-000000009099.parquet.tmp"
+    other = day / "p0001-000000000000-000000000099.parquet.tmp"
+    compacting = day / "p0000-000000000000-000000009099.parquet.compact.tmp"
+    for f in (mine, other, compacting):
+        f.write_bytes(b"PAR1 half")
+    settings = Settings.model_validate({"topic_prefix": ""})
+    sink = ArchiveSink(settings, archive)
+    partitions = [TopicPartition(settings.topic("node.ipc"), 0)]
+    sink.resume_offsets(partitions)
+    assert not mine.exists() and other.exists() and compacting.exists()  # partition 1 is not ours; nor compaction's
+    assert partitions[0].offset == ParquetArchive(archive).high_water()[("node.ipc", 0)] + 1
+    ParquetArchive(archive).compact()
+    assert not compacting.exists()  # the next compaction clears its own leftovers
+
+
 def test_overlapping_files_are_read_once(tmp_path):
     archive = ParquetArchive(tmp_path)
     evs = [ArchivedEvent("jobs.lifecycle", 0, o, 1_767_225_600_000, b"k", b"v%d" % o) for o in range(10)]
