@@ -3,7 +3,8 @@
 A synthetic archive of valid records (K = 1 shutter blocks around a per-job true IPC ratio,
 JobLeftNode markers and end events) is written the way the archive sink writes, then timed:
 the vectorized recomputation of every charge, and a plain DuckDB scan of the same files
-(reading every column: the value bytes and the typed columns) as the yardstick.
+(reading every column: the value bytes and the typed columns) as the yardstick, in alternating
+rounds so that a shared machine's drift slows both alike.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class AuditBench:
     audit_s: float
     samples_per_s: float
     scan_s: float
-    ratio_to_scan: float
+    ratio_to_scan: float  # the median of the rounds' ratios
+    ratio_range: tuple[float, float]  # the lowest and highest round
+    rounds: int
     machine: str
     date: str
 
@@ -122,7 +125,7 @@ def write_synthetic_archive(root: Path, blocks: int, blocks_per_job: int = 1000,
     return jobs
 
 
-def run_audit_bench(workdir: Path, blocks: int) -> AuditBench:
+def run_audit_bench(workdir: Path, blocks: int, rounds: int = 5) -> AuditBench:
     root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
     jobs = write_synthetic_archive(root, blocks)
     archive = ParquetArchive(root)
@@ -135,19 +138,18 @@ def run_audit_bench(workdir: Path, blocks: int) -> AuditBench:
                   f"sum({' + '.join(f'coalesce({n}, 0)' for n in numbers)}), "
                   f"sum({' + '.join(f'coalesce(length({n}), 0)' for n in strings)}) "
                   f"FROM read_parquet('{glob}', union_by_name = true)")
-    scan = []
-    for _ in range(3):
+    scan, runs = [], []
+    for _ in range(rounds):  # interleaved: a machine that slows down mid-bench slows both alike
         t = time.perf_counter()
         duckdb.connect().execute(everything).fetchall()
         scan.append(time.perf_counter() - t)
-    runs = []
-    for _ in range(3):
         t = time.perf_counter()
         result = fast_recompute(root, {}, PricingPolicy())
         runs.append(time.perf_counter() - t)
     assert not result.ineligible and len(result.charges) == jobs, "the synthetic archive must be all clean"
     assert result.parsed_rows == 0, "every synthetic record must be read from its typed columns"
     audit_s, scan_s = float(np.median(runs)), float(np.median(scan))
+    ratios = [s / a for s, a in zip(scan, runs, strict=True)]
     samples = result.samples
     archive_mb = round(sum(f.stat().st_size for f in files) / 1e6, 1)
     shutil.rmtree(root)  # hundreds of MB at large sizes; the bench regenerates it
@@ -155,7 +157,8 @@ def run_audit_bench(workdir: Path, blocks: int) -> AuditBench:
         blocks=blocks, jobs=jobs, samples=samples, files=len(files),
         archive_mb=archive_mb,
         audit_s=round(audit_s, 3), samples_per_s=round(samples / audit_s),
-        scan_s=round(scan_s, 4), ratio_to_scan=round(scan_s / audit_s, 4),
+        scan_s=round(scan_s, 4), ratio_to_scan=round(float(np.median(ratios)), 4),
+        ratio_range=(round(min(ratios), 4), round(max(ratios), 4)), rounds=rounds,
         machine=f"{platform.machine()}, {available_cores()} cores, Python {platform.python_version()}",
         date=datetime.now(UTC).date().isoformat(),
     )

@@ -103,11 +103,12 @@ def test_bench_audit_runs_and_reports_its_figures(tmp_path):
     from nodeshare.cli import app
 
     result = CliRunner().invoke(app, ["bench", "audit", "--blocks", "3000", "--workdir", str(tmp_path),
-                                      "--out", str(tmp_path / "audit.json")])
+                                      "--out", str(tmp_path / "audit.json"), "--rounds", "2"])
     assert result.exit_code == 0, result.output
     body = json.loads((tmp_path / "audit.json").read_text())
     assert body["blocks"] == 3000 and body["samples"] == 9000 and body["jobs"] == 3
-    assert body["samples_per_s"] > 0 and body["ratio_to_scan"] > 0
+    assert body["samples_per_s"] > 0 and body["ratio_to_scan"] > 0 and body["rounds"] == 2
+    assert body["ratio_range"][0] <= body["ratio_to_scan"] <= body["ratio_range"][1]
 
 
 # ---------------------------------------------------------------- typed archive columns
