@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 from confluent_kafka import Message
 
 from nodeshare import metrics
@@ -201,20 +202,27 @@ class Ledger:
                 last[w.node] = w.cycle
                 pairs.update((w.lone_job, other) for other in w.paused_jobs)
                 counted += 1
-            if pairs:
-                self.con.executemany(
-                    "INSERT INTO co_runners VALUES (?, ?, ?) ON CONFLICT (job_id, co_job_id) "
-                    "DO UPDATE SET shutters = co_runners.shutters + excluded.shutters",
-                    [[a, b, n] for (a, b), n in sorted(pairs.items())])
-                self.con.executemany(
-                    "INSERT INTO shutter_watermarks VALUES (?, ?) ON CONFLICT (node) "
-                    "DO UPDATE SET last_cycle = excluded.last_cycle",
-                    [[n, last[n]] for n in nodes if n in last])
+            if pairs:  # one set-based upsert per table: executemany took ~0.9 ms a row
+                keys = sorted(pairs)
+                self._upsert("co_runners", "(job_id, co_job_id)", "shutters = co_runners.shutters + excluded.shutters",
+                             {"job_id": [a for a, _ in keys], "co_job_id": [b for _, b in keys],
+                              "shutters": pa.array([pairs[k] for k in keys], pa.int64())})
+                marked = [n for n in nodes if n in last]
+                self._upsert("shutter_watermarks", "(node)", "last_cycle = excluded.last_cycle",
+                             {"node": marked, "last_cycle": pa.array([last[n] for n in marked], pa.int64())})
             self.con.execute("COMMIT")
         except BaseException:
             self.con.execute("ROLLBACK")
             raise
         return counted
+
+    def _upsert(self, table: str, key: str, update: str, columns: dict[str, Any]) -> None:
+        """INSERT the rows (distinct keys) of ``columns`` into ``table``, updating those already there."""
+        self.con.register("_upsert_rows", pa.table(columns))
+        try:
+            self.con.execute(f"INSERT INTO {table} SELECT * FROM _upsert_rows ON CONFLICT {key} DO UPDATE SET {update}")
+        finally:
+            self.con.unregister("_upsert_rows")
 
     def co_runner_counts(self) -> dict[tuple[str, str], int]:
         """(job, co-runner job) -> shutter windows counted (see ``count_shutters``); empty for a
