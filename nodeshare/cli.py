@@ -817,6 +817,18 @@ def experiment_ppartition(
         f"throughput: {gains}"])
 
 
+@bench_app.command("ledger")
+def bench_ledger(
+    windows: Annotated[int, typer.Option(min=1000, help="shutter windows to count")] = 100_000,
+    nodes: Annotated[int, typer.Option(min=1, help="nodes they come from")] = 1_000,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/ledger.json"),
+) -> None:
+    """Shutter windows per second the ledger sink decodes and counts into its co-runner table."""
+    from nodeshare.sinks.bench_ledger import run_ledger_bench
+
+    _write_bench(run_ledger_bench(windows=windows, nodes=nodes), out_file)
+
+
 @bench_app.command("power")
 def bench_power(
     repeats: Annotated[int, typer.Option(min=3, help="runs per measurement (median)")] = 15,

@@ -84,3 +84,18 @@ def test_report_cli_refuses_an_empty_ledger(tmp_path):
     Ledger(tmp_path / "empty.duckdb").close()
     result = CliRunner().invoke(app, ["report", "--ledger", str(tmp_path / "empty.duckdb"), "--out", str(tmp_path)])
     assert result.exit_code == 2 and "no charges" in result.output
+
+
+def test_bench_ledger_counts_every_window_and_reports_its_rate(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from nodeshare.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "ledger", "--windows", "2000", "--nodes", "50",
+                                      "--out", str(tmp_path / "ledger.json")])
+    assert result.exit_code == 0, result.output
+    body = json.loads((tmp_path / "ledger.json").read_text())
+    assert body["windows"] == 2000 and body["nodes"] == 50 and body["windows_per_s"] > 0
+    assert body["decode_us_per_window"] > 0 and body["count_us_per_window"] > 0
