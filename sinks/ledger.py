@@ -13,7 +13,9 @@ node) makes the count exactly-once under redelivery.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,8 @@ from nodeshare.schemas.catalog import LEDGER_CHARGES, NODE_SHUTTER
 from nodeshare.schemas.dead_letters import dead_letter
 
 from .consumer import BatchSink, position
+
+log = logging.getLogger(__name__)
 
 SINK_SOURCE = "nodeshare.sinks.ledger"
 
@@ -297,6 +301,7 @@ class LedgerSink(BatchSink):
         self.dead_letters = dead_letters  # an EventProducer, or None to raise instead
         self.rows_inserted = 0
         self.shutter_messages = 0  # node.shutter messages written (counted, redelivered or dead-lettered)
+        self.lock_wait_s = 60.0  # how long a write waits for readers to let go of the file
         self._lock = threading.Lock()
 
     def write(self, messages: list[Message]) -> None:
@@ -314,13 +319,34 @@ class LedgerSink(BatchSink):
                 rows.append((decode_model(Charge, raw), raw, m.partition(), m.offset()))
             except DecodeError as exc:
                 self._reject(m, exc)
-        with self._lock, Ledger(self.ledger_path) as ledger:
+        with self._lock, self._open() as ledger:
             new = ledger.append(rows)
             ledger.count_shutters(windows)
         self.rows_inserted += new
         metrics.LEDGER_ROWS.inc(new)
         if self.dead_letters is not None:
             self.dead_letters.flush()
+
+    def _open(self) -> Ledger:
+        """The ledger for writing. An analyst's read-only connection holds DuckDB's file lock; the
+        sink waits for it (nothing is committed meanwhile) instead of failing, and gives up only
+        after ``lock_wait_s``, naming the reason."""
+        waited, delay, warned = 0.0, 0.01, 0.0
+        while True:
+            try:
+                return Ledger(self.ledger_path)
+            except duckdb.IOException as exc:
+                if "lock" not in str(exc).lower():
+                    raise
+                if waited >= self.lock_wait_s:
+                    raise RuntimeError(f"the ledger {self.ledger_path} has been held by another process for "
+                                       f"{waited:.0f} s (a read-only session left open?): {exc}") from exc
+                if waited - warned >= 5.0:
+                    log.warning("the ledger is held by another process (%.0f s so far); charges wait", waited)
+                    warned = waited
+            time.sleep(delay)
+            waited += delay
+            delay = min(2 * delay, 0.5)
 
     def _reject(self, m: Message, exc: DecodeError) -> None:
         if self.dead_letters is None:

@@ -287,3 +287,40 @@ def test_archive_prune_cli(tmp_path):
     assert ParquetArchive(archive).high_water() == resume_after  # the sink resumes after what was pruned
     res = CliRunner().invoke(app, ["archive", "prune", "--archive", str(archive), "--before", "March"])
     assert res.exit_code != 0 and "YYYY-MM-DD" in res.output
+
+
+def _reader(path: Path, hold_s: float):
+    """Another process with the ledger open read-only (as an analyst's session), for ``hold_s``."""
+    import subprocess
+    import sys
+
+    code = ("import duckdb, sys, time; c = duckdb.connect(sys.argv[1], read_only=True); "
+            "print('open', flush=True); time.sleep(float(sys.argv[2]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path), str(hold_s)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
+    return proc
+
+
+def test_the_ledger_sink_waits_for_a_readers_lock_and_names_a_reader_that_never_lets_go(tmp_path):
+    import time
+
+    from nodeshare.config import Settings
+    from nodeshare.sinks.ledger import LedgerSink
+
+    path = tmp_path / "ledger.duckdb"
+    with Ledger(path):
+        pass
+    sink = LedgerSink(Settings.model_validate({}), path)
+    reader = _reader(path, 0.8)
+    start = time.monotonic()
+    sink.write([])  # waits for the reader instead of failing
+    assert time.monotonic() - start > 0.3
+    reader.wait()
+    sink.lock_wait_s = 0.5
+    reader = _reader(path, 10)
+    try:
+        with pytest.raises(RuntimeError, match="held by another process"):
+            sink.write([])
+    finally:
+        reader.kill()
+        reader.wait()
