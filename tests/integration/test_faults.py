@@ -183,6 +183,11 @@ def test_two_workers_one_killed_the_other_takes_over(kafka_bootstrap: str, tmp_p
     _check(pipeline, sim, settings, 1)
 
 
+def _archived_rows(root: Path) -> int:
+    """Events in the archive's visible files (from their footers; files appear whole, by rename)."""
+    return sum(pq.read_metadata(f).num_rows for f in root.rglob("*.parquet"))
+
+
 def _ledger_rows(path: Path) -> int:
     """Rows in the ledger, read between the sink's writes (it holds the file only while writing)."""
     try:
@@ -197,6 +202,7 @@ def test_sinks_killed_mid_write_leave_no_partial_file_and_no_duplicate(kafka_boo
     sink has a Parquet file half written, then restarted on the same ledger and archive."""
     settings = _settings(kafka_bootstrap, "w")
     sim = simulate(SimConfig(nodes=16, jobs=160, seed=41))
+    inputs = sum(1 for e in sim.events if TOPIC_OF_RECORD[type(e)].role is Role.INPUT)
     ledger_path, archive_path = tmp_path / "ledger.duckdb", tmp_path / "archive"
     create_topics(settings)
     worker = start_worker(settings, tmp_path / "worker", tmp_path / "worker.log")
@@ -216,10 +222,10 @@ def test_sinks_killed_mid_write_leave_no_partial_file_and_no_duplicate(kafka_boo
                 p.wait()
             mid_write += bool(list(archive_path.rglob("*.tmp")))
             sinks = start()
-        deadline = time.monotonic() + 120
-        while _ledger_rows(ledger_path) < len(sim.truth) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120  # both sinks caught up: the charges, and every input event archived
+        while time.monotonic() < deadline and (_ledger_rows(ledger_path) < len(sim.truth)
+                                               or _archived_rows(archive_path) < inputs):
             time.sleep(0.5)
-        time.sleep(3)  # the archive sink's last batch
     finally:
         for p in sinks:
             stop_process(p)
@@ -231,7 +237,6 @@ def test_sinks_killed_mid_write_leave_no_partial_file_and_no_duplicate(kafka_boo
     total, distinct = duckdb.connect().execute(
         "SELECT count(*), count(DISTINCT (kafka_topic, partition, \"offset\")) "
         "FROM read_parquet(?, union_by_name = true)", [[str(f) for f in files]]).fetchone()
-    inputs = sum(1 for e in sim.events if TOPIC_OF_RECORD[type(e)].role is Role.INPUT)
     print(f"4 SIGKILLs of both sinks, {mid_write} with a Parquet file half written (its .tmp is never read); "
           f"{len(files)} archive files, {total} events archived ({distinct} distinct) of {inputs} published, "
           f"{len(leftovers)} half-written files left")
