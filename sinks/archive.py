@@ -225,8 +225,10 @@ class ParquetArchive:
                 f.unlink()
 
     def remove_stale_temporaries(self, topic: str, partition: int) -> list[Path]:
-        """Remove the half-written files a killed sink left for this catalog topic's partition. Only
-        the partition's owner calls this, when it is assigned: no live write of it can be under way."""
+        """Remove the half-written files a killed sink left for this catalog topic's partition. The
+        partition's new owner calls this when it is assigned. A previous owner still writing after a
+        rebalance either fails that write before committing it or publishes a file that the new
+        owner's overlap (readers count each offset once); either way nothing is lost."""
         stale = sorted((self.root / f"topic={topic}").glob(f"date=*/p{partition:04d}-*.parquet{SINK_TMP}"))
         for f in stale:
             f.unlink(missing_ok=True)
