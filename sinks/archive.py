@@ -7,7 +7,9 @@ Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offse
 * a file's name states its offset range, so on start the sink resumes after the highest offset
   it holds per partition, whatever Kafka's committed offset says: no duplicates, no gaps;
 * a row is (kafka_topic, partition, offset, timestamp_ms, key, value) with the value's bytes as
-  they were received, so the audit decodes exactly what the stream worker decoded;
+  they were received, so the audit decodes exactly what the stream worker decoded; rows are in
+  offset order, but ``node.ipc`` rows are sorted by job, node and offset (readers that need the
+  log's order sort by offset, as ``events`` does);
 * retention (``prune``) removes whole dates before a cutoff and notes in ``retention.json`` the
   highest offset it removed per (topic, partition); a charge whose event range reaches back to a
   removed offset can no longer be recomputed, and the audit says so instead of diffing it;
@@ -80,7 +82,9 @@ TYPED = {"node.ipc": IPC_SCHEMA}
 
 
 def with_typed_columns(topic: str, table: pa.Table) -> pa.Table:
-    """The table with its topic's typed columns, parsed from the values by DuckDB in one pass."""
+    """The table with its topic's typed columns, parsed from the values by DuckDB in one pass, its
+    rows sorted by job, node and offset: each (job, node) block stream is one run of rows per
+    file, which the audit's order check reads in one pass (``fast_audit.out_of_order_streams``)."""
     schema = TYPED.get(topic)
     if schema is None:
         return table
@@ -94,6 +98,7 @@ def with_typed_columns(topic: str, table: pa.Table) -> pa.Table:
             SELECT * EXCLUDE (v, f), {columns} FROM (
                 SELECT *, CASE WHEN json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
                 FROM (SELECT *, try(decode(value)) AS v FROM batch))
+            ORDER BY job_id NULLS LAST, node NULLS LAST, "offset"
         """).to_arrow_table()
     return typed.cast(schema)
 
@@ -212,12 +217,12 @@ class ParquetArchive:
         # Files written before typed columns existed get them here; the value is read as it is.
         topic = directory.parent.name.removeprefix("topic=")
         tables = [pq.read_table(f, columns=ARCHIVE_SCHEMA.names, schema=ARCHIVE_SCHEMA) for f in files]
-        table = with_typed_columns(topic, pa.concat_tables(tables))
+        table = pa.concat_tables(tables)
         offsets = table.column("offset").to_numpy()
         order = np.argsort(offsets, kind="stable")
         keep = order[np.r_[True, offsets[order][1:] != offsets[order][:-1]]]  # first copy of each offset
-        table = table.take(pa.array(keep))
-        first, last = int(table.column("offset")[0].as_py()), int(table.column("offset")[-1].as_py())
+        table = with_typed_columns(topic, table.take(pa.array(keep)))
+        first, last = int(offsets[keep[0]]), int(offsets[keep[-1]])
         target = directory / f"p{partition:04d}-{first:012d}-{last:012d}.parquet"
         _atomic_write(table, target, row_group_rows, COMPACT_TMP)
         for f in files:

@@ -1,26 +1,32 @@
-"""The vectorized audit path: DuckDB parses the archived JSON in bulk, numpy applies Alg. 4.
+"""The vectorized audit path: DuckDB checks and folds the archived node.ipc records in bulk.
 
 It reads the same raw bytes as the reference path, so an edited archive event is seen by
-both. It handles the common, clean case: K = 1 samples, every record well formed and with a
-plausible clock (``schemas.clock_problem``), block cycles increasing per node, every node
-stream closed once, and one terminal event. A job
-that does not fit is *ineligible* and goes to the reference path
-(``streams.accounting.process_message``), and so does any job whose fast result differs
-from the ledger. A fast "match" therefore always means the reference functions agree too.
-The test suite proves the two paths equal on the same events.
+both. Two passes (``read_streams``): every row's typed columns are re-encoded and compared with
+its value, which only names the *suspect* rows (edited, another encoder's bytes, or files from
+before typed columns); jobs without one are folded from the typed columns alone and their cycle
+order checked in one streaming pass; jobs with one are folded again, parsing the value's JSON
+where the typed columns do not reproduce it. It handles the common, clean case: K = 1 samples,
+every record well formed and with a plausible clock (``schemas.clock_problem``), block cycles
+increasing per node, every node stream closed once, and one terminal event. A job that does not
+fit is *ineligible* and goes to the reference path (``streams.accounting.process_message``), and
+so does any job whose fast result differs from the ledger. A fast "match" therefore always
+means the reference functions agree too. The test suite proves the two paths equal on the same
+events.
 
 Exactness: IPC is instructions / cycles in float64 (exact conversion below 2**53, which
 eligibility checks), Alg. 4's comparisons are the same float operations, and every sum is
-``math.fsum``: the correctly rounded exact sum, which is also what ``ExactSum`` yields.
+exact in 128-bit fixed point, rounded once: the correctly rounded sum that ``math.fsum`` and
+``ExactSum`` yield.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import duckdb
@@ -51,8 +57,9 @@ def canonical_ipc_sql() -> str:
     """SQL for the bytes ``schemas.encode`` writes for the record in a row's typed columns: a K = 1
     shutter block or a JobLeftNode (NULL for anything else). Where it equals the archived value,
     the typed columns are exactly what decoding the value gives: strings are re-escaped
-    (``to_json``), integers printed in decimal, every field in the model's order, nothing left out.
-    (``concat`` rather than ``||``: measured 3x faster here.)
+    (``to_json``), integers printed in decimal, every field in the model's order, nothing left out,
+    nothing null. (``concat`` rather than ``||``: measured 3x faster here; ``concat`` prints a null
+    as nothing, hence the explicit null test.)
     """
     head = """'{"event_id":', to_json(event_id), ',"schema_version":', schema_version, ',"source":', to_json(source),
               ',"event_time":', to_json(event_time), ',"kind":', to_json(kind), ',"job_id":', to_json(job_id),
@@ -65,8 +72,16 @@ def canonical_ipc_sql() -> str:
                        {regions}, '}}')"""
     left = f"""concat({head}, ',"blocks_sent":', blocks_sent, ',"last_cycle":', last_cycle,
                       ',"paused_us":', paused_us, '}}')"""
-    return f"""CASE kind WHEN 'shutter_block' THEN encode({block})
-                         WHEN 'job_left_node' THEN encode({left}) END"""
+    common = ["event_id", "schema_version", "source", "event_time", "job_id", "node"]
+    block_fields = [*common, "cycle", "sample_us", "counter",
+                    *[f"{r}_{n}" for r in "bda" for n in ("instructions", "cycles", "threads")]]
+    left_fields = [*common, "blocks_sent", "last_cycle", "paused_us"]
+
+    def unless_null(names: list[str], sql: str) -> str:
+        return f"CASE WHEN {' OR '.join(f'{n} IS NULL' for n in names)} THEN NULL ELSE encode({sql}) END"
+
+    return f"""CASE kind WHEN 'shutter_block' THEN {unless_null(block_fields, block)}
+                         WHEN 'job_left_node' THEN {unless_null(left_fields, left)} END"""
 
 
 #: Alg. 4's sums are exact: each IPC x is a double m * 2**e with e >= -FIXED_POINT_BITS when
@@ -113,15 +128,29 @@ class FastResult:
 
 
 def _source_sql(glob: str, files: list[Path]) -> str:
-    """The node.ipc files as one relation with every typed column (null where a file has none)."""
+    """The node.ipc files as one relation with every typed column (null where a file has none),
+    each offset once (a compaction in progress leaves copies)."""
     if any("kind" in pq.read_schema(f).names for f in files):  # the first one, but for old archives
-        return f"read_parquet('{glob}', union_by_name = true)"
-    nulls = ", ".join(f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
-                      for name, kind, _ in IPC_FIELDS)
-    return f"(SELECT *, {nulls} FROM read_parquet('{glob}'))"
+        source = f"read_parquet('{glob}', union_by_name = true)"
+    else:
+        nulls = ", ".join(f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
+                          for name, kind, _ in IPC_FIELDS)
+        source = f"(SELECT *, {nulls} FROM read_parquet('{glob}'))"
+    if _overlapping(files):  # sorted again as the files are, for the order check's runs
+        source = (f'(SELECT * FROM {source} QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1 '
+                  f'ORDER BY job_id, node, "offset")')
+    return source
 
 
-def _rows_sql(source: str, dedupe: bool) -> str:
+def _typed_rows_sql(source: str) -> str:
+    """Every node.ipc row with the fields of its typed columns, unchecked: the fold over them is
+    kept only for jobs none of whose rows ``_suspects`` names."""
+    ints = ", ".join(f"coalesce({name}, -1) AS {name}" for name, _ in _INTS)
+    return f"""SELECT "partition", "offset", timestamp_ms, key, true AS typed, kind, job_id, node, event_time,
+                      {ints}, true AS single FROM {source}"""
+
+
+def _rows_sql(source: str) -> str:
     """Every node.ipc row with its fields: from its typed columns where they reproduce the value's
     bytes, else parsed from the value's JSON; rows that are neither are left out."""
     strings = ["kind", "job_id", "node", "event_time"]
@@ -131,7 +160,6 @@ def _rows_sql(source: str, dedupe: bool) -> str:
     ints = ", ".join(f"coalesce(CASE WHEN typed THEN {name} ELSE TRY_CAST(f[{5 + i}] AS BIGINT) END, -1) AS {name}"
                      for i, (name, _) in enumerate(_INTS))
     second = len(strings) + len(_INTS) + 1
-    copies = 'QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1' if dedupe else ""
     return f"""
         SELECT "partition", "offset", timestamp_ms, key, typed, {pick}, {ints},
                typed OR (f[{second}] IS NULL AND f[{second + 1}] IS NULL AND f[{second + 2}] IS NULL) AS single
@@ -139,32 +167,88 @@ def _rows_sql(source: str, dedupe: bool) -> str:
             SELECT *, CASE WHEN NOT typed AND json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
             FROM (
                 SELECT *, CASE WHEN typed THEN NULL ELSE try(decode(value)) END AS v
-                FROM (SELECT *, coalesce(({canonical_ipc_sql()}) = value, false) AS typed
-                      FROM {source} {copies})))
+                FROM (SELECT *, coalesce(({canonical_ipc_sql()}) = value, false) AS typed FROM {source})))
         WHERE typed OR f IS NOT NULL"""
 
 
-def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delta: float
-                 ) -> tuple[list[StreamRow], int, int]:
-    """The archive's node.ipc records folded per (job, node) stream in one DuckDB query: the checks
-    that make a job eligible, Alg. 4's verdicts (with each job's delta) and exact sums. Returns the
-    streams and the counts of typed and parsed rows."""
-    files = list((archive.root / f"topic={NODE_IPC.name}").glob("date=*/p*.parquet"))
-    if not files:
-        return [], 0, 0
-    glob = str(archive.root / f"topic={NODE_IPC.name}" / "date=*" / "p*.parquet").replace("'", "''")
+@dataclass(frozen=True)
+class Suspects:
+    """node.ipc rows whose typed columns do not reproduce their value's bytes (edited, written by
+    another encoder, or files from before typed columns), and the jobs they may belong to."""
+
+    keys: set[bytes]  # their message keys
+    jobs: set[str]  # those keys as job ids, and the job ids their typed columns claim
+    rows: int
+    verified_rows: int  # the other rows
+
+
+def _suspects(con: duckdb.DuckDBPyConnection, source: str) -> Suspects:
+    """The one check that reads every value's bytes: re-encode each row's typed columns and
+    compare. Nothing else is computed here, so the fold and the order check read narrow columns."""
+    keys: set[bytes] = set()
+    jobs: set[str] = set()
+    rows = verified = 0
+    for key, job, ok, n in con.execute(f"""
+            SELECT CASE WHEN NOT ok THEN key END, CASE WHEN NOT ok THEN job_id END, ok, count(*)
+            FROM (SELECT key, job_id, coalesce(({canonical_ipc_sql()}) = value, false) AS ok FROM {source})
+            GROUP BY ALL""").fetchall():
+        if ok:
+            verified += n
+            continue
+        rows += n
+        if key is not None:
+            keys.add(key)
+            with contextlib.suppress(UnicodeDecodeError):
+                jobs.add(key.decode())
+        if job is not None:
+            jobs.add(job)
+    return Suspects(keys, jobs, rows, verified)
+
+
+def out_of_order_streams(con: duckdb.DuckDBPyConnection, source: str) -> set[tuple[str, str]]:
+    """(job, node) streams whose block cycles do not strictly increase in offset order, from the
+    typed columns (trusted where ``_suspects`` names no row of the job), in one pass and no sort of
+    the whole archive.
+
+    The scan meets the rows in file order; a *run* is a stretch of consecutive rows of one stream
+    (the archive sorts each file by job, node and offset, so a stream is one run per file). Within
+    a run each row is compared with the row before it. Across runs, only the runs' first and last
+    rows are sorted by offset: every run must start after the one before it has ended (each first
+    row follows a last row) and at a higher cycle. Runs being disjoint and each increasing, that
+    is the whole stream increasing, whatever order the files are read in; rows in any other order
+    only make more, shorter runs.
+    """
+    same = "{0}job_id IS NOT DISTINCT FROM job_id AND {0}node IS NOT DISTINCT FROM node"
+    return {(job, node) for job, node in con.execute(f"""
+        WITH scan AS (  -- a streaming window: the order the scan produces, no sort
+            SELECT job_id, node, "offset", cycle, lag(job_id) OVER () AS p_job_id, lag(node) OVER () AS p_node,
+                   lead(job_id) OVER () AS n_job_id, lead(node) OVER () AS n_node,
+                   lag("offset") OVER () AS p_offset, lag(cycle) OVER () AS p_cycle
+            FROM {source} WHERE kind = 'shutter_block'),
+        edges AS (
+            SELECT job_id, node, "offset", cycle, first, last,
+                   NOT first AND NOT ("offset" > p_offset AND cycle > p_cycle) AS backwards
+            FROM (SELECT *, NOT ({same.format("p_")}) AS first, NOT ({same.format("n_")}) AS last FROM scan)
+            WHERE first OR last OR NOT ("offset" > p_offset AND cycle > p_cycle))
+        SELECT DISTINCT job_id, node FROM (
+            SELECT *, lag(last) OVER w AS after_last, lag(cycle) OVER w AS before_cycle
+            FROM edges WINDOW w AS (PARTITION BY job_id, node ORDER BY "offset"))
+        WHERE backwards OR (first AND after_last IS NOT NULL AND NOT (after_last AND before_cycle < cycle))
+    """).fetchall()}
+
+
+def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, step: str
+          ) -> tuple[list[StreamRow], int, int]:
+    """Rows folded per (job, node) stream: the checks that make a job eligible, Alg. 4's verdicts
+    (with each job's delta) and exact sums; ``step`` is the block's cycle minus the one before it
+    in the stream (NULL: checked elsewhere). Returns the streams, typed rows and all rows."""
     scale = f"{2.0**FIXED_POINT_BITS:.1f}"
     block = "kind = 'shutter_block'"
     when = "epoch(TRY_CAST(event_time AS TIMESTAMPTZ))"
-    valid_block = (f"k = 1 AND single AND b_cycles > 0 AND d_cycles > 0 AND a_cycles > 0 AND b_instructions >= 0 "
-                   f"AND d_instructions >= 0 AND a_instructions >= 0 AND greatest(b_instructions, b_cycles, "
-                   f"d_instructions, d_cycles, a_instructions, a_cycles) < {_EXACT_INT}")
+    valid_block = (f"k = 1 AND single AND cycle >= 0 AND b_cycles > 0 AND d_cycles > 0 AND a_cycles > 0 "
+                   f"AND b_instructions >= 0 AND d_instructions >= 0 AND a_instructions >= 0 AND greatest("
+                   f"b_instructions, b_cycles, d_instructions, d_cycles, a_instructions, a_cycles) < {_EXACT_INT}")
     in_range = " AND ".join(f"({x} = 0 OR ({x} >= {_IPC_MIN!r} AND {x} < {_IPC_MAX!r}))" for x in ("b", "d", "a"))
-    con = duckdb.connect()
-    delta, join = repr(default_delta), ""
-    if deltas:  # a hash join on every row: only for the jobs whose delta is not the default
-        con.register("deltas", pa.table({"job": list(deltas), "delta": list(deltas.values())}))
-        delta, join = f"coalesce(dl.delta, {default_delta!r})", "LEFT JOIN deltas dl ON dl.job = r.job_id"
     fixed = {"solo_filtered": "d", "co_filtered": "co", "solo_all": "d", "co_all": "co",
              "before_filtered": "b", "after_filtered": "a"}
     sums = ", ".join(
@@ -172,7 +256,7 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
         f"coalesce(sum(CASE WHEN {'keep' if 'filtered' in n else 'exact'} THEN CAST({x} * {scale} AS HUGEINT) END), 0)"
         f" AS {n}" for n, x in fixed.items())
     rows = con.execute(f"""
-        WITH r AS ({_rows_sql(_source_sql(glob, files), dedupe=_overlapping(files))}),
+        WITH r AS ({rows_sql}),
         m0 AS (
             SELECT r."partition", r."offset", r.job_id, r.node, r.cycle, r.paused_us, r.blocks_sent, r.typed,
                    r.{block} AS is_block, r.kind = 'job_left_node' AS is_left,
@@ -193,11 +277,9 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
         m1 AS (  -- exact: the block's IPCs fit the fixed point (its job is ineligible otherwise)
             SELECT *, is_block AND ({in_range}) AS exact FROM m0
         ),
-        m AS (  -- the window carries only what the aggregation needs
+        m AS (
             SELECT *, exact AND abs(b - a) < delta AND b < d AND a < d AS keep, 0.5 * (b + a) AS co,
-                   -- ordered by offset alone: a job on two partitions fails the one-partition check
-                   CASE WHEN is_block THEN cycle - lag(cycle) OVER (
-                       PARTITION BY job_id, node ORDER BY "offset") END AS step
+                   CASE WHEN is_block THEN {step} END AS step
             FROM m1
         )
         SELECT job_id, node, min("partition"), max("partition"),
@@ -214,10 +296,54 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
         FROM m
         GROUP BY job_id, node
     """).fetchall()
-    typed = sum(int(r[-2]) for r in rows)
     names = [f.name for f in fields(StreamRow)][:-1]  # every field but the sums, in the query's order
     streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[17:23])) for r in rows]
-    return streams, typed, sum(int(r[-1]) for r in rows) - typed
+    return streams, sum(int(r[-2]) for r in rows), sum(int(r[-1]) for r in rows)
+
+
+#: The general fold's order check: a window over the stream (ordered by offset alone: a job on two
+#: partitions fails the one-partition check).
+_STEP_WINDOW = 'cycle - lag(cycle) OVER (PARTITION BY job_id, node ORDER BY "offset")'
+
+
+def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delta: float
+                 ) -> tuple[list[StreamRow], int, int]:
+    """The archive's node.ipc records folded per (job, node) stream, in two passes.
+
+    Every row's typed columns are re-encoded and compared with its value (``_suspects``). For jobs
+    with no suspect row, the typed columns *are* the values' fields, so they are folded as they
+    stand and their cycle order is checked in one streaming pass. The few jobs with a suspect row
+    are folded again from the rows their keys or job ids name, each field from its typed column
+    where that reproduces the value and parsed from the value's JSON otherwise. Returns the
+    streams and the counts of typed and parsed rows."""
+    files = list((archive.root / f"topic={NODE_IPC.name}").glob("date=*/p*.parquet"))
+    if not files:
+        return [], 0, 0
+    glob = str(archive.root / f"topic={NODE_IPC.name}" / "date=*" / "p*.parquet").replace("'", "''")
+    source = _source_sql(glob, files)
+    con = duckdb.connect()
+    delta, join = repr(default_delta), ""
+    if deltas:  # a hash join on every row: only for the jobs whose delta is not the default
+        con.register("deltas", pa.table({"job": list(deltas), "delta": list(deltas.values())}))
+        delta, join = f"coalesce(dl.delta, {default_delta!r})", "LEFT JOIN deltas dl ON dl.job = r.job_id"
+    # The order check is one streaming pass on one core: it runs beside the two parallel scans.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        order = pool.submit(out_of_order_streams, duckdb.connect(config={"threads": 1}), source)
+        suspects = _suspects(con, source)
+        folded, _, _ = _fold(con, _typed_rows_sql(source), delta, join, "NULL")
+        backwards = order.result()
+    streams = [replace(s, increasing=s.increasing and (s.job, s.node) not in backwards)
+               for s in folded if s.job not in suspects.jobs]
+    parsed = 0
+    if suspects.rows:
+        con.register("suspects", pa.table({"key": pa.array(sorted(suspects.keys), pa.binary())}))
+        con.register("suspect_jobs", pa.table({"job": pa.array(sorted(suspects.jobs), pa.string())}))
+        named = (f"(SELECT * FROM {source} WHERE key IN (SELECT key FROM suspects) "
+                 f"OR job_id IN (SELECT job FROM suspect_jobs))")
+        again, typed, total = _fold(con, _rows_sql(named), delta, join, _STEP_WINDOW)
+        streams += [s for s in again if s.job in suspects.jobs]
+        parsed = total - typed
+    return streams, suspects.verified_rows, parsed
 
 
 def _overlapping(files: list[Path]) -> bool:

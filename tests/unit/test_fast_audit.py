@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 
 from factories import POLICY, T0, archive_records, block, build, job_event, left
@@ -216,3 +217,105 @@ def samples_of(instructions, cycles):
     from nodeshare.schemas.events import IpcSample
 
     return (IpcSample(instructions=instructions, cycles=cycles),)
+
+
+# ---------------------------------------------------------------- the order check and the two passes
+
+
+def _scan_order(rows):
+    """A relation of block rows (job, node, offset, cycle) in exactly this scan order."""
+    values = ", ".join(f"({i}, 'shutter_block', '{j}', '{n}', {o}, {c})" for i, (j, n, o, c) in enumerate(rows))
+    return f'(SELECT kind, job_id, node, "offset", cycle FROM (VALUES {values}) t(i, kind, job_id, node, "offset", ' \
+           f'cycle) ORDER BY i)'
+
+
+def _backwards(rows):
+    import duckdb
+
+    from nodeshare.sinks.fast_audit import out_of_order_streams
+
+    return out_of_order_streams(duckdb.connect(config={"threads": 1}), _scan_order(rows))
+
+
+def test_the_order_check_by_hand():
+    # j/a: two runs (two files), increasing across them; j/b: a cycle repeated inside a run
+    rows = [("j", "a", 1, 10), ("j", "a", 5, 11), ("j", "b", 2, 3), ("j", "b", 6, 3),
+            ("j", "a", 7, 12), ("j", "a", 9, 20)]
+    assert _backwards(rows) == {("j", "b")}
+    # k/a: runs disjoint in offsets but the second starts at a lower cycle
+    assert _backwards([("k", "a", 1, 5), ("k", "a", 2, 6), ("x", "a", 3, 0), ("k", "a", 4, 4)]) == {("k", "a")}
+    # m/a: runs that overlap in offsets (1, 3 | 2, 4) are refused even where the cycles would interleave
+    assert _backwards([("m", "a", 1, 1), ("m", "a", 3, 5), ("x", "a", 0, 0), ("m", "a", 2, 6), ("m", "a", 4, 7)]) \
+        == {("m", "a")}
+
+
+def test_the_order_check_never_misses_a_stream_out_of_order():
+    """Any scan order: a stream whose cycles do not strictly increase in offset order is always
+    named; in the archive's own order (sorted by job, node, offset) a stream that does is not."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    streams = st.lists(st.tuples(st.sampled_from("jk"), st.sampled_from("ab"), st.integers(0, 6)),
+                       min_size=1, max_size=14)
+
+    @settings(max_examples=60, deadline=None)
+    @given(streams, st.randoms(use_true_random=False))
+    def check(draw, rnd):
+        rows = [(j, n, offset, c) for offset, (j, n, c) in enumerate(draw)]
+        truth = set()
+        for key in {(j, n) for j, n, _, _ in rows}:
+            cycles = [c for j, n, _, c in rows if (j, n) == key]
+            if any(b <= a for a, b in itertools.pairwise(cycles)):
+                truth.add(key)
+        shuffled = rows[:]
+        rnd.shuffle(shuffled)
+        assert truth <= _backwards(shuffled)
+        assert _backwards(sorted(rows)) == truth
+
+    check()
+
+
+def test_node_ipc_files_are_sorted_by_job_node_and_offset(tmp_path):
+    import pyarrow.parquet as pq
+
+    archive, _, _ = build(tmp_path)
+    for f in _ipc_files(archive):
+        rows = pq.read_table(f, columns=["job_id", "node", "offset"]).to_pylist()
+        keys = [(r["job_id"], r["node"], r["offset"]) for r in rows]
+        assert keys == sorted(keys) and len(keys) > 1
+    ParquetArchive(archive).compact(min_rows=10**9)
+    (merged,) = _ipc_files(archive)
+    keys = [(r["job_id"], r["node"], r["offset"]) for r in pq.read_table(merged).to_pylist()]
+    assert keys == sorted(keys)
+
+
+def test_a_typed_job_id_claiming_another_job_sends_both_to_the_general_pass(tmp_path):
+    import pyarrow.parquet as pq
+
+    archive, ledger, n = build(tmp_path)
+    f = _ipc_files(archive)[0]
+    rows = pq.read_table(f).to_pylist()
+    row = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_block")
+    other = next(r["job_id"] for r in rows if r["job_id"] != rows[row]["job_id"])
+    _edit(f, "job_id", row, other)  # the cache files one of A's blocks under B
+    fast, reference = _both(archive)
+    assert fast.parsed_rows == 1 and fast.charges == reference and len(reference) == n
+    assert audit(archive, ledger, POLICY).ok
+
+
+def test_a_null_typed_column_never_vouches_for_a_value(tmp_path):
+    """concat prints a null as nothing: a value edited to match that (an empty cycle, invalid JSON)
+    must not be taken for the record its typed columns describe."""
+    import pyarrow.parquet as pq
+
+    archive, ledger, _n = build(tmp_path)
+    f = _ipc_files(archive)[0]
+    rows = pq.read_table(f).to_pylist()
+    row = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_block")
+    _edit(f, "cycle", row, None)
+    _edit(f, "value", row, rows[row]["value"].replace(f'"cycle":{rows[row]["cycle"]},'.encode(), b'"cycle":,'))
+    fast = fast_recompute(archive, {}, POLICY)
+    assert fast.parsed_rows == 0 and fast.typed_rows == len(rows) - 1 + sum(
+        pq.ParquetFile(g).metadata.num_rows for g in _ipc_files(archive)[1:])
+    report = audit(archive, ledger, POLICY)  # the worker never counted that block: it is no longer valid
+    assert not report.ok and {m.job_id for m in report.mismatches} == {rows[row]["job_id"]}

@@ -72,9 +72,10 @@ def test_an_edited_archive_event_is_detected(tmp_path):
     f = sorted((archive / "topic=node.ipc").rglob("*.parquet"))[0]
     table = pq.read_table(f)
     values = table.column("value").to_pylist()
-    rec = json.loads(values[0])
+    row = next(i for i, v in enumerate(values) if json.loads(v)["kind"] == "shutter_block")
+    rec = json.loads(values[row])
     rec["during"][0]["instructions"] *= 2  # the shutter "saw" twice the progress
-    values[0] = json.dumps(rec).encode()
+    values[row] = json.dumps(rec).encode()
     pq.write_table(table.set_column(table.schema.get_field_index("value"), "value", [values]), f)
     report = audit(archive, ledger, POLICY)
     assert not report.ok and {m.job_id for m in report.mismatches} == {rec["job_id"]}
