@@ -127,18 +127,17 @@ class FastResult:
     parsed_rows: int = 0  # rows parsed from the value's JSON (no typed columns, or they disagree)
 
 
-def _source_sql(glob: str, files: list[Path]) -> str:
+def _source_sql(glob: str, files: list[Path], dedupe: bool) -> str:
     """The node.ipc files as one relation with every typed column (null where a file has none),
-    each offset once (a compaction in progress leaves copies)."""
+    with ``dedupe`` each offset once (a compaction in progress leaves copies)."""
     if any("kind" in pq.read_schema(f).names for f in files):  # the first one, but for old archives
         source = f"read_parquet('{glob}', union_by_name = true)"
     else:
         nulls = ", ".join(f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
                           for name, kind, _ in IPC_FIELDS)
         source = f"(SELECT *, {nulls} FROM read_parquet('{glob}'))"
-    if _overlapping(files):  # sorted again as the files are, for the order check's runs
-        source = (f'(SELECT * FROM {source} QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1 '
-                  f'ORDER BY job_id, node, "offset")')
+    if dedupe:
+        source = f'(SELECT * FROM {source} QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1)'
     return source
 
 
@@ -320,7 +319,10 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     if not files:
         return [], 0, 0
     glob = str(archive.root / f"topic={NODE_IPC.name}" / "date=*" / "p*.parquet").replace("'", "''")
-    source = _source_sql(glob, files)
+    overlapping = _overlapping(files)
+    source = _source_sql(glob, files, overlapping)
+    # Removing copies loses the files' row order; only the order check needs it back.
+    in_file_order = f'(SELECT * FROM {source} ORDER BY job_id, node, "offset")' if overlapping else source
     con = duckdb.connect()
     delta, join = repr(default_delta), ""
     if deltas:  # a hash join on every row: only for the jobs whose delta is not the default
@@ -328,7 +330,7 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
         delta, join = f"coalesce(dl.delta, {default_delta!r})", "LEFT JOIN deltas dl ON dl.job = r.job_id"
     # The order check is one streaming pass on one core: it runs beside the two parallel scans.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        order = pool.submit(out_of_order_streams, duckdb.connect(config={"threads": 1}), source)
+        order = pool.submit(out_of_order_streams, duckdb.connect(config={"threads": 1}), in_file_order)
         suspects = _suspects(con, source)
         folded, _, _ = _fold(con, _typed_rows_sql(source), delta, join, "NULL")
         backwards = order.result()
