@@ -741,17 +741,20 @@ def archive_prune(
 
 @bench_app.command("audit")
 def bench_audit(
-    blocks: Annotated[int, typer.Option(min=1000, help="shutter blocks in the synthetic archive")] = 1_000_000,
-    workdir: Annotated[Path, typer.Option(help="where the synthetic archive is written")] = Path("bench"),
+    blocks: Annotated[int, typer.Option(min=1000, help="about this many shutter blocks in the simulated archive")
+                      ] = 1_000_000,
+    workdir: Annotated[Path, typer.Option(help="where the simulated archive is written")] = Path("bench"),
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/audit.json"),
     rounds: Annotated[int, typer.Option(min=1, help="alternating rounds of scan and audit")] = 5,
 ) -> None:
-    """Samples per second the vectorized audit recomputes from a large archive, and its ratio to a
-    plain DuckDB scan of the same files (medians over alternating rounds)."""
+    """Samples per second the vectorized audit recomputes from a large archive made by the calibrated
+    simulator, and its ratio to a plain DuckDB scan of the same files (medians over alternating rounds)."""
     from nodeshare.sinks.bench_audit import as_json, run_audit_bench
 
-    err.print(f"writing a synthetic archive of {blocks:,} blocks under {workdir} ...")
-    result = run_audit_bench(workdir, blocks, rounds)
+    with _progress() as bar:
+        task = bar.add_task("simulating the cluster", total=blocks)
+        result = run_audit_bench(workdir, blocks, rounds, progress=lambda done: bar.update(
+            task, completed=min(done, blocks)))
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(as_json(result) + "\n")
     out.print(as_json(result))

@@ -1,28 +1,37 @@
 """`nodeshare bench audit`: how fast the vectorized audit recomputes charges from a large archive.
 
-A synthetic archive of valid records (K = 1 shutter blocks around a per-job true IPC ratio,
-JobLeftNode markers and end events) is written the way the archive sink writes, then timed:
-the vectorized recomputation of every charge, and a plain DuckDB scan of the same files
-(reading every column: the value bytes and the typed columns) as the yardstick, in alternating
-rounds so that a shared machine's drift slows both alike.
+The calibrated cluster simulator runs a shared cluster until it has sent the asked number of
+shutter blocks; its node.ipc and jobs.lifecycle records (the topics the audit reads) are archived
+as the archive sink would store them, then compacted. Then, in alternating rounds so that a
+shared machine's drift slows both alike: the vectorized recomputation of every charge, and a
+plain DuckDB scan of the same files (reading every column: the value bytes and the typed
+columns) as the yardstick.
+
+``block_json`` and friends write valid records fast without a model, for the stream bench.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import duckdb
 import numpy as np
 import pyarrow as pa
+from aiokafka.partitioner import murmur2
 
-from nodeshare.schemas import SCHEMA_VERSION
+from nodeshare.producers.calibrated import SLOTS, CalibratedConfig, JobSpec, RecordSink, run_cluster, synthetic_jobs
+from nodeshare.schemas import SCHEMA_VERSION, TOPIC_OF_RECORD, ShutterBlock, encode, key_of
+from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.streams.accounting import PricingPolicy
 
 from .archive import IPC_FIELDS, ArchivedEvent, ParquetArchive
@@ -88,46 +97,90 @@ def synthetic_instructions(n: int, rng: np.random.Generator) -> np.ndarray:
     return np.rint(ipc * _CYC).astype(np.int64)
 
 
-def write_synthetic_archive(root: Path, blocks: int, blocks_per_job: int = 1000, seed: int = 1,
-                            batch: int = 50_000) -> int:
-    """Write ``blocks`` shutter blocks (plus markers and end events) into an archive at ``root``."""
-    rng = np.random.default_rng(seed)
-    archive = ParquetArchive(root)
-    jobs = max(1, blocks // blocks_per_job)
-    ipc_rows: list[ArchivedEvent] = []
-    life_rows: list[ArchivedEvent] = []
-    offset = 0
-
-    def flush(force: bool = False) -> None:
-        nonlocal ipc_rows
-        if ipc_rows and (force or len(ipc_rows) >= batch):
-            archive.write("node.ipc", ipc_rows)
-            ipc_rows = []
-
-    for j in range(jobs):
-        job = str(1_000_000 + j)
-        n = blocks_per_job if j < jobs - 1 else blocks - blocks_per_job * (jobs - 1)
-        instr = synthetic_instructions(n, rng)
-        ts = int(_T0.timestamp() * 1000) + j
-        for c in range(n):
-            b, d, a = instr[c]
-            value = block_json(job, f"n{j % 97}", c, b, d, a)
-            ipc_rows.append(ArchivedEvent("node.ipc", 0, offset, ts, job.encode(), value.encode()))
-            offset += 1
-        left = left_json(job, f"n{j % 97}", n)
-        ipc_rows.append(ArchivedEvent("node.ipc", 0, offset, ts, job.encode(), left.encode()))
-        offset += 1
-        life = end_json(job, f"n{j % 97}")
-        life_rows.append(ArchivedEvent("jobs.lifecycle", 0, j, ts, job.encode(), life.encode()))
-        flush()
-    flush(force=True)
-    archive.write("jobs.lifecycle", life_rows)
-    return jobs
+#: A broker appends a record a few milliseconds after the agent stamped it (the archive keeps the
+#: broker's timestamp; the clock rule compares the two).
+_BROKER_LAG_MS = 3
+_MAX_NODES = 4  # the widest job of the bench's cluster
 
 
-def run_audit_bench(workdir: Path, blocks: int, rounds: int = 5) -> AuditBench:
+class _ArchivingSink(RecordSink):
+    """The calibrated simulator's records as the archive sink stores them: each audited topic's
+    records encoded as the producers encode them, keyed and partitioned as the Kafka producer
+    does (murmur2 of the key), numbered per partition, written in sink-sized batches. The topics
+    the audit does not read (shutter windows, CAT episodes, inventory) are not built."""
+
+    TOPICS = (NODE_IPC.name, JOBS_LIFECYCLE.name)
+
+    def __init__(self, cfg: CalibratedConfig, archive: ParquetArchive, partitions: int, batch: int) -> None:
+        super().__init__(cfg)
+        self.archive, self.partitions, self.batch = archive, partitions, batch
+        self.offsets: dict[tuple[str, int], int] = defaultdict(int)
+        self.pending: dict[str, list[ArchivedEvent]] = {t: [] for t in self.TOPICS}
+        self.blocks_written = 0
+
+    def windows(self, t_start: float, t_end: float, cycle: int, nodes: np.ndarray, lone: np.ndarray,
+                paused: np.ndarray) -> None:
+        pass  # node.shutter
+
+    def cat_profile(self, t: float, job: int, nodes: tuple[str, ...]) -> None:
+        pass  # node.llc
+
+    def flush(self, force: bool = False) -> None:
+        for record in self.drain():
+            topic = TOPIC_OF_RECORD[type(record)].name
+            if topic not in self.pending:
+                continue
+            key = key_of(record)
+            partition = (murmur2(key) & 0x7FFFFFFF) % self.partitions  # Kafka's default partitioner
+            offset = self.offsets[(topic, partition)]
+            self.offsets[(topic, partition)] = offset + 1
+            stamp = round(record.event_time.timestamp() * 1000) + _BROKER_LAG_MS
+            self.pending[topic].append(ArchivedEvent(topic, partition, offset, stamp, key, encode(record)))
+            self.blocks_written += isinstance(record, ShutterBlock)
+        for topic, rows in self.pending.items():
+            if rows and (force or len(rows) >= self.batch):
+                self.archive.write(topic, rows)
+                rows.clear()
+
+
+def simulated_jobs(cfg: CalibratedConfig, blocks: int, waves: float = 5.0) -> list[JobSpec]:
+    """Jobs for about ``blocks`` shutter blocks on a full cluster. A shared node sends one block
+    per cycle, for the job in the slot left alone, so a job on ``n`` nodes sends about
+    ``n * run time / (2 cycles)``; each slot runs about ``waves`` jobs one after another, all
+    submitted early so that a queue keeps every node shared. (Contention stretches run times, so
+    a run sends somewhat more blocks than asked.)"""
+    cycle_s = 3 * cfg.k * cfg.sample_us / 1e6 + cfg.period_ms / 1e3
+    makespan_s = blocks / cfg.nodes * cycle_s
+    widths = [s.nodes for s in synthetic_jobs(1000, cfg.seed, max_nodes=_MAX_NODES)]
+    n = max(2, math.ceil(waves * SLOTS * cfg.nodes / float(np.mean(widths))))
+    specs = synthetic_jobs(n, cfg.seed, span_s=0.1 * makespan_s, max_nodes=_MAX_NODES)
+    scale = blocks * 2 * cycle_s / sum(s.work_s * s.nodes for s in specs)
+    return [replace(s, work_s=s.work_s * scale) for s in specs]
+
+
+def write_simulated_archive(root: Path, blocks: int, *, nodes: int = 64, partitions: int = 4, seed: int = 1,
+                            batch: int = 50_000, progress: Callable[[int], None] | None = None) -> int:
+    """Run the calibrated cluster simulator until it has sent about ``blocks`` shutter blocks (every
+    job runs to its end) and archive its node.ipc and jobs.lifecycle records at ``root``; then
+    compact, as an operator would. Returns the number of jobs; ``progress`` gets the blocks so far."""
+    cfg = CalibratedConfig(nodes=nodes, seed=seed)
+    sink = _ArchivingSink(cfg, ParquetArchive(root), partitions, batch)
+
+    def step(_t: float) -> None:
+        sink.flush()
+        if progress is not None:
+            progress(sink.blocks_written)
+
+    result = run_cluster(cfg, simulated_jobs(cfg, blocks), sink=sink, progress=step)
+    sink.flush(force=True)
+    ParquetArchive(root).compact()
+    return len(result.truth)
+
+
+def run_audit_bench(workdir: Path, blocks: int, rounds: int = 5,
+                    progress: Callable[[int], None] | None = None) -> AuditBench:
     root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
-    jobs = write_synthetic_archive(root, blocks)
+    jobs = write_simulated_archive(root, blocks, progress=progress)
     archive = ParquetArchive(root)
     files = archive.files()
     glob = str(root / "topic=*" / "date=*" / "p*.parquet").replace("'", "''")
@@ -154,7 +207,7 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 5) -> AuditBench:
     archive_mb = round(sum(f.stat().st_size for f in files) / 1e6, 1)
     shutil.rmtree(root)  # hundreds of MB at large sizes; the bench regenerates it
     return AuditBench(
-        blocks=blocks, jobs=jobs, samples=samples, files=len(files),
+        blocks=samples // 3, jobs=jobs, samples=samples, files=len(files),
         archive_mb=archive_mb,
         audit_s=round(audit_s, 3), samples_per_s=round(samples / audit_s),
         scan_s=round(scan_s, 4), ratio_to_scan=round(float(np.median(ratios)), 4),
