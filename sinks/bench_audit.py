@@ -35,7 +35,7 @@ from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.streams.accounting import PricingPolicy
 
 from .archive import IPC_FIELDS, ArchivedEvent, ParquetArchive
-from .fast_audit import fast_recompute
+from .fast_audit import FastResult, fast_recompute
 
 _T0 = datetime(2026, 1, 1, tzinfo=UTC)
 _CYC = 8_320_000  # cycles of one 3.2 ms sample on 2.6 GHz x 1 thread
@@ -177,12 +177,9 @@ def write_simulated_archive(root: Path, blocks: int, *, nodes: int = 64, partiti
     return len(result.truth)
 
 
-def run_audit_bench(workdir: Path, blocks: int, rounds: int = 5,
-                    progress: Callable[[int], None] | None = None) -> AuditBench:
-    root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
-    jobs = write_simulated_archive(root, blocks, progress=progress)
-    archive = ParquetArchive(root)
-    files = archive.files()
+def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], FastResult]:
+    """Seconds of the plain scan and of the audit, in alternating rounds (a machine that slows down
+    mid-bench slows both alike), and the audit's last result."""
     glob = str(root / "topic=*" / "date=*" / "p*.parquet").replace("'", "''")
     # The yardstick reads every column of every file: the value bytes and the typed columns.
     strings = [n for n, kind, _ in IPC_FIELDS if kind == pa.string()]
@@ -192,20 +189,34 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 5,
                   f"sum({' + '.join(f'coalesce(length({n}), 0)' for n in strings)}) "
                   f"FROM read_parquet('{glob}', union_by_name = true)")
     scan, runs = [], []
-    for _ in range(rounds):  # interleaved: a machine that slows down mid-bench slows both alike
+    result = FastResult()
+    for _ in range(rounds):
         t = time.perf_counter()
         duckdb.connect().execute(everything).fetchall()
         scan.append(time.perf_counter() - t)
         t = time.perf_counter()
         result = fast_recompute(root, {}, PricingPolicy())
         runs.append(time.perf_counter() - t)
-    assert not result.ineligible and len(result.charges) == jobs, "the synthetic archive must be all clean"
-    assert result.parsed_rows == 0, "every synthetic record must be read from its typed columns"
+    return scan, runs, result
+
+
+def run_audit_bench(workdir: Path, blocks: int, rounds: int = 5,
+                    progress: Callable[[int], None] | None = None) -> AuditBench:
+    root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
+    try:
+        jobs = write_simulated_archive(root, blocks, progress=progress)
+        files = ParquetArchive(root).files()
+        archive_mb = round(sum(f.stat().st_size for f in files) / 1e6, 1)
+        scan, runs, result = _timed_rounds(root, rounds)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # hundreds of MB at large sizes; the bench regenerates it
+    if result.ineligible or len(result.charges) != jobs or result.parsed_rows:
+        raise RuntimeError(f"the simulated archive must be all clean and read from its typed columns: "
+                           f"{len(result.charges)} charges of {jobs} jobs, {len(result.ineligible)} ineligible, "
+                           f"{result.parsed_rows} rows parsed")
     audit_s, scan_s = float(np.median(runs)), float(np.median(scan))
     ratios = [s / a for s, a in zip(scan, runs, strict=True)]
     samples = result.samples
-    archive_mb = round(sum(f.stat().st_size for f in files) / 1e6, 1)
-    shutil.rmtree(root)  # hundreds of MB at large sizes; the bench regenerates it
     return AuditBench(
         blocks=samples // 3, jobs=jobs, samples=samples, files=len(files),
         archive_mb=archive_mb,
