@@ -131,9 +131,9 @@ class ParquetArchive:
                 hw[key] = max(hw.get(key, -1), r[2])
         return hw
 
-    def _glob(self) -> str:
-        """The files' glob as a SQL string literal body (quotes doubled)."""
-        return str(self.root / "topic=*" / "date=*" / "p*.parquet").replace("'", "''")
+    def _glob(self, topic: str = "*") -> str:
+        """The files' glob (of one topic, or all) as a SQL string literal body (quotes doubled)."""
+        return str(self.root / f"topic={topic}" / "date=*" / "p*.parquet").replace("'", "''")
 
     def write(self, topic: str, rows: list[ArchivedEvent]) -> list[Path]:
         """Durably write rows of one catalog topic; one file per (date, partition)."""
@@ -171,9 +171,10 @@ class ParquetArchive:
             key_filter = "AND key IN (SELECT unnest(?))"
             params.append(list(keys))
         con = duckdb.connect()
+        globs = ", ".join(f"'{self._glob(t)}'" for t in wanted)  # only these topics' files are opened
         rows = con.execute(
             f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
-                FROM read_parquet('{self._glob()}', hive_partitioning = true, union_by_name = true)
+                FROM read_parquet([{globs}], hive_partitioning = true, union_by_name = true)
                 WHERE topic IN (SELECT unnest(?)) {key_filter}
                 QUALIFY row_number() OVER (PARTITION BY topic, "partition", "offset") = 1
                 ORDER BY topic, "partition", "offset" """,
