@@ -305,8 +305,8 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
 _STEP_WINDOW = 'cycle - lag(cycle) OVER (PARTITION BY job_id, node ORDER BY "offset")'
 
 
-def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delta: float
-                 ) -> tuple[list[StreamRow], int, int]:
+def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delta: float,
+                 con: duckdb.DuckDBPyConnection | None = None) -> tuple[list[StreamRow], int, int]:
     """The archive's node.ipc records folded per (job, node) stream, in two passes.
 
     Every row's typed columns are re-encoded and compared with its value (``_suspects``). For jobs
@@ -314,7 +314,8 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     stand and their cycle order is checked in one streaming pass. The few jobs with a suspect row
     are folded again from the rows their keys or job ids name, each field from its typed column
     where that reproduces the value and parsed from the value's JSON otherwise. Returns the
-    streams and the counts of typed and parsed rows."""
+    streams and the counts of typed and parsed rows. ``con``: a cursor of an open in-memory database
+    (default: a new one)."""
     files = list((archive.root / f"topic={NODE_IPC.name}").glob("date=*/p*.parquet"))
     if not files:
         return [], 0, 0
@@ -323,14 +324,14 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     source = _source_sql(glob, files, overlapping)
     # Removing copies loses the files' row order; only the order check needs it back.
     in_file_order = f'(SELECT * FROM {source} ORDER BY job_id, node, "offset")' if overlapping else source
-    con = duckdb.connect()
+    con = con if con is not None else duckdb.connect()
     delta, join = repr(default_delta), ""
     if deltas:  # a hash join on every row: only for the jobs whose delta is not the default
         con.register("deltas", pa.table({"job": list(deltas), "delta": list(deltas.values())}))
         delta, join = f"coalesce(dl.delta, {default_delta!r})", "LEFT JOIN deltas dl ON dl.job = r.job_id"
-    # The order check is one streaming pass on one core: it runs beside the two parallel scans.
+    # The order check is one streaming pass: it runs beside the two parallel scans.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        order = pool.submit(out_of_order_streams, duckdb.connect(config={"threads": 1}), in_file_order)
+        order = pool.submit(out_of_order_streams, con.cursor(), in_file_order)
         suspects = _suspects(con, source)
         folded, _, _ = _fold(con, _typed_rows_sql(source), delta, join, "NULL")
         backwards = order.result()
@@ -355,12 +356,13 @@ def _overlapping(files: list[Path]) -> bool:
     return any(a[0] == b[0] and b[1] <= a[2] for a, b in itertools.pairwise(ranges))
 
 
-def terminal_events(archive: ParquetArchive) -> tuple[dict[str, list[TerminalEvent]], set[str]]:
+def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | None = None
+                    ) -> tuple[dict[str, list[TerminalEvent]], set[str]]:
     """Decoded terminal (charged) lifecycle events per job, through the reference decoder (they are
     few), and the jobs with a terminal event the clock rule refuses (left to the reference path)."""
     out: dict[str, list[TerminalEvent]] = defaultdict(list)
     wrong_clock: set[str] = set()
-    for topic, ev in archive.events([JOBS_LIFECYCLE.name]):
+    for topic, ev in archive.events([JOBS_LIFECYCLE.name], con=con):
         try:
             rec = decode(BY_NAME[topic], ev.value)
         except DecodeError:
@@ -380,9 +382,12 @@ def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], defau
     default_delta = common[0][0] if common else default.delta
     deltas = {job: p.delta for job, p in policies.items() if p.delta != default_delta}
     # The lifecycle events are decoded in Python while DuckDB (which releases the GIL) folds node.ipc.
+    # One in-memory database for every query of the audit (opening one costs 15-30 ms), a cursor
+    # per thread.
+    con = duckdb.connect()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        terminals = pool.submit(terminal_events, archive)
-        streams, typed, parsed = read_streams(archive, deltas, default_delta)
+        terminals = pool.submit(terminal_events, archive, con.cursor())
+        streams, typed, parsed = read_streams(archive, deltas, default_delta, con.cursor())
         ends, wrong_clock = terminals.result()
     result = FastResult(typed_rows=typed, parsed_rows=parsed)
     by_job: dict[str, dict[str | None, StreamRow]] = defaultdict(dict)
