@@ -200,7 +200,7 @@ def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], Fa
     return scan, runs, result
 
 
-def run_audit_bench(workdir: Path, blocks: int, rounds: int = 5,
+def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
                     progress: Callable[[int], None] | None = None) -> AuditBench:
     root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
     try:
