@@ -117,8 +117,9 @@ class ParquetArchive:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
-    def files(self) -> list[Path]:
-        return sorted(self.root.glob("topic=*/date=*/p*.parquet"))
+    def files(self, topic: str = "*") -> list[Path]:
+        """The archive's Parquet files (of one catalog topic, or all)."""
+        return sorted(self.root.glob(f"topic={topic}/date=*/p*.parquet"))
 
     def high_water(self) -> dict[tuple[str, int], int]:
         """(catalog topic, partition) -> the highest offset archived (pruned ones included: the
@@ -131,7 +132,7 @@ class ParquetArchive:
                 hw[key] = max(hw.get(key, -1), r[2])
         return hw
 
-    def _glob(self, topic: str = "*") -> str:
+    def glob_sql(self, topic: str = "*") -> str:
         """The files' glob (of one topic, or all) as a SQL string literal body (quotes doubled)."""
         return str(self.root / f"topic={topic}" / "date=*" / "p*.parquet").replace("'", "''")
 
@@ -164,20 +165,20 @@ class ParquetArchive:
         """Archived events of the given catalog topics (and message keys, when given), each once, in
         (topic, partition, offset) order; read with ``con`` (a cursor of a database the caller
         already opened: opening one costs 15-30 ms) or a fresh database."""
-        wanted = [t for t in topics if (self.root / f"topic={t}").is_dir()]
+        wanted = [t for t in topics if self.files(t)]  # a glob that matches nothing is an error
         if not wanted:
             return
-        params: list[object] = [wanted]
+        params: list[object] = []
         key_filter = ""
         if keys is not None:
-            key_filter = "AND key IN (SELECT unnest(?))"
+            key_filter = "WHERE key IN (SELECT unnest(?))"
             params.append(list(keys))
         con = con if con is not None else duckdb.connect()
-        globs = ", ".join(f"'{self._glob(t)}'" for t in wanted)  # only these topics' files are opened
+        globs = ", ".join(f"'{self.glob_sql(t)}'" for t in wanted)  # only these topics' files are opened
         rows = con.execute(
             f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
                 FROM read_parquet([{globs}], hive_partitioning = true, union_by_name = true)
-                WHERE topic IN (SELECT unnest(?)) {key_filter}
+                {key_filter}
                 QUALIFY row_number() OVER (PARTITION BY topic, "partition", "offset") = 1
                 ORDER BY topic, "partition", "offset" """,
             params,
@@ -287,7 +288,7 @@ class ParquetArchive:
         if not self.files():
             return 0
         row = duckdb.connect().execute(
-            f"SELECT count(*) FROM read_parquet('{self._glob()}', union_by_name = true)").fetchone()
+            f"SELECT count(*) FROM read_parquet('{self.glob_sql()}', union_by_name = true)").fetchone()
         return int(row[0]) if row else 0
 
 

@@ -180,7 +180,7 @@ def write_simulated_archive(root: Path, blocks: int, *, nodes: int = 64, partiti
 def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], FastResult]:
     """Seconds of the plain scan and of the audit, in alternating rounds (a machine that slows down
     mid-bench slows both alike), and the audit's last result."""
-    glob = str(root / "topic=*" / "date=*" / "p*.parquet").replace("'", "''")
+    glob = ParquetArchive(root).glob_sql()
     # The yardstick reads every column of every file: the value bytes and the typed columns.
     strings = [n for n, kind, _ in IPC_FIELDS if kind == pa.string()]
     numbers = [n for n, kind, _ in IPC_FIELDS if kind != pa.string()]

@@ -316,10 +316,10 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     where that reproduces the value and parsed from the value's JSON otherwise. Returns the
     streams and the counts of typed and parsed rows. ``con``: a cursor of an open in-memory database
     (default: a new one)."""
-    files = list((archive.root / f"topic={NODE_IPC.name}").glob("date=*/p*.parquet"))
+    files = archive.files(NODE_IPC.name)
     if not files:
         return [], 0, 0
-    glob = str(archive.root / f"topic={NODE_IPC.name}" / "date=*" / "p*.parquet").replace("'", "''")
+    glob = archive.glob_sql(NODE_IPC.name)
     overlapping = _overlapping(files)
     source = _source_sql(glob, files, overlapping)
     # Removing copies loses the files' row order; only the order check needs it back.

@@ -325,3 +325,12 @@ def test_the_ledger_sink_waits_for_a_readers_lock_and_names_a_reader_that_never_
     finally:
         reader.kill()
         reader.wait()
+
+
+def test_events_read_only_the_topics_asked_and_skip_an_emptied_topic(tmp_path):
+    store = ParquetArchive(tmp_path)
+    store.write("jobs.lifecycle", [ArchivedEvent("jobs.lifecycle", 0, 0, 1_767_225_600_000, b"1", b"{}")])
+    store.write("node.power", [ArchivedEvent("node.power", 0, 0, 1_767_225_600_000, b"n1", b"{}")])
+    (tmp_path / "topic=node.ipc").mkdir()  # e.g. every date pruned
+    got = [(topic, ev.key) for topic, ev in store.events(["jobs.lifecycle", "node.ipc"])]
+    assert got == [("jobs.lifecycle", b"1")]
