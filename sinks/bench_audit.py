@@ -6,8 +6,6 @@ as the archive sink would store them, then compacted. Then, in alternating round
 shared machine's drift slows both alike: the vectorized recomputation of every charge, and a
 plain DuckDB scan of the same files (reading every column: the value bytes and the typed
 columns) as the yardstick.
-
-``block_json`` and friends write valid records fast without a model, for the stream bench.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
@@ -30,15 +28,12 @@ import pyarrow as pa
 from aiokafka.partitioner import murmur2
 
 from nodeshare.producers.calibrated import SLOTS, CalibratedConfig, JobSpec, RecordSink, run_cluster, synthetic_jobs
-from nodeshare.schemas import SCHEMA_VERSION, TOPIC_OF_RECORD, ShutterBlock, encode, key_of
+from nodeshare.schemas import TOPIC_OF_RECORD, ShutterBlock, encode, key_of
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.streams.accounting import PricingPolicy
 
 from .archive import IPC_FIELDS, ArchivedEvent, ParquetArchive
 from .fast_audit import FastResult, fast_recompute
-
-_T0 = datetime(2026, 1, 1, tzinfo=UTC)
-_CYC = 8_320_000  # cycles of one 3.2 ms sample on 2.6 GHz x 1 thread
 
 
 @dataclass
@@ -56,45 +51,6 @@ class AuditBench:
     rounds: int
     machine: str
     date: str
-
-
-def block_json(job: str, node: str, cycle: int, before: int, during: int, after: int) -> str:
-    """A valid K = 1 shutter block with these instruction counts, as JSON (fast: no model)."""
-    return (
-        f'{{"event_id":"{job}-{cycle}","schema_version":{SCHEMA_VERSION},"source":"bench","event_time":'
-        f'"2026-01-01T00:00:00Z","kind":"shutter_block","job_id":"{job}","node":"{node}","cycle":{cycle},'
-        f'"k":1,"sample_us":3200,"counter":"simulated",'
-        f'"before":[{{"instructions":{before},"cycles":{_CYC},"threads":1}}],'
-        f'"during":[{{"instructions":{during},"cycles":{_CYC},"threads":1}}],'
-        f'"after":[{{"instructions":{after},"cycles":{_CYC},"threads":1}}]}}'
-    )
-
-
-def left_json(job: str, node: str, blocks: int) -> str:
-    """The JobLeftNode marker closing a stream of ``blocks`` blocks (cycles 0..blocks-1)."""
-    return (f'{{"event_id":"{job}-left","schema_version":{SCHEMA_VERSION},"source":"bench",'
-            f'"event_time":"2026-01-01T01:00:00Z",'
-            f'"kind":"job_left_node","job_id":"{job}","node":"{node}","blocks_sent":{blocks},'
-            f'"last_cycle":{blocks - 1},"paused_us":{blocks * 3200}}}')
-
-
-def end_json(job: str, node: str) -> str:
-    """The job's end event: one hour on ``node`` with 8 cores."""
-    end = _T0 + timedelta(hours=1)
-    return json.dumps({
-        "event_id": f"{job}-end", "source": "bench", "event_time": end.isoformat(), "kind": "job_event",
-        "job_id": job, "state": "ended", "user": "u", "account": "a", "program": "p", "cores": 8,
-        "nodes": [node], "start_time": _T0.isoformat(), "end_time": end.isoformat(),
-    })
-
-
-def synthetic_instructions(n: int, rng: np.random.Generator) -> np.ndarray:
-    """(n, 3) instruction counts (before, during, after) of one job's K = 1 blocks: a solo IPC in
-    0.5-2.0, slowed by 0-40% next to its co-runners (before and after), with 2% noise."""
-    solo, slow = rng.uniform(0.5, 2.0), rng.uniform(0.6, 1.0)
-    noise = rng.normal(1.0, 0.02, size=(n, 3))
-    ipc = np.column_stack([solo * slow * noise[:, 0], solo * noise[:, 1], solo * slow * noise[:, 2]])
-    return np.rint(ipc * _CYC).astype(np.int64)
 
 
 #: A broker appends a record a few milliseconds after the agent stamped it (the archive keeps the
@@ -164,7 +120,8 @@ def write_simulated_archive(root: Path, blocks: int, *, nodes: int = 64, partiti
     job runs to its end) and archive its node.ipc and jobs.lifecycle records at ``root``; then
     compact, as an operator would. Returns the number of jobs; ``progress`` gets the blocks so far."""
     cfg = CalibratedConfig(nodes=nodes, seed=seed)
-    sink = _ArchivingSink(cfg, ParquetArchive(root), partitions, batch)
+    archive = ParquetArchive(root)
+    sink = _ArchivingSink(cfg, archive, partitions, batch)
 
     def step(_t: float) -> None:
         sink.flush()
@@ -173,7 +130,7 @@ def write_simulated_archive(root: Path, blocks: int, *, nodes: int = 64, partiti
 
     result = run_cluster(cfg, simulated_jobs(cfg, blocks), sink=sink, progress=step)
     sink.flush(force=True)
-    ParquetArchive(root).compact()
+    archive.compact()
     return len(result.truth)
 
 
