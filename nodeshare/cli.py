@@ -745,7 +745,7 @@ def bench_audit(
                       ] = 1_000_000,
     workdir: Annotated[Path, typer.Option(help="where the simulated archive is written")] = Path("bench"),
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/audit.json"),
-    rounds: Annotated[int, typer.Option(min=1, help="alternating rounds of scan and audit (about 1.5 s each at "
+    rounds: Annotated[int, typer.Option(min=1, help="alternating rounds of scan and audit (about 1.2 s each at "
                                                     "1 M blocks; the noisier the machine, the more)")] = 11,
 ) -> None:
     """Samples per second the vectorized audit recomputes from a large archive made by the calibrated
