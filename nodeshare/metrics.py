@@ -14,7 +14,8 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 EVENTS_IN = Counter("nodeshare_events_in_total", "Input messages consumed", ["topic"])
 EVENTS_OUT = Counter("nodeshare_events_out_total", "Messages published", ["topic"])
 DEAD_LETTERS = Counter("nodeshare_dead_letters_total", "Input refused, by kind", ["kind"])
-SHUTTER_BLOCKS = Counter("nodeshare_shutter_blocks_total", "Shutter blocks by the Alg. 4 filter's verdict",
+SHUTTER_BLOCKS = Counter("nodeshare_shutter_blocks_total",
+                         "Shutter blocks counted (accepted or rejected by Alg. 4) or refused (bad, duplicate, late)",
                          ["verdict"])
 CHARGES_EMITTED = Counter("nodeshare_charges_emitted_total", "Charge revisions published by the stream worker")
 PROCESSING_SECONDS = Histogram("nodeshare_processing_seconds", "Time to apply one input message",

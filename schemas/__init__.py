@@ -31,6 +31,9 @@ from .events import (
     PowerReading,
     ProgramProfile,
     Record,
+    RowProblem,
+    SampleMoments,
+    ShutterBatch,
     ShutterBlock,
     ShutterWindow,
     clock_problem,
@@ -42,6 +45,7 @@ __all__ = [
     "Charge", "CounterSource", "DeadLetter", "DecodeError", "DegradationEstimate", "EstimateStatus",
     "IpcSample", "JobEvent", "JobLeftNode", "JobState", "LlcSample", "NodeBlocks", "NodeInventory", "OffsetRange",
     "PlacementDecision", "PowerDecision", "PowerReading", "ProgramProfile", "Record", "Role",
-    "ShutterBlock", "ShutterWindow", "TopicSpec", "clock_problem", "decode", "decode_model", "encode",
+    "RowProblem", "SampleMoments", "ShutterBatch", "ShutterBlock", "ShutterWindow",
+    "TopicSpec", "clock_problem", "decode", "decode_model", "encode",
     "key_of", "spec_for_topic",
 ]

@@ -21,6 +21,7 @@ from .events import (
     PowerReading,
     ProgramProfile,
     Record,
+    ShutterBatch,
     ShutterBlock,
     ShutterWindow,
 )
@@ -54,11 +55,11 @@ class TopicSpec:
         return f"{prefix}{self.name}"
 
 
-NodeIpcValue = Annotated[ShutterBlock | JobLeftNode, Field(discriminator="kind")]
+NodeIpcValue = Annotated[ShutterBatch | ShutterBlock | JobLeftNode, Field(discriminator="kind")]
 
 NODE_IPC = TopicSpec(
     "node.ipc", "job_id", NodeIpcValue, Role.INPUT, "delete",
-    "shutter blocks (K samples before/during/after) and end-of-stream markers, per job per node",
+    "batches of shutter blocks (K samples before/during/after, columnar) and end-of-stream markers, per job per node",
 )
 NODE_SHUTTER = TopicSpec(
     "node.shutter", "node", ShutterWindow, Role.INPUT, "delete",

@@ -29,7 +29,12 @@ from pydantic import (
 #:   refill-corrected estimate (``degradation_corrected``, ``corrected``). Version-1 rows lack
 #:   both and read as ``estimator="poppa_alg4"``, the only estimator version 1 had, so an audit
 #:   recomputes them as they were made. Input records did not change.
-SCHEMA_VERSION = 2
+#: * 3: ``node.ipc`` carries ``ShutterBatch``: a run of consecutive blocks of one job on one node,
+#:   columnar, so one Kafka message moves many blocks. A version-1/2 ``ShutterBlock`` still reads
+#:   as a batch of one. ``DegradationEstimate`` is also published while a job runs (per batch) with
+#:   the job's IPC moments (``features``) for the placement manager; ``DeadLetter`` names the bad
+#:   rows of a batch whose other rows were counted (``rows``).
+SCHEMA_VERSION = 3
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -41,6 +46,11 @@ MAX_AHEAD_OF_BROKER_S = 3600.0
 #: Upper bound on K (samples per shutter region). POPPA fixes K = 1 (Seed 002, Section 5.1 footnote);
 #: anything beyond this is a broken agent, not a measurement.
 MAX_SAMPLES_PER_REGION = 64
+#: Upper bound on the blocks of one ShutterBatch. The agent's byte bound keeps a batch far below a
+#: broker's 1 MB message limit (a K = 1 block is about 80 bytes of JSON); this only refuses nonsense.
+MAX_BATCH_BLOCKS = 4096
+#: Counts at or above this are not exact in float64, so no IPC computed from them is trusted.
+MAX_EXACT_COUNT = 2**53
 
 JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$")]
 NodeName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
@@ -131,6 +141,68 @@ class ShutterBlock(Record):
         if k is not None and len(v) != k:
             raise ValueError(f"expected k={k} samples, got {len(v)}")
         return v
+
+
+class SampleColumns(BaseModel):
+    """K samples per block of one region, columnar and block-major: block i's samples are
+    ``[i * k, (i + 1) * k)``. Values are checked per row (``ShutterBatch.row_problems``), not
+    here, so one bad block does not refuse its batch."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    instructions: tuple[int, ...]
+    cycles: tuple[int, ...]
+    threads: tuple[int, ...]
+
+
+REGIONS = ("before", "during", "after")
+SAMPLE_FIELDS = ("instructions", "cycles", "threads")
+
+
+class ShutterBatch(Record):
+    """A run of consecutive shutter blocks of one job on one node from one agent (schema 3): the
+    blocks of ``ShutterBlock``, one array per field. ``seq`` is the agent's batch number for this
+    (job, node) stream. The shape (lengths, types) is checked here and refuses the whole message;
+    values are checked per block (``row_problems``), so a bad block is dead-lettered with its
+    index while the others count."""
+
+    kind: Literal["shutter_batch"] = "shutter_batch"
+    job_id: JobId
+    node: NodeName
+    seq: NonNegInt
+    k: Annotated[int, Field(ge=1, le=MAX_SAMPLES_PER_REGION)]
+    sample_us: PosInt
+    counter: CounterSource
+    cycle: Annotated[tuple[int, ...], Field(min_length=1, max_length=MAX_BATCH_BLOCKS)]
+    before: SampleColumns
+    during: SampleColumns
+    after: SampleColumns
+
+    @model_validator(mode="after")
+    def _columns_fit(self) -> ShutterBatch:
+        want = len(self.cycle) * self.k
+        for region in REGIONS:
+            cols: SampleColumns = getattr(self, region)
+            for name in SAMPLE_FIELDS:
+                got = len(getattr(cols, name))
+                if got != want:
+                    raise ValueError(f"{region}.{name}: expected {len(self.cycle)} blocks x k={self.k} = {want} "
+                                     f"samples, got {got}")
+        return self
+
+    @property
+    def blocks(self) -> int:
+        return len(self.cycle)
+
+
+class RowProblem(BaseModel):
+    """Why one block of a batch was refused (its index in the batch, the field, the reason)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    index: NonNegInt
+    field: str
+    reason: Name
 
 
 class JobLeftNode(Record):
@@ -321,6 +393,18 @@ class EstimateStatus(StrEnum):
     NO_BLOCKS = "no_blocks"  # the job never shared a node with a shuttered co-runner
 
 
+class SampleMoments(BaseModel):
+    """Count, correctly rounded exact sums of x and x², min and max of a set of samples."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    n: NonNegInt
+    sum: float
+    sum_sq: Annotated[float, Field(ge=0.0)]
+    min: float
+    max: float
+
+
 class DegradationEstimate(Record):
     kind: Literal["degradation_estimate"] = "degradation_estimate"
     job_id: JobId
@@ -334,6 +418,10 @@ class DegradationEstimate(Record):
     final: bool
     corrected: float | None = None  # refill-corrected over Alg. 4's accepted blocks (streams.degradation)
     estimator: Name = "poppa_alg4"  # which estimate ``degradation`` applies
+    #: The job's sample IPCs so far, for the profiles: ``ipc_alone`` (during its shutters) and
+    #: ``ipc_shared`` (before and after them), over every block counted (schema 3).
+    features: dict[str, SampleMoments] = {}
+
 
 
 # --------------------------------------------------------------------------- profiles.program
@@ -553,13 +641,16 @@ class DeadLetter(Record):
     field: str | None = None
     key_b64: str | None = None
     value_b64: str  # the raw bytes, base64, exactly as received
+    #: For a batch whose other rows were counted: each refused row, its index and reason (schema 3).
+    rows: tuple[RowProblem, ...] = ()
 
 
 #: Fields added after version 1, per model, with the version that added them: a record of an
 #: older version lacks them (reads their default), and an audit does not compare them.
 ADDED_IN: dict[type[Record], dict[str, int]] = {
     Charge: {"degradation_corrected": 2, "estimator": 2},
-    DegradationEstimate: {"corrected": 2, "estimator": 2},
+    DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
+    DeadLetter: {"rows": 3},
 }
 
 

@@ -16,11 +16,12 @@ highest offset already applied for its topic partition is skipped, so each event
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -35,12 +36,24 @@ from nodeshare.schemas.events import (
     NodeBlocks,
     OffsetRange,
     Record,
+    RowProblem,
+    SampleMoments,
+    ShutterBatch,
     ShutterBlock,
     clock_problem,
 )
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
 
-from .degradation import DEFAULT_DELTA, DEFAULT_ESTIMATOR, DegradationResult, DegradationSums, ExactSum, estimate
+from .blocks import block_rows, counted_after
+from .degradation import (
+    DEFAULT_DELTA,
+    DEFAULT_ESTIMATOR,
+    DegradationResult,
+    DegradationSums,
+    ExactSum,
+    Moments,
+    estimate,
+)
 from .pricing import POPPA_EQ4, fair_charge
 
 SOURCE = "nodeshare.streams.accounting"
@@ -71,11 +84,40 @@ class Step:
     estimate: DegradationEstimate | None = None
     rejected: str | None = None  # a reason: the event goes to the dead-letter topic
     redelivered: bool = False  # already applied: skipped silently
-    block_accepted: bool | None = None  # a shutter block's Alg. 4 verdict (None: not a counted block)
+    blocks: BlockCounts | None = None  # what a batch's blocks came to (None: not a batch or block)
+    rows: tuple[RowProblem, ...] = ()  # with ``rejected``: the batch's refused blocks (the others counted)
+    field: str | None = None  # with ``rejected``: the field it names
+
+
+class BlockCounts(NamedTuple):
+    """A batch's blocks: counted and accepted by Alg. 4, counted and rejected by it, not counted
+    (a bad value, a duplicate or out of order)."""
+
+    accepted: int
+    rejected: int
+    refused: int
 
 
 class _State(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class MomentState(_State):
+    """``degradation.Moments`` as persisted state."""
+
+    n: int = 0
+    s1: list[float] = []
+    s2: list[float] = []
+    lo: float | None = None
+    hi: float | None = None
+
+    def moments(self) -> Moments:
+        return Moments(self.n, ExactSum(self.s1), ExactSum(self.s2),
+                       math.inf if self.lo is None else self.lo, -math.inf if self.hi is None else self.hi)
+
+    @classmethod
+    def of(cls, m: Moments) -> MomentState:
+        return cls(n=m.n, s1=m.s1.partials, s2=m.s2.partials, lo=m.lo if m.n else None, hi=m.hi if m.n else None)
 
 
 class NodeStream(_State):
@@ -100,6 +142,10 @@ class NodeStream(_State):
     rejected: int = 0
     before_filtered: list[float] = []
     after_filtered: list[float] = []
+    # The counted blocks' sample IPCs, alone (during) and shared (before and after): the job's
+    # features for the profiles, sent with each running estimate.
+    ipc_alone: MomentState = MomentState()
+    ipc_shared: MomentState = MomentState()
 
     def sums(self) -> DegradationSums:
         return DegradationSums(
@@ -156,33 +202,57 @@ class JobAccount(_State):
         self.applied[position] = origin.offset
         if self.latest_event_time is None or record.event_time > self.latest_event_time:
             self.latest_event_time = record.event_time
-        if isinstance(record, ShutterBlock | JobLeftNode):
+        if isinstance(record, ShutterBatch | ShutterBlock | JobLeftNode):
             self.ipc_partition = (origin.topic, origin.partition)
-        if isinstance(record, ShutterBlock):
-            return self._apply_block(record, origin, policy)
+        if isinstance(record, ShutterBatch | ShutterBlock):
+            return self._apply_blocks(record, origin, policy)
         if isinstance(record, JobLeftNode):
             return self._apply_left(record, origin, policy)
         if isinstance(record, JobEvent):
             return self._apply_lifecycle(record, origin, policy)
         return Step(rejected=f"{type(record).__name__} is not a job accounting event")
 
-    def _apply_block(self, block: ShutterBlock, origin: Origin, policy: PricingPolicy) -> Step:
-        ns = self.nodes.setdefault(block.node, NodeStream())
+    def _apply_blocks(self, record: ShutterBatch | ShutterBlock, origin: Origin, policy: PricingPolicy) -> Step:
+        """A batch (or one version-1/2 block): its valid blocks that extend the stream are counted,
+        all at once; bad, duplicate and out-of-order blocks are refused, each with its index and reason."""
+        ns = self.nodes.setdefault(record.node, NodeStream())
         if ns.closed:
             return Step(rejected="shutter block after the job left the node")
-        if block.cycle <= ns.last_cycle:
-            ns.ignored += 1
-            return Step(rejected=f"cycle {block.cycle} out of order (last was {ns.last_cycle})")
-        sums = ns.sums()
-        accepted = sums.add(block, policy.delta)
-        ns.store(sums)
-        ns.blocks += 1
-        ns.last_cycle = block.cycle
-        if ns.first_cycle < 0:
-            ns.first_cycle = block.cycle
-        if ns.first_offset < 0:
-            ns.first_offset = origin.offset
-        return Step(block_accepted=accepted)
+        rows = block_rows(record)
+        counted = counted_after(rows.cycle, rows.valid, ns.last_cycle)
+        n = int(counted.sum())
+        stale = [RowProblem(index=i, field="cycle", reason=f"cycle {c} out of order (last was {last})")
+                 for i, c, last in _out_of_order(rows.cycle, rows.valid & ~counted, ns.last_cycle)]
+        ns.ignored += len(stale)
+        accepted = 0
+        if n:
+            sums = ns.sums()
+            accepted = sums.add_rows(rows, counted, policy.delta)
+            ns.store(sums)
+            for state, regions in (("ipc_alone", [1]), ("ipc_shared", [0, 2])):
+                m = getattr(ns, state).moments()
+                m.add_many(rows.sample_ipc[regions][:, counted].ravel())
+                setattr(ns, state, MomentState.of(m))
+            cycles = rows.cycle[counted]
+            ns.blocks += n
+            ns.last_cycle = int(cycles[-1])
+            if ns.first_cycle < 0:
+                ns.first_cycle = int(cycles[0])
+            if ns.first_offset < 0:
+                ns.first_offset = origin.offset
+        problems = tuple(sorted((*rows.problems, *stale), key=lambda p: p.index))
+        counts = BlockCounts(accepted, n - accepted, len(problems))
+        estimate = self._estimate(policy, final=False) if n and isinstance(record, ShutterBatch) else None
+        if not problems:
+            return Step(blocks=counts, estimate=estimate)
+        if isinstance(record, ShutterBlock):  # one block: refused as versions 1 and 2 refused it
+            p = problems[0]
+            if stale:
+                return Step(rejected=p.reason, blocks=counts)
+            return Step(rejected=f"{p.field}: {p.reason}", field=p.field, blocks=counts)
+        first = problems[0]
+        return Step(rejected=f"{len(problems)} of {rows.n} blocks refused (the others counted); block {first.index}: "
+                             f"{first.field}: {first.reason}", rows=problems, blocks=counts, estimate=estimate)
 
     def _apply_left(self, left: JobLeftNode, origin: Origin, policy: PricingPolicy) -> Step:
         ns = self.nodes.setdefault(left.node, NodeStream())
@@ -235,7 +305,20 @@ class JobAccount(_State):
             filtered=res.filtered, unfiltered=res.unfiltered, corrected=res.corrected, estimator=res.estimator,
             blocks_used=res.blocks_used,
             blocks_rejected=res.blocks_rejected, delta=policy.delta, final=final,
+            features=self.features(),
         )
+
+    def features(self) -> dict[str, SampleMoments]:
+        """The job's sample IPC moments over every node's counted blocks (for the profiles)."""
+        out = {}
+        for name in ("ipc_alone", "ipc_shared"):
+            total = Moments()
+            for node in sorted(self.nodes):
+                total.merge(getattr(self.nodes[node], name).moments())
+            summary = total.summary()
+            if summary is not None:
+                out[name] = summary
+        return out
 
     def _evidence_key(self) -> str:
         streams = ",".join(f"{n}:{s.blocks}:{int(s.closed)}" for n, s in sorted(self.nodes.items()))
@@ -315,6 +398,15 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     )
 
 
+def _out_of_order(cycle: Any, stale: Any, last_cycle: int) -> list[tuple[int, int, int]]:
+    """(index, cycle, the stream's last counted cycle before it) of each stale block of a batch."""
+    out = []
+    for i in stale.nonzero()[0].tolist():
+        before = [int(c) for c in cycle[:i].tolist()]
+        out.append((i, int(cycle[i]), max([last_cycle, *before])))
+    return out
+
+
 @dataclass(frozen=True)
 class Outgoing:
     """A message to publish: catalog topic (without prefix), key, value; for a dead letter, its kind
@@ -329,7 +421,7 @@ class Outgoing:
 class Processed(NamedTuple):
     state: bytes | None  # the job's new state; None when unchanged
     out: list[Outgoing]  # what to publish
-    block_accepted: bool | None  # a shutter block's Alg. 4 verdict, for metrics; None otherwise
+    blocks: BlockCounts | None  # what a batch's blocks came to, for metrics; None otherwise
 
 
 #: The fields of a terminal event that a charge depends on.
@@ -343,7 +435,7 @@ def _billing_changes(old: JobEvent, new: JobEvent) -> list[str]:
 def apply_message(
     account: JobAccount | None, origin: Origin, key: bytes | None, value: bytes | None, timestamp_s: float,
     policy: PricingPolicy, prefix: str = "",
-) -> tuple[JobAccount | None, list[Outgoing], bool | None]:
+) -> tuple[JobAccount | None, list[Outgoing], BlockCounts | None]:
     """One input message in: the job's account after it (``account`` itself, changed in place, or a
     new one; None when the message changed no account) and the messages to publish.
 
@@ -351,9 +443,10 @@ def apply_message(
     step on serialized state. The audit folds the archive through it too, so both apply the same
     rules to the same bytes.
     """
-    def reject(reason: str, field: str | None = None, kind: str = "rejected") -> list[Outgoing]:
+    def reject(reason: str, field: str | None = None, kind: str = "rejected",
+               rows: tuple[RowProblem, ...] = ()) -> list[Outgoing]:
         dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, timestamp_s, reason,
-                         field=field, source=SOURCE)
+                         field=field, source=SOURCE, rows=rows)
         return [Outgoing(DLQ.name, origin.topic.encode(), encode(dl), kind)]
 
     spec = spec_for_topic(origin.topic, prefix)
@@ -376,11 +469,11 @@ def apply_message(
         return None, [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges], None
     out: list[Outgoing] = []
     if step.rejected:
-        out += reject(step.rejected)
+        out += reject(step.rejected, step.field, rows=step.rows)
     if step.estimate is not None:
         out.append(Outgoing(ESTIMATES_DEGRADATION.name, job_id.encode(), encode(step.estimate)))
     out += [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges]
-    return account, out, step.block_accepted
+    return account, out, step.blocks
 
 
 def process_message(
@@ -389,8 +482,8 @@ def process_message(
 ) -> Processed:
     """``apply_message`` on a serialized account: the new state as bytes (None when unchanged)."""
     account = JobAccount.model_validate_json(state) if state is not None else None
-    new, out, accepted = apply_message(account, origin, key, value, timestamp_s, policy, prefix)
-    return Processed(new.dumps() if new is not None else None, out, accepted)
+    new, out, blocks = apply_message(account, origin, key, value, timestamp_s, policy, prefix)
+    return Processed(new.dumps() if new is not None else None, out, blocks)
 
 
 Message = tuple[Origin, bytes | None, bytes | None, float]  # (origin, key, value, timestamp in s)

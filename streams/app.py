@@ -101,12 +101,14 @@ def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "w
         origin, key, value, ts = message
         started = time.perf_counter()
         jobs = states.setdefault(origin.partition, {})
-        account, out, block_accepted = apply_message(jobs.get(key), origin, key, value, ts, policy, prefix)
+        account, out, blocks = apply_message(jobs.get(key), origin, key, value, ts, policy, prefix)
         if account is not None:
             jobs[key] = account
         metrics.EVENTS_IN.labels(origin.topic).inc()
-        if block_accepted is not None:
-            metrics.SHUTTER_BLOCKS.labels("accepted" if block_accepted else "rejected").inc()
+        if blocks is not None:
+            metrics.SHUTTER_BLOCKS.labels("accepted").inc(blocks.accepted)
+            metrics.SHUTTER_BLOCKS.labels("rejected").inc(blocks.rejected)
+            metrics.SHUTTER_BLOCKS.labels("refused").inc(blocks.refused)
         for o in out:
             await outputs[o.topic].send(key=o.key, value=o.value)
             metrics.EVENTS_OUT.labels(settings.topic(o.topic)).inc()
@@ -278,7 +280,7 @@ def add_power_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) 
 
 def add_placement_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:
     """Spread-n-Share and the pair model need the whole cluster in one place: lifecycle, inventory,
-    shutter blocks, CAT episodes and final degradation estimates go through the single-partition
+    CAT episodes and degradation estimates (with each job's IPC moments) go through the single-partition
     ``placement.cluster`` log to the PlacementManager (streams.placement.stream), which publishes
     ``profiles.program`` and ``decisions.placement``."""
     inputs = app.topic(*[settings.topic(t.name) for t in ROUTED], key_serializer="raw", value_serializer="raw")

@@ -25,7 +25,18 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nodeshare.schemas.events import EstimateStatus, IpcSample, ShutterBlock
+import numpy as np
+
+from nodeshare.schemas.events import (
+    EstimateStatus,
+    FeatureSummary,
+    IpcSample,
+    SampleMoments,
+    ShutterBatch,
+    ShutterBlock,
+)
+
+from .blocks import BlockRows, block_rows
 
 #: Seed 002, Section 6.3: "We empirically determined delta = 0.05 to be a reasonable value."
 DEFAULT_DELTA = 0.05
@@ -103,9 +114,47 @@ class ExactSum:
         for p in other.partials:
             self.add(p)
 
+    def add_many(self, values: np.ndarray) -> None:
+        """Add every value of a float64 array, exactly: the same partials' value as adding them one by
+        one. Values in [2**-30, 2**30) (and zeros) are multiples of 2**-82 below 2**112, so their sum
+        is an exact integer in three 40-bit chunks of int64 sums; the rest are added one by one."""
+        if not len(values):
+            return
+        fits = (values == 0) | ((values >= _FIXED_MIN) & (values < _FIXED_MAX))  # non-negative: exact chunks
+        for x in values[~fits].tolist():
+            self.add(x)
+        units = np.ldexp(values[fits], FIXED_BITS)  # exact: a power-of-two scaling of integers-to-be
+        if not len(units):
+            return
+        hi = np.floor(units / _CHUNK2)  # every step exact: floors and differences of < 2**53-bit integers
+        rest = units - hi * _CHUNK2
+        mid = np.floor(rest / _CHUNK)
+        lo = rest - mid * _CHUNK
+        total = ((int(hi.astype(np.int64).sum()) << (2 * _CHUNK_BITS))
+                 + (int(mid.astype(np.int64).sum()) << _CHUNK_BITS) + int(lo.astype(np.int64).sum()))
+        for part in _float_parts(total):  # the exact integer as a few floats, each exact
+            self.add(math.ldexp(part, -FIXED_BITS))
+
     @property
     def value(self) -> float:
         return math.fsum(self.partials)
+
+
+#: ``ExactSum.add_many``'s fixed point: IPCs in [2**-30, 2**30) are integers in units of 2**-82.
+FIXED_BITS = 82
+_FIXED_MIN, _FIXED_MAX = 2.0**-30, 2.0**30
+_CHUNK_BITS = 40
+_CHUNK, _CHUNK2 = 2.0**_CHUNK_BITS, 2.0**(2 * _CHUNK_BITS)
+
+
+def _float_parts(total: int) -> list[float]:
+    """An integer as floats whose exact sum it is (each the rounding of what remains)."""
+    parts = []
+    while total:
+        f = float(total)
+        parts.append(f)
+        total -= int(f)
+    return parts
 
 
 @dataclass
@@ -136,6 +185,23 @@ class DegradationSums:
             return True
         self.rejected += 1
         return False
+
+    def add_rows(self, rows: BlockRows, counted: np.ndarray, delta: float = DEFAULT_DELTA) -> int:
+        """Add the ``counted`` blocks of a batch at once, with the same float operations as ``add``
+        (so the same bits); returns how many Alg. 4 accepted."""
+        b, d, a = rows.before[counted], rows.during[counted], rows.after[counted]
+        co = 0.5 * (b + a)
+        keep = (np.abs(b - a) < delta) & (b < d) & (a < d)
+        self.solo_all.add_many(d)
+        self.co_all.add_many(co)
+        self.solo_filtered.add_many(d[keep])
+        self.co_filtered.add_many(co[keep])
+        self.before_filtered.add_many(b[keep])
+        self.after_filtered.add_many(a[keep])
+        accepted = int(keep.sum())
+        self.accepted += accepted
+        self.rejected += len(b) - accepted
+        return accepted
 
     def merge(self, other: DegradationSums) -> None:
         self.solo_filtered.merge(other.solo_filtered)
@@ -192,11 +258,61 @@ def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: flo
     return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, accepted, rejected, corrected, estimator)
 
 
-def filtered_degradation(blocks: Iterable[ShutterBlock], delta: float = DEFAULT_DELTA,
+def filtered_degradation(blocks: Iterable[ShutterBlock | ShutterBatch], delta: float = DEFAULT_DELTA,
                          estimator: str = POPPA_ALG4) -> DegradationResult:
-    """Alg. 4 (or the refill-corrected estimate) over a batch of blocks, with the same
-    accumulator the stream uses block by block."""
+    """Alg. 4 (or the refill-corrected estimate) over blocks or batches (their valid blocks), with
+    the same accumulator the stream uses."""
     sums = DegradationSums()
     for b in blocks:
-        sums.add(b, delta)
+        rows = block_rows(b)
+        sums.add_rows(rows, rows.valid, delta)
     return estimate(sums, estimator)
+
+
+@dataclass
+class Moments:
+    """Count, exact sums of x and x², min and max of samples: ``SampleMoments`` in any order of arrival."""
+
+    n: int = 0
+    s1: ExactSum = field(default_factory=ExactSum)
+    s2: ExactSum = field(default_factory=ExactSum)
+    lo: float = math.inf
+    hi: float = -math.inf
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.s1.add(x)
+        self.s2.add(x * x)
+        self.lo, self.hi = min(self.lo, x), max(self.hi, x)
+
+    def add_many(self, x: np.ndarray) -> None:
+        if not len(x):
+            return
+        self.n += len(x)
+        self.s1.add_many(x)
+        self.s2.add_many(x * x)
+        self.lo = min(self.lo, float(x.min()))
+        self.hi = max(self.hi, float(x.max()))
+
+    def merge(self, other: Moments) -> None:
+        self.n += other.n
+        self.s1.merge(other.s1)
+        self.s2.merge(other.s2)
+        self.lo, self.hi = min(self.lo, other.lo), max(self.hi, other.hi)
+
+    def add_summary(self, m: SampleMoments, sign: int = 1) -> None:
+        """Add (or, with sign -1, withdraw exactly) the sums of a ``SampleMoments``; min and max only grow."""
+        self.n += sign * m.n
+        self.s1.add(sign * m.sum)
+        self.s2.add(sign * m.sum_sq)
+        self.lo, self.hi = min(self.lo, m.min), max(self.hi, m.max)
+
+    def summary(self) -> SampleMoments | None:
+        if not self.n:
+            return None
+        return SampleMoments(n=self.n, sum=self.s1.value, sum_sq=self.s2.value, min=self.lo, max=self.hi)
+
+    def feature(self) -> FeatureSummary:
+        mean = self.s1.value / self.n
+        sd = math.sqrt(max(0.0, self.s2.value / self.n - mean * mean))
+        return FeatureSummary(mean=mean, min=self.lo, max=self.hi, sd=sd)

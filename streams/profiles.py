@@ -8,7 +8,9 @@ has taught us about each program.
   missing way counts linearly interpolated (Seed 001 Section 5.1).
 * **Class** scaling / compact / neutral by the 5% rule (``placement.sns.classify``).
 * **Counter features** (mean, min, max, sd; Seed 003 Table 3's spirit): the job's IPC alone
-  (shutter windows), next to co-runners (before and after them), and its memory bandwidth.
+  (shutter windows), next to co-runners (before and after them), and its memory bandwidth. The
+  IPCs come as per-job moments with each running degradation estimate (the stream worker sends
+  one per batch of blocks), not block by block: a job's latest moments replace its earlier ones.
 * **Measured pairwise degradation**: Deg = 100 (T_co - T_solo) / T_solo (Seed 003 Eq. 1) of each
   job that shared its nodes with jobs of exactly one other program.
 
@@ -28,45 +30,21 @@ from datetime import datetime, timedelta
 from nodeshare.schemas.events import (
     TERMINAL_STATES,
     DegradationEstimate,
-    FeatureSummary,
     JobEvent,
     JobState,
     LlcSample,
     NodeInventory,
     ProgramProfile,
     Record,
-    ShutterBlock,
 )
 
-from .degradation import ExactSum
+from .degradation import ExactSum, Moments
 from .placement.sns import SCALE_FACTORS, classify
 
 SOURCE = "nodeshare.streams.profiles"
 FEATURES = ("ipc_alone", "ipc_shared", "bandwidth_gbps")
 #: Ended jobs are forgotten this long after the newest event (their co-runners have ended too).
 JOB_MEMORY = timedelta(days=7)
-
-
-@dataclass
-class Moments:
-    """Count, exact sums of x and x^2, min and max: a FeatureSummary in any order of arrival."""
-
-    n: int = 0
-    s1: ExactSum = field(default_factory=ExactSum)
-    s2: ExactSum = field(default_factory=ExactSum)
-    lo: float = math.inf
-    hi: float = -math.inf
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        self.s1.add(x)
-        self.s2.add(x * x)
-        self.lo, self.hi = min(self.lo, x), max(self.hi, x)
-
-    def summary(self) -> FeatureSummary:
-        mean = self.s1.value / self.n
-        sd = math.sqrt(max(0.0, self.s2.value / self.n - mean * mean))
-        return FeatureSummary(mean=mean, min=self.lo, max=self.hi, sd=sd)
 
 
 @dataclass
@@ -122,9 +100,20 @@ class JobNotes:
     end: datetime | None = None
     ended_ok: bool = False
     estimate: DegradationEstimate | None = None  # the latest final one
-    seen: set[tuple[str, str]] = field(default_factory=set)  # blocks (node, cycle) and episodes (event id) folded
+    seen: set[tuple[str, str]] = field(default_factory=set)  # CAT episodes (event id) folded
     waiting: list[Record] = field(default_factory=list)  # samples that arrived before the program was known
+    sampled: DegradationEstimate | None = None  # the estimate whose IPC moments are folded into the program
     contribution: Contribution | None = None
+
+
+def _blocks(est: DegradationEstimate) -> int:
+    return est.blocks_used + est.blocks_rejected
+
+
+def _evidence(est: DegradationEstimate) -> tuple[int, int, bool, str]:
+    """How much an estimate of a job has seen: more samples, then more blocks, then final, wins."""
+    alone = est.features.get("ipc_alone")
+    return (alone.n if alone else 0, _blocks(est), est.final, est.event_id)
 
 
 def interpolate(points: dict[int, float], upto: int) -> tuple[float, ...]:
@@ -166,19 +155,20 @@ class ProfileBook:
             return self._refresh(sorted(self.on_node.get(record.node, ())))
         if isinstance(record, JobEvent):
             return self._lifecycle(record)
-        if isinstance(record, ShutterBlock | LlcSample):
+        changed: set[str] = set()
+        if isinstance(record, LlcSample) or (isinstance(record, DegradationEstimate) and record.features):
             job = self.jobs.setdefault(record.job_id, JobNotes())
             if job.program is None:
                 job.waiting.append(record)
-                return set()
-            return self._sample(job, record)
+            else:
+                changed = self._sample(job, record)
         if isinstance(record, DegradationEstimate) and record.final:
             job = self.jobs.setdefault(record.job_id, JobNotes())
             if job.estimate is None or (record.event_time, record.event_id) > (job.estimate.event_time,
                                                                                 job.estimate.event_id):
                 job.estimate = record  # revisions: the latest wins, whatever order they came in
-            return self._refresh([record.job_id])
-        return set()
+            changed |= self._refresh([record.job_id])
+        return changed
 
     def _lifecycle(self, ev: JobEvent) -> set[str]:
         job = self.jobs.setdefault(ev.job_id, JobNotes())
@@ -202,16 +192,18 @@ class ProfileBook:
 
     def _sample(self, job: JobNotes, rec: Record) -> set[str]:
         assert job.program is not None
-        if isinstance(rec, ShutterBlock):
-            if (rec.node, str(rec.cycle)) in job.seen:
-                return set()  # a redelivered block
-            job.seen.add((rec.node, str(rec.cycle)))
+        if isinstance(rec, DegradationEstimate):
+            old = job.sampled
+            if old is not None and _evidence(old) >= _evidence(rec):
+                return set()  # an earlier (or the same) estimate: the job's moments only grow
             notes = self.programs.setdefault(job.program, ProgramNotes())
-            notes.blocks += 1
-            for name, samples in (("ipc_alone", rec.during), ("ipc_shared", rec.before + rec.after)):
-                moments = notes.features.setdefault(name, Moments())
-                for s in samples:
-                    moments.add(s.ipc)
+            for name, m in sorted(rec.features.items()):
+                notes.features.setdefault(name, Moments()).add_summary(m)
+            if old is not None:
+                for name, m in sorted(old.features.items()):
+                    notes.features[name].add_summary(m, -1)
+            notes.blocks += _blocks(rec) - (_blocks(old) if old is not None else 0)
+            job.sampled = rec
         elif isinstance(rec, LlcSample):
             if ("llc", rec.event_id) in job.seen:
                 return set()
@@ -325,7 +317,7 @@ class ProfileBook:
             "runtime_s_by_scale": {str(k): v for k, v in runtimes.items() if v > 0},
             "ipc_by_llc_ways": ipc,
             "bandwidth_gbps_by_llc_ways": bw,
-            "features": {k: m.summary() for k, m in sorted(notes.features.items()) if m.n > 0},
+            "features": {k: m.feature() for k, m in sorted(notes.features.items()) if m.n > 0},
             "degradation_next_to": {k: m.value for k, m in sorted(notes.next_to.items()) if m.n > 0},
             "samples": notes.samples,
         }

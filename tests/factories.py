@@ -13,6 +13,7 @@ from nodeshare.schemas import (
     JobEvent,
     JobLeftNode,
     JobState,
+    ShutterBatch,
     ShutterBlock,
     encode,
     key_of,
@@ -39,6 +40,21 @@ def block(before: float | tuple[float, ...], during: float | tuple[float, ...], 
         job_id=job, node=node, cycle=cycle, k=len(b), sample_us=3200, counter=CounterSource.SIMULATED,
         before=samples(*b), during=samples(*d), after=samples(*a),
     )
+
+
+def batch(*blocks: ShutterBlock, seq: int = 0) -> ShutterBatch:
+    """The blocks (of one job on one node, K alike) as one schema-3 batch, timed at the last one."""
+    first, last = blocks[0], blocks[-1]
+
+    def columns(region: str) -> dict[str, tuple[int, ...]]:
+        samples = [s for b in blocks for s in getattr(b, region)]
+        return {f: tuple(getattr(s, f) for s in samples) for f in ("instructions", "cycles", "threads")}
+
+    return ShutterBatch.model_validate({
+        "event_id": f"bat-{first.job_id}-{first.node}-{first.cycle}-{len(blocks)}", "source": "test",
+        "event_time": last.event_time, "job_id": first.job_id, "node": first.node, "seq": seq, "k": first.k,
+        "sample_us": first.sample_us, "counter": first.counter, "cycle": tuple(b.cycle for b in blocks),
+        "before": columns("before"), "during": columns("during"), "after": columns("after")})
 
 
 def left(job: str, node: str, blocks_sent: int, last_cycle: int, at_s: float = 3600) -> JobLeftNode:

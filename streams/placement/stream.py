@@ -2,7 +2,7 @@
 
 Placement needs the whole cluster in one place (every node's allocation, every pending job),
 as PPartition does, so the stream worker's ``placement-router`` forwards lifecycle, inventory,
-shutter blocks, CAT episodes and final degradation estimates to the single-partition
+CAT episodes and degradation estimates (running ones carry each job's IPC moments) to the single-partition
 ``placement.cluster`` log, and ``placement-manager`` folds it here:
 
 * ``ProfileBook`` (streams.profiles) turns the records into program profiles, published on
@@ -33,7 +33,6 @@ from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
     ESTIMATES_DEGRADATION,
     JOBS_LIFECYCLE,
-    NODE_IPC,
     NODE_LLC,
     spec_for_topic,
 )
@@ -47,7 +46,6 @@ from nodeshare.schemas.events import (
     PlacementDecision,
     PlacementInputs,
     Record,
-    ShutterBlock,
 )
 from nodeshare.schemas.serde import DecodeError, decode
 
@@ -68,8 +66,10 @@ from .sns import (
 
 SOURCE = "nodeshare.streams.placement"
 PLACEMENT_LOG = "placement.cluster"
-#: The topics the router forwards to the placement log.
-ROUTED = (JOBS_LIFECYCLE, CLUSTER_INVENTORY, NODE_IPC, NODE_LLC, ESTIMATES_DEGRADATION)
+#: The topics the router forwards to the placement log. Not node.ipc: every block crosses the
+#: worker once, in the charge fold, which sends each job's running estimate (with its IPC moments)
+#: per batch of blocks on estimates.degradation.
+ROUTED = (JOBS_LIFECYCLE, CLUSTER_INVENTORY, NODE_LLC, ESTIMATES_DEGRADATION)
 #: The pair model needs this many jobs measured next to one other program before it predicts,
 #: and is refitted when their number has grown by this share since the last fit.
 MIN_PAIRS = 4
@@ -77,8 +77,9 @@ RETRAIN_GROWTH = 0.25
 #: A program pair measured n times trains the model with min(n, ROWS_PER_PAIR) rows.
 ROWS_PER_PAIR = 16
 STATS = ("mean", "min", "max", "sd")
-#: A program's profile is published on every estimate, CAT episode and job start that changes
-#: it, and on every PROFILE_EVERY-th shutter block (a job's final estimate follows all its blocks).
+#: A program's profile is published on every final estimate, CAT episode and job start that changes
+#: it, and when a running estimate takes its blocks past a multiple of PROFILE_EVERY (a job's final
+#: estimate follows all its blocks).
 PROFILE_EVERY = 256
 #: The pairing pass looks at this many of the oldest waiting jobs that fit half a node.
 PAIR_WINDOW = 64
@@ -108,7 +109,7 @@ def feature_vector(book: ProfileBook, program: str) -> np.ndarray:
     for i, name in enumerate(FEATURES):
         m = notes.features.get(name)
         if m is not None and m.n > 0:
-            s = m.summary()
+            s = m.feature()
             out[i * len(STATS):(i + 1) * len(STATS)] = (s.mean, s.min, s.max, s.sd)
     return out
 
@@ -181,11 +182,13 @@ class PlacementManager:
         except (KeyError, DecodeError):
             self.skipped += 1  # the router dead-letters what it can; anything else is ignored here
             return []
+        running = isinstance(record, DegradationEstimate) and not record.final
+        before = {p: n.blocks // PROFILE_EVERY for p, n in self.book.programs.items()} if running else {}
         changed = self.book.apply(record)
-        if isinstance(record, ShutterBlock):  # blocks come by the thousand: publish every PROFILE_EVERY-th
-            changed = {p for p in changed if self.book.programs[p].samples % PROFILE_EVERY == 0}
+        if running:  # one per batch of blocks: publish when a program's blocks pass a multiple of PROFILE_EVERY
+            changed = {p for p in changed if self.book.programs[p].blocks // PROFILE_EVERY != before.get(p, 0)}
         out: list[Record] = [self.book.profile(p) for p in sorted(changed)]
-        if isinstance(record, DegradationEstimate) and changed:
+        if isinstance(record, DegradationEstimate) and record.final and changed:
             self.pairs.refresh(self.book)  # measured pairs change only here
         if isinstance(record, NodeInventory):
             cap = NodeCapacity(record.cores, record.llc_ways, record.mem_bandwidth_gbps)

@@ -6,7 +6,7 @@ import random
 from datetime import timedelta
 
 import pytest
-from factories import T0, block
+from factories import T0, batch, block
 
 from nodeshare.schemas import JobEvent, JobState, encode
 from nodeshare.schemas.catalog import TOPIC_OF_RECORD
@@ -21,6 +21,7 @@ from nodeshare.schemas.events import (
     ProgramProfile,
     Record,
 )
+from nodeshare.streams.accounting import JobAccount, Origin, PricingPolicy
 from nodeshare.streams.placement.stream import PlacementManager
 from nodeshare.streams.profiles import ProfileBook, degradation_pct, interpolate
 
@@ -53,6 +54,13 @@ def cat(job: str, node: str, ways: int, ipc: float, bw: float) -> LlcSample:
                      llc_ways=ways, node_llc_ways=8, cores=8, ipc=ipc, bandwidth_gbps=bw, interval_s=5.0)
 
 
+def running_estimate(*blocks: Record) -> DegradationEstimate:
+    """The running estimate (with the job's IPC moments) the charge fold sends for a batch of these blocks."""
+    step = JobAccount(job_id=blocks[0].job_id).apply(batch(*blocks), Origin("node.ipc", 0, 0), PricingPolicy())
+    assert step.estimate is not None and not step.estimate.final
+    return step.estimate
+
+
 def history() -> list[Record]:
     """Two CG jobs, one at scale 1 (alone) and one at scale 2 (next to a LAMMPS job), with CAT
     episodes and blocks; every number chosen so the profile can be worked out by hand."""
@@ -63,7 +71,7 @@ def history() -> list[Record]:
          estimate("b", 0.2, 3000)]  # T_solo = 0.8 * 1000 = 800 s; Deg = 100 (1/0.8 - 1) = 25%
     c = [ev("c", JobState.STARTED, "LAMMPS", ("n3",), 1500), ev("c", JobState.ENDED, "LAMMPS", ("n3",), 1500, 2500)]
     curves = [cat("a", "n1", 2, 0.5, 9.0), cat("a", "n1", 8, 1.0, 4.0), cat("b", "n2", 2, 0.7, 7.0)]
-    blocks = [block(0.8, 1.0, 0.9, job="a", cycle=1), block(0.6, 1.2, 0.7, job="a", cycle=2)]
+    blocks = [running_estimate(block(0.8, 1.0, 0.9, job="a", cycle=1), block(0.6, 1.2, 0.7, job="a", cycle=2))]
     return nodes + a[:1] + curves + blocks + a[1:] + c[:1] + b[:1] + c[1:] + b[1:]
 
 
@@ -214,7 +222,8 @@ def measured_pairs(node: str, pairs: list[tuple[str, str, float]], t: float = 0)
     for i, (x, y, d) in enumerate(pairs):
         a, b = f"{x.lower()}{y.lower()}{i}a", f"{x.lower()}{y.lower()}{i}b"
         recs += [ev(a, JobState.STARTED, x, (node,), t), ev(b, JobState.STARTED, y, (node,), t),
-                 block(*ipc[x], job=a, node=node, cycle=i), block(*ipc[y], job=b, node=node, cycle=i),
+                 running_estimate(block(*ipc[x], job=a, node=node, cycle=i)),
+                 running_estimate(block(*ipc[y], job=b, node=node, cycle=i)),
                  ev(a, JobState.ENDED, x, (node,), t, t + 100), ev(b, JobState.ENDED, y, (node,), t, t + 100),
                  estimate(a, d, t + 100), estimate(b, d, t + 100)]
         t += 200

@@ -7,7 +7,7 @@ import base64
 import json
 from pathlib import Path
 
-from factories import POLICY, archive_records, block, job_event, left
+from factories import POLICY, archive_records, batch, block, job_event, left
 
 from nodeshare.schemas import SCHEMA_VERSION, Charge, DeadLetter, JobState, decode_model, encode
 from nodeshare.schemas.events import ADDED_IN, carried
@@ -38,14 +38,26 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
     return json.dumps(d).encode()
 
 
-def test_this_build_writes_version_2_and_reads_1_and_2():
-    assert SCHEMA_VERSION == 2
+def test_this_build_writes_version_3_and_reads_1_to_3():
+    assert SCHEMA_VERSION == 3
     assert set(ADDED_IN[Charge]) == {"degradation_corrected", "estimator"}
+    assert ADDED_IN[DeadLetter] == {"rows": 3}
 
 
 def test_version_1_input_is_read_and_charged_like_version_2():
     v1, v2 = fold_messages(messages(1), POLICY), fold_messages(messages(2), POLICY)
     assert v1 == v2 and len(v1) == 1
+
+
+def test_version_2_blocks_are_charged_like_the_same_blocks_in_one_version_3_batch():
+    """Schema evolution v2 -> v3: single blocks (each a batch of one) and one batch of the same
+    blocks give the same charge; only the offsets it names differ (one message instead of two)."""
+    v3 = [(Origin("node.ipc", 0, 0), b"old", encode(batch(*RUN[:2])), 0.0),
+          (Origin("node.ipc", 0, 1), b"old", encode(RUN[2]), 0.0),
+          (Origin("jobs.lifecycle", 0, 0), b"old", encode(RUN[3]), 0.0)]
+    [old], [new] = fold_messages(messages(2), POLICY), fold_messages(v3, POLICY)
+    assert new.model_dump(exclude={"event_range"}) == old.model_dump(exclude={"event_range"})
+    assert new.blocks_used + new.blocks_rejected == 2 and new.nodes[0].blocks == 2
 
 
 def test_a_newer_version_is_dead_lettered_naming_the_versions():
