@@ -41,17 +41,16 @@ import pyarrow.parquet as pq
 
 from nodeshare.schemas import (
     CounterSource,
-    IpcSample,
     JobEvent,
     JobLeftNode,
     JobState,
     LlcSample,
     NodeInventory,
     Record,
-    ShutterBlock,
     ShutterWindow,
 )
 
+from .batching import Batcher, FlushPolicy
 from .contention import Socket, at_ways, equilibrium, refill_ms, relax
 from .simulator import JobTruth
 from .workloads import BUILTIN, Workload, interp_ways
@@ -624,11 +623,13 @@ def library(profiles: dict[str, Workload] | None = None) -> tuple[dict[str, Work
 class RecordSink(Sink):
     """Builds the pydantic records the node agents and the resource manager would send."""
 
-    def __init__(self, cfg: CalibratedConfig) -> None:
+    def __init__(self, cfg: CalibratedConfig, flush: FlushPolicy | None = None) -> None:
         self.cfg = cfg
         self.engine: Engine | None = None
         self.out: list[tuple[float, int, Record]] = []
         self.cyc = cfg.cycles_per_sample
+        # blocks travel in batches, flushed as the node agent flushes them (producers.batching)
+        self.batcher = Batcher(flush, lambda b: self.eid("bat", b.job_id, b.node, b.seq))
 
     def bind(self, engine: Engine) -> None:
         self.engine = engine
@@ -689,16 +690,20 @@ class RecordSink(Sink):
                     ipc=ipc, bandwidth_gbps=min(bw, sock.bw_gbps * 2), interval_s=CAT_EPISODE_S))
 
     def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None:
+        """Each block joins its (job, node) batch; full batches, and batches whose age is up, go out."""
         names = self._nodes()
-        instr = np.rint(samples * self.cyc).astype(np.int64)
+        instr = np.rint(samples * self.cyc).astype(np.int64).tolist()
+        at = self.at(t)
+        k, cyc, threads = self.cfg.k, self.cyc, self.cfg.slot_cores
         for i, (n, j) in enumerate(zip(nodes.tolist(), jobs.tolist(), strict=True)):
             node = names[n]
-            reg = [tuple(IpcSample(instructions=int(v), cycles=self.cyc, threads=self.cfg.slot_cores)
-                         for v in instr[i, r]) for r in range(3)]
-            self._emit(t, ShutterBlock(
-                event_id=self.eid("blk", j, node, cycle), source=f"sim/{node}", event_time=self.at(t),
-                job_id=job_id(j), node=node, cycle=cycle, k=self.cfg.k, sample_us=self.cfg.sample_us,
-                counter=CounterSource.SIMULATED, before=reg[0], during=reg[1], after=reg[2]))
+            regions = [[(v, cyc, threads) for v in instr[i][r]] for r in range(3)]
+            for b in self.batcher.add(job_id=job_id(j), node=node, source=f"sim/{node}", cycle=cycle, k=k,
+                                      sample_us=self.cfg.sample_us, counter=CounterSource.SIMULATED,
+                                      before=regions[0], during=regions[1], after=regions[2], at=at):
+                self._emit(t, b)
+        for b in self.batcher.due(at):  # stands at its newest block's time
+            self._emit((b.event_time - self.cfg.start).total_seconds(), b)
 
     def windows(self, t_start: float, t_end: float, cycle: int, nodes: np.ndarray, lone: np.ndarray,
                 paused: np.ndarray) -> None:
@@ -712,6 +717,10 @@ class RecordSink(Sink):
 
     def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int) -> None:
         name = self._nodes()[node]
+        last = self.batcher.flush(job_id(job), name)  # the open batch goes first: the charge is not delayed
+        if last is not None:
+            self._emit((last.event_time - self.cfg.start).total_seconds(), last)
+        self.batcher.forget(job_id(job), name)
         self._emit(t, JobLeftNode(event_id=self.eid("left", job, name), source=f"sim/{name}", event_time=self.at(t),
                                   job_id=job_id(job), node=name, blocks_sent=blocks, last_cycle=last_cycle,
                                   paused_us=paused_us))

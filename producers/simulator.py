@@ -34,9 +34,12 @@ from nodeshare.schemas import (
     JobState,
     NodeInventory,
     Record,
+    ShutterBatch,
     ShutterBlock,
     ShutterWindow,
 )
+
+from .batching import Batcher, FlushPolicy
 
 SIM_NAMESPACE = uuid.UUID("0b6f6b8e-5c1d-4c55-8d0f-3f2f4a1c7e21")
 
@@ -74,6 +77,7 @@ class SimConfig:
     mean_runtime_s: float = 40.0  # mean solo run time of a job
     multi_node_share: float = 0.3  # chance that a node group has two nodes
     start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
+    flush: FlushPolicy = field(default_factory=FlushPolicy)  # how blocks are batched (producers.batching)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.jobs < 1:
@@ -128,9 +132,12 @@ class _Job:
 
 
 class _Emitter:
+    """Records in event-time order; shutter blocks leave in batches, as the node agent sends them."""
+
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.out: list[tuple[float, int, Record]] = []
+        self.batcher = Batcher(cfg.flush, lambda b: self.eid("bat", b.job_id, b.node, b.seq))
 
     def at(self, t_s: float) -> datetime:
         return self.cfg.start + timedelta(microseconds=round(t_s * 1e6))
@@ -139,7 +146,20 @@ class _Emitter:
         return str(uuid.uuid5(SIM_NAMESPACE, "/".join(map(str, (self.cfg.seed, *parts)))))
 
     def emit(self, t_s: float, record: Record) -> None:
+        if isinstance(record, ShutterBlock):
+            for b in [*self.batcher.add_block(record), *self.batcher.due(record.event_time)]:
+                self._at_event_time(b)
+            return
+        if isinstance(record, JobLeftNode):  # the stream's open batch goes first
+            last = self.batcher.flush(record.job_id, record.node)
+            if last is not None:
+                self._at_event_time(last)
+            self.batcher.forget(record.job_id, record.node)
         self.out.append((t_s, len(self.out), record))
+
+    def _at_event_time(self, b: ShutterBatch) -> None:
+        """A batch stands at its newest block's time (an aged one is flushed later than that)."""
+        self.out.append(((b.event_time - self.cfg.start).total_seconds(), len(self.out), b))
 
 
 def simulate(cfg: SimConfig) -> Simulation:

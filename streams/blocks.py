@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,7 @@ def block_rows(record: ShutterBatch | ShutterBlock) -> BlockRows:
     # the first problem of each block, in field order: (index, field, reason)
     found: dict[int, tuple[str, str]] = {}
 
-    def flag(mask: np.ndarray, field: str, reason: str) -> None:
+    def flag(mask: Any, field: str, reason: str) -> None:
         for i in np.flatnonzero(mask).tolist():
             found.setdefault(i, (field, reason))
 

@@ -24,7 +24,7 @@ import numpy as np
 from nodeshare.experiments import pyplot, save
 from nodeshare.producers.calibrated import CalibratedConfig, JobTruth, run_pairwise, with_records
 from nodeshare.producers.workloads import BUILTIN, PAIRWISE, Workload
-from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBlock, encode
+from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
 from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
 from nodeshare.streams.shutter_overhead import dilated_run_time
 
@@ -41,7 +41,7 @@ SHUTTER_US = (200, 400, 800, 1600, 3200, 6400, 12800, 25600)
 def charges_of(events: Sequence[Any], policy: PricingPolicy | None = None) -> dict[str, Charge]:
     """The charges the stream worker's fold produces from these events (the audit path)."""
     msgs = [(Origin(TOPIC_OF_RECORD[type(e)].name, 0, i), e.job_id.encode(), encode(e), 0.0)
-            for i, e in enumerate(events) if isinstance(e, (ShutterBlock, JobLeftNode, JobEvent))]
+            for i, e in enumerate(events) if isinstance(e, (ShutterBatch, ShutterBlock, JobLeftNode, JobEvent))]
     return {c.job_id: c for c in fold_messages(msgs, policy or PricingPolicy())}
 
 

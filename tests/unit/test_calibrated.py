@@ -20,7 +20,7 @@ from nodeshare.producers.calibrated import (
 )
 from nodeshare.producers.contention import Socket, bandwidth_ipc, loaded_latency, relax
 from nodeshare.producers.workloads import BUILTIN, WAYS, interp_ways, load_profiles, shaped
-from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobState, ShutterBlock, encode
+from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobState, ShutterBatch, encode
 from nodeshare.streams.shutter_overhead import dilated_run_time
 
 # ----------------------------------------------------------------------------- workload library
@@ -148,7 +148,7 @@ def test_cluster_from_a_swf_trace(tmp_path: Path):
     sim = with_records(cfg, lambda s: run_cluster(cfg, specs, sink=s))
     ends = [e for e in sim.events if isinstance(e, JobEvent) and e.state is JobState.ENDED]
     assert len(ends) == len(sim.truth) == 2
-    assert any(len(e.nodes) == 2 for e in ends) and sum(isinstance(e, ShutterBlock) for e in sim.events) > 0
+    assert any(len(e.nodes) == 2 for e in ends) and sum(isinstance(e, ShutterBatch) for e in sim.events) > 0
     bad = tmp_path / "bad.swf"
     bad.write_text("1 2 3\n")
     with pytest.raises(ValueError, match="18 fields"):
@@ -164,10 +164,10 @@ def test_parquet_sink_writes_the_same_blocks_as_records(tmp_path: Path):
     run_cluster(cfg, specs, sink=sink)
     sink.close()
     sim = with_records(cfg, lambda s: run_cluster(cfg, specs, sink=s))
-    blocks = [e for e in sim.events if isinstance(e, ShutterBlock)]
+    batches = [e for e in sim.events if isinstance(e, ShutterBatch)]
     table = pq.read_table(tmp_path / "blocks.parquet").to_pylist()
-    assert len(table) == len(blocks) == sink.rows["blocks"] > 0
-    first = blocks[0]
-    row = next(r for r in table if r["cycle"] == first.cycle and f"node{r['node']:05d}" == first.node)
+    assert len(table) == sum(b.blocks for b in batches) == sink.rows["blocks"] > 0
+    first = batches[0]
+    row = next(r for r in table if r["cycle"] == first.cycle[0] and f"node{r['node']:05d}" == first.node)
     assert (row["before"], row["during"], row["after"]) == (
-        first.before[0].instructions, first.during[0].instructions, first.after[0].instructions)
+        first.before.instructions[0], first.during.instructions[0], first.after.instructions[0])

@@ -72,9 +72,9 @@ def test_an_edited_archive_event_is_detected(tmp_path):
     f = sorted((archive / "topic=node.ipc").rglob("*.parquet"))[0]
     table = pq.read_table(f)
     values = table.column("value").to_pylist()
-    row = next(i for i, v in enumerate(values) if json.loads(v)["kind"] == "shutter_block")
+    row = next(i for i, v in enumerate(values) if json.loads(v)["kind"] == "shutter_batch")
     rec = json.loads(values[row])
-    rec["during"][0]["instructions"] *= 2  # the shutter "saw" twice the progress
+    rec["during"]["instructions"][0] *= 2  # the shutter "saw" twice the progress
     values[row] = json.dumps(rec).encode()
     pq.write_table(table.set_column(table.schema.get_field_index("value"), "value", [values]), f)
     report = audit(archive, ledger, POLICY)
@@ -241,18 +241,18 @@ def _move_to_the_day_before(archive: Path, files: list[Path]) -> None:
 
 
 def test_retention_prunes_dates_and_the_audit_skips_only_the_charges_that_lost_events(tmp_path):
-    archive, ledger, n = build(tmp_path, batch=100)
+    archive, ledger, n = build(tmp_path, batch=10)
     store = ParquetArchive(archive)
-    # the first 100 blocks become the day before's (the simulated run is all on 2026-01-01)
-    _move_to_the_day_before(archive, [f for f in store.files() if f.name == "p0000-000000000000-000000000099.parquet"
+    # the first 10 node.ipc messages become the day before's (the simulated run is all on 2026-01-01)
+    _move_to_the_day_before(archive, [f for f in store.files() if f.name == "p0000-000000000000-000000000009.parquet"
                                       and "node.ipc" in str(f)])
     total = store.count()
     assert store.prune(date(2025, 12, 31)).files == 0  # nothing before that day
     dry = store.prune(date(2026, 1, 1), dry_run=True)
-    assert dry.dates == ["2025-12-31"] and dry.files == 1 and dry.events == 100 and store.count() == total
+    assert dry.dates == ["2025-12-31"] and dry.files == 1 and dry.events == 10 and store.count() == total
     pruned = store.prune(date(2026, 1, 1))
     assert pruned == dry and store.count() == total - pruned.events
-    assert store.retention()[("node.ipc", 0)] == 99
+    assert store.retention()[("node.ipc", 0)] == 9
     report = audit(archive, ledger, POLICY)
     assert report.ok, report.as_dict()
     assert 0 < report.beyond_retention < n and report.charges_checked == report.matches == n - report.beyond_retention
@@ -260,9 +260,9 @@ def test_retention_prunes_dates_and_the_audit_skips_only_the_charges_that_lost_e
 
 
 def test_after_pruning_an_edited_retained_event_is_still_detected(tmp_path):
-    archive, ledger, _ = build(tmp_path, batch=100)
+    archive, ledger, _ = build(tmp_path, batch=10)
     store = ParquetArchive(archive)
-    _move_to_the_day_before(archive, [f for f in store.files() if f.name == "p0000-000000000000-000000000099.parquet"
+    _move_to_the_day_before(archive, [f for f in store.files() if f.name == "p0000-000000000000-000000000009.parquet"
                                       and "node.ipc" in str(f)])
     store.prune(date(2026, 1, 1))
     [end] = [f for f in store.files() if "jobs.lifecycle" in str(f)]  # retained whole

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from nodeshare.cli import app
 from nodeshare.scenarios import ClusterChoice, ScenarioError, build, stream
-from nodeshare.schemas import JobEvent, JobState, ShutterBlock, encode, key_of
+from nodeshare.schemas import JobEvent, JobState, ShutterBatch, encode, key_of
 
 TRACE = ("; two usable jobs and one without a run time\n"
          "1 0 0 30 8 -1 -1 8 60 -1 1 3 7 2 -1 -1 -1 -1\n"
@@ -41,7 +41,7 @@ def test_profiles_decide_which_programs_run(tmp_path: Path) -> None:
     csv = profile_csv(tmp_path / "p.csv", "alpha", "beta")
     cluster = build(ClusterChoice(nodes=2, jobs=4, profiles=csv, mean_work_s=10.0, span_s=5.0))
     assert {e.program for e in ended(cluster.events)} <= {"alpha", "beta"}
-    assert any(isinstance(e, ShutterBlock) for e in cluster.events)  # they shared nodes and were measured
+    assert any(isinstance(e, ShutterBatch) for e in cluster.events)  # they shared nodes and were measured
 
 
 def test_streaming_sends_the_same_events_in_the_same_order_per_key() -> None:

@@ -10,7 +10,7 @@ from nodeshare.schemas import (
     JobEvent,
     JobLeftNode,
     JobState,
-    ShutterBlock,
+    ShutterBatch,
     ShutterWindow,
     encode,
 )
@@ -37,7 +37,10 @@ def test_every_job_runs_once_and_closes_every_node_stream():
     sim = simulate(CFG)
     states = Counter((e.job_id, e.state) for e in sim.events if isinstance(e, JobEvent))
     assert all(states[(t.job_id, s)] == 1 for t in sim.truth for s in (JobState.STARTED, JobState.ENDED))
-    blocks = Counter((e.job_id, e.node) for e in sim.events if isinstance(e, ShutterBlock))
+    blocks: Counter[tuple[str, str]] = Counter()
+    for e in sim.events:
+        if isinstance(e, ShutterBatch):
+            blocks[(e.job_id, e.node)] += e.blocks
     for e in sim.events:
         if isinstance(e, JobLeftNode):
             assert e.blocks_sent == blocks[(e.job_id, e.node)]
@@ -64,9 +67,9 @@ def test_truth_is_consistent_and_never_on_a_topic():
 def test_estimates_follow_the_true_degradation():
     """Not the calibrated-accuracy target (a separate issue): the estimator must see the interference."""
     sim = simulate(SimConfig(nodes=6, jobs=16, seed=3))
-    msgs = [(Origin("node.ipc" if isinstance(e, (ShutterBlock, JobLeftNode)) else "jobs.lifecycle", 0, i),
+    msgs = [(Origin("node.ipc" if isinstance(e, (ShutterBatch, JobLeftNode)) else "jobs.lifecycle", 0, i),
              e.job_id.encode(), encode(e), 0.0)
-            for i, e in enumerate(sim.events) if isinstance(e, (ShutterBlock, JobLeftNode, JobEvent))]
+            for i, e in enumerate(sim.events) if isinstance(e, (ShutterBatch, JobLeftNode, JobEvent))]
     charges = {c.job_id: c for c in fold_messages(msgs, PricingPolicy())}
     assert set(charges) == {t.job_id for t in sim.truth}
     errors = [abs(charges[t.job_id].degradation - t.true_degradation) for t in sim.truth
