@@ -265,7 +265,7 @@ def test_after_pruning_an_edited_retained_event_is_still_detected(tmp_path):
     _move_to_the_day_before(archive, [f for f in store.files() if f.name == "p0000-000000000000-000000000009.parquet"
                                       and "node.ipc" in str(f)])
     store.prune(date(2026, 1, 1))
-    [end] = [f for f in store.files() if "jobs.lifecycle" in str(f)]  # retained whole
+    end = sorted(f for f in store.files() if "jobs.lifecycle" in str(f))[-1]  # retained whole
     table = pq.read_table(end)
     rows = table.to_pylist()
     edited = rows[-1]["value"].replace(b'"cores":', b'"cores":1', 1)  # e.g. 8 cores -> 18
