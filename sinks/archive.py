@@ -69,14 +69,38 @@ IPC_FIELDS: list[tuple[str, pa.DataType, str]] = [
     ("kind", pa.string(), "$.kind"), ("event_id", pa.string(), "$.event_id"),
     ("schema_version", pa.int64(), "$.schema_version"), ("source", pa.string(), "$.source"),
     ("event_time", pa.string(), "$.event_time"), ("job_id", pa.string(), "$.job_id"),
-    ("node", pa.string(), "$.node"), ("cycle", pa.int64(), "$.cycle"), ("k", pa.int64(), "$.k"),
+    ("node", pa.string(), "$.node"), ("seq", pa.int64(), "$.seq"), ("k", pa.int64(), "$.k"),
     ("sample_us", pa.int64(), "$.sample_us"), ("counter", pa.string(), "$.counter"),
-    *[(f"{region[0]}_{name}", pa.int64(), f"$.{region}[0].{name}")
-      for region in ("before", "during", "after") for name in ("instructions", "cycles", "threads")],
     ("blocks_sent", pa.int64(), "$.blocks_sent"), ("last_cycle", pa.int64(), "$.last_cycle"),
     ("paused_us", pa.int64(), "$.paused_us"),
 ]
-IPC_SCHEMA = pa.schema([*ARCHIVE_SCHEMA, *[(name, kind) for name, kind, _ in IPC_FIELDS]])
+#: The blocks' fields as lists, one element per block (K = 1) or per sample: (column, path in a
+#: schema-3 batch, path in a version-1/2 single block, which reads as a list of one).
+IPC_LISTS: list[tuple[str, str, str]] = [
+    ("l_cycle", "$.cycle", "$.cycle"),
+    *[(f"l_{region[0]}_{name}", f"$.{region}.{name}", f"$.{region}[0].{name}")
+      for region in ("before", "during", "after") for name in ("instructions", "cycles", "threads")],
+]
+
+
+def typed_columns_sql(v: str, prefix: str = "") -> tuple[str, str]:
+    """How every typed column is extracted from the JSON text ``v``: the select list (names given
+    ``prefix``), which reads ``f``, and the expression to select as ``f`` in the query below it.
+    Absent or mistyped: NULL."""
+    paths = ", ".join(f"'{path}'" for _, _, path in IPC_FIELDS)
+    scalars = ", ".join(
+        f"f[{i}] AS {prefix}{name}" if kind == pa.string() else f"TRY_CAST(f[{i}] AS BIGINT) AS {prefix}{name}"
+        for i, (name, kind, _) in enumerate(IPC_FIELDS, start=1))
+    lists = ", ".join(
+        f"""CASE f[1] WHEN 'shutter_batch' THEN TRY_CAST(json_extract({v}, '{batch}') AS BIGINT[])
+                      WHEN 'shutter_block' THEN [TRY_CAST(json_extract_string({v}, '{block}') AS BIGINT)]
+            END AS {prefix}{name}"""
+        for name, batch, block in IPC_LISTS)
+    return f"{scalars}, {lists}", f"CASE WHEN json_valid({v}) THEN json_extract_string({v}, [{paths}]) END"
+
+
+IPC_SCHEMA = pa.schema([*ARCHIVE_SCHEMA, *[(name, kind) for name, kind, _ in IPC_FIELDS],
+                        *[(name, pa.list_(pa.int64())) for name, _, _ in IPC_LISTS]])
 #: Topics whose files carry typed columns, and their schema.
 TYPED = {"node.ipc": IPC_SCHEMA}
 
@@ -88,16 +112,12 @@ def with_typed_columns(topic: str, table: pa.Table) -> pa.Table:
     schema = TYPED.get(topic)
     if schema is None:
         return table
-    paths = ", ".join(f"'{path}'" for _, _, path in IPC_FIELDS)
-    columns = ", ".join(
-        f"f[{i}] AS {name}" if kind == pa.string() else f"TRY_CAST(f[{i}] AS BIGINT) AS {name}"
-        for i, (name, kind, _) in enumerate(IPC_FIELDS, start=1))
     with duckdb.connect() as con:
         con.register("batch", table)
+        columns, f = typed_columns_sql("v")
         typed = con.sql(f"""
             SELECT * EXCLUDE (v, f), {columns} FROM (
-                SELECT *, CASE WHEN json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
-                FROM (SELECT *, try(decode(value)) AS v FROM batch))
+                SELECT *, {f} AS f FROM (SELECT *, try(decode(value)) AS v FROM batch))
             ORDER BY job_id NULLS LAST, node NULLS LAST, "offset"
         """).to_arrow_table()
     return typed.cast(schema)

@@ -35,52 +35,62 @@ import pyarrow.parquet as pq
 
 from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, clock_problem, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S
+from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S, MAX_BATCH_BLOCKS
 from nodeshare.streams.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
 from nodeshare.streams.degradation import estimate_from_totals
 
-from .archive import IPC_FIELDS, ParquetArchive, file_range
+from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_range, typed_columns_sql
 
 _EXACT_INT = 2**53  # int64 -> float64 is exact below this
 
-#: Integer fields of every node.ipc record, in this order (absent or not an integer: -1): the typed
-#: columns of the archive (sinks.archive.IPC_FIELDS) and their JSON paths in the value.
-_INTS = [("cycle", "$.cycle"), ("k", "$.k"),
-         *[(f"{r[0]}_{n}", f"$.{r}[0].{n}") for r in ("before", "during", "after") for n in ("instructions", "cycles")],
-         ("paused_us", "$.paused_us"), ("blocks_sent", "$.blocks_sent"), ("last_cycle", "$.last_cycle")]
-_INT_PATHS = [path for _, path in _INTS]
-#: Paths that must be absent for a block to have exactly one sample per region.
-_SECOND_SAMPLES = ["$.before[1]", "$.during[1]", "$.after[1]"]
+#: The typed columns' names: scalar fields and the per-block lists (sinks.archive).
+_SCALARS = [name for name, _, _ in IPC_FIELDS]
+_LISTS = [name for name, _, _ in IPC_LISTS]
+#: The blocks' list columns that the fold reads, unnested to one row per block, with their names there.
+_UNNESTED = {"l_cycle": "cycle", **{f"l_{r}_{n}": f"{r}_{n}" for r in "bda" for n in ("instructions", "cycles")}}
+#: A block's position in its stream: its message's offset, then its index in the batch.
+_POSITION = f'("offset" * {2 * MAX_BATCH_BLOCKS} + idx)'
 
 
 def canonical_ipc_sql() -> str:
-    """SQL for the bytes ``schemas.encode`` writes for the record in a row's typed columns: a K = 1
-    shutter block or a JobLeftNode (NULL for anything else). Where it equals the archived value,
-    the typed columns are exactly what decoding the value gives: strings are re-escaped
-    (``to_json``), integers printed in decimal, every field in the model's order, nothing left out,
-    nothing null. (``concat`` rather than ``||``: measured 3x faster here; ``concat`` prints a null
-    as nothing, hence the explicit null test.)
+    """SQL for the bytes ``schemas.encode`` writes for the record in a row's typed columns: a schema-3
+    batch, a K = 1 single block (versions 1 and 2) or a JobLeftNode (NULL for anything else). Where
+    it equals the archived value, the typed columns are exactly what decoding the value gives:
+    strings are re-escaped (``to_json``), integers printed in decimal, lists joined with commas,
+    every field in the model's order, nothing left out, nothing null. (``concat`` rather than
+    ``||``: measured 3x faster here; ``concat`` prints a null as nothing, hence the null tests.)
     """
     head = """'{"event_id":', to_json(event_id), ',"schema_version":', schema_version, ',"source":', to_json(source),
               ',"event_time":', to_json(event_time), ',"kind":', to_json(kind), ',"job_id":', to_json(job_id),
               ',"node":', to_json(node)"""
     regions = ", ".join(
-        f"""',"{region}":[{{"instructions":', {region[0]}_instructions, ',"cycles":', {region[0]}_cycles,
-            ',"threads":', {region[0]}_threads, '}}]'"""
+        f"""',"{region}":[{{"instructions":', l_{region[0]}_instructions[1], ',"cycles":', l_{region[0]}_cycles[1],
+            ',"threads":', l_{region[0]}_threads[1], '}}]'"""
         for region in ("before", "during", "after"))
-    block = f"""concat({head}, ',"cycle":', cycle, ',"k":1,"sample_us":', sample_us, ',"counter":', to_json(counter),
-                       {regions}, '}}')"""
+    block = f"""concat({head}, ',"cycle":', l_cycle[1], ',"k":1,"sample_us":', sample_us, ',"counter":',
+                       to_json(counter), {regions}, '}}')"""
+    columns = ", ".join(
+        f"""',"{region}":{{"instructions":[', array_to_string(l_{region[0]}_instructions, ','),
+            '],"cycles":[', array_to_string(l_{region[0]}_cycles, ','),
+            '],"threads":[', array_to_string(l_{region[0]}_threads, ','), ']}}'"""
+        for region in ("before", "during", "after"))
+    batch = f"""concat({head}, ',"seq":', seq, ',"k":', k, ',"sample_us":', sample_us, ',"counter":', to_json(counter),
+                       ',"cycle":[', array_to_string(l_cycle, ','), ']', {columns}, '}}')"""
     left = f"""concat({head}, ',"blocks_sent":', blocks_sent, ',"last_cycle":', last_cycle,
                       ',"paused_us":', paused_us, '}}')"""
     common = ["event_id", "schema_version", "source", "event_time", "job_id", "node"]
-    block_fields = [*common, "cycle", "sample_us", "counter",
-                    *[f"{r}_{n}" for r in "bda" for n in ("instructions", "cycles", "threads")]]
+    block_fields = [*common, "sample_us", "counter", *_LISTS]
+    batch_fields = [*block_fields, "seq", "k"]
     left_fields = [*common, "blocks_sent", "last_cycle", "paused_us"]
+    # a list with a null element (a value that is no integer) prints without it: never canonical
+    no_null_elements = " AND ".join(f"list_count({n}) = len({n})" for n in _LISTS)
 
-    def unless_null(names: list[str], sql: str) -> str:
-        return f"CASE WHEN {' OR '.join(f'{n} IS NULL' for n in names)} THEN NULL ELSE encode({sql}) END"
+    def unless_null(names: list[str], sql: str, extra: str = "true") -> str:
+        return (f"CASE WHEN {' OR '.join(f'{n} IS NULL' for n in names)} OR NOT ({extra}) THEN NULL "
+                f"ELSE encode({sql}) END")
 
-    return f"""CASE kind WHEN 'shutter_block' THEN {unless_null(block_fields, block)}
+    return f"""CASE kind WHEN 'shutter_batch' THEN {unless_null(batch_fields, batch, no_null_elements)}
+                         WHEN 'shutter_block' THEN {unless_null(block_fields, block)}
                          WHEN 'job_left_node' THEN {unless_null(left_fields, left)} END"""
 
 
@@ -130,44 +140,59 @@ class FastResult:
 def _source_sql(glob: str, files: list[Path], dedupe: bool) -> str:
     """The node.ipc files as one relation with every typed column (null where a file has none),
     with ``dedupe`` each offset once (a compaction in progress leaves copies)."""
-    if any("kind" in pq.read_schema(f).names for f in files):  # the first one, but for old archives
+    if any("l_cycle" in pq.read_schema(f).names for f in files):  # the first one, but for old archives
         source = f"read_parquet('{glob}', union_by_name = true)"
     else:
-        nulls = ", ".join(f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
-                          for name, kind, _ in IPC_FIELDS)
-        source = f"(SELECT *, {nulls} FROM read_parquet('{glob}'))"
+        nulls = ", ".join([*(f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
+                             for name, kind, _ in IPC_FIELDS), *(f"NULL::BIGINT[] AS {n}" for n in _LISTS)])
+        plain = ", ".join(f'"{f.name}"' for f in ARCHIVE_SCHEMA)  # older typed columns are not trusted
+        source = f"(SELECT {plain}, {nulls} FROM read_parquet('{glob}', union_by_name = true))"
     if dedupe:
         source = f'(SELECT * FROM {source} QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1)'
     return source
 
 
+def _unnested_sql(rows: str) -> str:
+    """One row per block (a JobLeftNode, or a batch with no block, stays one row with null fields),
+    ``idx`` its 0-based index in its message; ``single``: one sample per block and a batch's lists
+    all of the batch's length (a mismatch pads with nulls, which fail the block checks)."""
+    n = "len(coalesce(l_cycle, []))"
+    lists = ", ".join(f"unnest(CASE WHEN {n} > 0 THEN {col} ELSE [NULL::BIGINT] END) AS {name}"
+                      for col, name in _UNNESTED.items())
+    same = " AND ".join(f"len({c}) = {n}" for c in _LISTS)
+    absent = ", ".join(f"coalesce({name}, -1) AS {name}" for name in _UNNESTED.values())
+    return f"""SELECT * REPLACE ({absent}) FROM (
+               SELECT "partition", "offset", timestamp_ms, key, typed, kind, job_id, node, event_time,
+                      coalesce(k, -1) AS k, coalesce(paused_us, -1) AS paused_us,
+                      coalesce(blocks_sent, -1) AS blocks_sent, coalesce(last_cycle, -1) AS last_cycle,
+                      coalesce(single AND (kind <> 'shutter_batch'
+                                           OR ({n} BETWEEN 1 AND {MAX_BATCH_BLOCKS} AND {same})), false) AS single,
+                      unnest(range(greatest({n}, 1))) AS idx, {lists}
+               FROM ({rows}))"""
+
+
 def _typed_rows_sql(source: str) -> str:
     """Every node.ipc row with the fields of its typed columns, unchecked: the fold over them is
     kept only for jobs none of whose rows ``_suspects`` names."""
-    ints = ", ".join(f"coalesce({name}, -1) AS {name}" for name, _ in _INTS)
-    return f"""SELECT "partition", "offset", timestamp_ms, key, true AS typed, kind, job_id, node, event_time,
-                      {ints}, true AS single FROM {source}"""
+    return _unnested_sql(f"SELECT *, true AS typed, true AS single FROM {source}")
 
 
 def _rows_sql(source: str) -> str:
     """Every node.ipc row with its fields: from its typed columns where they reproduce the value's
-    bytes, else parsed from the value's JSON; rows that are neither are left out."""
-    strings = ["kind", "job_id", "node", "event_time"]
-    paths = ", ".join(f"'{p}'" for p in [*(f"$.{s}" for s in strings), *_INT_PATHS, *_SECOND_SAMPLES])
-    pick = ", ".join(f"CASE WHEN typed THEN {name} ELSE f[{i}] END AS {name}"
-                     for i, name in enumerate(strings, start=1))
-    ints = ", ".join(f"coalesce(CASE WHEN typed THEN {name} ELSE TRY_CAST(f[{5 + i}] AS BIGINT) END, -1) AS {name}"
-                     for i, (name, _) in enumerate(_INTS))
-    second = len(strings) + len(_INTS) + 1
-    return f"""
-        SELECT "partition", "offset", timestamp_ms, key, typed, {pick}, {ints},
-               typed OR (f[{second}] IS NULL AND f[{second + 1}] IS NULL AND f[{second + 2}] IS NULL) AS single
+    bytes, else parsed from the value's JSON; rows that are neither are left out. A version-1/2
+    block parsed must have one sample per region."""
+    pick = ", ".join(f"CASE WHEN typed THEN {c} ELSE p_{c} END AS {c}" for c in [*_SCALARS, *_LISTS])
+    parsed, f = typed_columns_sql("v", prefix="p_")
+    return _unnested_sql(f"""
+        SELECT "partition", "offset", timestamp_ms, key, typed, {pick},
+               typed OR p_kind <> 'shutter_block' OR (json_extract(v, '$.before[1]') IS NULL
+                   AND json_extract(v, '$.during[1]') IS NULL AND json_extract(v, '$.after[1]') IS NULL) AS single
         FROM (
-            SELECT *, CASE WHEN NOT typed AND json_valid(v) THEN json_extract_string(v, [{paths}]) END AS f
-            FROM (
-                SELECT *, CASE WHEN typed THEN NULL ELSE try(decode(value)) END AS v
-                FROM (SELECT *, coalesce(({canonical_ipc_sql()}) = value, false) AS typed FROM {source})))
-        WHERE typed OR f IS NOT NULL"""
+            SELECT *, {parsed} FROM (
+                SELECT *, {f} AS f FROM (
+                    SELECT *, CASE WHEN typed THEN NULL ELSE try(decode(value)) END AS v
+                    FROM (SELECT *, coalesce(({canonical_ipc_sql()}) = value, false) AS typed FROM {source}))))
+        WHERE typed OR p_kind IS NOT NULL""")
 
 
 @dataclass(frozen=True)
@@ -205,9 +230,9 @@ def _suspects(con: duckdb.DuckDBPyConnection, source: str) -> Suspects:
 
 
 def out_of_order_streams(con: duckdb.DuckDBPyConnection, source: str) -> set[tuple[str, str]]:
-    """(job, node) streams whose block cycles do not strictly increase in offset order, from the
-    typed columns (trusted where ``_suspects`` names no row of the job), in one pass and no sort of
-    the whole archive.
+    """(job, node) streams whose block cycles do not strictly increase in offset order (and, within a
+    batch, in its order), from the typed columns (trusted where ``_suspects`` names no row of the
+    job), in one pass and no sort of the whole archive.
 
     The scan meets the rows in file order; a *run* is a stretch of consecutive rows of one stream
     (the archive sorts each file by job, node and offset, so a stream is one run per file). Within
@@ -220,19 +245,23 @@ def out_of_order_streams(con: duckdb.DuckDBPyConnection, source: str) -> set[tup
     same = "{0}job_id IS NOT DISTINCT FROM job_id AND {0}node IS NOT DISTINCT FROM node"
     return {(job, node) for job, node in con.execute(f"""
         WITH scan AS (  -- a streaming window: the order the scan produces, no sort
-            SELECT job_id, node, "offset", cycle, lag(job_id) OVER () AS p_job_id, lag(node) OVER () AS p_node,
-                   lead(job_id) OVER () AS n_job_id, lead(node) OVER () AS n_node,
-                   lag("offset") OVER () AS p_offset, lag(cycle) OVER () AS p_cycle
-            FROM {source} WHERE kind = 'shutter_block'),
+            SELECT job_id, node, "offset", cycle, top, inside, lag(job_id) OVER () AS p_job_id,
+                   lag(node) OVER () AS p_node, lead(job_id) OVER () AS n_job_id, lead(node) OVER () AS n_node,
+                   lag("offset") OVER () AS p_offset, lag(top) OVER () AS p_top
+            FROM (SELECT job_id, node, "offset", l_cycle[1] AS cycle, l_cycle[-1] AS top,
+                         -- a batch's own cycles strictly increase
+                         l_cycle = list_sort(l_cycle) AND len(list_distinct(l_cycle)) = len(l_cycle) AS inside
+                  FROM {source} WHERE kind IN ('shutter_block', 'shutter_batch'))),
         edges AS (
-            SELECT job_id, node, "offset", cycle, first, last,
-                   NOT first AND NOT ("offset" > p_offset AND cycle > p_cycle) AS backwards
+            SELECT job_id, node, "offset", cycle, top, first, last,
+                   NOT coalesce(inside, false) OR (NOT first AND NOT ("offset" > p_offset AND cycle > p_top))
+                     AS backwards
             FROM (SELECT *, NOT ({same.format("p_")}) AS first, NOT ({same.format("n_")}) AS last FROM scan)
-            WHERE first OR last OR NOT ("offset" > p_offset AND cycle > p_cycle))
+            WHERE first OR last OR NOT ("offset" > p_offset AND cycle > p_top) OR NOT coalesce(inside, false))
         SELECT DISTINCT job_id, node FROM (
-            SELECT *, lag(last) OVER w AS after_last, lag(cycle) OVER w AS before_cycle
+            SELECT *, lag(last) OVER w AS after_last, lag(top) OVER w AS before_top
             FROM edges WINDOW w AS (PARTITION BY job_id, node ORDER BY "offset"))
-        WHERE backwards OR (first AND after_last IS NOT NULL AND NOT (after_last AND before_cycle < cycle))
+        WHERE backwards OR (first AND after_last IS NOT NULL AND NOT (after_last AND before_top < cycle))
     """).fetchall()}
 
 
@@ -242,7 +271,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
     (with each job's delta) and exact sums; ``step`` is the block's cycle minus the one before it
     in the stream (NULL: checked elsewhere). Returns the streams, typed rows and all rows."""
     scale = f"{2.0**FIXED_POINT_BITS:.1f}"
-    block = "kind = 'shutter_block'"
+    block = "kind IN ('shutter_block', 'shutter_batch')"
     when = "epoch(TRY_CAST(event_time AS TIMESTAMPTZ))"
     valid_block = (f"k = 1 AND single AND cycle >= 0 AND b_cycles > 0 AND d_cycles > 0 AND a_cycles > 0 "
                    f"AND b_instructions >= 0 AND d_instructions >= 0 AND a_instructions >= 0 AND greatest("
@@ -257,7 +286,8 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
     rows = con.execute(f"""
         WITH r AS ({rows_sql}),
         m0 AS (
-            SELECT r."partition", r."offset", r.job_id, r.node, r.cycle, r.paused_us, r.blocks_sent, r.typed,
+            SELECT r."partition", r."offset", r.idx, {_POSITION} AS pos, r.job_id, r.node, r.cycle, r.paused_us,
+                   r.blocks_sent, r.typed,
                    r.{block} AS is_block, r.kind = 'job_left_node' AS is_left,
                    {delta} AS delta,
                    coalesce(r.key = encode(r.job_id), false)  -- bytes: no UTF-8 decode per row
@@ -288,10 +318,10 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
                min("offset"), max("offset"),
                max("offset") FILTER (WHERE is_left), max(blocks_sent) FILTER (WHERE is_left),
                max(paused_us) FILTER (WHERE is_left),
-               arg_min(cycle, "offset") FILTER (WHERE is_block), arg_max(cycle, "offset") FILTER (WHERE is_block),
+               arg_min(cycle, pos) FILTER (WHERE is_block), arg_max(cycle, pos) FILTER (WHERE is_block),
                count(*) FILTER (WHERE keep), count(*) FILTER (WHERE is_block AND NOT keep),
                {sums},
-               sum(typed::INT), count(*)
+               coalesce(sum(typed::INT) FILTER (WHERE idx = 0), 0), count(*) FILTER (WHERE idx = 0)  -- messages
         FROM m
         GROUP BY job_id, node
     """).fetchall()
@@ -302,7 +332,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
 
 #: The general fold's order check: a window over the stream (ordered by offset alone: a job on two
 #: partitions fails the one-partition check).
-_STEP_WINDOW = 'cycle - lag(cycle) OVER (PARTITION BY job_id, node ORDER BY "offset")'
+_STEP_WINDOW = "cycle - lag(cycle) OVER (PARTITION BY job_id, node ORDER BY pos)"
 
 
 def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delta: float,

@@ -153,13 +153,14 @@ def test_node_ipc_files_carry_typed_columns_equal_to_the_decoded_value(tmp_path)
 
     archive, _, _ = build(tmp_path)
     rows = pq.read_table(_ipc_files(archive)[0]).to_pylist()
-    blocks = [r for r in rows if r["kind"] == "shutter_block"]
-    assert blocks
-    for r in blocks:
+    batches = [r for r in rows if r["kind"] == "shutter_batch"]
+    assert batches
+    for r in batches:
         rec = decode(BY_NAME["node.ipc"], r["value"])
-        assert (r["job_id"], r["node"], r["cycle"], r["k"]) == (rec.job_id, rec.node, rec.cycle, rec.k)
-        assert (r["b_instructions"], r["d_cycles"], r["a_threads"]) == (
-            rec.before[0].instructions, rec.during[0].cycles, rec.after[0].threads)
+        assert (r["job_id"], r["node"], r["l_cycle"], r["k"], r["seq"]) == (rec.job_id, rec.node, list(rec.cycle),
+                                                                           rec.k, rec.seq)
+        assert (r["l_b_instructions"], r["l_d_cycles"], r["l_a_threads"]) == (
+            list(rec.before.instructions), list(rec.during.cycles), list(rec.after.threads))
     fast = fast_recompute(archive, {}, POLICY)
     assert fast.parsed_rows == 0 and fast.typed_rows == sum(1 for _ in ParquetArchive(archive).events(["node.ipc"]))
 
@@ -173,15 +174,16 @@ def test_the_value_rules_when_typed_columns_disagree_with_it(tmp_path):
 
     archive, ledger, n = build(tmp_path)
     f = _ipc_files(archive)[0]
-    row = next(i for i, r in enumerate(pq.read_table(f).to_pylist()) if r["kind"] == "shutter_block")
-    _edit(f, "d_instructions", row, 1)  # the cache now says the job barely ran alone
+    rows = pq.read_table(f).to_pylist()
+    row = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_batch")
+    _edit(f, "l_d_instructions", row, [1, *rows[row]["l_d_instructions"][1:]])  # the cache: it barely ran alone
     fast = fast_recompute(archive, {}, POLICY)
     assert fast.parsed_rows == 1
     report = audit(archive, ledger, POLICY)
     assert report.ok and report.matches == n
 
     rec = json.loads(pq.read_table(f).column("value")[row].as_py())
-    rec["during"][0]["instructions"] = 1
+    rec["during"]["instructions"][0] = 1
     _edit(f, "value", row, json.dumps(rec, separators=(",", ":")).encode())  # value and cache agree again
     assert fast_recompute(archive, {}, POLICY).parsed_rows == 0  # byte-exact: the cache is trusted...
     report = audit(archive, ledger, POLICY)
@@ -206,7 +208,7 @@ def test_compaction_gives_old_files_their_typed_columns(tmp_path):
 
     from nodeshare.sinks.archive import ARCHIVE_SCHEMA
 
-    archive, ledger, n = build(tmp_path)
+    archive, ledger, n = build(tmp_path, batch=5)  # several files, which compaction merges
     for f in _ipc_files(archive):  # as written before typed columns existed
         pq.write_table(pq.read_table(f, columns=ARCHIVE_SCHEMA.names), f)
     before = fast_recompute(archive, {}, POLICY)
@@ -239,10 +241,14 @@ def samples_of(instructions, cycles):
 
 
 def _scan_order(rows):
-    """A relation of block rows (job, node, offset, cycle) in exactly this scan order."""
-    values = ", ".join(f"({i}, 'shutter_block', '{j}', '{n}', {o}, {c})" for i, (j, n, o, c) in enumerate(rows))
-    return f'(SELECT kind, job_id, node, "offset", cycle FROM (VALUES {values}) t(i, kind, job_id, node, "offset", ' \
-           f'cycle) ORDER BY i)'
+    """A relation of node.ipc rows (job, node, offset, cycle or a batch's cycles) in exactly this scan order."""
+    def cycles(c):
+        return list(c) if isinstance(c, tuple) else [c]
+
+    values = ", ".join(f"({i}, '{'shutter_batch' if isinstance(c, tuple) else 'shutter_block'}', '{j}', '{n}', {o}, "
+                       f"{cycles(c)}::BIGINT[])" for i, (j, n, o, c) in enumerate(rows))
+    return f'(SELECT kind, job_id, node, "offset", l_cycle FROM (VALUES {values}) t(i, kind, job_id, node, ' \
+           f'"offset", l_cycle) ORDER BY i)'
 
 
 def _backwards(rows):
@@ -263,6 +269,10 @@ def test_the_order_check_by_hand():
     # m/a: runs that overlap in offsets (1, 3 | 2, 4) are refused even where the cycles would interleave
     assert _backwards([("m", "a", 1, 1), ("m", "a", 3, 5), ("x", "a", 0, 0), ("m", "a", 2, 6), ("m", "a", 4, 7)]) \
         == {("m", "a")}
+    # batches: p/a's second batch starts at its first's last cycle; q/a's batch goes back inside itself;
+    # r/a's batches follow each other (and a single block after them)
+    assert _backwards([("p", "a", 1, (1, 2)), ("p", "a", 2, (2, 3)), ("q", "a", 3, (3, 5, 4)),
+                       ("r", "a", 4, (1, 2)), ("r", "a", 5, (3, 9)), ("r", "a", 6, 10)]) == {("p", "a"), ("q", "a")}
 
 
 def test_the_order_check_never_misses_a_stream_out_of_order():
@@ -311,7 +321,7 @@ def test_a_typed_job_id_claiming_another_job_sends_both_to_the_general_pass(tmp_
     archive, ledger, n = build(tmp_path)
     f = _ipc_files(archive)[0]
     rows = pq.read_table(f).to_pylist()
-    row = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_block")
+    row = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_batch")
     other = next(r["job_id"] for r in rows if r["job_id"] != rows[row]["job_id"])
     _edit(f, "job_id", row, other)  # the cache files one of A's blocks under B
     fast, reference = _both(archive)
@@ -327,9 +337,10 @@ def test_a_null_typed_column_never_vouches_for_a_value(tmp_path):
     archive, ledger, _n = build(tmp_path)
     f = _ipc_files(archive)[0]
     rows = pq.read_table(f).to_pylist()
-    row = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_block")
-    _edit(f, "cycle", row, None)
-    _edit(f, "value", row, rows[row]["value"].replace(f'"cycle":{rows[row]["cycle"]},'.encode(), b'"cycle":,'))
+    row = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_batch")
+    cycles = ",".join(map(str, rows[row]["l_cycle"]))
+    _edit(f, "l_cycle", row, None)
+    _edit(f, "value", row, rows[row]["value"].replace(f'"cycle":[{cycles}],'.encode(), b'"cycle":,'))
     fast = fast_recompute(archive, {}, POLICY)
     assert fast.parsed_rows == 0 and fast.typed_rows == len(rows) - 1 + sum(
         pq.ParquetFile(g).metadata.num_rows for g in _ipc_files(archive)[1:])
