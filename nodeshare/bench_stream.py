@@ -2,15 +2,17 @@
 
 Two runs, each on topics and consumer groups of its own:
 
-* **Throughput.** ``blocks`` shutter blocks are published to ``node.ipc`` first; then a raw
-  confluent-kafka consumer reads the topic (the yardstick: what the broker and a client deliver
-  on this machine), then a faust worker whose one agent only counts (faust's own ceiling: its
-  consumer hands each message over in a task of its own), and then one ``nodeshare worker``
-  consumes it. Both workers are timed through their ``nodeshare_events_in_total`` counter from
-  their first block to their last. The worker does all its usual work per block: the job's
-  reducer, and routing the block to the placement manager, which folds it too.
-* **Latency.** The worker, the ledger sink and the archive sink run while jobs (blocks, their
-  JobLeftNode marker, then the end event) are published at a steady ``rate`` events per second.
+* **Throughput.** ``blocks`` shutter blocks are published to ``node.ipc`` in batches of
+  ``per_message`` (schema 3, the agents' default flush); then a raw confluent-kafka consumer
+  reads the topic, once only reading and once also JSON-decoding every message (the yardsticks:
+  what the broker and a client deliver on this machine), then a faust worker whose one agent only
+  counts messages (faust's own ceiling: its consumer hands each message over in a task of its
+  own), and then one ``nodeshare worker`` consumes it, timed through its
+  ``nodeshare_shutter_blocks_total`` counter from its first block to its last. The worker does
+  all its usual work per batch: the job's reducer, and a running estimate per batch, which the
+  placement router forwards to the placement manager.
+* **Latency.** The worker, the ledger sink and the archive sink run while jobs (batches, their
+  JobLeftNode marker, then the end event) are published at a steady ``rate`` blocks per second.
   A job's latency runs from the send of its last event to the moment its charge row is durable
   in the ledger.
 """
@@ -38,6 +40,7 @@ from nodeshare.config import Settings
 from nodeshare.deploy.broker import broker_for, free_port
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
+from nodeshare.producers.batching import DEFAULT_MAX_BLOCKS
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.schemas import SCHEMA_VERSION
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
@@ -54,15 +57,22 @@ _T0 = datetime(2026, 1, 1, tzinfo=UTC)
 _CYC = 8_320_000  # cycles of one 3.2 ms sample on 2.6 GHz x 1 thread
 
 
-def block_json(job: str, node: str, cycle: int, before: int, during: int, after: int) -> str:
-    """A valid K = 1 shutter block with these instruction counts, as JSON (fast: no model)."""
+def batch_json(job: str, node: str, first_cycle: int, instructions: np.ndarray, seq: int = 0) -> str:
+    """A valid batch of K = 1 shutter blocks (cycles from ``first_cycle``) with these (n, 3)
+    instruction counts, as JSON (fast: no model)."""
+    n = len(instructions)
+
+    def region(col: int) -> str:
+        ones, cycles = ",".join(["1"] * n), ",".join([str(_CYC)] * n)
+        return (f'{{"instructions":[{",".join(map(str, instructions[:, col].tolist()))}],"cycles":[{cycles}],'
+                f'"threads":[{ones}]}}')
+
     return (
-        f'{{"event_id":"{job}-{cycle}","schema_version":{SCHEMA_VERSION},"source":"bench","event_time":'
-        f'"2026-01-01T00:00:00Z","kind":"shutter_block","job_id":"{job}","node":"{node}","cycle":{cycle},'
+        f'{{"event_id":"{job}-{first_cycle}","schema_version":{SCHEMA_VERSION},"source":"bench","event_time":'
+        f'"2026-01-01T00:00:00Z","kind":"shutter_batch","job_id":"{job}","node":"{node}","seq":{seq},'
         f'"k":1,"sample_us":3200,"counter":"simulated",'
-        f'"before":[{{"instructions":{before},"cycles":{_CYC},"threads":1}}],'
-        f'"during":[{{"instructions":{during},"cycles":{_CYC},"threads":1}}],'
-        f'"after":[{{"instructions":{after},"cycles":{_CYC},"threads":1}}]}}'
+        f'"cycle":[{",".join(map(str, range(first_cycle, first_cycle + n)))}],'
+        f'"before":{region(0)},"during":{region(1)},"after":{region(2)}}}'
     )
 
 
@@ -96,15 +106,18 @@ def synthetic_instructions(n: int, rng: np.random.Generator) -> np.ndarray:
 @dataclass
 class StreamBench:
     blocks: int
+    blocks_per_message: int
+    messages: int
     partitions: int
     raw_s: float
-    raw_per_s: float
-    faust_count_only_per_s: float  # the same topic through a faust agent that only counts
+    raw_read_blocks_per_s: float  # a confluent-kafka consumer that only reads
+    raw_decode_blocks_per_s: float  # ... and JSON-decodes every message: the yardstick of ratio_to_raw
+    faust_count_only_blocks_per_s: float  # the same topic through a faust agent that only counts messages
     worker_s: float
     blocks_per_s: float
     ratio_to_raw: float
-    rate_per_s: float  # offered in the latency run
-    achieved_rate_per_s: float
+    offered_blocks_per_s: float  # in the latency run
+    achieved_blocks_per_s: float
     latency_jobs: int
     latency_p50_s: float
     latency_p99_s: float
@@ -120,33 +133,41 @@ def _fresh(settings: Settings, bootstrap: str, run: str, **update: Any) -> Setti
                                        "app_id": f"nodeshare-{tag}", **update})
 
 
-def _job_blocks(job: str, node: str, n: int, rng: np.random.Generator) -> list[bytes]:
+def _job_blocks(job: str, node: str, n: int, rng: np.random.Generator, per_message: int) -> list[bytes]:
+    """A job's ``n`` blocks as batches of ``per_message``."""
     instr = synthetic_instructions(n, rng)
-    return [block_json(job, node, c, *instr[c]).encode() for c in range(n)]
+    return [batch_json(job, node, c, instr[c:c + per_message], seq=i).encode()
+            for i, c in enumerate(range(0, n, per_message))]
 
 
-def publish_blocks(settings: Settings, blocks: int, blocks_per_job: int = 1000, seed: int = 1,
-                   progress: Progress | None = None) -> None:
-    """``blocks`` valid shutter blocks on ``node.ipc``, keyed by job (no markers: no charges)."""
+def publish_blocks(settings: Settings, blocks: int, per_message: int, blocks_per_job: int = 1024, seed: int = 1,
+                   progress: Progress | None = None) -> int:
+    """``blocks`` valid shutter blocks on ``node.ipc`` in batches, keyed by job (no markers: no
+    charges); returns the messages sent."""
     rng = np.random.default_rng(seed)
     topic = settings.topic(NODE_IPC.name)
+    messages = 0
     with EventProducer(settings, client_id="nodeshare-bench") as producer:
         sent, j = 0, 0
         while sent < blocks:
             job = str(2_000_000 + j)
-            values = _job_blocks(job, f"n{j % 97}", min(blocks_per_job, blocks - sent), rng)
+            n = min(blocks_per_job, blocks - sent)
+            values = _job_blocks(job, f"n{j % 97}", n, rng, per_message)
             for v in values:
                 producer.send_raw(topic, job.encode(), v)
-            sent, j = sent + len(values), j + 1
+            sent, j, messages = sent + n, j + 1, messages + len(values)
             if progress:
                 progress("publishing blocks", sent, blocks)
+    return messages
 
 
-def raw_consume(settings: Settings, topic: str, expected: int, timeout_s: float = 120.0) -> float:
-    """Seconds a plain confluent-kafka consumer takes to read ``expected`` messages of ``topic``,
-    from its first message to its last."""
+def raw_consume(settings: Settings, topic: str, expected: int, timeout_s: float = 120.0, decode: bool = False,
+                ) -> float:
+    """Seconds a plain confluent-kafka consumer takes to read ``expected`` messages of ``topic``
+    (``decode``: and ``json.loads`` each), from its first message to its last."""
     consumer = Consumer(settings.client_config(**{
-        "group.id": f"{settings.app_id}-raw", "enable.auto.commit": False, "auto.offset.reset": "earliest",
+        "group.id": f"{settings.app_id}-raw{'-decode' if decode else ''}", "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
         "fetch.max.bytes": 52_428_800, "max.partition.fetch.bytes": 10_485_760}))
     parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
     consumer.assign([TopicPartition(topic, p, 0) for p in parts])
@@ -157,7 +178,11 @@ def raw_consume(settings: Settings, topic: str, expected: int, timeout_s: float 
             batch = consumer.consume(10_000, timeout=1.0)
             if batch and not first:
                 first = time.monotonic()
-            got += sum(1 for m in batch if m.error() is None and m.value())
+            good = [m.value() for m in batch if m.error() is None and m.value()]
+            if decode:
+                for v in good:
+                    json.loads(v)
+            got += len(good)
             last = time.monotonic()
     finally:
         consumer.close()
@@ -166,18 +191,19 @@ def raw_consume(settings: Settings, topic: str, expected: int, timeout_s: float 
     return last - first
 
 
-def _events_in(port: int) -> float:
+def _counter(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "nodeshare_events_in"
-               for s in f.samples if s.name == "nodeshare_events_in_total")
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == name
+               for s in f.samples if s.name == f"{name}_total")
 
 
 def worker_consume(settings: Settings, workdir: Path, expected: int, timeout_s: float = 600.0,
                    progress: Progress | None = None, count_only: bool = False) -> tuple[float, float]:
     """Start one worker (``count_only``: the counting yardstick, in a consumer group of its own) on
-    a topic already full; (seconds, blocks) from its first block to its last, read from its metrics
-    every 0.1 s."""
+    a topic already full; (seconds, what it counted) from its first count to its last, read from
+    its metrics every 0.1 s: blocks for the worker, messages for the counting yardstick."""
+    metric = "nodeshare_events_in" if count_only else "nodeshare_shutter_blocks"
     port = free_port()
     update: dict[str, Any] = {"metrics_port": port}
     if count_only:
@@ -194,7 +220,7 @@ def worker_consume(settings: Settings, workdir: Path, expected: int, timeout_s: 
                 raise RuntimeError(f"the worker handled {n:.0f}/{expected} blocks in {timeout_s:.0f} s")
             time.sleep(0.1)
             try:
-                n = _events_in(port)
+                n = _counter(port, metric)
             except OSError:
                 continue  # not serving yet
             if n and not first_t:
@@ -220,31 +246,32 @@ class TimedLedgerSink(LedgerSink):
             self.durable_at.setdefault(m.key(), now)
 
 
-def _latency_schedule(jobs: int, blocks_per_job: int, concurrent: int, seed: int,
-                      ) -> list[tuple[str, bytes, bytes, bool]]:
-    """(catalog topic, key, value, completes its job) in send order: ``concurrent`` jobs at a time,
-    their blocks interleaved cycle by cycle, then each job's marker and end event."""
+def _latency_schedule(jobs: int, blocks_per_job: int, concurrent: int, seed: int, per_message: int = 16,
+                      ) -> list[tuple[str, bytes, bytes, int, bool]]:
+    """(catalog topic, key, value, blocks it carries, completes its job) in send order: ``concurrent``
+    jobs at a time, their batches interleaved, then each job's marker and end event."""
     rng = np.random.default_rng(seed)
-    out: list[tuple[str, bytes, bytes, bool]] = []
+    out: list[tuple[str, bytes, bytes, int, bool]] = []
     for first in range(0, jobs, concurrent):
         group = [str(3_000_000 + j) for j in range(first, min(jobs, first + concurrent))]
-        streams = {job: _job_blocks(job, f"n{int(job) % 97}", blocks_per_job, rng) for job in group}
-        for c in range(blocks_per_job):
-            out += [(NODE_IPC.name, job.encode(), streams[job][c], False) for job in group]
+        streams = {job: _job_blocks(job, f"n{int(job) % 97}", blocks_per_job, rng, per_message) for job in group}
+        for i in range(len(streams[group[0]])):
+            size = min(per_message, blocks_per_job - i * per_message)
+            out += [(NODE_IPC.name, job.encode(), streams[job][i], size, False) for job in group]
         for job in group:
             node = f"n{int(job) % 97}"
-            out.append((NODE_IPC.name, job.encode(), left_json(job, node, blocks_per_job).encode(), False))
-            out.append((JOBS_LIFECYCLE.name, job.encode(), end_json(job, node).encode(), True))
+            out.append((NODE_IPC.name, job.encode(), left_json(job, node, blocks_per_job).encode(), 0, False))
+            out.append((JOBS_LIFECYCLE.name, job.encode(), end_json(job, node).encode(), 0, True))
     return out
 
 
-def latency_run(settings: Settings, workdir: Path, rate: float, seconds: float, blocks_per_job: int = 48,
-                concurrent: int = 100, timeout_s: float = 300.0, progress: Progress | None = None,
-                ) -> tuple[list[float], float]:
-    """Publish jobs at ``rate`` events/s for ``seconds`` through a running pipeline; returns each
-    job's latency (last event sent to charge row durable) and the rate achieved."""
-    jobs = max(1, int(rate * seconds) // (blocks_per_job + 2))
-    schedule = _latency_schedule(jobs, blocks_per_job, concurrent, seed=2)
+def latency_run(settings: Settings, workdir: Path, rate: float, seconds: float, blocks_per_job: int = 128,
+                concurrent: int = 200, per_message: int = 16, timeout_s: float = 300.0,
+                progress: Progress | None = None) -> tuple[list[float], float]:
+    """Publish jobs at ``rate`` blocks/s for ``seconds`` through a running pipeline; returns each
+    job's latency (last event sent to charge row durable) and the block rate achieved."""
+    jobs = max(1, int(rate * seconds) // blocks_per_job)
+    schedule = _latency_schedule(jobs, blocks_per_job, concurrent, seed=2, per_message=per_message)
     create_topics(settings)
     stop = threading.Event()
     ledger = TimedLedgerSink(settings, workdir / "ledger.duckdb")
@@ -255,7 +282,7 @@ def latency_run(settings: Settings, workdir: Path, rate: float, seconds: float, 
     try:
         with EventProducer(settings, client_id="nodeshare-bench") as producer:
             # Warm up: one job through the whole pipeline before the clock starts.
-            for topic, key, value, _ in _latency_schedule(1, 4, 1, seed=9):
+            for topic, key, value, _, _ in _latency_schedule(1, 4, 1, seed=9):
                 producer.send_raw(settings.topic(topic), key, value)
             producer.flush()
             deadline = time.monotonic() + 120
@@ -263,17 +290,19 @@ def latency_run(settings: Settings, workdir: Path, rate: float, seconds: float, 
                 _check_alive(worker, threads, workdir)
                 time.sleep(0.1)
             t0 = time.monotonic()
-            for i, (topic, key, value, completes) in enumerate(schedule):
-                if i % 100 == 0:
-                    ahead = t0 + i / rate - time.monotonic()
+            blocks = 0
+            for i, (topic, key, value, size, completes) in enumerate(schedule):
+                if i % 20 == 0:
+                    ahead = t0 + blocks / rate - time.monotonic()
                     if ahead > 0:
                         time.sleep(ahead)
-                    if progress and i % 10_000 == 0:
+                    if progress and i % 2_000 == 0:
                         progress("publishing at a steady rate", i, len(schedule))
                 producer.send_raw(settings.topic(topic), key, value)
+                blocks += size
                 if completes:
                     sent_at[key] = time.monotonic()
-            achieved = len(schedule) / (time.monotonic() - t0)
+            achieved = blocks / (time.monotonic() - t0)
         deadline = time.monotonic() + timeout_s
         while sum(k in ledger.durable_at for k in sent_at) < len(sent_at):
             _check_alive(worker, threads, workdir)
@@ -299,33 +328,37 @@ def _check_alive(worker: Any, threads: list[Any], workdir: Path) -> None:
             raise RuntimeError(f"{t.name} failed: {t.errors[0]}")
 
 
-def run_stream_bench(settings: Settings, workdir: Path, blocks: int = 200_000, rate: float = 10_000.0,
-                     seconds: float = 20.0, progress: Progress | None = None) -> StreamBench:
+def run_stream_bench(settings: Settings, workdir: Path, blocks: int = 1_000_000, rate: float = 48_000.0,
+                     seconds: float = 20.0, per_message: int = DEFAULT_MAX_BLOCKS,
+                     progress: Progress | None = None) -> StreamBench:
     work = workdir / f"stream-{uuid.uuid4().hex[:8]}"  # ledger, archive and worker logs; removed after
     work.mkdir(parents=True)
-    result = _run(settings, work, blocks, rate, seconds, progress)  # on failure, its logs stay for a look
+    result = _run(settings, work, blocks, rate, seconds, per_message, progress)  # on failure, logs stay
     shutil.rmtree(work, ignore_errors=True)
     return result
 
 
-def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: float,
+def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: float, per_message: int,
          progress: Progress | None) -> StreamBench:
     with broker_for(settings.bootstrap, workdir) as bootstrap:
         s = _fresh(settings, bootstrap, "throughput")
         create_topics(s)
-        publish_blocks(s, blocks, progress=progress)
-        raw_s = raw_consume(s, s.topic(NODE_IPC.name), blocks)
-        floor_s, floor_n = worker_consume(s, workdir / "count-only", blocks, progress=progress, count_only=True)
+        messages = publish_blocks(s, blocks, per_message, progress=progress)
+        raw_s = raw_consume(s, s.topic(NODE_IPC.name), messages)
+        decode_s = raw_consume(s, s.topic(NODE_IPC.name), messages, decode=True)
+        floor_s, floor_n = worker_consume(s, workdir / "count-only", messages, progress=progress, count_only=True)
         worker_s, measured = worker_consume(s, workdir / "throughput", blocks, progress=progress)
         lat, achieved = latency_run(_fresh(settings, bootstrap, "latency"), workdir / "latency", rate, seconds,
-                                    progress=progress)
-    raw_per_s, per_s = blocks / raw_s, measured / worker_s
+                                    per_message=min(per_message, 16), progress=progress)
+    decode_per_s, per_s = blocks / decode_s, measured / worker_s
     return StreamBench(
-        blocks=blocks, partitions=settings.partitions,
-        raw_s=round(raw_s, 3), raw_per_s=round(raw_per_s), faust_count_only_per_s=round(floor_n / floor_s),
+        blocks=blocks, blocks_per_message=per_message, messages=messages, partitions=settings.partitions,
+        raw_s=round(raw_s, 3), raw_read_blocks_per_s=round(blocks / raw_s),
+        raw_decode_blocks_per_s=round(decode_per_s),
+        faust_count_only_blocks_per_s=round(floor_n / floor_s * blocks / messages),
         worker_s=round(worker_s, 2), blocks_per_s=round(per_s),
-        ratio_to_raw=round(per_s / raw_per_s, 4),
-        rate_per_s=rate, achieved_rate_per_s=round(achieved), latency_jobs=len(lat),
+        ratio_to_raw=round(per_s / decode_per_s, 4),
+        offered_blocks_per_s=rate, achieved_blocks_per_s=round(achieved), latency_jobs=len(lat),
         latency_p50_s=round(float(np.percentile(lat, 50)), 3), latency_p99_s=round(float(np.percentile(lat, 99)), 3),
         latency_max_s=round(max(lat), 3),
         broker="configured" if settings.bootstrap else "bundled tansu",

@@ -855,9 +855,12 @@ def _write_bench(result: dict[str, Any], out_file: Path) -> None:
 
 @bench_app.command("stream")
 def bench_stream(
-    blocks: Annotated[int, typer.Option(min=10_000, help="shutter blocks for the throughput run")] = 200_000,
-    rate: Annotated[float, typer.Option(min=100.0, help="input events per second in the latency run")] = 10_000.0,
+    blocks: Annotated[int, typer.Option(min=10_000, help="shutter blocks for the throughput run")] = 1_000_000,
+    rate: Annotated[float, typer.Option(min=100.0, help="shutter blocks per second offered in the latency run "
+                                                         "(48,000: a 10,000-node cluster)")] = 48_000.0,
     seconds: Annotated[float, typer.Option(min=2.0, help="length of the latency run")] = 20.0,
+    per_message: Annotated[int, typer.Option(min=1, max=4096, help="blocks per node.ipc message (the agents' "
+                                                                   "default flush)")] = 64,
     workdir: Annotated[Path, typer.Option(help="scratch space (removed after)")] = Path("bench"),
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/stream.json"),
     bootstrap: Bootstrap = None,
@@ -875,7 +878,8 @@ def bench_stream(
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
-        result = run_stream_bench(settings, workdir, blocks=blocks, rate=rate, seconds=seconds, progress=progress)
+        result = run_stream_bench(settings, workdir, blocks=blocks, rate=rate, seconds=seconds,
+                                  per_message=per_message, progress=progress)
     _write_bench(as_dict(result), out_file)
 
 

@@ -8,12 +8,12 @@ from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
 
 
 def test_latency_schedule_is_valid_input_that_prices_every_job_once() -> None:
-    schedule = _latency_schedule(jobs=7, blocks_per_job=5, concurrent=3, seed=1)
-    assert len(schedule) == 7 * (5 + 2)
-    assert sum(completes for *_, completes in schedule) == 7
+    schedule = _latency_schedule(jobs=7, blocks_per_job=5, concurrent=3, seed=1, per_message=2)
+    assert len(schedule) == 7 * (3 + 2)  # batches of 2, 2 and 1 blocks, the marker, the end
+    assert sum(completes for *_, completes in schedule) == 7 and sum(s[3] for s in schedule) == 7 * 5
     offsets = {NODE_IPC.name: -1, JOBS_LIFECYCLE.name: -1}
     messages = []
-    for topic, key, value, _ in schedule:
+    for topic, key, value, _, _ in schedule:
         offsets[topic] += 1
         messages.append((Origin(topic, 0, offsets[topic]), key, value, 1.8e9))
     charges = fold_messages(messages, PricingPolicy())
@@ -21,6 +21,6 @@ def test_latency_schedule_is_valid_input_that_prices_every_job_once() -> None:
     assert all(c.blocks_used + c.blocks_rejected == 5 and c.run_time_s == 3600 for c in charges)
     # each job's completing event is its last one
     last = {}
-    for i, (_, key, _, completes) in enumerate(schedule):
+    for i, (_, key, _, _, completes) in enumerate(schedule):
         last[key] = (i, completes)
     assert all(completes for _, completes in last.values())
