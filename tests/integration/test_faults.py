@@ -23,7 +23,7 @@ from nodeshare.deploy.processes import start_nodeshare, start_worker, stop_proce
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import SimConfig, simulate
-from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobLeftNode, ShutterBlock, encode
+from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
 from nodeshare.schemas.catalog import Role
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
@@ -41,7 +41,7 @@ def _reference_charges(sim, policy):
     offsets: dict[str, int] = {}
     msgs = []
     for rec in sim.events:
-        if not isinstance(rec, ShutterBlock | JobLeftNode | JobEvent):
+        if not isinstance(rec, ShutterBatch | ShutterBlock | JobLeftNode | JobEvent):
             continue
         topic = TOPIC_OF_RECORD[type(rec)].name
         offsets[topic] = offsets.get(topic, -1) + 1

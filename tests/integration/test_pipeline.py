@@ -12,7 +12,7 @@ from topic_reading import read_until
 from nodeshare.config import Settings
 from nodeshare.demo import DemoResult, from_events, run_demo
 from nodeshare.producers.simulator import SimConfig, simulate
-from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBlock, decode, decode_model
+from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBatch, ShutterBlock, decode, decode_model
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.sinks.report import co_runner_counts
@@ -62,7 +62,7 @@ def test_audit_finds_zero_mismatches(run: DemoResult) -> None:
 
 
 def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult) -> None:
-    blocks: dict[str, list[ShutterBlock]] = defaultdict(list)
+    blocks: dict[str, list[ShutterBatch | ShutterBlock]] = defaultdict(list)
     paused: dict[str, list[int]] = defaultdict(list)
     for _, ev in ParquetArchive(run.archive).events(["node.ipc"]):
         try:
@@ -71,7 +71,7 @@ def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult
             continue  # the injected garbage
         if ev.key != rec.job_id.encode():
             continue
-        if isinstance(rec, ShutterBlock):
+        if isinstance(rec, ShutterBatch | ShutterBlock):
             blocks[rec.job_id].append(rec)
         else:
             paused[rec.job_id].append(rec.paused_us)
