@@ -178,7 +178,7 @@ def raw_consume(settings: Settings, topic: str, expected: int, timeout_s: float 
             batch = consumer.consume(10_000, timeout=1.0)
             if batch and not first:
                 first = time.monotonic()
-            good = [m.value() for m in batch if m.error() is None and m.value()]
+            good = [v for m in batch if m.error() is None and (v := m.value())]
             if decode:
                 for v in good:
                     json.loads(v)

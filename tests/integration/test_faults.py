@@ -165,14 +165,21 @@ def test_two_workers_one_killed_the_other_takes_over(kafka_bootstrap: str, tmp_p
             deadline = time.monotonic() + 60
             while settings.topic("node.ipc") not in _assigned(second_log) and time.monotonic() < deadline:
                 time.sleep(0.1)  # publish once the second worker holds input partitions
-            publish(settings, sim, lambda *_: None)
+            # half the run first: the kill lands while the second half still has to flow through
+            half = len(sim.events) // 2
+            publish(settings, SimpleNamespace(events=sim.events[:half], truth=sim.truth), lambda *_: None)
             while pipeline.ledger_sink.rows_inserted < 20 and time.monotonic() < deadline + 60:
                 time.sleep(0.05)
             owned, first_before = _rebuilt_partitions(second_log), _rebuilt_partitions(tmp_path / "worker.log")
             second.kill()
             second.wait()
             killed_at = pipeline.ledger_sink.rows_inserted
+            publish(settings, SimpleNamespace(events=sim.events[half:], truth=sim.truth), lambda *_: None)
             pipeline.wait(len(sim.truth), len(sim.events), 120, lambda *_: None)
+            deadline = time.monotonic() + 60  # the group notices the dead member after its session timeout
+            while not owned <= _rebuilt_partitions(tmp_path / "worker.log") - first_before \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
             time.sleep(2)
         finally:
             stop_process(second)

@@ -49,9 +49,9 @@ def test_worker_metrics_move_during_a_run(kafka_bootstrap: str, tmp_path: Path) 
         after = scrape(port)
     ipc = settings.topic("node.ipc")
     assert value(after, "nodeshare_events_in_total", topic=ipc) > value(before, "nodeshare_events_in_total", topic=ipc)
-    blocks = value(after, "nodeshare_shutter_blocks_total", verdict="accepted") + value(
-        after, "nodeshare_shutter_blocks_total", verdict="rejected")
-    assert blocks == sum(1 for e in sim.events if e.kind == "shutter_block")
+    blocks = sum(value(after, "nodeshare_shutter_blocks_total", verdict=v) for v in ("accepted", "rejected", "refused"))
+    assert blocks == sum(len(e.cycle) for e in sim.events if e.kind == "shutter_batch")
+    assert value(after, "nodeshare_shutter_blocks_total", verdict="accepted") > 0
     assert value(after, "nodeshare_charges_emitted_total") >= len(sim.truth)
     assert value(after, "nodeshare_events_out_total", topic=settings.topic("ledger.charges")) >= len(sim.truth)
     assert value(after, "nodeshare_processing_seconds_count") >= len(sim.events) - len(
