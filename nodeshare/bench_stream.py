@@ -2,8 +2,10 @@
 
 Two runs, each on topics and consumer groups of its own:
 
-* **Throughput.** ``blocks`` shutter blocks are published to ``node.ipc`` in batches of
-  ``per_message`` (schema 3, the agents' default flush); then a raw confluent-kafka consumer
+* **Throughput.** At least ``blocks`` shutter blocks of a calibrated cluster run (producers.calibrated)
+  are published to ``node.ipc`` in the batches its agents would send at ``max_blocks =
+  per_message`` (schema 3; full batches, batches closed by age, a leaving job's short last batch
+  and its marker); then a raw confluent-kafka consumer
   reads the topic, once only reading and once also JSON-decoding every message (the yardsticks:
   what the broker and a client deliver on this machine), then a faust worker whose one agent only
   counts messages (faust's own ceiling: its consumer hands each message over in a task of its
@@ -19,6 +21,7 @@ Two runs, each on topics and consumer groups of its own:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import shutil
@@ -40,10 +43,11 @@ from nodeshare.config import Settings
 from nodeshare.deploy.broker import broker_for, free_port
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
-from nodeshare.producers.batching import DEFAULT_MAX_BLOCKS
+from nodeshare.producers.batching import DEFAULT_MAX_BLOCKS, FlushPolicy
+from nodeshare.producers.calibrated import CalibratedConfig, RecordSink, cluster_specs, library, run_cluster
 from nodeshare.producers.kafka_producer import EventProducer
-from nodeshare.schemas import SCHEMA_VERSION
-from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
+from nodeshare.schemas import SCHEMA_VERSION, JobLeftNode, ShutterBatch, encode
+from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, key_of
 from nodeshare.sinks.archive import ArchiveSink
 from nodeshare.sinks.bench_audit import available_cores
 from nodeshare.sinks.consumer import run_in_thread
@@ -140,25 +144,55 @@ def _job_blocks(job: str, node: str, n: int, rng: np.random.Generator, per_messa
             for i, c in enumerate(range(0, n, per_message))]
 
 
-def publish_blocks(settings: Settings, blocks: int, per_message: int, blocks_per_job: int = 1024, seed: int = 1,
-                   progress: Progress | None = None) -> int:
-    """``blocks`` valid shutter blocks on ``node.ipc`` in batches, keyed by job (no markers: no
-    charges); returns the messages sent."""
-    rng = np.random.default_rng(seed)
+class _Enough(Exception):
+    """Raised from the simulation's progress hook once it has made enough blocks."""
+
+
+def calibrated_ipc(blocks: int, per_message: int, nodes: int = 128, seed: int = 1,
+                   progress: Progress | None = None) -> list[tuple[bytes, bytes, int]]:
+    """The ``node.ipc`` messages (key, JSON value, blocks it carries) of a calibrated cluster run
+    (producers.calibrated: the built-in programs, K = 1, S = 3.2 ms, P = 200 ms), batched as the
+    agents batch at ``max_blocks = per_message`` (full batches, batches closed by age, the short
+    last batch of a job that leaves, its JobLeftNode marker), up to at least ``blocks`` blocks. No
+    lifecycle events: nothing is charged, so the worker's throughput is the fold's alone."""
+    cfg = CalibratedConfig(nodes=nodes, seed=seed)
+    specs = cluster_specs(cfg, 8 * nodes, mean_work_s=600.0, span_s=60.0)  # a full cluster, a queue behind
+    programs, _ = library()
+    sink = RecordSink(cfg, FlushPolicy(max_blocks=per_message))
+    out: list[tuple[bytes, bytes, int]] = []
+    made = 0
+
+    def take(_t: float) -> None:
+        nonlocal made
+        for r in sink.drain():
+            if isinstance(r, ShutterBatch | JobLeftNode):
+                n = len(r.cycle) if isinstance(r, ShutterBatch) else 0
+                out.append((key_of(r), encode(r), n))
+                made += n
+        if progress:
+            progress("simulating a calibrated cluster", min(made, blocks), blocks)
+        if made >= blocks:
+            raise _Enough
+
+    with contextlib.suppress(_Enough):
+        run_cluster(cfg, specs, programs, sink, progress=take)
+    if made < blocks:
+        raise RuntimeError(f"the calibrated run ended after {made} of {blocks} blocks; give it more nodes")
+    return out
+
+
+def publish_blocks(settings: Settings, blocks: int, per_message: int, progress: Progress | None = None,
+                   ) -> tuple[int, int]:
+    """At least ``blocks`` shutter blocks of a calibrated run on ``node.ipc``, in the agents'
+    batches, keyed by job (no lifecycle: no charges); returns (messages, blocks) sent."""
+    messages = calibrated_ipc(blocks, per_message, progress=progress)
     topic = settings.topic(NODE_IPC.name)
-    messages = 0
     with EventProducer(settings, client_id="nodeshare-bench") as producer:
-        sent, j = 0, 0
-        while sent < blocks:
-            job = str(2_000_000 + j)
-            n = min(blocks_per_job, blocks - sent)
-            values = _job_blocks(job, f"n{j % 97}", n, rng, per_message)
-            for v in values:
-                producer.send_raw(topic, job.encode(), v)
-            sent, j, messages = sent + n, j + 1, messages + len(values)
-            if progress:
-                progress("publishing blocks", sent, blocks)
-    return messages
+        for i, (key, value, _) in enumerate(messages):
+            producer.send_raw(topic, key, value)
+            if progress and i % 1000 == 0:
+                progress("publishing", i, len(messages))
+    return len(messages), sum(n for _, _, n in messages)
 
 
 def raw_consume(settings: Settings, topic: str, expected: int, timeout_s: float = 120.0, decode: bool = False,
@@ -343,13 +377,13 @@ def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: f
     with broker_for(settings.bootstrap, workdir) as bootstrap:
         s = _fresh(settings, bootstrap, "throughput")
         create_topics(s)
-        messages = publish_blocks(s, blocks, per_message, progress=progress)
+        messages, blocks = publish_blocks(s, blocks, per_message, progress=progress)
         raw_s = raw_consume(s, s.topic(NODE_IPC.name), messages)
         decode_s = raw_consume(s, s.topic(NODE_IPC.name), messages, decode=True)
         floor_s, floor_n = worker_consume(s, workdir / "count-only", messages, progress=progress, count_only=True)
         worker_s, measured = worker_consume(s, workdir / "throughput", blocks, progress=progress)
         lat, achieved = latency_run(_fresh(settings, bootstrap, "latency"), workdir / "latency", rate, seconds,
-                                    per_message=min(per_message, 16), progress=progress)
+                                    per_message=per_message, progress=progress)
     decode_per_s, per_s = blocks / decode_s, measured / worker_s
     return StreamBench(
         blocks=blocks, blocks_per_message=per_message, messages=messages, partitions=settings.partitions,

@@ -411,7 +411,7 @@ def agent(
     options = AgentOptions(
         node=node, spool=spool, sample_us=settings.sample_us,
         k=settings.samples_per_region, period_ms=settings.period_ms, spool_max_bytes=int(spool_max_mb * 2**20),
-        hardware_counters=hardware_counters)
+        hardware_counters=hardware_counters, flush=settings.flush_policy())
     try:
         the_agent = build(settings, options, job_file=jobs, slurm=slurm, progress_dir=progress_dir)
     except (ValueError, JobFileError) as exc:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from nodeshare.producers.batching import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BLOCKS, FlushPolicy
 from nodeshare.streams.accounting import PricingPolicy
 from nodeshare.streams.degradation import DEFAULT_DELTA
 from nodeshare.streams.placement.sns import DEFAULT_AGE_LIMIT_S
@@ -59,6 +60,9 @@ class Settings(BaseSettings):
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
     period_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 200
+    # How node agents batch shutter blocks per node.ipc message (producers.batching.FlushPolicy)
+    batch_blocks: Annotated[int, Field(ge=1, le=4096)] = DEFAULT_MAX_BLOCKS
+    batch_age_s: Annotated[float, Field(ge=0.0)] = DEFAULT_MAX_AGE_S
     power_budget_watts: Annotated[float, Field(gt=0.0)] | None = None  # the machine's bound (Seed 004)
     power_admit: Literal["fair", "throughput"] = "fair"  # streams.power.ppartition.PowerPolicy
     power_release: Literal["proportional", "pool"] = "proportional"
@@ -90,6 +94,9 @@ class Settings(BaseSettings):
     def policy(self) -> PricingPolicy:
         return PricingPolicy(rate_per_core_hour=self.rate_per_core_hour, delta=self.delta,
                              rate_function=self.rate_function, estimator=self.estimator)
+
+    def flush_policy(self) -> FlushPolicy:
+        return FlushPolicy(max_blocks=self.batch_blocks, max_age_s=self.batch_age_s)
 
     def power_policy(self) -> PowerPolicy:
         return PowerPolicy(release=self.power_release, min_share=self.power_min_share, admit=self.power_admit,

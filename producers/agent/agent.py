@@ -15,13 +15,14 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from nodeshare import metrics
 from nodeshare.logs import fields
+from nodeshare.producers.batching import Batcher, FlushPolicy
 from nodeshare.schemas import TOPIC_OF_RECORD, IpcSample, JobEvent, JobState, PowerReading, Record, encode, key_of
 
 from . import rapl
@@ -29,7 +30,7 @@ from .jobs import JobSource, JobSpec, LocalJob
 from .pausing import FREEZER_ROOT, Pauser, Target
 from .processes import Guard, Refused
 from .progress import ApplicationCounter, Counter, HardwareCounter, hardware_counters_unavailable, sample_between
-from .shutter import left_node, next_lone, shutter_events
+from .shutter import left_node, next_lone, shutter_window, triples
 from .spool import Forwarder, Spool, SpoolFull
 from .watchdog import Watchdog
 
@@ -50,6 +51,7 @@ class AgentOptions:
     spool_max_bytes: int = 256 * 2**20
     freezer_root: Path = FREEZER_ROOT
     hardware_counters: bool = True  # try perf_event_open before the application counter
+    flush: FlushPolicy = field(default_factory=FlushPolicy)  # how blocks are batched per node.ipc message
 
 
 @dataclass
@@ -102,6 +104,10 @@ class Agent:
         self.pauser = Pauser(Guard.here(self.watchdog.pid), options.freezer_root)
         self.state = {j: PublishedJob(**s) for j, s in self.spool.meta("jobs", {}).items()}
         self.cycle: int = self.spool.meta("next_cycle", 0)
+        # Blocks measured but not sent yet: kept in the spool's meta with every write, so a crash
+        # loses none and a restart continues the open batches (schema 3, producers.batching)
+        self.batcher = Batcher(options.flush)
+        self.batcher.restore(self.spool.meta("batches", {}))
         self.jobs: dict[str, LocalJob] = {}
         self.counters: dict[str, Counter] = {}
         self.lone: str | None = None
@@ -118,7 +124,8 @@ class Agent:
 
     def _put(self, records: list[Record], reserve: bool = False) -> None:
         events = [(self.topic(TOPIC_OF_RECORD[type(r)].name), key_of(r), encode(r)) for r in records]
-        meta = {"next_cycle": self.cycle, "jobs": {j: vars(s) for j, s in self.state.items()}}
+        meta = {"next_cycle": self.cycle, "jobs": {j: vars(s) for j, s in self.state.items()},
+                "batches": self.batcher.state()}
         self.spool.put(events, meta, reserve=reserve)
 
     def _lifecycle(self, spec: JobSpec, state: JobState, start: str | None, end: datetime | None) -> JobEvent:
@@ -167,9 +174,11 @@ class Agent:
         counter = self.counters.pop(job_id, None)
         if counter is not None:
             counter.close()
-        records: list[Record] = [left_node(node=self.options.node, source=self.source_name, job_id=job_id,
-                                           blocks_sent=st.blocks, last_cycle=st.last_cycle, paused_us=st.paused_us,
-                                           at=_now())]
+        last = self.batcher.flush(job_id, self.options.node)  # the job's last blocks go before its marker
+        self.batcher.forget(job_id, self.options.node)
+        records: list[Record] = [] if last is None else [last]
+        records.append(left_node(node=self.options.node, source=self.source_name, job_id=job_id,
+                                 blocks_sent=st.blocks, last_cycle=st.last_cycle, paused_us=st.paused_us, at=_now()))
         spec = self.source.spec(job_id)  # also after a restart, when this agent never saw the job run
         if spec is not None:
             state = JobState.FAILED if self.source.exit_code(job_id) else JobState.ENDED
@@ -227,10 +236,12 @@ class Agent:
         paused_us = (t1 - t0) // 1000
         self.stats.shutter_total_s += (t1 - t0) / 1e9
         metrics.SHUTTER_SECONDS.observe((t1 - t0) / 1e9)
-        block, window = shutter_events(
-            node=self.options.node, source=self.source_name, cycle=self.cycle, lone=lone,
-            paused=[t.job_id for t in others], counter=counter.source, sample_us=self.options.sample_us,
-            before=before, during=during, after=after, start=start, end=end, at=_now())
+        window = shutter_window(node=self.options.node, source=self.source_name, cycle=self.cycle, lone=lone,
+                                paused=[t.job_id for t in others], start=start, end=end)
+        full = self.batcher.add(
+            job_id=lone, node=self.options.node, source=self.source_name, cycle=self.cycle, k=k,
+            sample_us=self.options.sample_us, counter=counter.source, before=triples(before),
+            during=triples(during), after=triples(after), at=_now())
         st = self.state[lone]
         kept = st.blocks, st.last_cycle
         st.blocks, st.last_cycle = st.blocks + 1, self.cycle
@@ -240,10 +251,11 @@ class Agent:
         self.lone = lone
         self.stats.cycles += 1
         try:
-            self._put([block, window])
+            self._put([*full, window])
         except SpoolFull as e:  # measured but not kept: the block and its cycle number were never published
             st.blocks, st.last_cycle = kept
             self.cycle -= 1
+            self.batcher.restore(self.spool.meta("batches", {}))  # as last written: without this block
             log.error("%s", e)
         return True
 
@@ -294,6 +306,9 @@ class Agent:
                     if readings:
                         self._put(list(readings))
                     next_power = tick + self.options.power_interval_s
+                due = self.batcher.due(_now())
+                if due:  # the age bound: placement's estimates stay this fresh
+                    self._put(list(due))
                 self.shutter()
                 after_shutter = time.monotonic()
                 self.forwarder.pump(0)
@@ -306,6 +321,12 @@ class Agent:
     def close(self, drain_s: float = 10.0) -> None:
         """Stop: nothing is paused here (each shutter resumes before it returns). Give the broker
         ``drain_s`` to take what is spooled; what it does not take stays spooled for the next start."""
+        try:
+            if self.batcher.open:  # sent now rather than at the next start (they are in the meta either way)
+                self._put(list(self.batcher.flush_all()))
+        except SpoolFull as e:
+            self.batcher.restore(self.spool.meta("batches", {}))
+            log.error("open batches stay in the spool's meta: %s", e)
         for counter in self.counters.values():
             counter.close()
         self.counters = {}

@@ -1,12 +1,13 @@
 """The pure parts of a shutter cycle (Seed 002, Alg. 1-3): who runs alone next, and the events
-one cycle produces. No clock, no processes: the agent passes in what it measured."""
+one cycle produces (its window; its block goes into its open batch, producers.batching). No
+clock, no processes: the agent passes in what it measured."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
 
-from nodeshare.schemas import CounterSource, IpcSample, JobLeftNode, ShutterBlock, ShutterWindow
+from nodeshare.schemas import IpcSample, JobLeftNode, ShutterWindow
 
 
 def next_lone(candidates: Sequence[str], previous: str | None) -> str:
@@ -21,21 +22,16 @@ def next_lone(candidates: Sequence[str], previous: str | None) -> str:
     return later[0] if later else ordered[0]
 
 
-def shutter_events(*, node: str, source: str, cycle: int, lone: str, paused: Sequence[str], counter: CounterSource,
-                   sample_us: int, before: Sequence[IpcSample], during: Sequence[IpcSample],
-                   after: Sequence[IpcSample], start: datetime, end: datetime,
-                   at: datetime) -> tuple[ShutterBlock, ShutterWindow]:
-    """The lone job's block and the node's shutter window for one cycle."""
-    block = ShutterBlock(
-        event_id=f"{node}/blk/{lone}/{cycle}", source=source, event_time=at, job_id=lone, node=node, cycle=cycle,
-        k=len(during), sample_us=sample_us, counter=counter, before=tuple(before), during=tuple(during),
-        after=tuple(after),
-    )
-    window = ShutterWindow(
-        event_id=f"{node}/win/{cycle}", source=source, event_time=end, node=node, cycle=cycle, lone_job=lone,
-        paused_jobs=tuple(sorted(paused)), start=start, end=end,
-    )
-    return block, window
+def shutter_window(*, node: str, source: str, cycle: int, lone: str, paused: Sequence[str], start: datetime,
+                   end: datetime) -> ShutterWindow:
+    """The node's shutter window for one cycle (the lone job's block goes into its open batch)."""
+    return ShutterWindow(event_id=f"{node}/win/{cycle}", source=source, event_time=end, node=node, cycle=cycle,
+                         lone_job=lone, paused_jobs=tuple(sorted(paused)), start=start, end=end)
+
+
+def triples(samples: Sequence[IpcSample]) -> list[tuple[int, int, int]]:
+    """A region's samples as the batcher takes them: (instructions, cycles, threads)."""
+    return [(s.instructions, s.cycles, s.threads) for s in samples]
 
 
 def left_node(*, node: str, source: str, job_id: str, blocks_sent: int, last_cycle: int, paused_us: int,

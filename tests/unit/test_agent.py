@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -21,9 +22,10 @@ from nodeshare.producers.agent.jobs import JobFileError, JobSpec, LocalJob, load
 from nodeshare.producers.agent.pausing import Pauser, Target, check_cgroup
 from nodeshare.producers.agent.processes import Guard, Proc, Refused, identity, state
 from nodeshare.producers.agent.progress import ApplicationCounter, ProgressFile, sample_between
-from nodeshare.producers.agent.shutter import next_lone, shutter_events
+from nodeshare.producers.agent.shutter import next_lone, shutter_window
 from nodeshare.producers.agent.spool import Spool, SpoolFull
 from nodeshare.producers.agent.watchdog import Watchdog
+from nodeshare.producers.batching import FlushPolicy
 from nodeshare.schemas import CounterSource, IpcSample
 
 
@@ -62,13 +64,10 @@ def test_a_sample_is_the_difference_of_two_readings() -> None:
     assert sample_between((400, 1_000, 1), (100, 2_000, 2)) == IpcSample(instructions=0, cycles=1_000, threads=2)
 
 
-def test_one_cycle_gives_the_lone_jobs_block_and_the_nodes_window() -> None:
+def test_one_cycle_gives_the_nodes_window() -> None:
     t = datetime(2026, 11, 22, tzinfo=UTC)
-    s = [IpcSample(instructions=10, cycles=20)]
-    block, window = shutter_events(
-        node="n1", source="agent/n1", cycle=7, lone="a", paused=["c", "b"], counter=CounterSource.APPLICATION,
-        sample_us=3200, before=s, during=s, after=s, start=t, end=t + timedelta(milliseconds=4), at=t)
-    assert (block.job_id, block.cycle, block.k, block.event_id) == ("a", 7, 1, "n1/blk/a/7")
+    window = shutter_window(node="n1", source="agent/n1", cycle=7, lone="a", paused=["c", "b"], start=t,
+                            end=t + timedelta(milliseconds=4))
     assert window.paused_jobs == ("b", "c") and window.lone_job == "a" and window.event_id == "n1/win/7"
 
 
@@ -317,17 +316,61 @@ class NoBroker:
     def close(self, timeout: float) -> None: ...
 
 
-def agent_on(tmp_path: Path, source: FakeSource, max_bytes: int = 2**20) -> Agent:
+def agent_on(tmp_path: Path, source: FakeSource, max_bytes: int = 2**20, flush: FlushPolicy | None = None) -> Agent:
     options = AgentOptions(node="n1", spool=tmp_path / "spool.db", spool_max_bytes=max_bytes, sample_us=1000,
-                           hardware_counters=False)
+                           hardware_counters=False, flush=flush or FlushPolicy())
     return Agent(options, source, NoBroker, lambda name: name)  # type: ignore[arg-type]
 
 
-def spooled_ids(tmp_path: Path) -> list[str]:
+def spooled(tmp_path: Path) -> list[dict]:
     spool = Spool(tmp_path / "spool.db")
-    ids = [json.loads(r[3])["event_id"] for r in spool.after(0, 1000)]
+    events = [json.loads(r[3]) for r in spool.after(0, 1000)]
     spool.close()
-    return ids
+    return events
+
+
+def spooled_ids(tmp_path: Path) -> list[str]:
+    return [e["event_id"] for e in spooled(tmp_path)]
+
+
+@pytest.fixture
+def two_jobs(tmp_path: Path) -> Iterator[dict[str, LocalJob]]:
+    """Two sleeping processes with application progress counters (so the agent can shutter them)."""
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        jobs = {}
+        for name, proc in zip("ab", procs, strict=True):
+            ProgressFile(tmp_path / name).close()
+            p = identity(proc.pid)
+            assert p is not None
+            jobs[name] = LocalJob(name, frozenset({p}), progress=tmp_path / name)
+        yield jobs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_agent_batches_blocks_and_a_crash_loses_no_open_batch(tmp_path: Path,
+                                                                   two_jobs: dict[str, LocalJob]) -> None:
+    flush = FlushPolicy(max_blocks=2, max_age_s=3600)
+    first = agent_on(tmp_path, FakeSource(two_jobs, {}), flush=flush)
+    first.rescan()
+    for _ in range(6):  # the lone job alternates: a gets cycles 0, 2, 4 and b 1, 3, 5
+        assert first.shutter()
+    # a crash: no close, so nothing flushes; only what the spool holds survives
+    first.watchdog.close()
+    first.spool.close()
+    second = agent_on(tmp_path, FakeSource({"b": two_jobs["b"]}, {}), flush=flush)
+    assert {j: b.cycle for (j, _), b in second.batcher.open.items()} == {"a": [4], "b": [5]}
+    second.rescan()  # job a left the node: its open batch goes out before its marker
+    second.close(0)  # stop: b's open batch goes out too
+    events = [e for e in spooled(tmp_path) if e["kind"] != "shutter_window"]
+    assert [(e["kind"], e["job_id"], e.get("cycle"), e.get("seq")) for e in events] == [
+        ("shutter_batch", "a", [0, 2], 0), ("shutter_batch", "b", [1, 3], 0),
+        ("shutter_batch", "a", [4], 1), ("job_left_node", "a", None, None), ("shutter_batch", "b", [5], 1)]
+    assert events[3]["blocks_sent"] == 3 and events[3]["last_cycle"] == 4
+    assert all(len(e["during"]["cycles"]) == len(e["cycle"]) for e in events if e["kind"] == "shutter_batch")
 
 
 def test_a_static_job_that_ended_while_the_agent_was_down_still_gets_its_end(sleeper: Proc, tmp_path: Path) -> None:
@@ -343,28 +386,17 @@ def test_a_static_job_that_ended_while_the_agent_was_down_still_gets_its_end(sle
     assert spooled_ids(tmp_path) == ["n1/job/a/started", "n1/left/a", "n1/job/a/ended"]
 
 
-def test_a_cycle_the_full_spool_refused_is_not_counted(tmp_path: Path) -> None:
-    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
-    try:
-        jobs = {}
-        for name, proc in zip("ab", procs, strict=True):
-            ProgressFile(tmp_path / name).close()
-            p = identity(proc.pid)
-            assert p is not None
-            jobs[name] = LocalJob(name, frozenset({p}), progress=tmp_path / name)
-        agent = agent_on(tmp_path, FakeSource(jobs, {}), max_bytes=1)  # no block fits
-        agent.rescan()
-        shutters = REGISTRY.get_sample_value("nodeshare_agent_shutter_seconds_count") or 0.0
-        assert agent.shutter()  # measured, paused and resumed...
-        assert REGISTRY.get_sample_value("nodeshare_agent_shutter_seconds_count") == shutters + 1
-        assert REGISTRY.get_sample_value("nodeshare_agent_spool_events") == agent.spool.rows == 0
-        books = {j: (s.blocks, s.last_cycle) for j, s in agent.state.items()}
-        paused = [s.paused_us for s in agent.state.values()]
-        agent.close(0)
-        # ...but not kept: no block counted, the cycle number free again, the pause still credited
-        assert books == {"a": (0, -1), "b": (0, -1)} and agent.cycle == 0 and max(paused) > 0
-        assert all(state(p) != "T" for job in jobs.values() for p in job.procs)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+def test_a_cycle_the_full_spool_refused_is_not_counted(tmp_path: Path, two_jobs: dict[str, LocalJob]) -> None:
+    agent = agent_on(tmp_path, FakeSource(two_jobs, {}), max_bytes=1, flush=FlushPolicy(max_blocks=1))  # none fits
+    agent.rescan()
+    shutters = REGISTRY.get_sample_value("nodeshare_agent_shutter_seconds_count") or 0.0
+    assert agent.shutter()  # measured, paused and resumed...
+    assert REGISTRY.get_sample_value("nodeshare_agent_shutter_seconds_count") == shutters + 1
+    assert REGISTRY.get_sample_value("nodeshare_agent_spool_events") == agent.spool.rows == 0
+    books = {j: (s.blocks, s.last_cycle) for j, s in agent.state.items()}
+    paused = [s.paused_us for s in agent.state.values()]
+    assert not agent.batcher.open  # the refused block is not waiting in a batch either
+    agent.close(0)
+    # ...but not kept: no block counted, the cycle number free again, the pause still credited
+    assert books == {"a": (0, -1), "b": (0, -1)} and agent.cycle == 0 and max(paused) > 0
+    assert all(state(p) != "T" for job in two_jobs.values() for p in job.procs)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from nodeshare.bench_stream import _latency_schedule
+from nodeshare.bench_stream import _latency_schedule, calibrated_ipc
+from nodeshare.schemas import ShutterBatch, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
 
@@ -24,3 +25,14 @@ def test_latency_schedule_is_valid_input_that_prices_every_job_once() -> None:
     for i, (_, key, _, _, completes) in enumerate(schedule):
         last[key] = (i, completes)
     assert all(completes for _, completes in last.values())
+
+
+def test_the_throughput_input_is_a_calibrated_run_in_the_agents_batches() -> None:
+    messages = calibrated_ipc(600, per_message=8, nodes=4)
+    records = [decode(NODE_IPC, value) for _, value, _ in messages]
+    batches = [r for r in records if isinstance(r, ShutterBatch)]
+    assert sum(n for *_, n in messages) == sum(len(b.cycle) for b in batches) >= 600
+    assert max(len(b.cycle) for b in batches) == 8 and len({r.node for r in batches}) == 4
+    assert all(key == r.job_id.encode() for (key, _, _), r in zip(messages, records, strict=True))
+    # calibrated IPC: a job's blocks differ (noise, phases), unlike a constant synthetic stream
+    assert len({b.during.instructions for b in batches}) == len(batches)
