@@ -55,6 +55,11 @@ from nodeshare.sinks.ledger import LedgerSink
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
+#: Jobs ending per second in the latency run: the busiest hour of the two real traces a site hands
+#: us, scaled to 10,000 nodes (EPCC Cirrus 2024, 280 nodes: 7,928 job ends in one hour, ~79/s; COARE
+#: 2020, 24 nodes: 71 in its busiest hour, ~8/s). Their means are 0.3/s and 0.5/s.
+JOB_ENDS_PER_S = 80.0
+
 
 #: The records below are written as JSON without a model (fast), for hundreds of thousands of blocks.
 _T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -121,6 +126,7 @@ class StreamBench:
     blocks_per_s: float
     ratio_to_raw: float
     offered_blocks_per_s: float  # in the latency run
+    job_ends_per_s: float  # ... and the jobs ending per second in it
     achieved_blocks_per_s: float
     latency_jobs: int
     latency_p50_s: float
@@ -236,7 +242,7 @@ def worker_consume(settings: Settings, workdir: Path, expected: int, timeout_s: 
                    progress: Progress | None = None, count_only: bool = False) -> tuple[float, float]:
     """Start one worker (``count_only``: the counting yardstick, in a consumer group of its own) on
     a topic already full; (seconds, what it counted) from its first count to its last, read from
-    its metrics every 0.1 s: blocks for the worker, messages for the counting yardstick."""
+    its metrics every 0.25 s: blocks for the worker, messages for the counting yardstick."""
     metric = "nodeshare_events_in" if count_only else "nodeshare_shutter_blocks"
     port = free_port()
     update: dict[str, Any] = {"metrics_port": port}
@@ -252,7 +258,7 @@ def worker_consume(settings: Settings, workdir: Path, expected: int, timeout_s: 
                 raise RuntimeError(f"the worker exited with {worker.returncode}; see {workdir / 'worker.log'}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the worker handled {n:.0f}/{expected} blocks in {timeout_s:.0f} s")
-            time.sleep(0.1)
+            time.sleep(0.25)  # a scrape costs the worker time: 10 a second took ~5% of it (py-spy)
             try:
                 n = _counter(port, metric)
             except OSError:
@@ -282,29 +288,48 @@ class TimedLedgerSink(LedgerSink):
 
 def _latency_schedule(jobs: int, blocks_per_job: int, concurrent: int, seed: int, per_message: int = 16,
                       ) -> list[tuple[str, bytes, bytes, int, bool]]:
-    """(catalog topic, key, value, blocks it carries, completes its job) in send order: ``concurrent``
-    jobs at a time, their batches interleaved, then each job's marker and end event."""
+    """(catalog topic, key, value, blocks it carries, completes its job) in send order. ``concurrent``
+    slots run jobs one after another, a batch per running job per round; slot i starts i/concurrent of
+    a job's rounds after slot 0, so jobs end spread out evenly, not in bursts. A job that has sent
+    its ``blocks_per_job`` blocks sends its marker and its end event, and its slot starts the next."""
     rng = np.random.default_rng(seed)
+    rounds = -(-blocks_per_job // per_message)  # batches per job
+    starts = [i * rounds // concurrent for i in range(concurrent)]
     out: list[tuple[str, bytes, bytes, int, bool]] = []
-    for first in range(0, jobs, concurrent):
-        group = [str(3_000_000 + j) for j in range(first, min(jobs, first + concurrent))]
-        streams = {job: _job_blocks(job, f"n{int(job) % 97}", blocks_per_job, rng, per_message) for job in group}
-        for i in range(len(streams[group[0]])):
-            size = min(per_message, blocks_per_job - i * per_message)
-            out += [(NODE_IPC.name, job.encode(), streams[job][i], size, False) for job in group]
-        for job in group:
-            node = f"n{int(job) % 97}"
-            out.append((NODE_IPC.name, job.encode(), left_json(job, node, blocks_per_job).encode(), 0, False))
-            out.append((JOBS_LIFECYCLE.name, job.encode(), end_json(job, node).encode(), 0, True))
+    running: dict[int, tuple[str, list[bytes]]] = {}  # slot -> (job, its batches not sent yet)
+    begun = 0
+    r = 0
+    while begun < jobs or running:
+        for slot in range(concurrent):
+            if slot not in running and begun < jobs and r >= starts[slot]:
+                job = str(3_000_000 + begun)
+                running[slot] = (job, _job_blocks(job, f"n{int(job) % 97}", blocks_per_job, rng, per_message)[::-1])
+                begun += 1
+            if slot not in running:
+                continue
+            job, left = running[slot]
+            size = min(per_message, blocks_per_job - (rounds - len(left)) * per_message)
+            out.append((NODE_IPC.name, job.encode(), left.pop(), size, False))
+            if not left:
+                node = f"n{int(job) % 97}"
+                out.append((NODE_IPC.name, job.encode(), left_json(job, node, blocks_per_job).encode(), 0, False))
+                out.append((JOBS_LIFECYCLE.name, job.encode(), end_json(job, node).encode(), 0, True))
+                del running[slot]
+        r += 1
     return out
 
 
-def latency_run(settings: Settings, workdir: Path, rate: float, seconds: float, blocks_per_job: int = 128,
-                concurrent: int = 200, per_message: int = 16, timeout_s: float = 300.0,
+def latency_run(settings: Settings, workdir: Path, rate: float, seconds: float, job_ends: float = 80.0,
+                per_message: int = 16, timeout_s: float = 300.0,
                 progress: Progress | None = None) -> tuple[list[float], float]:
-    """Publish jobs at ``rate`` blocks/s for ``seconds`` through a running pipeline; returns each
-    job's latency (last event sent to charge row durable) and the block rate achieved."""
-    jobs = max(1, int(rate * seconds) // blocks_per_job)
+    """Publish jobs at ``rate`` blocks/s for ``seconds`` through a running pipeline, ``job_ends``
+    of them ending per second (each job's blocks: ``rate / job_ends``); returns each job's latency
+    (last event sent to charge row durable) and the block rate achieved."""
+    blocks_per_job = max(1, round(rate / job_ends))
+    jobs = max(1, round(job_ends * seconds))
+    # a job lives concurrent * blocks_per_job / rate seconds of the run: about 5 s, so that ends flow
+    # steadily after the first 5 s (real jobs live longer; that changes the state held, not the rate)
+    concurrent = max(1, round(5 * job_ends))
     schedule = _latency_schedule(jobs, blocks_per_job, concurrent, seed=2, per_message=per_message)
     create_topics(settings)
     stop = threading.Event()
@@ -363,17 +388,17 @@ def _check_alive(worker: Any, threads: list[Any], workdir: Path) -> None:
 
 
 def run_stream_bench(settings: Settings, workdir: Path, blocks: int = 1_000_000, rate: float = 48_000.0,
-                     seconds: float = 20.0, per_message: int = DEFAULT_MAX_BLOCKS,
+                     seconds: float = 20.0, per_message: int = DEFAULT_MAX_BLOCKS, job_ends: float = JOB_ENDS_PER_S,
                      progress: Progress | None = None) -> StreamBench:
     work = workdir / f"stream-{uuid.uuid4().hex[:8]}"  # ledger, archive and worker logs; removed after
     work.mkdir(parents=True)
-    result = _run(settings, work, blocks, rate, seconds, per_message, progress)  # on failure, logs stay
+    result = _run(settings, work, blocks, rate, seconds, per_message, job_ends, progress)  # on failure, logs stay
     shutil.rmtree(work, ignore_errors=True)
     return result
 
 
 def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: float, per_message: int,
-         progress: Progress | None) -> StreamBench:
+         job_ends: float, progress: Progress | None) -> StreamBench:
     with broker_for(settings.bootstrap, workdir) as bootstrap:
         s = _fresh(settings, bootstrap, "throughput")
         create_topics(s)
@@ -383,7 +408,7 @@ def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: f
         floor_s, floor_n = worker_consume(s, workdir / "count-only", messages, progress=progress, count_only=True)
         worker_s, measured = worker_consume(s, workdir / "throughput", blocks, progress=progress)
         lat, achieved = latency_run(_fresh(settings, bootstrap, "latency"), workdir / "latency", rate, seconds,
-                                    per_message=per_message, progress=progress)
+                                    job_ends=job_ends, per_message=per_message, progress=progress)
     decode_per_s, per_s = blocks / decode_s, measured / worker_s
     return StreamBench(
         blocks=blocks, blocks_per_message=per_message, messages=messages, partitions=settings.partitions,
@@ -392,7 +417,8 @@ def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: f
         faust_count_only_blocks_per_s=round(floor_n / floor_s * blocks / messages),
         worker_s=round(worker_s, 2), blocks_per_s=round(per_s),
         ratio_to_raw=round(per_s / decode_per_s, 4),
-        offered_blocks_per_s=rate, achieved_blocks_per_s=round(achieved), latency_jobs=len(lat),
+        offered_blocks_per_s=rate, job_ends_per_s=job_ends, achieved_blocks_per_s=round(achieved),
+        latency_jobs=len(lat),
         latency_p50_s=round(float(np.percentile(lat, 50)), 3), latency_p99_s=round(float(np.percentile(lat, 99)), 3),
         latency_max_s=round(max(lat), 3),
         broker="configured" if settings.bootstrap else "bundled tansu",

@@ -861,6 +861,9 @@ def bench_stream(
     seconds: Annotated[float, typer.Option(min=2.0, help="length of the latency run")] = 20.0,
     per_message: Annotated[int, typer.Option(min=1, max=4096, help="blocks per node.ipc message (the agents' "
                                                                    "default flush)")] = 64,
+    job_ends: Annotated[float, typer.Option(min=0.1, help="jobs ending per second in the latency run (80: the "
+                                                          "busiest hour of a real trace, scaled to 10,000 nodes)")]
+    = 80.0,
     workdir: Annotated[Path, typer.Option(help="scratch space (removed after)")] = Path("bench"),
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/stream.json"),
     bootstrap: Bootstrap = None,
@@ -879,7 +882,7 @@ def bench_stream(
             bar.update(tasks[stage], completed=done, total=total)
 
         result = run_stream_bench(settings, workdir, blocks=blocks, rate=rate, seconds=seconds,
-                                  per_message=per_message, progress=progress)
+                                  per_message=per_message, job_ends=job_ends, progress=progress)
     _write_bench(as_dict(result), out_file)
 
 

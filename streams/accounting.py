@@ -52,6 +52,7 @@ from .degradation import (
     DegradationSums,
     ExactSum,
     Moments,
+    add_samples,
     estimate,
 )
 from .pricing import POPPA_EQ4, fair_charge
@@ -117,7 +118,13 @@ class MomentState(_State):
 
     @classmethod
     def of(cls, m: Moments) -> MomentState:
-        return cls(n=m.n, s1=m.s1.partials, s2=m.s2.partials, lo=m.lo if m.n else None, hi=m.hi if m.n else None)
+        state = cls()
+        state.store(m)
+        return state
+
+    def store(self, m: Moments) -> None:
+        self.n, self.s1, self.s2 = m.n, m.s1.partials, m.s2.partials
+        self.lo, self.hi = (m.lo, m.hi) if m.n else (None, None)
 
 
 class NodeStream(_State):
@@ -212,10 +219,16 @@ class JobAccount(_State):
             return self._apply_lifecycle(record, origin, policy)
         return Step(rejected=f"{type(record).__name__} is not a job accounting event")
 
+    def _stream(self, node: str) -> NodeStream:
+        ns = self.nodes.get(node)
+        if ns is None:  # not setdefault: building a NodeStream for every batch costs as much as its fold
+            ns = self.nodes[node] = NodeStream()
+        return ns
+
     def _apply_blocks(self, record: ShutterBatch | ShutterBlock, origin: Origin, policy: PricingPolicy) -> Step:
         """A batch (or one version-1/2 block): its valid blocks that extend the stream are counted,
         all at once; bad, duplicate and out-of-order blocks are refused, each with its index and reason."""
-        ns = self.nodes.setdefault(record.node, NodeStream())
+        ns = self._stream(record.node)
         if ns.closed:
             return Step(rejected="shutter block after the job left the node")
         rows = block_rows(record)
@@ -229,10 +242,11 @@ class JobAccount(_State):
             sums = ns.sums()
             accepted = sums.add_rows(rows, counted, policy.delta)
             ns.store(sums)
-            for state, regions in (("ipc_alone", [1]), ("ipc_shared", [0, 2])):
-                m = getattr(ns, state).moments()
-                m.add_many(rows.sample_ipc[regions][:, counted].ravel())
-                setattr(ns, state, MomentState.of(m))
+            alone, shared = ns.ipc_alone.moments(), ns.ipc_shared.moments()
+            samples = rows.sample_ipc[:, counted].reshape(3, -1)  # before, during, after: every sample
+            add_samples([shared, alone, shared], samples)
+            ns.ipc_alone.store(alone)
+            ns.ipc_shared.store(shared)
             cycles = rows.cycle[counted]
             ns.blocks += n
             ns.last_cycle = int(cycles[-1])
@@ -255,7 +269,7 @@ class JobAccount(_State):
                              f"{first.field}: {first.reason}", rows=problems, blocks=counts, estimate=estimate)
 
     def _apply_left(self, left: JobLeftNode, origin: Origin, policy: PricingPolicy) -> Step:
-        ns = self.nodes.setdefault(left.node, NodeStream())
+        ns = self._stream(left.node)
         if ns.closed:
             return Step(rejected="job already left this node")
         ns.closed = True
@@ -286,10 +300,12 @@ class JobAccount(_State):
 
     def degradation(self, nodes: tuple[str, ...] | None = None, estimator: str = DEFAULT_ESTIMATOR,
                     ) -> DegradationResult:
+        named = [n for n in sorted(nodes if nodes is not None else self.nodes) if n in self.nodes]
+        if len(named) == 1:  # most jobs: one node, whose sums need no merging
+            return estimate(self.nodes[named[0]].sums(), estimator)
         total = DegradationSums()
-        for node in sorted(nodes if nodes is not None else self.nodes):
-            if node in self.nodes:
-                total.merge(self.nodes[node].sums())
+        for node in named:
+            total.merge(self.nodes[node].sums())
         return estimate(total, estimator)
 
     def _estimate(self, policy: PricingPolicy, final: bool) -> DegradationEstimate:
@@ -312,9 +328,10 @@ class JobAccount(_State):
         """The job's sample IPC moments over every node's counted blocks (for the profiles)."""
         out = {}
         for name in ("ipc_alone", "ipc_shared"):
-            total = Moments()
-            for node in sorted(self.nodes):
-                total.merge(getattr(self.nodes[node], name).moments())
+            states = [getattr(self.nodes[node], name) for node in sorted(self.nodes)]
+            total = states[0].moments() if len(states) == 1 else Moments()
+            for state in states if len(states) > 1 else ():
+                total.merge(state.moments())
             summary = total.summary()
             if summary is not None:
                 out[name] = summary

@@ -70,6 +70,7 @@ def faust_app(settings: Settings, datadir: Path | None = None, loglevel: str = "
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
         web_enabled=False,
+        Worker="nodeshare.streams.transport:Worker",  # no spinner: it puts the root logger at DEBUG
         key_serializer="raw",  # topics and tables carry bytes; nodeshare's serde does the JSON
         value_serializer="raw",
         datadir=str(datadir or Path.cwd() / ".nodeshare-worker"),

@@ -23,6 +23,7 @@ import numpy as np
 from nodeshare.schemas.events import (
     MAX_EXACT_COUNT,
     REGIONS,
+    SAMPLE_FIELDS,
     RowProblem,
     SampleColumns,
     ShutterBatch,
@@ -47,7 +48,7 @@ class BlockRows:
         return len(self.cycle)
 
 
-def _int64(values: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def _int64(values: Any) -> tuple[np.ndarray, np.ndarray]:
     """The values as int64 (0 where they are not exact in float64) and the mask of those that are not."""
     try:
         arr = np.array(values, dtype=np.int64)
@@ -66,6 +67,16 @@ def _columns_of_block(block: ShutterBlock) -> dict[str, SampleColumns]:
             for region in REGIONS}
 
 
+#: The checks of a block, in the order its first problem is named: (field, reason).
+CHECKS: tuple[tuple[str, str], ...] = (
+    ("cycle", "must be below 2**53"), ("cycle", "must be >= 0"),
+    *((f"{region}.{name}", reason) for region in REGIONS for name, reason in (
+        ("instructions", "must be below 2**53"), ("cycles", "must be below 2**53"),
+        ("threads", "must be below 2**53"), ("instructions", "must be >= 0"), ("cycles", "must be > 0"),
+        ("threads", "must be > 0"))),
+)
+
+
 def block_rows(record: ShutterBatch | ShutterBlock) -> BlockRows:
     """The blocks of a batch (or of one block) as arrays, each block checked on its own."""
     if isinstance(record, ShutterBatch):
@@ -76,36 +87,24 @@ def block_rows(record: ShutterBatch | ShutterBlock) -> BlockRows:
         columns = _columns_of_block(record)
     n, k = len(cycles), record.k
     cycle, cycle_big = _int64(cycles)
-    # the first problem of each block, in field order: (index, field, reason)
-    found: dict[int, tuple[str, str]] = {}
-
-    def flag(mask: Any, field: str, reason: str) -> None:
-        for i in np.flatnonzero(mask).tolist():
-            found.setdefault(i, (field, reason))
-
-    flag(cycle_big, "cycle", "must be below 2**53")
-    flag(cycle < 0, "cycle", "must be >= 0")
-    ipcs = []
-    for region in REGIONS:
-        cols: SampleColumns = columns[region]
-        ins, ins_big = _int64(cols.instructions)
-        cyc, cyc_big = _int64(cols.cycles)
-        thr, thr_big = _int64(cols.threads)
-        ins, cyc, thr = ins.reshape(n, k), cyc.reshape(n, k), thr.reshape(n, k)
-        for name, big in (("instructions", ins_big), ("cycles", cyc_big), ("threads", thr_big)):
-            flag(big.reshape(n, k).any(axis=1), f"{region}.{name}", "must be below 2**53")
-        flag((ins < 0).any(axis=1), f"{region}.instructions", "must be >= 0")
-        flag((cyc <= 0).any(axis=1), f"{region}.cycles", "must be > 0")
-        flag((thr <= 0).any(axis=1), f"{region}.threads", "must be > 0")
-        ipcs.append(ins.astype(np.float64) / np.where(cyc > 0, cyc, 1).astype(np.float64))
-    valid = np.ones(n, dtype=bool)
-    if found:
-        valid[list(found)] = False
-    sample_ipc = np.stack(ipcs)  # (3, n, k)
-    if not valid.all():
+    # the nine sample columns (region x instructions, cycles, threads) converted at once
+    flat, flat_big = _int64([getattr(columns[r], f) for r in REGIONS for f in SAMPLE_FIELDS])
+    samples = flat.reshape(3, 3, n, k)  # (region, field, block, sample)
+    big = np.asarray(flat_big).reshape(3, 3, n, k).any(axis=3)
+    ins, cyc, thr = samples[:, 0], samples[:, 1], samples[:, 2]  # (3, n, k) each
+    sign = np.stack([(ins < 0).any(axis=2), (cyc <= 0).any(axis=2), (thr <= 0).any(axis=2)], axis=1)  # (3, 3, n)
+    checks = np.concatenate([np.stack([cycle_big, cycle < 0]),
+                             np.concatenate([big, sign], axis=1).reshape(3 * 6, n)])  # CHECKS order
+    bad: np.ndarray = np.asarray(checks.any(axis=0))
+    problems: tuple[RowProblem, ...] = ()
+    valid = ~bad
+    sample_ipc = ins.astype(np.float64) / np.where(cyc > 0, cyc, 1).astype(np.float64)  # (3, n, k)
+    if bad.any():
+        first = checks.argmax(axis=0)
+        problems = tuple(RowProblem(index=i, field=CHECKS[f][0], reason=CHECKS[f][1])
+                         for i, f in zip(np.flatnonzero(bad).tolist(), first[bad].tolist(), strict=True))
         sample_ipc = np.where(valid[None, :, None], sample_ipc, 0.0)
     means = _region_means(sample_ipc, k)
-    problems = tuple(RowProblem(index=i, field=f, reason=r) for i, (f, r) in sorted(found.items()))
     return BlockRows(cycle, means[0], means[1], means[2], valid, problems, sample_ipc)
 
 

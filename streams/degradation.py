@@ -22,7 +22,7 @@ and any vectorized twin get bit-identical numbers whatever order they add blocks
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,24 +115,12 @@ class ExactSum:
             self.add(p)
 
     def add_many(self, values: np.ndarray) -> None:
-        """Add every value of a float64 array, exactly: the same partials' value as adding them one by
-        one. Values in [2**-30, 2**30) (and zeros) are multiples of 2**-82 below 2**112, so their sum
-        is an exact integer in three 40-bit chunks of int64 sums; the rest are added one by one."""
-        if not len(values):
-            return
-        fits = (values == 0) | ((values >= _FIXED_MIN) & (values < _FIXED_MAX))  # non-negative: exact chunks
-        for x in values[~fits].tolist():
-            self.add(x)
-        units = np.ldexp(values[fits], FIXED_BITS)  # exact: a power-of-two scaling of integers-to-be
-        if not len(units):
-            return
-        hi = np.floor(units / _CHUNK2)  # every step exact: floors and differences of < 2**53-bit integers
-        rest = units - hi * _CHUNK2
-        mid = np.floor(rest / _CHUNK)
-        lo = rest - mid * _CHUNK
-        total = ((int(hi.astype(np.int64).sum()) << (2 * _CHUNK_BITS))
-                 + (int(mid.astype(np.int64).sum()) << _CHUNK_BITS) + int(lo.astype(np.int64).sum()))
-        for part in _float_parts(total):  # the exact integer as a few floats, each exact
+        """Add every value of a float64 array, exactly (see ``add_rows``)."""
+        add_rows([self], values.reshape(1, -1))
+
+    def add_fixed(self, units: int) -> None:
+        """Add ``units`` * 2**-FIXED_BITS, exactly (the integer as a few floats, each exact)."""
+        for part in _float_parts(units):
             self.add(math.ldexp(part, -FIXED_BITS))
 
     @property
@@ -145,6 +133,33 @@ FIXED_BITS = 82
 _FIXED_MIN, _FIXED_MAX = 2.0**-30, 2.0**30
 _CHUNK_BITS = 40
 _CHUNK, _CHUNK2 = 2.0**_CHUNK_BITS, 2.0**(2 * _CHUNK_BITS)
+
+
+def add_rows(sums: Sequence[ExactSum], matrix: np.ndarray) -> None:
+    """Add row i of a float64 matrix to ``sums[i]``, exactly: the same value as adding them one by
+    one (a sum may be named by several rows). Values in [2**-30, 2**30) (and zeros) are multiples of
+    2**-82 below 2**112, so each row's sum is an exact integer in three 40-bit chunks of int64 sums
+    (one numpy pass over the whole matrix); the rest are added one by one."""
+    if matrix.size == 0:
+        return
+    fits = (matrix == 0) | ((matrix >= _FIXED_MIN) & (matrix < _FIXED_MAX))  # non-negative: exact chunks
+    if not fits.all():
+        for i, j in zip(*np.nonzero(~fits), strict=True):
+            sums[int(i)].add(float(matrix[i, j]))
+        matrix = np.where(fits, matrix, 0.0)
+    units = np.ldexp(matrix, FIXED_BITS)  # exact: a power-of-two scaling of integers-to-be
+    hi = np.floor(units / _CHUNK2)  # every step exact: floors and differences of < 2**53-bit integers
+    rest = units - hi * _CHUNK2
+    mid = np.floor(rest / _CHUNK)
+    lo = rest - mid * _CHUNK
+    chunks = np.stack([hi, mid, lo]).astype(np.int64).sum(axis=2).tolist()  # (3, rows): each far below 2**63
+    totals: dict[int, int] = {}
+    for i, s in enumerate(sums):
+        total = (chunks[0][i] << (2 * _CHUNK_BITS)) + (chunks[1][i] << _CHUNK_BITS) + chunks[2][i]
+        totals[id(s)] = totals.get(id(s), 0) + total
+    for s in {id(s): s for s in sums}.values():
+        if totals[id(s)]:
+            s.add_fixed(totals[id(s)])
 
 
 def _float_parts(total: int) -> list[float]:
@@ -192,12 +207,9 @@ class DegradationSums:
         b, d, a = rows.before[counted], rows.during[counted], rows.after[counted]
         co = 0.5 * (b + a)
         keep = (np.abs(b - a) < delta) & (b < d) & (a < d)
-        self.solo_all.add_many(d)
-        self.co_all.add_many(co)
-        self.solo_filtered.add_many(d[keep])
-        self.co_filtered.add_many(co[keep])
-        self.before_filtered.add_many(b[keep])
-        self.after_filtered.add_many(a[keep])
+        kept = np.where(keep, np.stack([d, co, b, a]), 0.0)  # a zero adds nothing, exactly
+        add_rows([self.solo_all, self.co_all, self.solo_filtered, self.co_filtered, self.before_filtered,
+                  self.after_filtered], np.concatenate([np.stack([d, co]), kept]))
         accepted = int(keep.sum())
         self.accepted += accepted
         self.rejected += len(b) - accepted
@@ -286,13 +298,7 @@ class Moments:
         self.lo, self.hi = min(self.lo, x), max(self.hi, x)
 
     def add_many(self, x: np.ndarray) -> None:
-        if not len(x):
-            return
-        self.n += len(x)
-        self.s1.add_many(x)
-        self.s2.add_many(x * x)
-        self.lo = min(self.lo, float(x.min()))
-        self.hi = max(self.hi, float(x.max()))
+        add_samples([self], x.reshape(1, -1))
 
     def merge(self, other: Moments) -> None:
         self.n += other.n
@@ -316,3 +322,15 @@ class Moments:
         mean = self.s1.value / self.n
         sd = math.sqrt(max(0.0, self.s2.value / self.n - mean * mean))
         return FeatureSummary(mean=mean, min=self.lo, max=self.hi, sd=sd)
+
+
+def add_samples(moments: Sequence[Moments], rows: np.ndarray) -> None:
+    """Add row i of a float64 matrix of samples to ``moments[i]`` (one may be named by several
+    rows), with one exact pass for every sum of x and of x²."""
+    if rows.size == 0:
+        return
+    add_rows([m.s1 for m in moments] + [m.s2 for m in moments], np.concatenate([rows, rows * rows]))
+    lows, highs = rows.min(axis=1).tolist(), rows.max(axis=1).tolist()
+    for m, lo, hi in zip(moments, lows, highs, strict=True):
+        m.n += rows.shape[1]
+        m.lo, m.hi = min(m.lo, lo), max(m.hi, hi)

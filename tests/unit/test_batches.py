@@ -24,7 +24,7 @@ from nodeshare.schemas.catalog import NODE_IPC
 from nodeshare.schemas.serde import DecodeError
 from nodeshare.streams.accounting import Origin, apply_message, fold_messages
 from nodeshare.streams.blocks import block_rows, counted_after
-from nodeshare.streams.degradation import ExactSum, filtered_degradation
+from nodeshare.streams.degradation import ExactSum, add_rows, filtered_degradation
 
 IPC = "node.ipc"
 
@@ -136,6 +136,17 @@ def test_bulk_exact_sums_equal_fsum_in_any_split(values: list[float]) -> None:
     for i in range(0, len(values), 7):
         split.add_many(np.array(values[i:i + 7], dtype=np.float64))
     assert one.value == split.value == math.fsum(values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e12, 1e12), min_size=3 * 5, max_size=3 * 5))
+def test_rows_summed_at_once_equal_fsum_of_each_target(values: list[float]) -> None:
+    """add_rows: one pass over a matrix, two rows may name the same sum (negative and huge values
+    go one by one); each sum's value is math.fsum of exactly its rows."""
+    a, b = ExactSum(), ExactSum()
+    matrix = np.array(values, dtype=np.float64).reshape(3, 5)
+    add_rows([a, b, a], matrix)
+    assert a.value == math.fsum(values[:5] + values[10:]) and b.value == math.fsum(values[5:10])
 
 
 def test_a_count_beyond_float64_exactness_is_refused_per_block() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from nodeshare.bench_stream import _latency_schedule, calibrated_ipc
 from nodeshare.schemas import ShutterBatch, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
@@ -36,3 +38,14 @@ def test_the_throughput_input_is_a_calibrated_run_in_the_agents_batches() -> Non
     assert all(key == r.job_id.encode() for (key, _, _), r in zip(messages, records, strict=True))
     # calibrated IPC: a job's blocks differ (noise, phases), unlike a constant synthetic stream
     assert len({b.during.instructions for b in batches}) == len(batches)
+
+
+def test_latency_schedule_spreads_job_ends_out() -> None:
+    schedule = _latency_schedule(jobs=60, blocks_per_job=64, concurrent=10, seed=1, per_message=8)
+    sent, ends = 0, []
+    for *_, size, completes in schedule:
+        sent += size
+        if completes:
+            ends.append(sent)
+    gaps = np.diff(ends[10:-10])  # between the first slot's first end and the last slots' drain
+    assert len(ends) == 60 and gaps.max() <= 2 * 64 * 8 / 10  # about a job's blocks / slots apart, no bursts
