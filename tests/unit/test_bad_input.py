@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from factories import T0, block, job_event, left
+from factories import T0, batch, block, job_event, left
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from power_events import scenario
@@ -151,8 +151,30 @@ def replays_of_valid_events() -> st.SearchStrategy:
     return st.builds(dup, st.integers(0, 11))
 
 
+def resent_batches_with_bad_rows() -> st.SearchStrategy:
+    """An agent restarted and re-sent a job's blocks in a batching of its own, with a bad row among
+    them (negative or zero count, a count past 2**53, no thread): spliced in after the job's last
+    block, so every row is refused, each with its index, and none is counted twice."""
+    def put(job: str, at: int, region: str, field: str, value: int) -> tuple:
+        blocks = [r for t, r in VALID if t == IPC and r.kind == "shutter_block" and r.job_id == job]
+        d = as_dict(batch(*blocks, seq=7))
+        bad = as_dict(batch(*blocks[:1]))
+        bad[region][field][0] = value
+        d["cycle"].insert(at, 2 * at + 1)  # a cycle the job never sent: refused for its bad value, not its order
+        for r in ("before", "during", "after"):
+            for f in ("instructions", "cycles", "threads"):
+                d[r][f].insert(at, bad[r][f][0])
+        return (IPC, job.encode(), raw(d), f"{len(blocks) + 1} of {len(blocks) + 1} blocks refused")
+    bad_value = st.one_of(
+        st.tuples(st.just("instructions"), st.integers(-10**12, -1)),
+        st.tuples(st.sampled_from(["cycles", "threads"]), st.integers(-10**12, 0)),
+        st.tuples(st.sampled_from(["instructions", "cycles"]), st.integers(2**53, 2**62)))
+    return st.builds(lambda job, at, region, fv: put(job, at, region, *fv), st.sampled_from(["a", "b"]),
+                     st.integers(0, 3), st.sampled_from(["before", "during", "after"]), bad_value)
+
+
 BAD = st.one_of(random_bytes(), truncated_json(), wrong_type(), non_finite(), bad_counts(), unknown_version(),
-                wrong_clock(), key_mismatch(), replays_of_valid_events())
+                wrong_clock(), key_mismatch(), replays_of_valid_events(), resent_batches_with_bad_rows())
 
 
 def fold(messages: list[tuple[str, bytes | None, bytes | None]]) -> tuple[dict, list[DeadLetter], list[Charge]]:
@@ -194,6 +216,9 @@ def test_bad_records_are_dead_lettered_and_change_no_charge(batch):
     for n, ((topic, key, value, _), at) in enumerate(batch):
         after = next((i for i, m in enumerate(valid) if m[2] == value), -1)
         at = max(at, (after + 0.5) / len(valid)) if after >= 0 else at
+        if b'"shutter_batch"' in value[:400]:  # a re-sent batch: after its job's last block, before it leaves
+            last = max(i for i, (t, k, v) in enumerate(valid) if k == key and b'"shutter_block"' in v)
+            at = (last + 0.5) / len(valid)
         stream.append((at, 1 + n, (topic, key, value)))
     messages = [m for _, _, m in sorted(stream, key=lambda e: (e[0], e[1]))]
 
@@ -213,6 +238,8 @@ def test_bad_records_are_dead_lettered_and_change_no_charge(batch):
     for where, must_say in expected.items():
         dl = got[where]
         assert dl.reason and must_say.lower() in f"{dl.field} {dl.reason}".lower(), (must_say, dl.field, dl.reason)
+        if "blocks refused" in must_say:  # each refused row named: the bad one for its value, the rest as copies
+            assert len(dl.rows) == int(must_say.split()[0]) and sum("order" in r.reason for r in dl.rows) == 4
 
 
 def test_a_block_for_a_job_that_never_ends_is_held_not_charged():
