@@ -21,6 +21,7 @@ from nodeshare.demo import publish, running_pipeline
 from nodeshare.deploy.broker import BundledBroker
 from nodeshare.deploy.processes import start_nodeshare, start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
+from nodeshare.producers.batching import FlushPolicy
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
@@ -100,23 +101,28 @@ def test_worker_killed_once_while_processing_loses_and_duplicates_nothing(kafka_
 
 def test_worker_killed_five_times_while_processing_loses_and_duplicates_nothing(
         kafka_bootstrap: str, tmp_path: Path) -> None:
-    """Each kill lands while the restarted worker is producing charges, at a random moment."""
+    """Each kill lands while the restarted worker is producing charges, at a random moment: the run
+    is published in six parts, one before each kill (batched input is folded too fast for one)."""
     settings = _settings(kafka_bootstrap, "k")
-    sim = simulate(SimConfig(nodes=12, jobs=100, seed=31))
+    # small batches: more messages, so a kill lands among them rather than after them
+    sim = simulate(SimConfig(nodes=12, jobs=100, seed=31, flush=FlushPolicy(max_blocks=4)))
     rng = random.Random(5)
+    part = -(-len(sim.events) // 6)
     with running_pipeline(settings, tmp_path) as pipeline:
-        publish(settings, sim, lambda *_: None)
         for kill in range(1, 6):
             time.sleep(1.5)  # let the killed worker's last charges drain into the ledger first
             before = pipeline.ledger_sink.rows_inserted
+            events = sim.events[(kill - 1) * part:kill * part]
+            publish(settings, SimpleNamespace(events=events, truth=sim.truth), lambda *_: None)
             deadline = time.monotonic() + 60
             while pipeline.ledger_sink.rows_inserted == before and time.monotonic() < deadline:
-                time.sleep(0.05)  # the (re)started worker is processing once new charges appear
-            time.sleep(rng.uniform(0.0, 0.5))
+                time.sleep(0.02)  # the (re)started worker is processing once new charges appear
+            time.sleep(rng.uniform(0.0, 0.2))
             pipeline.worker.kill()  # SIGKILL: no cleanup, no commit, no changelog flush
             pipeline.worker.wait()
             print(f"kill {kill}: {pipeline.ledger_sink.rows_inserted}/{len(sim.truth)} charges in the ledger")
             pipeline.worker = start_worker(settings, tmp_path / "worker", tmp_path / "worker.log")
+        publish(settings, SimpleNamespace(events=sim.events[5 * part:], truth=sim.truth), lambda *_: None)
         pipeline.wait(len(sim.truth), len(sim.events), 180, lambda *_: None)
         time.sleep(2)  # late redelivered copies reach the sink before counting
     _check(pipeline, sim, settings, 5)
