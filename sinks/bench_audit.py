@@ -4,8 +4,8 @@ The calibrated cluster simulator runs a shared cluster until it has sent the ask
 shutter blocks; its node.ipc and jobs.lifecycle records (the topics the audit reads) are archived
 as the archive sink would store them, then compacted. Then, in alternating rounds so that a
 shared machine's drift slows both alike: the vectorized recomputation of every charge, and a
-plain DuckDB scan of the same files (reading every column: the value bytes and the typed
-columns) as the yardstick.
+plain DuckDB scan of the same files (reading every column: the value bytes, the typed columns
+and every element of the typed list columns) as the yardstick.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from nodeshare.schemas import TOPIC_OF_RECORD, ShutterBlock, encode, key_of
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.streams.accounting import PricingPolicy
 
-from .archive import IPC_FIELDS, ArchivedEvent, ParquetArchive
+from .archive import IPC_FIELDS, IPC_LISTS, ArchivedEvent, ParquetArchive
 from .fast_audit import FastResult, fast_recompute
 
 
@@ -138,12 +138,15 @@ def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], Fa
     """Seconds of the plain scan and of the audit, in alternating rounds (a machine that slows down
     mid-bench slows both alike), and the audit's last result."""
     glob = ParquetArchive(root).glob_sql()
-    # The yardstick reads every column of every file: the value bytes and the typed columns.
+    # The yardstick reads every column of every file: the value bytes, the typed scalar columns and
+    # every element of the typed list columns (a batch's blocks).
     strings = [n for n, kind, _ in IPC_FIELDS if kind == pa.string()]
     numbers = [n for n, kind, _ in IPC_FIELDS if kind != pa.string()]
+    lists = [n for n, _, _ in IPC_LISTS]
     everything = (f"SELECT count(*), sum(octet_length(value) + octet_length(key)), "
                   f"sum({' + '.join(f'coalesce({n}, 0)' for n in numbers)}), "
-                  f"sum({' + '.join(f'coalesce(length({n}), 0)' for n in strings)}) "
+                  f"sum({' + '.join(f'coalesce(length({n}), 0)' for n in strings)}), "
+                  f"sum({' + '.join(f'coalesce(list_sum({n}), 0)' for n in lists)}) "
                   f"FROM read_parquet('{glob}', union_by_name = true)")
     scan, runs = [], []
     result = FastResult()
