@@ -145,7 +145,7 @@ class ShutterBlock(Record):
 
 class SampleColumns(BaseModel):
     """K samples per block of one region, columnar and block-major: block i's samples are
-    ``[i * k, (i + 1) * k)``. Values are checked per row (``ShutterBatch.row_problems``), not
+    ``[i * k, (i + 1) * k)``. Values are checked per block (``streams.blocks.block_rows``), not
     here, so one bad block does not refuse its batch."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -163,7 +163,7 @@ class ShutterBatch(Record):
     """A run of consecutive shutter blocks of one job on one node from one agent (schema 3): the
     blocks of ``ShutterBlock``, one array per field. ``seq`` is the agent's batch number for this
     (job, node) stream. The shape (lengths, types) is checked here and refuses the whole message;
-    values are checked per block (``row_problems``), so a bad block is dead-lettered with its
+    values are checked per block (``streams.blocks.block_rows``), so a bad block is dead-lettered with its
     index while the others count."""
 
     kind: Literal["shutter_batch"] = "shutter_batch"
@@ -421,7 +421,6 @@ class DegradationEstimate(Record):
     #: The job's sample IPCs so far, for the profiles: ``ipc_alone`` (during its shutters) and
     #: ``ipc_shared`` (before and after them), over every block counted (schema 3).
     features: dict[str, SampleMoments] = {}
-
 
 
 # --------------------------------------------------------------------------- profiles.program

@@ -21,8 +21,9 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from nodeshare import __version__
@@ -44,7 +45,7 @@ from nodeshare.schemas.events import (
 )
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
 
-from .blocks import block_rows, counted_after
+from .blocks import block_rows, prior_max
 from .degradation import (
     DEFAULT_DELTA,
     DEFAULT_ESTIMATOR,
@@ -115,12 +116,6 @@ class MomentState(_State):
     def moments(self) -> Moments:
         return Moments(self.n, ExactSum(self.s1), ExactSum(self.s2),
                        math.inf if self.lo is None else self.lo, -math.inf if self.hi is None else self.hi)
-
-    @classmethod
-    def of(cls, m: Moments) -> MomentState:
-        state = cls()
-        state.store(m)
-        return state
 
     def store(self, m: Moments) -> None:
         self.n, self.s1, self.s2 = m.n, m.s1.partials, m.s2.partials
@@ -232,10 +227,11 @@ class JobAccount(_State):
         if ns.closed:
             return Step(rejected="shutter block after the job left the node")
         rows = block_rows(record)
-        counted = counted_after(rows.cycle, rows.valid, ns.last_cycle)
+        prior = prior_max(rows.cycle, rows.valid, ns.last_cycle)
+        counted = rows.valid & (rows.cycle > prior)
         n = int(counted.sum())
-        stale = [RowProblem(index=i, field="cycle", reason=f"cycle {c} out of order (last was {last})")
-                 for i, c, last in _out_of_order(rows.cycle, rows.valid & ~counted, ns.last_cycle)]
+        stale = [RowProblem(index=i, field="cycle", reason=f"cycle {rows.cycle[i]} out of order (last was {prior[i]})")
+                 for i in np.flatnonzero(rows.valid & ~counted).tolist()]
         ns.ignored += len(stale)
         accepted = 0
         if n:
@@ -329,9 +325,12 @@ class JobAccount(_State):
         out = {}
         for name in ("ipc_alone", "ipc_shared"):
             states = [getattr(self.nodes[node], name) for node in sorted(self.nodes)]
-            total = states[0].moments() if len(states) == 1 else Moments()
-            for state in states if len(states) > 1 else ():
-                total.merge(state.moments())
+            if len(states) == 1:  # most jobs: one node, whose moments need no merging
+                total = states[0].moments()
+            else:
+                total = Moments()
+                for state in states:
+                    total.merge(state.moments())
             summary = total.summary()
             if summary is not None:
                 out[name] = summary
@@ -413,15 +412,6 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         event_range=tuple(sorted(ranges, key=lambda r: r.topic)),
         code_version=__version__,
     )
-
-
-def _out_of_order(cycle: Any, stale: Any, last_cycle: int) -> list[tuple[int, int, int]]:
-    """(index, cycle, the stream's last counted cycle before it) of each stale block of a batch."""
-    out = []
-    for i in stale.nonzero()[0].tolist():
-        before = [int(c) for c in cycle[:i].tolist()]
-        out.append((i, int(cycle[i]), max([last_cycle, *before])))
-    return out
 
 
 @dataclass(frozen=True)

@@ -117,12 +117,16 @@ def _region_means(sample_ipc: np.ndarray, k: int) -> np.ndarray:
     return np.array([[math.fsum(row) / k for row in region.tolist()] for region in sample_ipc])
 
 
+def prior_max(cycle: np.ndarray, valid: np.ndarray, last_cycle: int) -> np.ndarray:
+    """For each block, the highest cycle the stream has counted before it: ``last_cycle`` and the
+    valid blocks ahead of it in the batch (a valid block that does not exceed it is not counted,
+    so it cannot raise it either)."""
+    marked = np.where(valid, cycle, np.iinfo(np.int64).min)
+    return np.maximum.accumulate(np.concatenate(([last_cycle], marked[:-1])))
+
+
 def counted_after(cycle: np.ndarray, valid: np.ndarray, last_cycle: int) -> np.ndarray:
     """Which valid blocks extend a stream whose last counted cycle is ``last_cycle``: a block counts
     when its cycle is above every cycle counted before it (duplicates and blocks out of order are
     not counted, as a redelivered or re-batched block must not be)."""
-    if not valid.any():
-        return valid
-    marked = np.where(valid, cycle, np.iinfo(np.int64).min)
-    before = np.maximum.accumulate(np.concatenate(([last_cycle], marked[:-1])))
-    return valid & (cycle > before)
+    return valid & (cycle > prior_max(cycle, valid, last_cycle))

@@ -272,12 +272,16 @@ def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: flo
 
 def filtered_degradation(blocks: Iterable[ShutterBlock | ShutterBatch], delta: float = DEFAULT_DELTA,
                          estimator: str = POPPA_ALG4) -> DegradationResult:
-    """Alg. 4 (or the refill-corrected estimate) over blocks or batches (their valid blocks), with
-    the same accumulator the stream uses."""
+    """Alg. 4 (or the refill-corrected estimate) over blocks or batches (their valid blocks). Single
+    blocks go one at a time through ``DegradationSums.add`` in scalar floats: the reference that
+    tests hold the stream's vectorized batch fold to, bit for bit."""
     sums = DegradationSums()
     for b in blocks:
-        rows = block_rows(b)
-        sums.add_rows(rows, rows.valid, delta)
+        if isinstance(b, ShutterBlock):  # one at a time, in scalar floats: the reference the batch fold must match
+            sums.add(b, delta)
+        else:
+            rows = block_rows(b)
+            sums.add_rows(rows, rows.valid, delta)
     return estimate(sums, estimator)
 
 
@@ -296,9 +300,6 @@ class Moments:
         self.s1.add(x)
         self.s2.add(x * x)
         self.lo, self.hi = min(self.lo, x), max(self.hi, x)
-
-    def add_many(self, x: np.ndarray) -> None:
-        add_samples([self], x.reshape(1, -1))
 
     def merge(self, other: Moments) -> None:
         self.n += other.n

@@ -23,7 +23,7 @@ from nodeshare.schemas import DeadLetter, JobState, ShutterBatch, decode, decode
 from nodeshare.schemas.catalog import NODE_IPC
 from nodeshare.schemas.serde import DecodeError
 from nodeshare.streams.accounting import Origin, apply_message, fold_messages
-from nodeshare.streams.blocks import block_rows, counted_after
+from nodeshare.streams.blocks import block_rows, counted_after, prior_max
 from nodeshare.streams.degradation import ExactSum, add_rows, filtered_degradation
 
 IPC = "node.ipc"
@@ -116,6 +116,8 @@ def test_counted_after_keeps_only_cycles_above_everything_before_them() -> None:
     valid = np.array([True, True, True, True, False, True, True])
     assert counted_after(cycle, valid, 3).tolist() == [True, True, False, False, False, True, True]
     assert counted_after(cycle, valid, 8).tolist() == [False, False, False, False, False, False, True]
+    # what a refused block is said to come after: the last counted cycle, never a bad block's cycle
+    assert prior_max(cycle, valid, 3).tolist() == [3, 4, 5, 5, 5, 5, 7]
 
 
 def test_block_means_for_k_2_and_3_are_fsum_over_k() -> None:
