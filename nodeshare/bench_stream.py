@@ -55,9 +55,9 @@ from nodeshare.sinks.ledger import LedgerSink
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
-#: Jobs ending per second in the latency run: the busiest hour of the two real traces a site hands
-#: us, scaled to 10,000 nodes (EPCC Cirrus 2024, 280 nodes: 7,928 job ends in one hour, ~79/s; COARE
-#: 2020, 24 nodes: 71 in its busiest hour, ~8/s). Their means are 0.3/s and 0.5/s.
+#: Jobs ending per second in the latency run: above the busiest hour of either real trace a site
+#: hands us, scaled to 10,000 nodes (EPCC Cirrus 2024: 7,928 job ends in one hour while 440 nodes
+#: were busy on average, 50/s; DOST-ASTI COARE 2020: 71 ends in its busiest hour on 24 nodes, 8/s).
 JOB_ENDS_PER_S = 80.0
 
 

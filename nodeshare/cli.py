@@ -861,8 +861,8 @@ def bench_stream(
     seconds: Annotated[float, typer.Option(min=2.0, help="length of the latency run")] = 20.0,
     per_message: Annotated[int, typer.Option(min=1, max=4096, help="blocks per node.ipc message (the agents' "
                                                                    "default flush)")] = 64,
-    job_ends: Annotated[float, typer.Option(min=0.1, help="jobs ending per second in the latency run (80: the "
-                                                          "busiest hour of a real trace, scaled to 10,000 nodes)")]
+    job_ends: Annotated[float, typer.Option(min=0.1, help="jobs ending per second in the latency run (80: above "
+                                                          "the busiest hour of a real trace, 50/s on 10,000 nodes)")]
     = 80.0,
     workdir: Annotated[Path, typer.Option(help="scratch space (removed after)")] = Path("bench"),
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/stream.json"),
