@@ -149,16 +149,14 @@ class Batcher:
                 out.append(self._close(key))
         return out
 
-    def flush(self, job_id: str, node: str) -> ShutterBatch | None:
-        """The stream's open batch, if any (the job leaves the node)."""
+    def close(self, job_id: str, node: str) -> ShutterBatch | None:
+        """The job leaves the node: its stream's open batch, if any, to send before its marker; its
+        batch numbers are not needed any more."""
+        self.next_seq.pop((job_id, node), None)
         return self._close((job_id, node)) if (job_id, node) in self.open else None
 
     def flush_all(self) -> list[ShutterBatch]:
         return [self._close(key) for key in sorted(self.open)]
-
-    def forget(self, job_id: str, node: str) -> None:
-        """The stream is closed: its batch numbers are not needed any more."""
-        self.next_seq.pop((job_id, node), None)
 
     def _close(self, key: tuple[str, str]) -> ShutterBatch:
         b = self.open.pop(key)

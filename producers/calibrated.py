@@ -717,10 +717,9 @@ class RecordSink(Sink):
 
     def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int) -> None:
         name = self._nodes()[node]
-        last = self.batcher.flush(job_id(job), name)  # the open batch goes first: the charge is not delayed
+        last = self.batcher.close(job_id(job), name)  # the open batch goes first: the charge is not delayed
         if last is not None:
             self._emit((last.event_time - self.cfg.start).total_seconds(), last)
-        self.batcher.forget(job_id(job), name)
         self._emit(t, JobLeftNode(event_id=self.eid("left", job, name), source=f"sim/{name}", event_time=self.at(t),
                                   job_id=job_id(job), node=name, blocks_sent=blocks, last_cycle=last_cycle,
                                   paused_us=paused_us))

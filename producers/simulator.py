@@ -151,10 +151,9 @@ class _Emitter:
                 self._at_event_time(b)
             return
         if isinstance(record, JobLeftNode):  # the stream's open batch goes first
-            last = self.batcher.flush(record.job_id, record.node)
+            last = self.batcher.close(record.job_id, record.node)
             if last is not None:
                 self._at_event_time(last)
-            self.batcher.forget(record.job_id, record.node)
         self.out.append((t_s, len(self.out), record))
 
     def _at_event_time(self, b: ShutterBatch) -> None:

@@ -174,8 +174,7 @@ class Agent:
         counter = self.counters.pop(job_id, None)
         if counter is not None:
             counter.close()
-        last = self.batcher.flush(job_id, self.options.node)  # the job's last blocks go before its marker
-        self.batcher.forget(job_id, self.options.node)
+        last = self.batcher.close(job_id, self.options.node)  # the job's last blocks go before its marker
         records: list[Record] = [] if last is None else [last]
         records.append(left_node(node=self.options.node, source=self.source_name, job_id=job_id,
                                  blocks_sent=st.blocks, last_cycle=st.last_cycle, paused_us=st.paused_us, at=_now()))

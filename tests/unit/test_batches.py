@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import random
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from factories import POLICY, batch, block, job_event, left
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nodeshare.producers.batching import Batcher, FlushPolicy
 from nodeshare.schemas import DeadLetter, JobState, ShutterBatch, decode, decode_model, encode
 from nodeshare.schemas.catalog import NODE_IPC
 from nodeshare.schemas.serde import DecodeError
@@ -159,3 +161,34 @@ def test_a_count_beyond_float64_exactness_is_refused_per_block() -> None:
     rows = block_rows(rec)
     assert rows.valid.tolist() == [True, False, True]
     assert [(p.index, p.field, p.reason) for p in rows.problems] == [(1, "during.instructions", "must be below 2**53")]
+
+
+def test_the_batcher_flushes_by_count_bytes_age_shape_and_leave() -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def add(b: Batcher, cycle: int, s: float, job: str = "a", k: int = 1, v: int = 1000) -> list[ShutterBatch]:
+        samples = [(v, 2000, 1)] * k
+        return b.add(job_id=job, node="n1", source="t", cycle=cycle, k=k, sample_us=3200, counter="simulated",
+                     before=samples, during=samples, after=samples, at=t0 + timedelta(seconds=s))
+
+    b = Batcher(FlushPolicy(max_blocks=3, max_age_s=10))
+    assert add(b, 0, 0) == [] and add(b, 1, 1) == []
+    full = add(b, 2, 2)  # the third block fills it
+    assert [x.cycle for x in full] == [(0, 1, 2)] and full[0].seq == 0
+    assert full[0].event_time == t0 + timedelta(seconds=2)  # its newest block's time
+    add(b, 3, 3)
+    add(b, 4, 4, job="b")
+    assert b.due(t0 + timedelta(seconds=12.9)) == []  # a's open batch is 9.9 s old
+    assert [(x.job_id, x.cycle, x.seq) for x in b.due(t0 + timedelta(seconds=13))] == [("a", (3,), 1)]
+    assert [x.cycle for x in add(b, 5, 5, job="b", k=2)] == [(4,)]  # another K: b's batch closes first
+    left = b.close("b", "n1")
+    assert left is not None and left.cycle == (5,) and left.k == 2 and b.close("b", "n1") is None
+    assert [x.seq for x in add(b, 6, 6, job="b")] == [] and b.open[("b", "n1")].seq == 0  # a new stream
+    # the byte bound: counts of 18 digits fill about 1 KiB in a few blocks
+    small = Batcher(FlushPolicy(max_blocks=4096, max_bytes=1024))
+    sizes = [len(x.cycle) for c in range(100) for x in add(small, c, c, v=10**17)]
+    assert sizes and max(sizes) < 20
+    # what the agent keeps in its spool's meta comes back whole
+    again = Batcher(FlushPolicy(max_blocks=3, max_age_s=10))
+    again.restore(json.loads(json.dumps(b.state())))
+    assert again.flush_all() == b.flush_all()
