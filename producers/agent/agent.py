@@ -14,7 +14,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,7 +23,17 @@ from typing import Any
 from nodeshare import metrics
 from nodeshare.logs import fields
 from nodeshare.producers.batching import Batcher, FlushPolicy
-from nodeshare.schemas import TOPIC_OF_RECORD, IpcSample, JobEvent, JobState, PowerReading, Record, encode, key_of
+from nodeshare.schemas import (
+    TOPIC_OF_RECORD,
+    IpcSample,
+    JobEvent,
+    JobState,
+    PowerReading,
+    Record,
+    ShutterBatch,
+    encode,
+    key_of,
+)
 
 from . import rapl
 from .jobs import JobSource, JobSpec, LocalJob
@@ -127,6 +137,18 @@ class Agent:
         meta = {"next_cycle": self.cycle, "jobs": {j: vars(s) for j, s in self.state.items()},
                 "batches": self.batcher.state()}
         self.spool.put(events, meta, reserve=reserve)
+
+    def _send(self, batches: list[ShutterBatch]) -> bool:
+        """Spool batches the batcher closed. With the spool full they are open again, as its meta
+        still has them (a later flush sends them); a full spool is a state, not a crash."""
+        if not batches:
+            return True
+        try:
+            self._put(list(batches))
+        except SpoolFull:
+            self.batcher.restore(self.spool.meta("batches", {}))
+            return False
+        return True
 
     def _lifecycle(self, spec: JobSpec, state: JobState, start: str | None, end: datetime | None) -> JobEvent:
         at = end or _now()
@@ -303,11 +325,10 @@ class Agent:
                 if self._power and tick >= next_power:
                     readings = self.power()
                     if readings:
-                        self._put(list(readings))
+                        with suppress(SpoolFull):  # not kept while the broker is away (shutters stop too)
+                            self._put(list(readings))
                     next_power = tick + self.options.power_interval_s
-                due = self.batcher.due(_now())
-                if due:  # the age bound: placement's estimates stay this fresh
-                    self._put(list(due))
+                self._send(self.batcher.due(_now()))  # the age bound: placement's estimates stay this fresh
                 self.shutter()
                 after_shutter = time.monotonic()
                 self.forwarder.pump(0)
@@ -320,12 +341,9 @@ class Agent:
     def close(self, drain_s: float = 10.0) -> None:
         """Stop: nothing is paused here (each shutter resumes before it returns). Give the broker
         ``drain_s`` to take what is spooled; what it does not take stays spooled for the next start."""
-        try:
-            if self.batcher.open:  # sent now rather than at the next start (they are in the meta either way)
-                self._put(list(self.batcher.flush_all()))
-        except SpoolFull as e:
-            self.batcher.restore(self.spool.meta("batches", {}))
-            log.error("open batches stay in the spool's meta: %s", e)
+        if not self._send(self.batcher.flush_all()):  # sent now rather than at the next start
+            log.error("the spool is full: %d open batches stay in its meta until the next start",
+                      len(self.batcher.open))
         for counter in self.counters.values():
             counter.close()
         self.counters = {}

@@ -386,6 +386,19 @@ def test_a_static_job_that_ended_while_the_agent_was_down_still_gets_its_end(sle
     assert spooled_ids(tmp_path) == ["n1/job/a/started", "n1/left/a", "n1/job/a/ended"]
 
 
+def test_an_aged_batch_the_full_spool_refuses_stays_open(tmp_path: Path, two_jobs: dict[str, LocalJob]) -> None:
+    agent = agent_on(tmp_path, FakeSource(two_jobs, {}), flush=FlushPolicy(max_age_s=0))
+    agent.rescan()
+    assert agent.shutter() and len(agent.batcher.open) == 1
+    agent.spool.max_bytes = 1  # the broker went away and the spool filled up
+    assert not agent._send(agent.batcher.due(datetime.now(UTC)))  # no crash...
+    assert [b.cycle for b in agent.batcher.open.values()] == [[0]]  # ...and the block waits, in the meta
+    agent.spool.max_bytes = 2**20
+    assert agent._send(agent.batcher.due(datetime.now(UTC))) and not agent.batcher.open
+    agent.close(0)
+    assert [e["cycle"] for e in spooled(tmp_path) if e["kind"] == "shutter_batch"] == [[0]]
+
+
 def test_a_cycle_the_full_spool_refused_is_not_counted(tmp_path: Path, two_jobs: dict[str, LocalJob]) -> None:
     agent = agent_on(tmp_path, FakeSource(two_jobs, {}), max_bytes=1, flush=FlushPolicy(max_blocks=1))  # none fits
     agent.rescan()
