@@ -21,10 +21,10 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 
 from nodeshare import __version__
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, spec_for_topic
@@ -53,7 +53,6 @@ from .degradation import (
     DegradationSums,
     ExactSum,
     Moments,
-    add_samples,
     estimate,
 )
 from .pricing import POPPA_EQ4, fair_charge
@@ -104,21 +103,33 @@ class _State(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
+def _exact(value: Any) -> ExactSum:
+    return value if isinstance(value, ExactSum) else ExactSum(value)
+
+
+#: An exact sum in state: live in memory (no copy per batch), persisted as the list of floats
+#: whose exact sum it is (``ExactSum.parts``), the form earlier versions wrote.
+ExactState = Annotated[ExactSum, PlainValidator(_exact), PlainSerializer(ExactSum.parts, return_type=list[float])]
+
+
 class MomentState(_State):
     """``degradation.Moments`` as persisted state."""
 
     n: int = 0
-    s1: list[float] = []
-    s2: list[float] = []
+    s1: ExactState = Field(default_factory=ExactSum)
+    s2: ExactState = Field(default_factory=ExactSum)
     lo: float | None = None
     hi: float | None = None
 
     def moments(self) -> Moments:
-        return Moments(self.n, ExactSum(self.s1), ExactSum(self.s2),
+        """The moments, sharing this state's sums (``store`` writes back the rest)."""
+        return Moments(self.n, self.s1, self.s2,
                        math.inf if self.lo is None else self.lo, -math.inf if self.hi is None else self.hi)
 
     def store(self, m: Moments) -> None:
-        self.n, self.s1, self.s2 = m.n, m.s1.partials, m.s2.partials
+        if m.s1 is not self.s1 or m.s2 is not self.s2:
+            self.s1, self.s2 = m.s1, m.s2
+        self.n = m.n
         self.lo, self.hi = (m.lo, m.hi) if m.n else (None, None)
 
 
@@ -134,33 +145,35 @@ class NodeStream(_State):
     closed: bool = False
     blocks_sent: int = 0
     paused_us: int = 0
-    # Exact partial sums of Alg. 4 (see degradation.ExactSum); kept per node because only the
-    # nodes named by the terminal event count.
-    solo_filtered: list[float] = []
-    co_filtered: list[float] = []
-    solo_all: list[float] = []
-    co_all: list[float] = []
+    # Exact sums of Alg. 4 (see degradation.ExactSum); kept per node because only the nodes named
+    # by the terminal event count.
+    solo_filtered: ExactState = Field(default_factory=ExactSum)
+    co_filtered: ExactState = Field(default_factory=ExactSum)
+    solo_all: ExactState = Field(default_factory=ExactSum)
+    co_all: ExactState = Field(default_factory=ExactSum)
     accepted: int = 0
     rejected: int = 0
-    before_filtered: list[float] = []
-    after_filtered: list[float] = []
+    before_filtered: ExactState = Field(default_factory=ExactSum)
+    after_filtered: ExactState = Field(default_factory=ExactSum)
     # The counted blocks' sample IPCs, alone (during) and shared (before and after): the job's
     # features for the profiles, sent with each running estimate.
-    ipc_alone: MomentState = MomentState()
-    ipc_shared: MomentState = MomentState()
+    ipc_alone: MomentState = Field(default_factory=MomentState)
+    ipc_shared: MomentState = Field(default_factory=MomentState)
 
     def sums(self) -> DegradationSums:
-        return DegradationSums(
-            ExactSum(self.solo_filtered), ExactSum(self.co_filtered),
-            ExactSum(self.solo_all), ExactSum(self.co_all), self.accepted, self.rejected,
-            ExactSum(self.before_filtered), ExactSum(self.after_filtered),
-        )
+        """The stream's sums, sharing this state's ``ExactSum``s: adding to them adds to the stream
+        (``store`` writes back the counts). Merge them into a fresh ``DegradationSums`` to combine nodes."""
+        return DegradationSums(self.solo_filtered, self.co_filtered, self.solo_all, self.co_all,
+                               self.accepted, self.rejected, self.before_filtered, self.after_filtered)
 
     def store(self, s: DegradationSums) -> None:
-        self.solo_filtered, self.co_filtered = s.solo_filtered.partials, s.co_filtered.partials
-        self.solo_all, self.co_all = s.solo_all.partials, s.co_all.partials
+        for name in _SUM_FIELDS:
+            if getattr(s, name) is not getattr(self, name):
+                setattr(self, name, getattr(s, name))
         self.accepted, self.rejected = s.accepted, s.rejected
-        self.before_filtered, self.after_filtered = s.before_filtered.partials, s.after_filtered.partials
+
+
+_SUM_FIELDS = ("solo_filtered", "co_filtered", "solo_all", "co_all", "before_filtered", "after_filtered")
 
 
 class TerminalEvent(_State):
@@ -236,11 +249,9 @@ class JobAccount(_State):
         accepted = 0
         if n:
             sums = ns.sums()
-            accepted = sums.add_rows(rows, counted, policy.delta)
-            ns.store(sums)
             alone, shared = ns.ipc_alone.moments(), ns.ipc_shared.moments()
-            samples = rows.sample_ipc[:, counted].reshape(3, -1)  # before, during, after: every sample
-            add_samples([shared, alone, shared], samples)
+            accepted = sums.add_rows(rows, counted, policy.delta, features=(alone, shared))
+            ns.store(sums)
             ns.ipc_alone.store(alone)
             ns.ipc_shared.store(shared)
             cycles = rows.cycle[counted]

@@ -48,16 +48,19 @@ class BlockRows:
         return len(self.cycle)
 
 
-def _int64(values: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The values as int64 (0 where they are not exact in float64) and the mask of those that are not."""
+def _int64(values: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """The values as int64 (0 where they are not exact in float64) and the mask of those that are
+    not (None when all are, the common case, found with one min and one max)."""
     try:
         arr = np.array(values, dtype=np.int64)
     except OverflowError:  # beyond int64: certainly not exact
         obj = np.array(values, dtype=object)
         big = (obj >= MAX_EXACT_COUNT) | (obj <= -MAX_EXACT_COUNT)
         return np.where(big, 0, obj).astype(np.int64), big
+    if arr.size == 0 or (arr.max() < MAX_EXACT_COUNT and arr.min() > -MAX_EXACT_COUNT):
+        return arr, None
     big = (arr >= MAX_EXACT_COUNT) | (arr <= -MAX_EXACT_COUNT)
-    return (np.where(big, 0, arr) if big.any() else arr), big
+    return np.where(big, 0, arr), big
 
 
 def _columns_of_block(block: ShutterBlock) -> dict[str, SampleColumns]:
@@ -90,22 +93,35 @@ def block_rows(record: ShutterBatch | ShutterBlock) -> BlockRows:
     # the nine sample columns (region x instructions, cycles, threads) converted at once
     flat, flat_big = _int64([getattr(columns[r], f) for r in REGIONS for f in SAMPLE_FIELDS])
     samples = flat.reshape(3, 3, n, k)  # (region, field, block, sample)
-    big = np.asarray(flat_big).reshape(3, 3, n, k).any(axis=3)
     ins, cyc, thr = samples[:, 0], samples[:, 1], samples[:, 2]  # (3, n, k) each
-    sign = np.stack([(ins < 0).any(axis=2), (cyc <= 0).any(axis=2), (thr <= 0).any(axis=2)], axis=1)  # (3, 3, n)
-    checks = np.concatenate([np.stack([cycle_big, cycle < 0]),
-                             np.concatenate([big, sign], axis=1).reshape(3 * 6, n)])  # CHECKS order
-    bad: np.ndarray = np.asarray(checks.any(axis=0))
+    wrong_sign = (ins < 0) | (cyc <= 0) | (thr <= 0)
+    bad = wrong_sign.any(axis=(0, 2)) | (cycle < 0)
+    if cycle_big is not None:
+        bad |= cycle_big
+    if flat_big is not None:
+        bad |= flat_big.reshape(3, 3, n, k).any(axis=(0, 1, 3))
+    sample_ipc = ins / np.where(cyc > 0, cyc, 1)  # (3, n, k) float64: int64 / int64 divides as floats
     problems: tuple[RowProblem, ...] = ()
-    valid = ~bad
-    sample_ipc = ins.astype(np.float64) / np.where(cyc > 0, cyc, 1).astype(np.float64)  # (3, n, k)
     if bad.any():
-        first = checks.argmax(axis=0)
-        problems = tuple(RowProblem(index=i, field=CHECKS[f][0], reason=CHECKS[f][1])
-                         for i, f in zip(np.flatnonzero(bad).tolist(), first[bad].tolist(), strict=True))
-        sample_ipc = np.where(valid[None, :, None], sample_ipc, 0.0)
+        problems = _problems(cycle, cycle_big, flat_big, ins, cyc, thr, bad)
+        sample_ipc = np.where(bad[None, :, None], 0.0, sample_ipc)
     means = _region_means(sample_ipc, k)
-    return BlockRows(cycle, means[0], means[1], means[2], valid, problems, sample_ipc)
+    return BlockRows(cycle, means[0], means[1], means[2], ~bad, problems, sample_ipc)
+
+
+def _problems(cycle: np.ndarray, cycle_big: np.ndarray | None, flat_big: np.ndarray | None, ins: np.ndarray,
+              cyc: np.ndarray, thr: np.ndarray, bad: np.ndarray) -> tuple[RowProblem, ...]:
+    """Each bad block's first failed check, in ``CHECKS`` order."""
+    n = len(cycle)
+    no = np.zeros(n, dtype=bool)
+    big = (np.zeros((3, 3, n), dtype=bool) if flat_big is None
+           else flat_big.reshape(3, 3, n, -1).any(axis=3))  # (region, field, block)
+    sign = np.stack([(ins < 0).any(axis=2), (cyc <= 0).any(axis=2), (thr <= 0).any(axis=2)], axis=1)
+    checks = np.concatenate([np.stack([no if cycle_big is None else cycle_big, cycle < 0]),
+                             np.concatenate([big, sign], axis=1).reshape(3 * 6, n)])  # CHECKS order
+    first = checks.argmax(axis=0)
+    return tuple(RowProblem(index=i, field=CHECKS[f][0], reason=CHECKS[f][1])
+                 for i, f in zip(np.flatnonzero(bad).tolist(), first[bad].tolist(), strict=True))
 
 
 def _region_means(sample_ipc: np.ndarray, k: int) -> np.ndarray:

@@ -89,12 +89,18 @@ def degradation_from_sums(ipc_solo: float, ipc_co: float) -> float:
 
 class ExactSum:
     """A running float sum without rounding error: ``value`` is the correctly rounded sum of
-    everything added, independent of the order of addition (Shewchuk, 1997)."""
+    everything added, independent of the order of addition.
 
-    __slots__ = ("partials",)
+    Two exact parts: Shewchuk's partials (1997; what ``math.fsum`` uses) for any float, and an
+    integer count of 2**-FIXED_BITS units for the bulk of a stream's values, which ``add_rows``
+    adds in one numpy pass and which then costs one integer addition. ``parts()`` is both as one
+    list of floats whose exact sum is the total: what persisted state holds (as before)."""
+
+    __slots__ = ("partials", "units")
 
     def __init__(self, partials: Iterable[float] = ()) -> None:
         self.partials: list[float] = list(partials)
+        self.units = 0  # exact integer multiple of 2**-FIXED_BITS
 
     def add(self, x: float) -> None:
         i = 0
@@ -113,19 +119,38 @@ class ExactSum:
     def merge(self, other: ExactSum) -> None:
         for p in other.partials:
             self.add(p)
+        self.units += other.units
 
     def add_many(self, values: np.ndarray) -> None:
         """Add every value of a float64 array, exactly (see ``add_rows``)."""
         add_rows([self], values.reshape(1, -1))
 
     def add_fixed(self, units: int) -> None:
-        """Add ``units`` * 2**-FIXED_BITS, exactly (the integer as a few floats, each exact)."""
-        for part in _float_parts(units):
-            self.add(math.ldexp(part, -FIXED_BITS))
+        """Add ``units`` * 2**-FIXED_BITS, exactly."""
+        self.units += units
+
+    def parts(self) -> list[float]:
+        """Floats whose exact sum is the total (the partials, then the units as a few exact floats)."""
+        if not self.units:
+            return list(self.partials)
+        return self.partials + [math.ldexp(p, -FIXED_BITS) for p in _float_parts(self.units)]
 
     @property
     def value(self) -> float:
-        return math.fsum(self.partials)
+        if not self.partials:  # int -> float rounds correctly, and the power-of-two scaling is exact
+            return math.ldexp(float(self.units), -FIXED_BITS)
+        return math.fsum(self.parts()) if self.units else math.fsum(self.partials)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when the exact totals are (however they are split between partials and units)."""
+        if not isinstance(other, ExactSum):
+            return NotImplemented
+        return math.fsum(self.parts() + [-p for p in other.parts()]) == 0.0
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"ExactSum({self.value!r})"
 
 
 #: ``ExactSum.add_many``'s fixed point: IPCs in [2**-30, 2**30) are integers in units of 2**-82.
@@ -147,19 +172,19 @@ def add_rows(sums: Sequence[ExactSum], matrix: np.ndarray) -> None:
         for i, j in zip(*np.nonzero(~fits), strict=True):
             sums[int(i)].add(float(matrix[i, j]))
         matrix = np.where(fits, matrix, 0.0)
-    units = np.ldexp(matrix, FIXED_BITS)  # exact: a power-of-two scaling of integers-to-be
-    hi = np.floor(units / _CHUNK2)  # every step exact: floors and differences of < 2**53-bit integers
-    rest = units - hi * _CHUNK2
-    mid = np.floor(rest / _CHUNK)
-    lo = rest - mid * _CHUNK
-    chunks = np.stack([hi, mid, lo]).astype(np.int64).sum(axis=2).tolist()  # (3, rows): each far below 2**63
-    totals: dict[int, int] = {}
-    for i, s in enumerate(sums):
-        total = (chunks[0][i] << (2 * _CHUNK_BITS)) + (chunks[1][i] << _CHUNK_BITS) + chunks[2][i]
-        totals[id(s)] = totals.get(id(s), 0) + total
-    for s in {id(s): s for s in sums}.values():
-        if totals[id(s)]:
-            s.add_fixed(totals[id(s)])
+    # The three chunks of each value's units (x * 2**82), each step exact: scalings by powers of
+    # two, floors, and a float minus its own floor.
+    chunks = np.empty((3, *matrix.shape))
+    top = np.multiply(matrix, 2.0**(FIXED_BITS - 2 * _CHUNK_BITS), out=chunks[2])  # x * 2**(82 - 80) < 2**32
+    np.floor(top, out=chunks[0])
+    rest = np.subtract(top, chunks[0], out=chunks[2])
+    rest *= _CHUNK
+    np.floor(rest, out=chunks[1])
+    rest -= chunks[1]
+    rest *= _CHUNK
+    totals = chunks.astype(np.int64).sum(axis=2).tolist()  # (3, rows): each far below 2**63
+    for s, hi_i, mid_i, lo_i in zip(sums, *totals, strict=True):
+        s.units += (hi_i << (2 * _CHUNK_BITS)) + (mid_i << _CHUNK_BITS) + lo_i
 
 
 def _float_parts(total: int) -> list[float]:
@@ -201,18 +226,37 @@ class DegradationSums:
         self.rejected += 1
         return False
 
-    def add_rows(self, rows: BlockRows, counted: np.ndarray, delta: float = DEFAULT_DELTA) -> int:
+    def add_rows(self, rows: BlockRows, counted: np.ndarray, delta: float = DEFAULT_DELTA,
+                 features: tuple[Moments, Moments] | None = None) -> int:
         """Add the ``counted`` blocks of a batch at once, with the same float operations as ``add``
-        (so the same bits); returns how many Alg. 4 accepted."""
+        (so the same bits); returns how many Alg. 4 accepted. ``features`` (alone, shared): also add
+        the blocks' sample IPCs, during to the first and before and after to the second, in the
+        same exact pass."""
         b, d, a = rows.before[counted], rows.during[counted], rows.after[counted]
-        co = 0.5 * (b + a)
+        n = len(b)
         keep = (np.abs(b - a) < delta) & (b < d) & (a < d)
-        kept = np.where(keep, np.stack([d, co, b, a]), 0.0)  # a zero adds nothing, exactly
-        add_rows([self.solo_all, self.co_all, self.solo_filtered, self.co_filtered, self.before_filtered,
-                  self.after_filtered], np.concatenate([np.stack([d, co]), kept]))
+        width = n if features is None else n * rows.sample_ipc.shape[2]
+        matrix = np.zeros((6 if features is None else 12, width))  # a zero adds nothing, exactly
+        co = 0.5 * (b + a)
+        matrix[0, :n], matrix[1, :n] = d, co
+        matrix[2:6, :n] = np.where(keep, (d, co, b, a), 0.0)  # Alg. 4's sums, and before and after of its blocks
+        targets = [self.solo_all, self.co_all, self.solo_filtered, self.co_filtered, self.before_filtered,
+                   self.after_filtered]
+        if features is not None:
+            alone, shared = features
+            samples = rows.sample_ipc[:, counted].reshape(3, -1)  # before, during, after: every sample
+            matrix[6:9] = samples
+            np.multiply(samples, samples, out=matrix[9:12])
+            targets += [shared.s1, alone.s1, shared.s1, shared.s2, alone.s2, shared.s2]
+            lows, highs = samples.min(axis=1).tolist(), samples.max(axis=1).tolist()
+            for m, lo, hi, count in ((alone, lows[1], highs[1], width), (shared, min(lows[0], lows[2]),
+                                                                         max(highs[0], highs[2]), 2 * width)):
+                m.n += count
+                m.lo, m.hi = min(m.lo, lo), max(m.hi, hi)
+        add_rows(targets, matrix)
         accepted = int(keep.sum())
         self.accepted += accepted
-        self.rejected += len(b) - accepted
+        self.rejected += n - accepted
         return accepted
 
     def merge(self, other: DegradationSums) -> None:
@@ -323,15 +367,3 @@ class Moments:
         mean = self.s1.value / self.n
         sd = math.sqrt(max(0.0, self.s2.value / self.n - mean * mean))
         return FeatureSummary(mean=mean, min=self.lo, max=self.hi, sd=sd)
-
-
-def add_samples(moments: Sequence[Moments], rows: np.ndarray) -> None:
-    """Add row i of a float64 matrix of samples to ``moments[i]`` (one may be named by several
-    rows), with one exact pass for every sum of x and of x²."""
-    if rows.size == 0:
-        return
-    add_rows([m.s1 for m in moments] + [m.s2 for m in moments], np.concatenate([rows, rows * rows]))
-    lows, highs = rows.min(axis=1).tolist(), rows.max(axis=1).tolist()
-    for m, lo, hi in zip(moments, lows, highs, strict=True):
-        m.n += rows.shape[1]
-        m.lo, m.hi = min(m.lo, lo), max(m.hi, hi)
