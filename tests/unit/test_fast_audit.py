@@ -6,7 +6,7 @@ import itertools
 from collections import defaultdict
 from datetime import timedelta
 
-from factories import POLICY, T0, archive_records, block, build, job_event, left
+from factories import POLICY, T0, archive_records, batch, block, build, job_event, left
 
 from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.schemas import JobState, encode
@@ -346,3 +346,36 @@ def test_a_null_typed_column_never_vouches_for_a_value(tmp_path):
         pq.ParquetFile(g).metadata.num_rows for g in _ipc_files(archive)[1:])
     report = audit(archive, ledger, POLICY)  # the worker never counted that block: it is no longer valid
     assert not report.ok and {m.job_id for m in report.mismatches} == {rows[row]["job_id"]}
+
+
+def test_a_block_exactly_delta_apart_is_refused_by_every_path(tmp_path):
+    """Alg. 4 line 3 is strict: |before - after| < delta. IPCs 0.10 and 0.05 are exactly delta = 0.05
+    apart in float64, so that block is refused, and one 0.049 apart counts, in the scalar reference,
+    the batch fold and the DuckDB fast path alike. (Mutation `<` -> `<=` in any of the three fails here.)"""
+    from nodeshare.streams.accounting import Origin, apply_message
+    from nodeshare.streams.degradation import DEFAULT_DELTA, filtered_degradation
+
+    assert DEFAULT_DELTA == 0.05 and 0.10 - 0.05 == DEFAULT_DELTA  # exactly on the boundary
+    edge, inside = block(0.10, 0.30, 0.05, job="edge", cycle=0), block(0.10, 0.30, 0.051, job="edge", cycle=1)
+    records = [edge, inside, left("edge", "n1", 2, 1), job_event("edge", JobState.ENDED)]
+    archive, _, _ = archive_records(tmp_path, records)
+    fast, reference = _both(archive)
+    assert "edge" not in fast.ineligible
+    for charge in (fast.charges[("edge", 0)], reference[("edge", 0)]):
+        assert (charge.blocks_used, charge.blocks_rejected) == (1, 1)
+    _, _, counts = apply_message(None, Origin("node.ipc", 0, 0), b"edge", encode(batch(edge, inside)), 0.0, POLICY)
+    assert counts is not None and (counts.accepted, counts.rejected) == (1, 1)
+    scalar = filtered_degradation([edge, inside])  # single blocks: one at a time, in scalar floats
+    assert (scalar.blocks_used, scalar.blocks_rejected) == (1, 1)
+
+
+def test_blocks_sent_comes_from_the_marker_not_from_the_blocks_that_arrived(tmp_path):
+    """The agent sent 5 blocks, 3 reached the archive (two lost upstream): the charge says 5 sent and
+    3 used, in both paths. (Mutation: blocks_sent counted from the archived blocks fails here.)"""
+    records = [block(1.0, 2.0, 1.0, job="lossy", cycle=c) for c in (0, 2, 4)]
+    records += [left("lossy", "n1", 5, 4), job_event("lossy", JobState.ENDED)]
+    archive, _, _ = archive_records(tmp_path, records)
+    fast, reference = _both(archive)
+    assert "lossy" not in fast.ineligible
+    for charge in (fast.charges[("lossy", 0)], reference[("lossy", 0)]):
+        assert (charge.nodes[0].blocks_sent, charge.nodes[0].blocks) == (5, 3)
