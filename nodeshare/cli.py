@@ -935,9 +935,13 @@ def _library(profiles: Path | None) -> Any:
         raise typer.Exit(2) from None
 
 
-def _programs(names: str | None, library: Any) -> Any:
-    from nodeshare.producers.workloads import PAIRWISE
+def _programs(names: str | None, library: Any, profiles: Path | None = None) -> Any:
+    """The programs to pair: the names given, POPPA's twelve by default, or ``all``: every program
+    of the profiles file (every program of the library without one)."""
+    from nodeshare.producers.workloads import BUILTIN, PAIRWISE
 
+    if names is not None and names.strip() == "all":
+        return tuple(n for n in library if profiles is None or n not in BUILTIN or n in _profile_names(profiles))
     chosen = tuple(n.strip() for n in names.split(",") if n.strip()) if names else PAIRWISE
     unknown = [n for n in chosen if n not in library]
     if unknown or len(chosen) < 2:
@@ -947,10 +951,17 @@ def _programs(names: str | None, library: Any) -> Any:
     return chosen
 
 
+def _profile_names(profiles: Path) -> set[str]:
+    from nodeshare.producers.workloads import load_profiles
+
+    return set(load_profiles(profiles))
+
+
 Profiles = Annotated[Path | None, typer.Option(
     help="a CSV shaped like llc_profiles_spec.csv: its programs join the built-in library", exists=True,
     dir_okay=False)]
-Programs = Annotated[str | None, typer.Option(help="comma-separated programs to pair (default: POPPA's twelve)")]
+Programs = Annotated[str | None, typer.Option(
+    help="comma-separated programs to pair, or 'all': every program of --profiles (default: POPPA's twelve)")]
 
 
 @experiment_app.command("pairwise")
@@ -970,12 +981,15 @@ def experiment_pairwise(
     lib = _library(profiles)
     with _progress() as bar:
         bar.add_task("simulating and charging", total=None)
-        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib), library=lib)
+        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib, profiles), library=lib)
     est = r["estimators"]
     _experiment_out(r, as_json, png, plot_pairwise, [
         f"{r['pairs']} pairs, {r['runs']} completed runs; mean true degradation {r['mean_degradation_pct']:.1f}%",
         *(f"{name:17s} MAE {s['mae_pct']:.2f}%  max |err| {s['max_abs_err_pct']:.2f}%  bias {s['bias_pct']:+.2f}%  "
-          f"worst {s['worst'][0]['job']} next to {s['worst'][0]['co_runner']}" for name, s in est.items()),
+          f"pairs above 6%: {s['pairs_above_6_pct']}  worst {s['worst'][0]['job']} next to "
+          f"{s['worst'][0]['co_runner']}" for name, s in est.items()),
+        f"worst ten ({r['estimator']}): " + ", ".join(f"{w['job']}/{w['co_runner']} {w['err_pct']:+.1f}"
+                                                      for w in est[r['estimator']]['worst']),
         f"applied estimator: {r['estimator']}"])
 
 
@@ -996,7 +1010,7 @@ def experiment_pricing(
     lib = _library(profiles)
     with _progress() as bar:
         bar.add_task("simulating and charging", total=None)
-        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib), library=lib)
+        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib, profiles), library=lib)
     _experiment_out(r, as_json, png, plot_pricing, [
         f"{r['jobs']} (program, co-runner) jobs from {r['runs']} runs; price / solo baseline:",
         f"SOP    mean {r['sop_mean']:.4f}  min {r['sop_min']:.4f}  max {r['sop_max']:.4f}",
