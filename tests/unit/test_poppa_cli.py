@@ -47,3 +47,20 @@ def test_bench_simulate_writes_its_json(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     r = json.loads(out.read_text())
     assert r["nodes"] == 20 and r["blocks"] > 0 and r["events_per_s"] > 0 and r["simulated_s"] >= 36
+
+
+def test_programs_all_pairs_every_program_of_the_profiles_file(tmp_path: Path) -> None:
+    """--programs all with --profiles: exactly the file's programs (not the built-ins), every pair;
+    each estimator reports its pairs above 6% and its worst pairs, largest |error| first."""
+    from factories import profile_csv
+
+    csv = profile_csv(tmp_path / "p.csv", "alpha", "beta", "gamma")
+    r = run("experiment", "pairwise", "--json", "--png", str(tmp_path / "pw.png"), "--profiles", str(csv),
+            "--programs", "all", "--iterations", "1")
+    assert r["programs"] == ["alpha", "beta", "gamma"] and r["pairs"] == 9
+    for s in r["estimators"].values():
+        errors = [abs(e) for row in [s["worst"]] for e in (w["err_pct"] for w in row)]
+        assert len(errors) == 9 and errors == sorted(errors, reverse=True)  # fewer than ten pairs: all of them
+        assert s["pairs_above_6_pct"] == sum(abs(e) > 6.0 for e in errors)
+    assert run("experiment", "pairwise", "--json", "--png", str(tmp_path / "b.png"), "--programs", "all",
+               "--iterations", "1")["pairs"] > 100  # no profiles: the whole built-in library
