@@ -358,7 +358,7 @@ def test_a_block_exactly_delta_apart_is_refused_by_every_path(tmp_path):
     from nodeshare.streams.accounting import Origin, apply_message
     from nodeshare.streams.degradation import DEFAULT_DELTA, filtered_degradation
 
-    assert DEFAULT_DELTA == 0.05 and 0.10 - 0.05 == DEFAULT_DELTA  # exactly on the boundary
+    assert DEFAULT_DELTA == 0.05 == 0.10 - 0.05  # exactly on the boundary
     edge, inside = block(0.10, 0.30, 0.05, job="edge", cycle=0), block(0.10, 0.30, 0.051, job="edge", cycle=1)
     records = [edge, inside, left("edge", "n1", 2, 1), job_event("edge", JobState.ENDED)]
     archive, _, _ = archive_records(tmp_path, records)
