@@ -51,7 +51,7 @@ from nodeshare.schemas import (
 )
 
 from .batching import Batcher, FlushPolicy
-from .contention import Socket, at_ways, equilibrium, refill_ms, relax
+from .contention import Socket, at_ways, equilibrium, fill_path
 from .simulator import JobTruth
 from .workloads import BUILTIN, Workload, interp_ways
 
@@ -158,17 +158,25 @@ def state_tables(programs: Sequence[Workload], socket: Socket, window_ms: float)
     co = equilibrium(ipc_t[pair], bw_t[pair], st[pair], rp[pair], act, socket)
     alone = equilibrium(ipc_t[pair[..., :1]], bw_t[pair[..., :1]], st[pair[..., :1]], rp[pair[..., :1]],
                         act[..., :1], socket)
-    # x alone right after y paused: x's ways grow from its co-located share to its solo share.
+    # x alone right after y paused: its misses evict y's lines, from its co-located share towards its solo share.
     w0, w1 = co.ways[..., 0], alone.ways[..., 0]
-    tau = refill_ms(w1 - w0, alone.bw[..., 0], socket)
-    w_mean, w_end = relax(w0, w1, tau, window_ms)
-    during = at_ways(ipc_t[x][..., None, :], bw_t[x][..., None, :], st[x][..., None], w_mean[..., None],
-                     act[..., :1], socket).ipc[..., 0]
-    # right after: x gives back what it took, y starts cold, both relax to the co-located share.
+    bw_x = np.broadcast_to(bw_t[x], (*x.shape, bw_t.shape[-1]))
+    w_path, w_end = fill_path(bw_x, w0, w1, window_ms, socket)
+    pts = w_path.shape[-1]
+
+    def over_points(a: np.ndarray) -> np.ndarray:  # (n, n, ...) -> (n, n, points, ...)
+        return np.broadcast_to(a[:, :, None], (*a.shape[:2], pts, *a.shape[2:]))
+
+    during = at_ways(over_points(ipc_t[x])[..., None, :], over_points(bw_t[x])[..., None, :],
+                     over_points(st[x])[..., None], w_path[..., None], over_points(act[..., :1]),
+                     socket).ipc[..., 0].mean(axis=-1)
+    # right after: y starts with what x left it and takes back what it misses, at its own miss bandwidth.
     y_start = np.maximum(co.ways[..., 1] - (w_end - w0), 0.05)
-    wx, _ = relax(w_end, w0, refill_ms(w_end - w0, co.bw[..., 0], socket), window_ms)
-    wy, _ = relax(y_start, co.ways[..., 1], refill_ms(co.ways[..., 1] - y_start, co.bw[..., 1], socket), window_ms)
-    after = at_ways(ipc_t[pair], bw_t[pair], st[pair], np.stack([wx, wy], axis=-1), act, socket).ipc
+    bw_y = np.broadcast_to(bw_t[y], (*y.shape, bw_t.shape[-1]))
+    y_path, _ = fill_path(bw_y, y_start, co.ways[..., 1], window_ms, socket)
+    x_path = w_end[..., None] - (y_path - y_start[..., None])
+    after = at_ways(over_points(ipc_t[pair]), over_points(bw_t[pair]), over_points(st[pair]),
+                    np.stack([x_path, y_path], axis=-1), over_points(act), socket).ipc.mean(axis=-2)
     during = np.where(y > 0, during, co.ipc[..., 0])
     return StateTables(tuple(names), offset, co.ipc[..., 0], during, after[..., 0], after[..., 1].T)
 

@@ -11,10 +11,14 @@ or every combination of programs, are solved at once):
   stalls slows by 1 + mem_stall * (latency - 1); and no socket moves more than ``max_util`` of
   its bandwidth, shared in proportion to demand (streaming codes whose stalls prefetching hides
   are held back here). Demand falls with IPC, so both are solved together (a fixed point).
-* **Cache refill after a shutter**: when co-runners pause, the lone job's ways grow towards
-  its solo share at the rate its misses fill the cache; when they resume, the lone job gives
-  the ways back and the resumed jobs start cold. Both relax exponentially, so a short window
-  right after a change sees part of the transient (:func:`relax`).
+* **Cache refill after a shutter** (:func:`fill_path`): when co-runners pause, every miss of
+  the lone job brings a line in and evicts one of the paused job's lines (they are the least
+  recently used), so its occupancy grows at its own miss bandwidth: dw/dt = bw(w) / way_mb,
+  where bw(w) is the program's measured memory bandwidth at w ways (its BW-LLC curve) and
+  way_mb the capacity of one way. A program that misses a lot refills fast at first and slower
+  as its misses fall. When the co-runners resume, each resumed job grows back the same way at
+  its own miss bandwidth, taking back from the lone job what it takes. Nothing in the model
+  knows the shutter length or the estimator: the transient is whatever the curves say.
 
 Everything is deterministic; noise belongs to the simulator.
 """
@@ -32,7 +36,9 @@ from .workloads import WAYS, interp_ways
 class Socket:
     ways: float = float(WAYS)  # LLC ways shared by all processes on the socket
     bw_gbps: float = 38.0  # sustainable memory bandwidth
-    way_mb: float = 2.5  # capacity of one way, for refill times
+    #: Capacity of one way (MB): a 27.5 MB, 11-way LLC, as the profiles' llc_usage_kb says (27.0-27.4 MB
+    #: at 11 ways in ``llc_profiles_spec.csv``; Xeon E5-2699 v4: 55 MB, 20 ways).
+    way_mb: float = 2.5
     queue: float = 0.35  # loaded latency = 1 + queue * rho / (1 - rho)
     max_util: float = 0.92  # the share of bandwidth a socket can actually deliver
     procs: int = 4  # processes per job per socket (two 8-process jobs on a 2 x 8-core node)
@@ -104,15 +110,24 @@ def equilibrium(ipc_tab: np.ndarray, bw_tab: np.ndarray, stall: np.ndarray, rpki
     return st
 
 
-def refill_ms(delta_ways: np.ndarray, bw_gbps: np.ndarray, socket: Socket) -> np.ndarray:
-    """Time constant of moving ``delta_ways`` ways per process at a miss bandwidth per process
-    (MB / (GB/s) = ms); a process with (almost) no misses changes its occupancy slowly."""
-    return np.abs(delta_ways) * socket.way_mb / np.maximum(bw_gbps, 0.05) + 1e-6
+def fill_path(bw_tab: np.ndarray, w0: np.ndarray, w1: np.ndarray, window_ms: float, socket: Socket,
+              points: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """A process growing from ``w0`` ways towards ``w1`` at the rate its misses bring lines in,
+    dw/dt = bw(w) / way_mb (GB/s = MB/ms), never past ``w1``, over a window of ``window_ms``:
+    (ways at the midpoints of ``points`` equal slices of the window, shape (..., points); ways at
+    its end). ``bw_tab`` is the process's BW-LLC curve (..., WAYS), read at fractional ways.
+    Integrated with the midpoint rule in steps of half a slice."""
+    w0, w1 = np.broadcast_arrays(np.asarray(w0, float), np.asarray(w1, float))
+    up = w1 > w0
+    w = w0.copy()
+    h = window_ms / (2 * points)
+    out = np.empty((*w.shape, points))
 
+    def rate(x: np.ndarray) -> np.ndarray:
+        return np.maximum(interp_ways(bw_tab, x), 0.0) / socket.way_mb
 
-def relax(x0: np.ndarray, target: np.ndarray, tau_ms: np.ndarray, window_ms: float) -> tuple[np.ndarray, np.ndarray]:
-    """Exponential approach from x0 to target with time constant tau: (mean over the window, end value)."""
-    r = window_ms / tau_ms
-    decay = np.exp(-r)
-    mean = target + (x0 - target) * (1.0 - decay) / r
-    return mean, target + (x0 - target) * decay
+    for i in range(2 * points):
+        w = np.where(up, np.minimum(w + h * rate(w + 0.5 * h * rate(w)), w1), w)
+        if i % 2 == 0:
+            out[..., i // 2] = w
+    return out, w

@@ -18,7 +18,7 @@ from nodeshare.producers.calibrated import (
     swf_jobs,
     with_records,
 )
-from nodeshare.producers.contention import Socket, bandwidth_ipc, loaded_latency, relax
+from nodeshare.producers.contention import Socket, bandwidth_ipc, fill_path, loaded_latency
 from nodeshare.producers.workloads import BUILTIN, WAYS, interp_ways, load_profiles, shaped
 from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobState, ShutterBatch, encode
 from nodeshare.streams.shutter_overhead import dilated_run_time
@@ -77,10 +77,25 @@ def test_bandwidth_cap_shares_in_proportion_to_demand():
     assert ipc == pytest.approx([0.45, 0.9]) and rho == pytest.approx(0.9)
 
 
-def test_relax_mean_and_end_by_hand():
-    mean, end = relax(np.array(0.0), np.array(1.0), np.array(1.0), 1.0)
-    # mean of 1 - e^-t over [0, 1] is 1 - (1 - e^-1) = e^-1; end value 1 - e^-1
-    assert mean == pytest.approx(np.exp(-1)) and end == pytest.approx(1 - np.exp(-1))
+def test_fill_path_at_a_constant_miss_bandwidth_grows_linearly_and_stops_at_the_target():
+    # 1.25 GB/s into 2.5 MB ways = 0.5 ways/ms; a 4 ms window in 2 slices has midpoints 1 and 3 ms.
+    s = Socket(way_mb=2.5)
+    flat = np.full(11, 1.25)
+    path, end = fill_path(flat, np.array(1.0), np.array(10.0), 4.0, s, points=2)
+    assert path == pytest.approx([1.5, 2.5]) and end == pytest.approx(3.0)
+    path, end = fill_path(flat, np.array(1.0), np.array(2.0), 4.0, s, points=2)
+    assert path == pytest.approx([1.5, 2.0]) and end == pytest.approx(2.0)  # never past the solo share
+    path, end = fill_path(flat, np.array(3.0), np.array(2.0), 4.0, s, points=2)
+    assert path == pytest.approx([3.0, 3.0]) and end == pytest.approx(3.0)  # a shrinking share is the other's fill
+
+
+def test_fill_path_follows_the_miss_rate_as_it_falls():
+    # bandwidth proportional to ways (bw = 0.25 w GB/s): dw/dt = 0.1 w, so w = e^(0.1 t) from 1 way
+    s = Socket(way_mb=2.5)
+    curve = 0.25 * np.arange(1, 12, dtype=float)
+    path, end = fill_path(curve, np.array(1.0), np.array(11.0), 5.0, s, points=5)
+    assert path == pytest.approx(np.exp(0.1 * np.array([0.5, 1.5, 2.5, 3.5, 4.5])), rel=5e-4)  # Euler: 1e-2 off
+    assert end == pytest.approx(np.exp(0.5), rel=5e-4)
 
 
 def test_library_pairs_behave_as_the_seeds_report():
