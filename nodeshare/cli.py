@@ -962,6 +962,19 @@ Profiles = Annotated[Path | None, typer.Option(
     dir_okay=False)]
 Programs = Annotated[str | None, typer.Option(
     help="comma-separated programs to pair, or 'all': every program of --profiles (default: POPPA's twelve)")]
+SampleUs = Annotated[int, typer.Option("--sample-us", min=1, help="shutter sample length S (us)")]
+PeriodMs = Annotated[int, typer.Option("--period-ms", min=0, help="shutter period P (ms)")]
+EstimatorOpt = Annotated[str, typer.Option(
+    "--estimator", help="the degradation estimate charges apply: refill_corrected, poppa_alg4 or unfiltered")]
+
+
+def _estimator(name: str) -> str:
+    from nodeshare.streams.degradation import ESTIMATORS
+
+    if name not in ESTIMATORS:
+        err.print(f"error: unknown estimator {name!r}; known: {', '.join(ESTIMATORS)}")
+        raise typer.Exit(2)
+    return name
 
 
 @experiment_app.command("pairwise")
@@ -972,6 +985,9 @@ def experiment_pairwise(
     iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
     profiles: Profiles = None,
     programs: Programs = None,
+    sample_us: SampleUs = 3200,
+    period_ms: PeriodMs = 200,
+    estimator: EstimatorOpt = "refill_corrected",
 ) -> None:
     """Every pair co-located as in Seed 002 Section 7 on the calibrated simulator, charged by the
     stream worker's fold: Fig. 10 (run-time prediction error % per estimator) and Fig. 11 (degradation %)."""
@@ -981,7 +997,8 @@ def experiment_pairwise(
     lib = _library(profiles)
     with _progress() as bar:
         bar.add_task("simulating and charging", total=None)
-        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib, profiles), library=lib)
+        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib, profiles), library=lib,
+                sample_us=sample_us, period_ms=period_ms, estimator=_estimator(estimator))
     est = r["estimators"]
     _experiment_out(r, as_json, png, plot_pairwise, [
         f"{r['pairs']} pairs, {r['runs']} completed runs; mean true degradation {r['mean_degradation_pct']:.1f}%",
@@ -1001,6 +1018,9 @@ def experiment_pricing(
     iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
     profiles: Profiles = None,
     programs: Programs = None,
+    sample_us: SampleUs = 3200,
+    period_ms: PeriodMs = 200,
+    estimator: EstimatorOpt = "refill_corrected",
 ) -> None:
     """Seed 002 Fig. 12: prices relative to the solo baseline under SOP, POPPA (the ledger's
     charge) and the oracle, for every (program, co-runner)."""
@@ -1010,7 +1030,8 @@ def experiment_pricing(
     lib = _library(profiles)
     with _progress() as bar:
         bar.add_task("simulating and charging", total=None)
-        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib, profiles), library=lib)
+        r = run(seed=seed, iterations=iterations, programs=_programs(programs, lib, profiles), library=lib,
+                sample_us=sample_us, period_ms=period_ms, estimator=_estimator(estimator))
     _experiment_out(r, as_json, png, plot_pricing, [
         f"{r['jobs']} (program, co-runner) jobs from {r['runs']} runs; price / solo baseline:",
         f"SOP    mean {r['sop_mean']:.4f}  min {r['sop_min']:.4f}  max {r['sop_max']:.4f}",

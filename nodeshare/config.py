@@ -55,7 +55,8 @@ class Settings(BaseSettings):
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
     delta: Annotated[float, Field(gt=0.0)] = DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = POPPA_EQ4  # streams.pricing.RATE_FUNCTIONS
-    estimator: Literal["refill_corrected", "poppa_alg4"] = "refill_corrected"  # streams.degradation.ESTIMATORS
+    # streams.degradation.ESTIMATORS
+    estimator: Literal["refill_corrected", "poppa_alg4", "unfiltered"] = "refill_corrected"
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200

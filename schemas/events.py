@@ -388,7 +388,7 @@ class NodeInventory(Record):
 
 
 class EstimateStatus(StrEnum):
-    OK = "ok"  # at least one block passed the filter
+    OK = "ok"  # the applied estimate has evidence (Alg. 4 and refill-corrected: a block passed the filter)
     NO_ACCEPTED_BLOCKS = "no_accepted_blocks"  # blocks arrived but Alg. 4 rejected them all
     NO_BLOCKS = "no_blocks"  # the job never shared a node with a shuttered co-runner
 
@@ -610,7 +610,7 @@ class Charge(Record):
     degradation_filtered: float | None
     degradation_unfiltered: float | None
     degradation_corrected: float | None = None  # refill-corrected (streams.degradation)
-    estimator: Name = "poppa_alg4"  # which estimate ``degradation`` is: poppa_alg4 | refill_corrected
+    estimator: Name = "poppa_alg4"  # which estimate ``degradation`` is: poppa_alg4 | refill_corrected | unfiltered
     blocks_used: NonNegInt
     blocks_rejected: NonNegInt
     blocks_ignored: NonNegInt  # duplicates, out-of-order and foreign-node blocks not counted

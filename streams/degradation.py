@@ -44,7 +44,11 @@ DEFAULT_DELTA = 0.05
 #: The estimators a charge can apply, by the name written into every charge.
 POPPA_ALG4 = "poppa_alg4"
 REFILL_CORRECTED = "refill_corrected"
-ESTIMATORS = (REFILL_CORRECTED, POPPA_ALG4)
+#: Eq. 7-8 over every block, Alg. 4's filter left out: with shutters long enough for the cache to
+#: refill, the filter's "during above before and after" keeps noise that lifts ``during`` and so
+#: overstates small degradations (README, Measured).
+UNFILTERED = "unfiltered"
+ESTIMATORS = (REFILL_CORRECTED, POPPA_ALG4, UNFILTERED)
 DEFAULT_ESTIMATOR = REFILL_CORRECTED
 
 
@@ -293,23 +297,26 @@ def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: flo
                          estimator: str = DEFAULT_ESTIMATOR) -> DegradationResult:
     """The applied estimate with its fallback rule, from correctly rounded exact sums.
 
-    When no block passed the filter there is no evidence of interference that survived
-    Alg. 4, so the job is charged as if undisturbed (D = 0, i.e. the standard price):
-    a discount is only ever granted on measured evidence. The unfiltered number is still
-    recorded for the auditor.
+    When the chosen estimate has no evidence (no block at all, or for Alg. 4 and the refill-
+    corrected estimate no block that passed the filter), the job is charged as if undisturbed
+    (D = 0, i.e. the standard price): a discount is only ever granted on measured evidence. The
+    other estimates are still recorded for the auditor. ``blocks_used`` and ``blocks_rejected``
+    are Alg. 4's counts whichever estimate applies.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; known: {list(ESTIMATORS)}")
     n = accepted + rejected
     unfiltered = degradation_from_sums(solo_all, co_all) if n else None
-    if accepted == 0:
+    filtered = corrected = None
+    if accepted:
+        filtered = degradation_from_sums(solo_filtered, co_filtered)
+        # accepted blocks have during > before, so the corrected solo IPC exceeds after >= 0
+        corrected = degradation_from_sums(refill_corrected_solo(before_filtered, solo_filtered, after_filtered),
+                                          before_filtered)
+    chosen = {POPPA_ALG4: filtered, REFILL_CORRECTED: corrected, UNFILTERED: unfiltered}[estimator]
+    if chosen is None:
         status = EstimateStatus.NO_BLOCKS if n == 0 else EstimateStatus.NO_ACCEPTED_BLOCKS
-        return DegradationResult(status, 0.0, None, unfiltered, 0, rejected, None, estimator)
-    filtered = degradation_from_sums(solo_filtered, co_filtered)
-    # accepted blocks have during > before, so the corrected solo IPC exceeds after >= 0
-    corrected = degradation_from_sums(refill_corrected_solo(before_filtered, solo_filtered, after_filtered),
-                                      before_filtered)
-    chosen = filtered if estimator == POPPA_ALG4 else corrected
+        return DegradationResult(status, 0.0, filtered, unfiltered, accepted, rejected, corrected, estimator)
     applied = min(1.0, max(0.0, chosen))  # Alg. 4's acceptance keeps the filtered one in (0, 1) already
     return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, accepted, rejected, corrected, estimator)
 

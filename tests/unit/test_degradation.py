@@ -11,6 +11,7 @@ from nodeshare.streams.degradation import (
     DEFAULT_DELTA,
     POPPA_ALG4,
     REFILL_CORRECTED,
+    UNFILTERED,
     BlockMeans,
     ExactSum,
     block_means,
@@ -87,6 +88,22 @@ def test_all_blocks_rejected_charges_no_discount_and_says_why():
     assert r.degradation == 0.0 and r.filtered is None
     assert r.unfiltered == pytest.approx((2.9 - 2.25) / 2.9)  # still recorded for the auditor
     assert (r.blocks_used, r.blocks_rejected) == (0, 2)
+
+
+def test_unfiltered_applies_eq_7_8_over_every_block_even_when_alg4_refuses_them_all():
+    blocks = [block(1.0, 0.9, 1.0, cycle=0), block(1.0, 2.0, 1.5, cycle=1)]
+    r = filtered_degradation(blocks, estimator=UNFILTERED)
+    # co = 1.0 + 1.25 = 2.25, solo = 0.9 + 2.0 = 2.9: D = 0.65 / 2.9, applied although Alg. 4 refused both
+    assert (r.status, r.estimator) == (EstimateStatus.OK, UNFILTERED)
+    assert r.degradation == r.unfiltered == pytest.approx(0.65 / 2.9, rel=1e-12)
+    assert (r.filtered, r.corrected, r.blocks_used, r.blocks_rejected) == (None, None, 0, 2)  # Alg. 4's counts
+
+
+def test_unfiltered_is_clamped_at_zero_and_needs_a_block():
+    # the shutter lowered IPC (noise): Eq. 7-8 gives 1 - 1.0 / 0.9 < 0, a job is never charged above SOP
+    r = filtered_degradation([block(1.0, 0.9, 1.0)], estimator=UNFILTERED)
+    assert r.unfiltered == pytest.approx(1 - 1.0 / 0.9) and r.degradation == 0.0
+    assert filtered_degradation([], estimator=UNFILTERED).status is EstimateStatus.NO_BLOCKS
 
 
 def test_no_blocks_at_all():

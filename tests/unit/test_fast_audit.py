@@ -37,6 +37,23 @@ def test_fast_path_equals_the_reference_on_a_larger_multi_node_run(tmp_path):
     assert any(len(c.nodes) == 2 for c in reference.values())
 
 
+def test_fast_path_equals_the_reference_under_every_estimator(tmp_path):
+    from dataclasses import replace
+
+    from nodeshare.streams.degradation import ESTIMATORS, UNFILTERED
+
+    archive, _, n = build(tmp_path)
+    seen = {}
+    for name in ESTIMATORS:
+        policy = replace(POLICY, estimator=name)
+        fast = fast_recompute(archive, {}, policy)
+        reference = recompute(archived_messages(ParquetArchive(archive)), {}, policy)
+        assert fast.charges == reference and len(reference) == n
+        assert {c.estimator for c in reference.values()} == {name}
+        seen[name] = {job: c.price for job, c in reference.items()}
+    assert seen[UNFILTERED] != seen[POLICY.estimator]  # the estimator does change what jobs pay
+
+
 def test_per_job_deltas_are_applied_whatever_the_default(tmp_path):
     """Most jobs share a delta unlike the CLI default (the query's constant is the common one) and two
     jobs have their own; the fast path still equals the reference job by job."""

@@ -36,6 +36,18 @@ def test_experiment_pricing_json(tmp_path: Path) -> None:
     assert r["sop_mean"] > 1.0 > r["poppa_mean"] and r["oracle_mean"] < 1.0  # co-location costs SOP users
 
 
+def test_pricing_under_another_estimator_and_shutter_length(tmp_path: Path) -> None:
+    args = ("experiment", "pricing", "--json", "--png", str(tmp_path / "p.png"), "--programs", "MILC,CG",
+            "--iterations", "1")
+    base = run(*args)
+    other = run(*args, "--estimator", "unfiltered", "--sample-us", "12800", "--period-ms", "800")
+    assert (other["estimator"], other["sample_us"], other["period_ms"]) == ("unfiltered", 12800, 800)
+    assert (base["estimator"], base["sample_us"], base["period_ms"]) == ("refill_corrected", 3200, 200)
+    assert other["poppa_mean"] != base["poppa_mean"]  # what the options name is what was run
+    result = CliRunner().invoke(app, ["experiment", "pricing", "--estimator", "magic"])
+    assert result.exit_code == 2 and "unknown estimator 'magic'" in result.output
+
+
 def test_unknown_program_is_a_clear_error() -> None:
     result = CliRunner().invoke(app, ["experiment", "pairwise", "--programs", "MILC,HPL"])
     assert result.exit_code == 2 and "unknown: ['HPL']" in result.output
