@@ -90,7 +90,7 @@ def left_json(job: str, node: str, blocks: int) -> str:
     return (f'{{"event_id":"{job}-left","schema_version":{SCHEMA_VERSION},"source":"bench",'
             f'"event_time":"2026-01-01T01:00:00Z",'
             f'"kind":"job_left_node","job_id":"{job}","node":"{node}","blocks_sent":{blocks},'
-            f'"last_cycle":{blocks - 1},"paused_us":{blocks * 3200}}}')
+            f'"last_cycle":{blocks - 1},"paused_us":{blocks * 3200},"alone_us":0}}')
 
 
 def end_json(job: str, node: str) -> str:

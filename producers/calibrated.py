@@ -256,7 +256,8 @@ class Sink:
     def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None: ...
     def windows(self, t_start: float, t_end: float, cycle: int, nodes: np.ndarray, lone: np.ndarray,
                 paused: np.ndarray) -> None: ...
-    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int) -> None: ...
+    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int,
+             alone_us: int) -> None: ...
 
 
 @dataclass
@@ -288,6 +289,9 @@ class Engine:
         self.slot_blocks = np.zeros((cfg.nodes, SLOTS), np.int64)
         self.slot_last = np.full((cfg.nodes, SLOTS), -1, np.int64)
         self.slot_paused = np.zeros((cfg.nodes, SLOTS))
+        self.slot_alone = np.zeros((cfg.nodes, SLOTS))  # time with no other job on the node: never shuttered
+        self.alone_now = np.zeros((cfg.nodes, SLOTS), bool)  # the current region's lone slots
+        self.region_end = 0.0
         self.node_names = [f"node{i:05d}" for i in range(cfg.nodes)]
         self.t = 0.0
         self.cycle = 0
@@ -316,6 +320,7 @@ class Engine:
         self.slot_blocks[list(nodes), slot] = 0
         self.slot_last[list(nodes), slot] = -1
         self.slot_paused[list(nodes), slot] = 0.0
+        self.slot_alone[list(nodes), slot] = 0.0
         self.jobs.nodes[j] = list(nodes)
         self.jobs.start[j] = self.t
         for other in set(self.slot_job[list(nodes), 1 - slot].tolist()) - {-1}:  # who shares with whom (truth only)
@@ -365,6 +370,8 @@ class Engine:
         x = np.where(occ, ipc / np.where(occ, solo, 1.0), 1.0)
         speed = np.full(self.jobs.n, np.inf)  # jobs outside the slots are never read
         np.minimum.at(speed, jobs[occ], x[occ])
+        self.alone_now = occ & (occ.sum(axis=1) == 1)[:, None]
+        self.slot_alone[self.alone_now] += dur_s  # a job that ends inside the region gives back the rest
         paused_slots = occ & (ipc == 0.0)
         if paused_slots.any():
             self.slot_paused[paused_slots] += dur_s
@@ -398,6 +405,7 @@ class Engine:
         J.done[running] = np.minimum(before + speed[running] * dur_s, J.work[running])
         done = np.flatnonzero(J.done[running] >= J.work[running])
         finishers, first = np.unique(running[done], return_index=True)
+        self.region_end = self.t + dur_s
         for j, i in zip(finishers.tolist(), done[first].tolist(), strict=True):
             self._finish(j, self.t + (J.work[j] - before[i]) / speed[j])
         self.t += dur_s
@@ -408,8 +416,10 @@ class Engine:
         nodes = J.nodes[j]
         slot = int(np.flatnonzero(self.slot_job[nodes[0]] == j)[0])
         for nd in nodes:
+            if self.alone_now[nd, slot]:  # credited the whole region, but it ran only until t_end
+                self.slot_alone[nd, slot] -= self.region_end - t_end
             self.sink.left(t_end, j, nd, int(self.slot_blocks[nd, slot]), int(self.slot_last[nd, slot]),
-                           round(self.slot_paused[nd, slot] * 1e6))
+                           round(self.slot_paused[nd, slot] * 1e6), round(self.slot_alone[nd, slot] * 1e6))
             self.slot_job[nd, slot] = -1
         self.sink.lifecycle(t_end, j, JobState.ENDED)
         run = t_end - J.start[j]
@@ -723,14 +733,15 @@ class RecordSink(Sink):
                 cycle=cycle, lone_job=job_id(lj), paused_jobs=(job_id(pj),), start=self.at(t_start),
                 end=self.at(t_end)))
 
-    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int) -> None:
+    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int,
+             alone_us: int) -> None:
         name = self._nodes()[node]
         last = self.batcher.close(job_id(job), name)  # the open batch goes first: the charge is not delayed
         if last is not None:
             self._emit((last.event_time - self.cfg.start).total_seconds(), last)
         self._emit(t, JobLeftNode(event_id=self.eid("left", job, name), source=f"sim/{name}", event_time=self.at(t),
                                   job_id=job_id(job), node=name, blocks_sent=blocks, last_cycle=last_cycle,
-                                  paused_us=paused_us))
+                                  paused_us=paused_us, alone_us=alone_us))
 
     def records(self) -> list[Record]:
         return [r for _, _, r in sorted(self.out, key=lambda e: (e[0], e[1]))]
@@ -832,7 +843,8 @@ class ParquetSink(Sink):
         self._add("windows", {"cycle": np.full(len(nodes), cycle, np.int64), "node": nodes.astype(np.int32),
                               "lone": lone, "paused": paused})
 
-    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int) -> None:
+    def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int,
+             alone_us: int) -> None:
         self._add("left", {"t_us": np.array([round(t * 1e6)]), "job": np.array([job]), "node": np.array([node]),
                            "blocks": np.array([blocks]), "last_cycle": np.array([last_cycle]),
-                           "paused_us": np.array([paused_us])})
+                           "paused_us": np.array([paused_us]), "alone_us": np.array([alone_us])})

@@ -121,6 +121,7 @@ class _Job:
     start_s: float = -1.0
     done_s: float = 0.0
     paused_s: float = 0.0
+    alone_s: float = 0.0  # with no other job on the nodes: never shuttered
     blocks: dict[str, int] = field(default_factory=dict)
     last_cycle: dict[str, int] = field(default_factory=dict)
 
@@ -220,6 +221,8 @@ def _run_group(cfg: SimConfig, rng: np.random.Generator, em: _Emitter, nodes: li
                 j.done_s += r * step
                 if r == 0:
                     j.paused_s += step
+            if len(running) == 1:
+                running[0].alone_s += step
             t += step
             for j in [j for j in running if j.work_s - j.done_s <= 1e-9]:
                 running.remove(j)
@@ -306,7 +309,8 @@ def _finish(em: _Emitter, job: _Job, t: float, nodes: list[str], threads: int) -
     for node in nodes:
         em.emit(t, JobLeftNode(event_id=em.eid("left", job.job_id, node), source=f"sim/{node}", event_time=em.at(t),
                                job_id=job.job_id, node=node, blocks_sent=job.blocks.get(node, 0),
-                               last_cycle=job.last_cycle.get(node, -1), paused_us=round(job.paused_s * 1e6)))
+                               last_cycle=job.last_cycle.get(node, -1), paused_us=round(job.paused_s * 1e6),
+                               alone_us=round(job.alone_s * 1e6)))
     em.emit(t, _lifecycle(em, job, JobState.ENDED, t, nodes, threads, end_s=t))
     run = em.at(t) - em.at(job.start_s)  # the run time as the events will state it
     run_s = run.total_seconds()

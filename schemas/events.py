@@ -34,7 +34,7 @@ from pydantic import (
 #:   as a batch of one. ``DegradationEstimate`` is also published while a job runs (per batch) with
 #:   the job's IPC moments (``features``) for the placement manager; ``DeadLetter`` names the bad
 #:   rows of a batch whose other rows were counted (``rows``).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -217,6 +217,9 @@ class JobLeftNode(Record):
     blocks_sent: NonNegInt
     last_cycle: Annotated[int, Field(ge=-1)]  # -1 when no block was sent
     paused_us: NonNegInt = 0  # total time the agent kept this job's processes on this node paused
+    #: Time the job ran on this node with no other job there (version 4). The agent shutters only
+    #: shared nodes, so the blocks measure the shared time alone; the charge weighs by this.
+    alone_us: NonNegInt = 0
 
 
 # --------------------------------------------------------------------------- node.shutter
@@ -585,6 +588,7 @@ class NodeBlocks(BaseModel):
     last_cycle: Annotated[int, Field(ge=-1)]
     blocks_sent: NonNegInt  # what the node agent said it sent (JobLeftNode)
     paused_s: Annotated[float, Field(ge=0.0)] = 0.0  # what the node agent said it paused the job for
+    alone_s: Annotated[float, Field(ge=0.0)] = 0.0  # what the node agent said the job ran there with no co-runner
 
 
 class Charge(Record):
@@ -605,12 +609,18 @@ class Charge(Record):
     pause_credit_s: Annotated[float, Field(ge=0.0)] = 0.0  # time shutters kept the job paused: not billed
     billed_time_s: Annotated[float, Field(ge=0.0)]  # T_co - pause credit
     solo_time_s: Annotated[float, Field(ge=0.0)]  # T_solo = (1 - D) * billed time; Eq. 4 divides by T_co
-    degradation: Fraction01  # D applied
+    degradation: Fraction01  # D applied: degradation_shared * (1 - alone_s / billed_time_s)
     estimate_status: EstimateStatus
     degradation_filtered: float | None
     degradation_unfiltered: float | None
     degradation_corrected: float | None = None  # refill-corrected (streams.degradation)
-    estimator: Name = "poppa_alg4"  # which estimate ``degradation`` is: poppa_alg4 | refill_corrected | unfiltered
+    estimator: Name = "poppa_alg4"  # which estimate applies: poppa_alg4 | refill_corrected | unfiltered
+    #: The applied estimator's D over the time the job shared a node (what its blocks measure), 0
+    #: without evidence; and the billed time the job had no co-runner on any of its nodes (a lower
+    #: bound from the agents' per-node totals), undisturbed. Both version 4: before it, D applied
+    #: was the shared-time estimate for the whole run.
+    degradation_shared: Fraction01 = 0.0
+    alone_s: Annotated[float, Field(ge=0.0)] = 0.0
     blocks_used: NonNegInt
     blocks_rejected: NonNegInt
     blocks_ignored: NonNegInt  # duplicates, out-of-order and foreign-node blocks not counted
@@ -647,7 +657,8 @@ class DeadLetter(Record):
 #: Fields added after version 1, per model, with the version that added them: a record of an
 #: older version lacks them (reads their default), and an audit does not compare them.
 ADDED_IN: dict[type[Record], dict[str, int]] = {
-    Charge: {"degradation_corrected": 2, "estimator": 2},
+    Charge: {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4},
+    JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},
 }

@@ -72,7 +72,7 @@ IPC_FIELDS: list[tuple[str, pa.DataType, str]] = [
     ("node", pa.string(), "$.node"), ("seq", pa.int64(), "$.seq"), ("k", pa.int64(), "$.k"),
     ("sample_us", pa.int64(), "$.sample_us"), ("counter", pa.string(), "$.counter"),
     ("blocks_sent", pa.int64(), "$.blocks_sent"), ("last_cycle", pa.int64(), "$.last_cycle"),
-    ("paused_us", pa.int64(), "$.paused_us"),
+    ("paused_us", pa.int64(), "$.paused_us"), ("alone_us", pa.int64(), "$.alone_us"),
 ]
 #: The blocks' fields as lists, one element per block (K = 1) or per sample: (column, path in a
 #: schema-3 batch, path in a version-1/2 single block, which reads as a list of one).

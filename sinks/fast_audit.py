@@ -76,8 +76,10 @@ def canonical_ipc_sql() -> str:
         for region in ("before", "during", "after"))
     batch = f"""concat({head}, ',"seq":', seq, ',"k":', k, ',"sample_us":', sample_us, ',"counter":', to_json(counter),
                        ',"cycle":[', array_to_string(l_cycle, ','), ']', {columns}, '}}')"""
+    # alone_us came with version 4: a marker without it reads as 0, which its null column gives the fold
     left = f"""concat({head}, ',"blocks_sent":', blocks_sent, ',"last_cycle":', last_cycle,
-                      ',"paused_us":', paused_us, '}}')"""
+                      ',"paused_us":', paused_us,
+                      CASE WHEN alone_us IS NOT NULL THEN concat(',"alone_us":', alone_us) END, '}}')"""
     common = ["event_id", "schema_version", "source", "event_time", "job_id", "node"]
     block_fields = [*common, "sample_us", "counter", *_LISTS]
     batch_fields = [*block_fields, "seq", "k"]
@@ -91,7 +93,8 @@ def canonical_ipc_sql() -> str:
 
     return f"""CASE kind WHEN 'shutter_batch' THEN {unless_null(batch_fields, batch, no_null_elements)}
                          WHEN 'shutter_block' THEN {unless_null(block_fields, block)}
-                         WHEN 'job_left_node' THEN {unless_null(left_fields, left)} END"""
+                         WHEN 'job_left_node' THEN {unless_null(left_fields, left,
+                                                                'schema_version < 4 OR alone_us IS NOT NULL')} END"""
 
 
 #: Alg. 4's sums are exact: each IPC x is a double m * 2**e with e >= -FIXED_POINT_BITS when
@@ -121,6 +124,7 @@ class StreamRow:
     left_offset: int | None
     blocks_sent: int | None
     paused_us: int | None
+    alone_us: int | None
     first_cycle: int | None
     last_cycle: int | None
     accepted: int
@@ -140,8 +144,14 @@ class FastResult:
 def _source_sql(glob: str, files: list[Path], dedupe: bool) -> str:
     """The node.ipc files as one relation with every typed column (null where a file has none),
     with ``dedupe`` each offset once (a compaction in progress leaves copies)."""
-    if any("l_cycle" in pq.read_schema(f).names for f in files):  # the first one, but for old archives
+    names = [set(pq.read_schema(f).names) for f in files]
+    if any("l_cycle" in n for n in names):  # the first one, but for old archives
         source = f"read_parquet('{glob}', union_by_name = true)"
+        # typed columns added later (alone_us, version 4) are null in the files written before them
+        later = [f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
+                 for name, kind, _ in IPC_FIELDS if not any(name in n for n in names)]
+        if later:
+            source = f"(SELECT *, {', '.join(later)} FROM {source})"
     else:
         nulls = ", ".join([*(f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
                              for name, kind, _ in IPC_FIELDS), *(f"NULL::BIGINT[] AS {n}" for n in _LISTS)])
@@ -164,6 +174,7 @@ def _unnested_sql(rows: str) -> str:
     return f"""SELECT * REPLACE ({absent}) FROM (
                SELECT "partition", "offset", timestamp_ms, key, typed, kind, job_id, node, event_time,
                       coalesce(k, -1) AS k, coalesce(paused_us, -1) AS paused_us,
+                      coalesce(alone_us, 0) AS alone_us,
                       coalesce(blocks_sent, -1) AS blocks_sent, coalesce(last_cycle, -1) AS last_cycle,
                       coalesce(single AND (kind <> 'shutter_batch'
                                            OR ({n} BETWEEN 1 AND {MAX_BATCH_BLOCKS} AND {same})), false) AS single,
@@ -287,7 +298,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
         WITH r AS ({rows_sql}),
         m0 AS (
             SELECT r."partition", r."offset", r.idx, {_POSITION} AS pos, r.job_id, r.node, r.cycle, r.paused_us,
-                   r.blocks_sent, r.typed,
+                   r.alone_us, r.blocks_sent, r.typed,
                    r.{block} AS is_block, r.kind = 'job_left_node' AS is_left,
                    {delta} AS delta,
                    coalesce(r.key = encode(r.job_id), false)  -- bytes: no UTF-8 decode per row
@@ -296,6 +307,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
                          false)
                      AND CASE WHEN r.{block} THEN {valid_block}
                               WHEN r.kind = 'job_left_node' THEN r.blocks_sent >= 0 AND r.last_cycle >= -1
+                                                                 AND r.alone_us >= 0
                               ELSE false END AS row_ok,
                    CASE WHEN r.{block} AND b_cycles > 0 THEN b_instructions::DOUBLE / b_cycles END AS b,
                    CASE WHEN r.{block} AND d_cycles > 0 THEN d_instructions::DOUBLE / d_cycles END AS d,
@@ -317,7 +329,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
                count(*) FILTER (WHERE is_block), count(*) FILTER (WHERE is_left),
                min("offset"), max("offset"),
                max("offset") FILTER (WHERE is_left), max(blocks_sent) FILTER (WHERE is_left),
-               max(paused_us) FILTER (WHERE is_left),
+               max(paused_us) FILTER (WHERE is_left), max(alone_us) FILTER (WHERE is_left),
                arg_min(cycle, pos) FILTER (WHERE is_block), arg_max(cycle, pos) FILTER (WHERE is_block),
                count(*) FILTER (WHERE keep), count(*) FILTER (WHERE is_block AND NOT keep),
                {sums},
@@ -326,7 +338,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
         GROUP BY job_id, node
     """).fetchall()
     names = [f.name for f in fields(StreamRow)][:-1]  # every field but the sums, in the query's order
-    streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[17:23])) for r in rows]
+    streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[18:24])) for r in rows]
     return streams, sum(int(r[-2]) for r in rows), sum(int(r[-1]) for r in rows)
 
 
@@ -460,6 +472,7 @@ def _job_charge(job: str, nodes: dict[str | None, StreamRow], terminals: list[Te
             last_cycle=-1 if row.last_cycle is None else row.last_cycle,
             first_offset=row.first_offset, close_offset=row.last_offset, closed=True,
             blocks_sent=int(row.blocks_sent or 0), paused_us=max(0, int(row.paused_us or 0)),
+            alone_us=int(row.alone_us or 0),
         )))
     totals = [math.ldexp(float(x), -FIXED_POINT_BITS) for x in sums]  # one rounding of each exact sum
     est = estimate_from_totals(*totals[:4], accepted, rejected, *totals[4:], policy.estimator)

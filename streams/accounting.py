@@ -55,7 +55,7 @@ from .degradation import (
     Moments,
     estimate,
 )
-from .pricing import POPPA_EQ4, fair_charge
+from .pricing import POPPA_EQ4, alone_time, billed_time, fair_charge, job_degradation
 
 SOURCE = "nodeshare.streams.accounting"
 
@@ -145,6 +145,7 @@ class NodeStream(_State):
     closed: bool = False
     blocks_sent: int = 0
     paused_us: int = 0
+    alone_us: int = 0
     # Exact sums of Alg. 4 (see degradation.ExactSum); kept per node because only the nodes named
     # by the terminal event count.
     solo_filtered: ExactState = Field(default_factory=ExactSum)
@@ -282,6 +283,7 @@ class JobAccount(_State):
         ns.closed = True
         ns.blocks_sent = left.blocks_sent
         ns.paused_us = left.paused_us
+        ns.alone_us = left.alone_us
         ns.close_offset = origin.offset
         if ns.first_offset < 0:
             ns.first_offset = origin.offset
@@ -391,8 +393,11 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     # A job is held up while any of its nodes pauses it; the longest per-node total is a lower
     # bound of that union, so the credit never exceeds the time really lost.
     credit_s = max((s.paused_us for _, s in streams), default=0) / 1e6
-    amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, degradation.degradation,
-                          policy.rate_function, credit_s)
+    # The blocks measure D while the job shared a node; its time alone (never shuttered) was undisturbed.
+    billed_s = billed_time(run_time_s, credit_s)
+    alone_s = alone_time([s.alone_us / 1e6 for _, s in streams], len(end.nodes), billed_s)
+    applied = job_degradation(degradation.degradation, alone_s, billed_s)
+    amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, applied, policy.rate_function, credit_s)
     ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
                           first_offset=terminal.offset, last_offset=terminal.offset)]
     if ipc_partition is not None and streams:
@@ -409,13 +414,15 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         start_time=end.start_time, end_time=end.end_time,
         run_time_s=run_time_s, pause_credit_s=credit_s, billed_time_s=amounts.billed_time_s,
         solo_time_s=amounts.solo_time_s,
-        degradation=degradation.degradation, estimate_status=degradation.status,
+        degradation=applied, estimate_status=degradation.status,
         degradation_filtered=degradation.filtered, degradation_unfiltered=degradation.unfiltered,
         degradation_corrected=degradation.corrected, estimator=degradation.estimator,
+        degradation_shared=degradation.degradation, alone_s=alone_s,
         blocks_used=degradation.blocks_used, blocks_rejected=degradation.blocks_rejected,
         blocks_ignored=sum(s.ignored for _, s in streams),
         nodes=tuple(NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
-                               blocks_sent=s.blocks_sent, paused_s=s.paused_us / 1e6) for n, s in streams),
+                               blocks_sent=s.blocks_sent, paused_s=s.paused_us / 1e6,
+                               alone_s=s.alone_us / 1e6) for n, s in streams),
         rate_function=policy.rate_function, rate_per_core_hour=policy.rate_per_core_hour,
         delta=policy.delta,
         standard_price=amounts.standard_price, solo_price=amounts.solo_price,

@@ -9,12 +9,17 @@ With a pause credit (the time nodeshare's own shutters kept the job paused), T_s
 estimated from the run time less the credit, (1 - D) * (T_co - credit), and Eq. 4 keeps the
 real T_co in its ratio: the credit lowers T_solo, so the price, and never raises the ratio.
 
+A node with one job is never shuttered, so the blocks measure D over the time the job shared its
+nodes; a job that also ran alone for a time A of its billed time T is charged with
+D = D_shared * (1 - A / T), its solo time being A + (1 - D_shared) * (T - A).
+
 L is in service units per core-hour, times are in seconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 SECONDS_PER_HOUR = 3600.0
@@ -63,6 +68,26 @@ RATE_FUNCTIONS: dict[str, Callable[[float, int, float, float, float], float]] = 
                                                                       solo_time(billed_time(t_co, credit), d)),
     STANDARD: lambda rate, cores, t_co, d, credit: standard_price(rate, cores, t_co),
 }
+
+
+def alone_time(node_alone_s: Sequence[float], nodes: int, billed_time_s: float) -> float:
+    """The billed time a job ran with no co-runner on any of its ``nodes``, from the per-node totals
+    the agents report (a node that reported none counts 0): the least the intersection of the
+    nodes' alone periods can be, max(0, sum - (nodes - 1) * T), and never more than T. Exact for
+    one node; for more, a lower bound, so the discount it removes is never more than measured."""
+    if nodes < 1:
+        raise ValueError(f"a job has at least one node, got {nodes}")
+    t = max(0.0, billed_time_s)
+    return min(t, max(0.0, math.fsum(min(t, max(0.0, a)) for a in node_alone_s) - (nodes - 1) * t))
+
+
+def job_degradation(shared_degradation: float, alone_s: float, billed_time_s: float) -> float:
+    """D over the whole billed time of a job whose blocks measured D_shared over the time it shared
+    its nodes and which ran ``alone_s`` of it undisturbed (a node with one job is never shuttered):
+    T_solo = alone + (1 - D_shared) * (T - alone), so D = D_shared * (1 - alone / T)."""
+    if billed_time_s <= 0.0:
+        return shared_degradation
+    return shared_degradation * (1.0 - min(alone_s, billed_time_s) / billed_time_s)
 
 
 def billed_time(run_time_s: float, pause_credit_s: float) -> float:

@@ -57,9 +57,9 @@ def batch(*blocks: ShutterBlock, seq: int = 0) -> ShutterBatch:
         "before": columns("before"), "during": columns("during"), "after": columns("after")})
 
 
-def left(job: str, node: str, blocks_sent: int, last_cycle: int, at_s: float = 3600) -> JobLeftNode:
+def left(job: str, node: str, blocks_sent: int, last_cycle: int, at_s: float = 3600, alone_us: int = 0) -> JobLeftNode:
     return JobLeftNode(event_id=f"left-{job}-{node}", source="test", event_time=T0 + timedelta(seconds=at_s),
-                       job_id=job, node=node, blocks_sent=blocks_sent, last_cycle=last_cycle)
+                       job_id=job, node=node, blocks_sent=blocks_sent, last_cycle=last_cycle, alone_us=alone_us)
 
 
 def job_event(job: str, state: JobState, *, nodes: tuple[str, ...] = ("n1",), cores: int = 16,
@@ -113,3 +113,23 @@ def profile_csv(path: Path, *names: str) -> Path:
              for n in names for w in range(1, 12)]
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+def alone_from_lifecycle(events: list) -> dict[tuple[str, str], float]:
+    """Seconds each (job, node) ran with no other job on the node, worked out from the lifecycle
+    events alone (start and end times, nodes): what the markers' alone_us should say."""
+    runs = [(e.job_id, e.nodes, e.start_time, e.end_time) for e in events
+            if isinstance(e, JobEvent) and e.state in (JobState.ENDED, JobState.FAILED)]
+    out: dict[tuple[str, str], float] = {}
+    for job, nodes, start, end in runs:
+        for node in nodes:
+            others = sorted((s, t) for j, ns, s, t in runs if j != job and node in ns and s < end and t > start)
+            alone, at = 0.0, start
+            for s, t in others:  # the gaps between the other jobs' runs, within this one's
+                if s > at:
+                    alone += (s - at).total_seconds()
+                at = max(at, t)
+            if end > at:
+                alone += (end - at).total_seconds()
+            out[(job, node)] = alone
+    return out

@@ -71,6 +71,7 @@ class PublishedJob:
     blocks: int = 0
     last_cycle: int = -1
     paused_us: int = 0
+    alone_us: int = 0  # time seen as the node's only job: never shuttered, so undisturbed
     started: bool = False
     start: str | None = None
 
@@ -121,6 +122,7 @@ class Agent:
         self.jobs: dict[str, LocalJob] = {}
         self.counters: dict[str, Counter] = {}
         self.lone: str | None = None
+        self._tick_ns: int | None = None  # the loop's last turn, for the time a job was alone
         self.stats = Stats()
         self.source_name = f"agent/{options.node}"
         self._hw_reason = hardware_counters_unavailable() if options.hardware_counters else "disabled"
@@ -199,14 +201,26 @@ class Agent:
         last = self.batcher.close(job_id, self.options.node)  # the job's last blocks go before its marker
         records: list[Record] = [] if last is None else [last]
         records.append(left_node(node=self.options.node, source=self.source_name, job_id=job_id,
-                                 blocks_sent=st.blocks, last_cycle=st.last_cycle, paused_us=st.paused_us, at=_now()))
+                                 blocks_sent=st.blocks, last_cycle=st.last_cycle, paused_us=st.paused_us,
+                                 alone_us=st.alone_us, at=_now()))
         spec = self.source.spec(job_id)  # also after a restart, when this agent never saw the job run
         if spec is not None:
             state = JobState.FAILED if self.source.exit_code(job_id) else JobState.ENDED
             records.append(self._lifecycle(spec, state, st.start, _now()))
-        log.info("job %s left: %d blocks, %.1f ms paused", job_id, st.blocks, st.paused_us / 1000,
+        log.info("job %s left: %d blocks, %.1f ms paused, %.1f s alone", job_id, st.blocks, st.paused_us / 1000,
+                 st.alone_us / 1e6,
                  extra=fields(job_id=job_id))
         self._put(records, reserve=True)
+
+    def count_alone(self, now_ns: int) -> None:
+        """Credit the time since the last call to the node's only job, if it had one then: a node
+        with one job is never shuttered, so that time is undisturbed and its marker says how much.
+        Called before each rescan, so the interval goes to the jobs that ran through it."""
+        if self._tick_ns is not None and len(self.jobs) == 1:
+            (only,) = self.jobs
+            if only in self.state:
+                self.state[only].alone_us += max(0, now_ns - self._tick_ns) // 1000
+        self._tick_ns = now_ns
 
     # ------------------------------------------------------------------ one shutter
 
@@ -314,6 +328,7 @@ class Agent:
             if not self._power:
                 self._put(list(readings), reserve=True)  # said once: no numbers follow
             while not stop():
+                self.count_alone(time.monotonic_ns())
                 tick = time.monotonic()
                 if duration_s is not None and tick - started >= duration_s:
                     break

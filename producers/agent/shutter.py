@@ -35,6 +35,6 @@ def triples(samples: Sequence[IpcSample]) -> list[tuple[int, int, int]]:
 
 
 def left_node(*, node: str, source: str, job_id: str, blocks_sent: int, last_cycle: int, paused_us: int,
-              at: datetime) -> JobLeftNode:
+              alone_us: int, at: datetime) -> JobLeftNode:
     return JobLeftNode(event_id=f"{node}/left/{job_id}", source=source, event_time=at, job_id=job_id, node=node,
-                       blocks_sent=blocks_sent, last_cycle=last_cycle, paused_us=paused_us)
+                       blocks_sent=blocks_sent, last_cycle=last_cycle, paused_us=paused_us, alone_us=alone_us)

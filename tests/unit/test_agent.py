@@ -413,3 +413,26 @@ def test_a_cycle_the_full_spool_refused_is_not_counted(tmp_path: Path, two_jobs:
     # ...but not kept: no block counted, the cycle number free again, the pause still credited
     assert books == {"a": (0, -1), "b": (0, -1)} and agent.cycle == 0 and max(paused) > 0
     assert all(state(p) != "T" for job in two_jobs.values() for p in job.procs)
+
+
+def test_the_time_a_job_is_the_nodes_only_job_is_said_in_its_marker(tmp_path: Path,
+                                                                    two_jobs: dict[str, LocalJob]) -> None:
+    """A node with one job is never shuttered, so that time is undisturbed: the loop credits each
+    interval to the node's only job as of the interval's start, and the marker carries the total.
+    (Mutation: crediting every job, or the interval after a rescan to the new set, fails here.)"""
+    source = FakeSource(dict(two_jobs), {})
+    agent = agent_on(tmp_path, source)
+    s = 1_000_000_000
+    agent.count_alone(0)
+    agent.rescan()  # a and b share the node
+    agent.count_alone(2 * s)
+    del source.jobs["b"]
+    agent.rescan()  # b left after 2 s shared: never alone
+    agent.count_alone(5 * s)  # 3 s alone for a
+    agent.count_alone(5 * s + 500_000)  # and 0.5 ms more
+    source.jobs.clear()
+    agent.rescan()
+    agent.count_alone(9 * s)  # an empty node: nobody to credit
+    agent.close(0)
+    left = {e["job_id"]: e["alone_us"] for e in spooled(tmp_path) if e["kind"] == "job_left_node"}
+    assert left == {"a": 3_000_500, "b": 0}

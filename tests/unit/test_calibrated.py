@@ -186,3 +186,22 @@ def test_parquet_sink_writes_the_same_blocks_as_records(tmp_path: Path):
     row = next(r for r in table if r["cycle"] == first.cycle[0] and f"node{r['node']:05d}" == first.node)
     assert (row["before"], row["during"], row["after"]) == (
         first.before.instructions[0], first.during.instructions[0], first.after.instructions[0])
+
+
+def test_every_marker_says_how_long_its_job_was_the_nodes_only_job():
+    """Worked out from the lifecycle alone, the time each job had its nodes to itself is what the
+    engine's markers say: a node's occupancy is read at each region's start, so a co-runner that
+    ends inside a region is credited from the next one (less than one period, 0.2 s, per end)."""
+    from factories import alone_from_lifecycle
+
+    from nodeshare.schemas import JobLeftNode
+
+    cfg = CalibratedConfig(nodes=3, seed=4)
+    specs = [JobSpec(p, 10.0 + 5 * i, 2.0 * i) for i, p in enumerate(("MILC", "MG", "GTC", "POP", "CG", "LU"))]
+    sim = with_records(cfg, lambda s: run_cluster(cfg, specs, sink=s))
+    expected = alone_from_lifecycle(sim.events)
+    said = {(e.job_id, e.node): e.alone_us / 1e6 for e in sim.events if isinstance(e, JobLeftNode)}
+    assert said.keys() == expected.keys()
+    for k, v in said.items():
+        assert expected[k] - 0.2 * len(specs) <= v <= expected[k] + 1e-6, (k, v, expected[k])
+    assert any(v > 1.0 for v in said.values())

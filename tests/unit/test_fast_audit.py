@@ -399,3 +399,36 @@ def test_blocks_sent_comes_from_the_marker_not_from_the_blocks_that_arrived(tmp_
     assert "lossy" not in fast.ineligible
     for charge in (fast.charges[("lossy", 0)], reference[("lossy", 0)]):
         assert (charge.nodes[0].blocks_sent, charge.nodes[0].blocks) == (5, 3)
+
+
+def test_the_time_a_job_ran_alone_comes_from_its_markers_in_both_paths(tmp_path):
+    """A node with one job is never shuttered: the blocks measure D over the shared time only. A job
+    alone 1,800 s of its 3,600 s is charged half that D; a two-node job alone 3,000 s on one node
+    and 1,000 s on the other was alone on both for at least 400 s. Both paths read the markers'
+    alone_us from typed columns (a version-3 marker without it too) and agree bit for bit.
+    (Mutations: alone_us dropped from the fast path's stream, or the lower bound taken as the
+    smallest node's time, fail here.)"""
+    import json
+
+    blocks = {j: [block(1.0, 1.4, 1.02, job=j, cycle=c) for c in range(3)] for j in ("half", "two", "never", "v3")}
+    v3_left = json.loads(encode(left("v3", "n1", 3, 2, alone_us=900_000_000)))
+    v3_left["schema_version"] = 3
+    del v3_left["alone_us"]  # written before version 4: it said nothing of the time alone
+    records = [*blocks["half"], left("half", "n1", 3, 2, alone_us=1_800_000_000), job_event("half", JobState.ENDED),
+               *blocks["never"], left("never", "n1", 3, 2), job_event("never", JobState.ENDED),
+               *blocks["v3"], ("node.ipc", b"v3", json.dumps(v3_left, separators=(",", ":")).encode()),
+               job_event("v3", JobState.ENDED),
+               *blocks["two"], *[block(1.0, 1.4, 1.02, job="two", node="n2", cycle=c) for c in range(3)],
+               left("two", "n1", 3, 2, alone_us=3_000_000_000), left("two", "n2", 3, 2, alone_us=1_000_000_000),
+               job_event("two", JobState.ENDED, nodes=("n1", "n2"))]
+    archive, _, _ = archive_records(tmp_path, records)
+    fast, reference = _both(archive)
+    assert not fast.ineligible and fast.parsed_rows == 0 and fast.charges == reference
+    got = {job: reference[(job, 0)] for job in ("half", "two", "never", "v3")}
+    shared = got["never"].degradation
+    assert shared > 0 and all(c.degradation_shared == shared for c in got.values())
+    assert (got["never"].alone_s, got["v3"].alone_s, got["half"].alone_s, got["two"].alone_s) == (0, 0, 1800, 400)
+    assert got["v3"].degradation == shared
+    assert got["half"].degradation == shared * 0.5
+    assert got["two"].degradation == shared * (1 - 400 / 3600)
+    assert got["half"].price > got["never"].price  # less discount: half its run was undisturbed

@@ -2,7 +2,14 @@
 
 import pytest
 
-from nodeshare.streams.pricing import fair_charge, poppa_price, solo_time, standard_price
+from nodeshare.streams.pricing import (
+    alone_time,
+    fair_charge,
+    job_degradation,
+    poppa_price,
+    solo_time,
+    standard_price,
+)
 from nodeshare.streams.shutter_overhead import dilated_run_time, sleep_fraction
 
 
@@ -102,3 +109,26 @@ def test_pause_credit_cannot_make_a_price_negative():
     assert c.billed_time_s == 0.0 and c.price == 0.0 and c.dividend == c.standard_price
     with pytest.raises(ValueError, match="pause credit"):
         fair_charge(1.0, 4, 100.0, 0.1, pause_credit_s=-1.0)
+
+
+def test_time_alone_by_hand():
+    # A job of 600 s of work: 200 s alone (undisturbed), then 400 s of work at 80% speed next to a
+    # co-runner, i.e. 500 s shared. T = 700 s, T_solo = 600 s, true D = 1/7. The blocks (taken only
+    # while shared) measure D_shared = 0.2; weighted by the shared time 500/700: 0.2 * 5/7 = 1/7.
+    d = job_degradation(0.2, 200.0, 700.0)
+    assert d == pytest.approx(1 / 7, rel=1e-15)
+    assert fair_charge(1.0, 1, 700.0, d).solo_time_s == pytest.approx(600.0, rel=1e-12)
+    assert job_degradation(0.2, 0.0, 700.0) == 0.2  # never alone: the shared estimate is the job's
+    assert job_degradation(0.2, 900.0, 700.0) == 0.0  # alone throughout (capped at the billed time)
+    assert job_degradation(0.2, 10.0, 0.0) == 0.2  # nothing billed: nothing to weigh
+
+
+def test_time_alone_on_every_node_is_bounded_from_below_by_hand():
+    assert alone_time([250.0], 1, 700.0) == 250.0  # one node: exact
+    assert alone_time([900.0], 1, 700.0) == 700.0  # never more than the billed time
+    # two nodes, T = 3600: alone 3000 s on one and 1000 s on the other overlap at least 400 s
+    assert alone_time([3000.0, 1000.0], 2, 3600.0) == 400.0
+    assert alone_time([1800.0, 1800.0], 2, 3600.0) == 0.0  # could be disjoint halves
+    assert alone_time([3600.0], 2, 3600.0) == 0.0  # a node that reported nothing counts as never alone
+    with pytest.raises(ValueError, match="at least one node"):
+        alone_time([], 0, 10.0)

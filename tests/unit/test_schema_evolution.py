@@ -9,7 +9,7 @@ from pathlib import Path
 
 from factories import POLICY, archive_records, batch, block, job_event, left
 
-from nodeshare.schemas import SCHEMA_VERSION, Charge, DeadLetter, JobState, decode_model, encode
+from nodeshare.schemas import SCHEMA_VERSION, Charge, DeadLetter, JobLeftNode, JobState, decode_model, encode
 from nodeshare.schemas.events import ADDED_IN, carried
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
@@ -38,10 +38,28 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
     return json.dumps(d).encode()
 
 
-def test_this_build_writes_version_3_and_reads_1_to_3():
-    assert SCHEMA_VERSION == 3
-    assert set(ADDED_IN[Charge]) == {"degradation_corrected", "estimator"}
+def test_this_build_writes_version_4_and_reads_1_to_4():
+    assert SCHEMA_VERSION == 4
+    assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
+    assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
+
+
+def test_a_version_3_marker_has_no_alone_time_and_is_charged_as_then(tmp_path: Path):
+    """Before version 4 a marker said nothing of the time the job ran alone: it reads as 0, so the
+    shared-time estimate applies to the whole run as it did then, and a version-3 ledger row
+    (without degradation_shared and alone_s) audits clean against the archive."""
+    v3 = [(o, k, as_version(decode_model(type(r), v), 3, drop=("alone_us",) if r.kind == "job_left_node" else ()), t)
+          for (o, k, v, t), r in zip(messages(SCHEMA_VERSION), RUN, strict=True)]
+    [then], [now] = fold_messages(v3, POLICY), fold_messages(messages(SCHEMA_VERSION), POLICY)
+    assert then.alone_s == now.alone_s == 0.0 and then.degradation == now.degradation_shared == now.degradation > 0
+    archive, _, _ = archive_records(tmp_path, [*RUN[:2], (("node.ipc", b"old", v3[2][2])), RUN[3]])
+    row = as_version(then, 3, drop=("degradation_shared", "alone_s"))
+    old = tmp_path / "v3.duckdb"
+    with Ledger(old) as ledger:
+        ledger.append([(decode_model(Charge, row), row, 0, 0)])
+    report = audit(archive, old, POLICY)
+    assert report.ok and report.matches == 1, report.as_dict()
 
 
 def test_version_1_input_is_read_and_charged_like_version_2():

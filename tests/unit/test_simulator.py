@@ -75,3 +75,16 @@ def test_estimates_follow_the_true_degradation():
     errors = [abs(charges[t.job_id].degradation - t.true_degradation) for t in sim.truth
               if charges[t.job_id].estimate_status.value == "ok"]
     assert errors and sum(errors) / len(errors) < 0.05
+
+
+def test_every_marker_says_how_long_its_job_was_the_nodes_only_job():
+    """Worked out from the lifecycle alone, the time each job had its nodes to itself is what the
+    simulator's markers say (to the microsecond they are rounded to), and some jobs had some."""
+    from factories import alone_from_lifecycle
+
+    sim = simulate(SimConfig(nodes=3, jobs=12, seed=4))
+    expected = alone_from_lifecycle(sim.events)
+    said = {(e.job_id, e.node): e.alone_us / 1e6 for e in sim.events if isinstance(e, JobLeftNode)}
+    assert said.keys() == expected.keys()
+    assert all(said[k] == pytest.approx(expected[k], abs=2e-6) for k in said), (said, expected)
+    assert any(v > 1.0 for v in said.values()) and any(v == 0.0 for v in said.values())
