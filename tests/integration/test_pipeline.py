@@ -17,7 +17,7 @@ from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.sinks.report import co_runner_counts
 from nodeshare.streams.degradation import filtered_degradation
-from nodeshare.streams.pricing import fair_charge
+from nodeshare.streams.pricing import alone_time, billed_time, fair_charge, job_degradation
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +64,7 @@ def test_audit_finds_zero_mismatches(run: DemoResult) -> None:
 def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult) -> None:
     blocks: dict[str, list[ShutterBatch | ShutterBlock]] = defaultdict(list)
     paused: dict[str, list[int]] = defaultdict(list)
+    alone: dict[str, list[float]] = defaultdict(list)
     for _, ev in ParquetArchive(run.archive).events(["node.ipc"]):
         try:
             rec = decode(BY_NAME["node.ipc"], ev.value)
@@ -75,16 +76,24 @@ def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult
             blocks[rec.job_id].append(rec)
         else:
             paused[rec.job_id].append(rec.paused_us)
+            alone[rec.job_id].append(rec.alone_us / 1e6)
     assert blocks, "no blocks archived"
     for c in run.charges:
         d = filtered_degradation(blocks[c.job_id], c.delta, c.estimator)
         credit = max(paused[c.job_id]) / 1e6
-        amounts = fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, d.degradation, pause_credit_s=credit)
-        assert c.pause_credit_s == credit
-        assert (c.degradation, c.blocks_used, c.blocks_rejected) == (d.degradation, d.blocks_used, d.blocks_rejected)
+        # the blocks measure D while the job shared a node; its time alone there was undisturbed
+        billed = billed_time(c.run_time_s, credit)
+        alone_s = alone_time(alone[c.job_id], len(c.nodes), billed)
+        applied = job_degradation(d.degradation, alone_s, billed)
+        amounts = fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, applied, pause_credit_s=credit)
+        assert c.pause_credit_s == credit and c.alone_s == alone_s
+        assert (c.degradation_shared, c.blocks_used, c.blocks_rejected) == (d.degradation, d.blocks_used,
+                                                                            d.blocks_rejected)
+        assert c.degradation == applied
         assert (c.standard_price, c.price, c.dividend) == (amounts.standard_price, amounts.price, amounts.dividend)
     assert sum(c.dividend for c in run.charges) > 0  # co-located jobs were measured and discounted
     assert sum(c.pause_credit_s > 0 for c in run.charges) > 0  # and paused jobs were credited
+    assert any(0 < c.alone_s < c.billed_time_s for c in run.charges)  # some ran alone part of the time
 
 
 def test_archive_holds_every_input_event_once(run: DemoResult) -> None:
