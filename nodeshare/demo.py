@@ -26,7 +26,7 @@ from nodeshare.sinks.archive import ArchiveSink
 from nodeshare.sinks.audit import AuditReport, audit
 from nodeshare.sinks.consumer import run_in_thread
 from nodeshare.sinks.ledger import Ledger, LedgerSink
-from nodeshare.streams.cursor import unconsumed, worker_topics
+from nodeshare.streams.cursor import unconsumed, worker_groups
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -124,11 +124,11 @@ class Pipeline:
         charges complete before the power and placement managers have folded their last records,
         and stopping the worker then would leave decisions unmade. Two checks in a row, since a
         handled record may still produce one (a final estimate routed to the placement log)."""
-        topics = worker_topics(self.settings)
+        groups = worker_groups(self.settings)
         deadline = time.monotonic() + timeout_s
         quiet = 0
         while quiet < 2:
-            left = unconsumed(self.settings, topics)
+            left = unconsumed(self.settings, groups)
             report("waiting for decisions", 0 if left else 1, 1)
             quiet = quiet + 1 if left == 0 else 0
             if quiet < 2 and time.monotonic() > deadline:

@@ -205,8 +205,10 @@ class JobAccount(_State):
 
     # ------------------------------------------------------------------ the reducer
 
-    def apply(self, record: Record, origin: Origin, policy: PricingPolicy) -> Step:
-        """Fold one event into the account (mutates it) and say what it produced."""
+    def apply(self, record: Record, origin: Origin, policy: PricingPolicy, running_estimates: bool = True) -> Step:
+        """Fold one event into the account (mutates it) and say what it produced. Without
+        ``running_estimates`` a batch produces no estimate: the caller publishes
+        ``running_estimate()`` when it chooses (the worker: the latest per job, twice a second)."""
         position = f"{origin.topic}:{origin.partition}"
         if origin.offset <= self.applied.get(position, -1):
             # Already applied. If this event completed charges, they are emitted again: the state that
@@ -221,7 +223,7 @@ class JobAccount(_State):
         if isinstance(record, ShutterBatch | ShutterBlock | JobLeftNode):
             self.ipc_partition = (origin.topic, origin.partition)
         if isinstance(record, ShutterBatch | ShutterBlock):
-            return self._apply_blocks(record, origin, policy)
+            return self._apply_blocks(record, origin, policy, running_estimates)
         if isinstance(record, JobLeftNode):
             return self._apply_left(record, origin, policy)
         if isinstance(record, JobEvent):
@@ -234,7 +236,8 @@ class JobAccount(_State):
             ns = self.nodes[node] = NodeStream()
         return ns
 
-    def _apply_blocks(self, record: ShutterBatch | ShutterBlock, origin: Origin, policy: PricingPolicy) -> Step:
+    def _apply_blocks(self, record: ShutterBatch | ShutterBlock, origin: Origin, policy: PricingPolicy,
+                      running_estimates: bool = True) -> Step:
         """A batch (or one version-1/2 block): its valid blocks that extend the stream are counted,
         all at once; bad, duplicate and out-of-order blocks are refused, each with its index and reason."""
         ns = self._stream(record.node)
@@ -264,7 +267,8 @@ class JobAccount(_State):
                 ns.first_offset = origin.offset
         problems = tuple(sorted((*rows.problems, *stale), key=lambda p: p.index))
         counts = BlockCounts(accepted, n - accepted, len(problems))
-        estimate = self._estimate(policy, final=False) if n and isinstance(record, ShutterBatch) else None
+        estimate = (self._estimate(policy, final=False)
+                    if n and running_estimates and isinstance(record, ShutterBatch) else None)
         if not problems:
             return Step(blocks=counts, estimate=estimate)
         if isinstance(record, ShutterBlock):  # one block: refused as versions 1 and 2 refused it
@@ -316,6 +320,10 @@ class JobAccount(_State):
         for node in named:
             total.merge(self.nodes[node].sums())
         return estimate(total, estimator)
+
+    def running_estimate(self, policy: PricingPolicy) -> DegradationEstimate:
+        """The job's degradation estimate as its account stands (what a batch would publish)."""
+        return self._estimate(policy, final=False)
 
     def _estimate(self, policy: PricingPolicy, final: bool) -> DegradationEstimate:
         end = self.end
@@ -459,7 +467,7 @@ def _billing_changes(old: JobEvent, new: JobEvent) -> list[str]:
 
 def apply_message(
     account: JobAccount | None, origin: Origin, key: bytes | None, value: bytes | None, timestamp_s: float,
-    policy: PricingPolicy, prefix: str = "",
+    policy: PricingPolicy, prefix: str = "", running_estimates: bool = True,
 ) -> tuple[JobAccount | None, list[Outgoing], BlockCounts | None]:
     """One input message in: the job's account after it (``account`` itself, changed in place, or a
     new one; None when the message changed no account) and the messages to publish.
@@ -489,7 +497,7 @@ def apply_message(
         account = JobAccount(job_id=job_id)
     # Charges name catalog topics: a topic prefix is a deployment detail, and replay into another
     # prefix must rebuild identical charges.
-    step = account.apply(record, Origin(spec.name, origin.partition, origin.offset), policy)
+    step = account.apply(record, Origin(spec.name, origin.partition, origin.offset), policy, running_estimates)
     if step.redelivered:  # account unchanged; only charges this event had completed are re-sent
         return None, [Outgoing(LEDGER_CHARGES.name, job_id.encode(), encode(c)) for c in step.charges], None
     out: list[Outgoing] = []

@@ -1,18 +1,25 @@
-"""The faust application: thin shells that move bytes between topics and the pure core.
+"""The stream worker: thin shells that move bytes between topics and the pure core.
 
-Agent ``job-accounting`` consumes ``node.ipc`` and ``jobs.lifecycle`` (co-partitioned by job
-id), folds each event into the job's ``JobAccount`` (streams.accounting), held in memory and
-rebuilt from the input topics when a partition is assigned (no faust Table, no changelog), and
-publishes what the fold produced: charges, degradation estimates, dead letters.
+One process runs two consumers:
+
+* the **charge fold** (streams.fold_consumer): ``node.ipc`` and ``jobs.lifecycle``, co-partitioned
+  by job id, folded into each job's ``JobAccount`` (streams.accounting) on confluent-kafka batches,
+  held in memory and rebuilt from the input topics when a partition is assigned (no changelog);
+  it publishes charges, degradation estimates and dead letters;
+* **faust agents** for the decision makers that need the whole cluster in one place: power
+  (PPartition) and placement (Spread-n-Share, pairing), each a router and a single-partition log.
+
 Exactly-once does not come from the broker (faust's exactly_once fails on Tansu, see
-BROKER.md) but from the reducer's offset de-duplication and the ledger's idempotent key.
+docs of the broker) but from the reducer's offset de-duplication and the ledger's idempotent key.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
-import time
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,9 +33,7 @@ from nodeshare.schemas.catalog import (
     DECISIONS_PLACEMENT,
     DECISIONS_POWER,
     DLQ,
-    ESTIMATES_DEGRADATION,
     JOBS_LIFECYCLE,
-    LEDGER_CHARGES,
     NODE_IPC,
     NODE_LLC,
     NODE_POWER,
@@ -39,19 +44,15 @@ from nodeshare.schemas.catalog import (
 )
 from nodeshare.schemas.serde import encode
 
-from .accounting import JobAccount, Message, Origin, apply_message, fold_states
+from .accounting import Message, Origin
 from .cursor import Cursor, blocking, committed_offsets, read_range
+from .fold_consumer import FoldConsumer, FoldThread
 from .kafka_security import faust_credentials
 from .placement.stream import PLACEMENT_LOG, ROUTED, PlacementManager
 from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope, screen
 from .transport import use_short_fetch_wait
 
 log = logging.getLogger(__name__)
-
-def _job_id(key: bytes | None) -> str | None:
-    """A message key as a log field: input keys are job ids, but a bad message's key may be anything."""
-    return None if key is None else key[:64].decode("utf-8", "replace")
-
 
 def faust_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:
     """A faust App configured as nodeshare's workers are (broker, security, commits, logs), no agents."""
@@ -83,78 +84,10 @@ def faust_app(settings: Settings, datadir: Path | None = None, loglevel: str = "
 
 
 def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:
+    """The worker's faust agents: the power and placement decision makers. The charge fold runs
+    beside them in the same process on confluent-kafka batches (streams.fold_consumer)."""
     app = faust_app(settings, datadir, loglevel)
-    policy = settings.policy()
-    prefix = settings.topic_prefix
-
-    def raw_topic(*names: str) -> Any:
-        return app.topic(*[settings.topic(n) for n in names], key_serializer="raw", value_serializer="raw")
-
-    inputs = raw_topic(NODE_IPC.name, JOBS_LIFECYCLE.name)
-    outputs = {t.name: raw_topic(t.name) for t in (LEDGER_CHARGES, ESTIMATES_DEGRADATION, DLQ)}
-    input_topics = [settings.topic(NODE_IPC.name), settings.topic(JOBS_LIFECYCLE.name)]
-    # Job states per input partition, in memory only: they are rebuilt from the input topics when a
-    # partition is assigned, so no changelog is written (or trusted) for them.
-    states: dict[int, dict[bytes | None, JobAccount]] = {}
     cursors: list[Cursor] = []
-
-    async def apply(message: Message) -> None:
-        origin, key, value, ts = message
-        started = time.perf_counter()
-        jobs = states.setdefault(origin.partition, {})
-        account, out, blocks = apply_message(jobs.get(key), origin, key, value, ts, policy, prefix)
-        if account is not None:
-            jobs[key] = account
-        metrics.EVENTS_IN.labels(origin.topic).inc()
-        if blocks is not None:
-            metrics.SHUTTER_BLOCKS.labels("accepted").inc(blocks.accepted)
-            metrics.SHUTTER_BLOCKS.labels("rejected").inc(blocks.rejected)
-            metrics.SHUTTER_BLOCKS.labels("refused").inc(blocks.refused)
-        for o in out:
-            await outputs[o.topic].send(key=o.key, value=o.value)
-            metrics.EVENTS_OUT.labels(settings.topic(o.topic)).inc()
-            if o.kind:
-                metrics.DEAD_LETTERS.labels(o.kind).inc()
-                log.warning("dead letter (%s) for %s[%d]@%d; `nodeshare dlq show` has the reason", o.kind,
-                            origin.topic, origin.partition, origin.offset, extra=logs.fields(
-                                kind=o.kind, topic=origin.topic, partition=origin.partition, job_id=_job_id(key)))
-            elif o.topic == LEDGER_CHARGES.name:
-                metrics.CHARGES_EMITTED.inc()
-                log.info("charge published", extra=logs.fields(job_id=_job_id(key), topic=origin.topic,
-                                                               partition=origin.partition))
-        metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
-
-    cursor = Cursor(settings, "job-accounting", apply)
-    cursors.append(cursor)
-
-    async def rebuild(topic: str, partition: int, offset: int) -> None:
-        """Before the first event of a partition since this process started (or since a rebalance):
-        fold its job states from the input topics, from offset 0 up to where consumption resumes,
-        and re-send the charges they complete (the ledger's key absorbs copies). Reading further than
-        faust resumes is harmless (the cursor drops what it has seen); reading less is repaired by
-        the cursor, which reads back any offsets skipped."""
-        others = [(t, partition) for t in input_topics if t != topic]
-        stops = {(topic, partition): offset,
-                 **await blocking("job-accounting: committed offsets", committed_offsets, settings, others)}
-        messages: list[Message] = []
-        for (t, p), stop in stops.items():
-            messages += await blocking(f"job-accounting: rebuilding from {t}[{p}]", read_range, settings, t, p, 0,
-                                       stop)
-        rebuilt, charges = fold_states(messages, policy, prefix)
-        for gone in [p for p in states if not any(cursor.knows(t, p) for t in input_topics)]:
-            del states[gone]  # moved away, or rebuilt before its next event
-        states[partition] = rebuilt
-        for (t, p), stop in stops.items():
-            cursor.start(t, p, stop)
-        log.warning("job-accounting: rebuilt %d job states of partition %d from %d input messages (up to %s); "
-                    "re-sending %d charges", len(rebuilt), partition, len(messages),
-                    ", ".join(f"{t}@{stop}" for (t, _), stop in stops.items()), len(charges),
-                    extra=logs.fields(topic=topic, partition=partition))
-        for o in charges:
-            await outputs[o.topic].send(key=o.key, value=o.value)
-
-    app.agent(inputs, name="job-accounting")(follow(app, cursor, rebuild))
-
     add_power_agents(app, settings, cursors)
     add_placement_agents(app, settings, cursors)
     add_skip_repair(app, settings, cursors)
@@ -319,8 +252,24 @@ def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = 
     """Run one stream worker in the foreground until SIGTERM/SIGINT."""
     app = (make_counting_app if count_only else make_app)(settings, datadir, loglevel)
     metrics.serve(settings.metrics_port, settings.metrics_addr)
-    # The web server is off (BROKER.md: it would bind 0.0.0.0:6066 otherwise).
+    # The web server is off (the bundled broker's notes: it would bind 0.0.0.0:6066 otherwise).
     # With JSON logs, --quiet leaves out faust's banner so that every line is one JSON object.
     quiet = ["--quiet"] if settings.log_format == "json" else []
     sys.argv = ["nodeshare-worker", *quiet, "worker", "--without-web", "--loglevel", loglevel]
-    app.main()
+    stop, failed = threading.Event(), threading.Event()
+    fold = None
+    if not count_only:
+        def fail(_exc: BaseException) -> None:  # no worker without its charge fold: stop faust too
+            failed.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        fold = FoldThread(FoldConsumer(settings), stop, fail)
+        fold.start()
+    try:
+        app.main()
+    finally:
+        stop.set()
+        if fold is not None:
+            fold.join(timeout=30)  # commits what it applied and leaves the group
+        if failed.is_set():
+            raise SystemExit(1)

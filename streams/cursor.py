@@ -26,7 +26,14 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from nodeshare import logs, metrics
 from nodeshare.config import Settings
-from nodeshare.schemas.catalog import CLUSTER_INVENTORY, ESTIMATES_DEGRADATION, NODE_LLC, NODE_POWER
+from nodeshare.schemas.catalog import (
+    CLUSTER_INVENTORY,
+    ESTIMATES_DEGRADATION,
+    JOBS_LIFECYCLE,
+    NODE_IPC,
+    NODE_LLC,
+    NODE_POWER,
+)
 
 from .accounting import Message, Origin
 from .placement.stream import PLACEMENT_LOG, ROUTED
@@ -67,11 +74,13 @@ def read_range(settings: Settings, topic: str, partition: int, start: int, stop:
     return out
 
 
-def committed_offsets(settings: Settings, positions: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
-    """The stream worker group's committed offset of each (topic, partition); 0 when none."""
+def committed_offsets(settings: Settings, positions: list[tuple[str, int]],
+                      group: str | None = None) -> dict[tuple[str, int], int]:
+    """A group's committed offset of each (topic, partition); 0 when none. The group is the stream
+    worker's faust agents' (``app_id``) unless named."""
     if not positions:
         return {}
-    consumer = Consumer(settings.client_config(**{"group.id": settings.app_id, "enable.auto.commit": False}))
+    consumer = Consumer(settings.client_config(**{"group.id": group or settings.app_id, "enable.auto.commit": False}))
     try:
         found = consumer.committed([TopicPartition(t, p) for t, p in positions], timeout=10)
         return {(tp.topic, tp.partition): max(0, tp.offset) for tp in found}
@@ -173,23 +182,37 @@ class Cursor:
         metrics.REFETCHED.labels(self.name).inc(len(missed))
 
 
-def worker_topics(settings: Settings) -> list[str]:
-    """Every topic the stream worker's consumer group reads: the inputs and the decision logs."""
+def accounting_group(settings: Settings) -> str:
+    """The consumer group of the charge fold (apart from faust's, whose assignor differs)."""
+    return f"{settings.app_id}-accounting"
+
+
+def accounting_topics(settings: Settings) -> list[str]:
+    return [settings.topic(NODE_IPC.name), settings.topic(JOBS_LIFECYCLE.name)]
+
+
+def worker_groups(settings: Settings) -> dict[str, list[str]]:
+    """Every topic the stream worker reads, by consumer group: the charge fold's inputs, and the
+    faust agents' inputs and decision logs."""
     names = {t.name for t in (*ROUTED, NODE_POWER, CLUSTER_INVENTORY, NODE_LLC, ESTIMATES_DEGRADATION)}
-    return sorted(settings.topic(n) for n in (*names, POWER_LOG, PLACEMENT_LOG))
+    return {accounting_group(settings): accounting_topics(settings),
+            settings.app_id: sorted(settings.topic(n) for n in (*names, POWER_LOG, PLACEMENT_LOG))}
 
 
-def unconsumed(settings: Settings, topics: list[str], idle_s: float = 1.0) -> int:
-    """How many messages of ``topics`` lie after the stream worker group's committed offsets (read
+def unconsumed(settings: Settings, groups: dict[str, list[str]], idle_s: float = 1.0) -> int:
+    """How many messages of each group's topics lie after that group's committed offsets (read
     within ``idle_s``; 0 means the worker has handled, and committed, everything). Counts content,
     never end offsets, which are wrong on the bundled broker."""
     consumer = Consumer(settings.client_config(**{
         "group.id": f"{settings.app_id}-progress", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
     try:
         metadata = consumer.list_topics(timeout=10).topics
-        positions = [(t, p) for t in topics if t in metadata for p in metadata[t].partitions]
-        committed = committed_offsets(settings, positions)
-        consumer.assign([TopicPartition(t, p, committed[(t, p)]) for t, p in positions])
-        return sum(1 for m in consumer.consume(100_000, timeout=idle_s) if m.error() is None)
+        left = 0
+        for group, topics in groups.items():
+            positions = [(t, p) for t in topics if t in metadata for p in metadata[t].partitions]
+            committed = committed_offsets(settings, positions, group)
+            consumer.assign([TopicPartition(t, p, committed[(t, p)]) for t, p in positions])
+            left += sum(1 for m in consumer.consume(100_000, timeout=idle_s) if m.error() is None)
+        return left
     finally:
         consumer.close()

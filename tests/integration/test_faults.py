@@ -149,14 +149,14 @@ def test_worker_killed_while_starting_up_loses_nothing(kafka_bootstrap: str, tmp
 
 
 def _rebuilt_partitions(log: Path) -> set[int]:
-    """The partitions a worker's log says it rebuilt job states for (streams.app, rebuild)."""
+    """The partitions a worker's log says it rebuilt job states for (streams.fold_consumer)."""
     found = re.findall(r"rebuilt \d+ job states of partition (\d+)", log.read_text(errors="replace"))
     return {int(p) for p in found}
 
 
 def _assigned(log: Path) -> str:
-    """The worker's last partition assignment as its consumer logged it (empty before the first)."""
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if "newly assigned partitions" in ln]
+    """The charge fold's last partition assignment as the worker logged it (empty before the first)."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if "accounting: assigned" in ln]
     return lines[-1] if lines else ""
 
 

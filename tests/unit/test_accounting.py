@@ -249,3 +249,30 @@ def test_rebuilt_states_equal_an_uninterrupted_fold_and_resend_completed_charges
     acc, _ = _run(msgs)
     assert states[b"j1"] == acc
     assert [decode_model(Charge, o.value) for o in charges] == fold_messages(msgs, POLICY)
+
+
+def test_a_batch_without_running_estimates_publishes_none_and_the_later_one_is_the_same():
+    """The stream worker folds batches without building a running estimate each and publishes the
+    latest per job twice a second (streams.fold_consumer): that estimate must be, bit for bit, the
+    one the last batch would have published. Final estimates, with charges, are unchanged.
+    (Mutation: ignoring the flag, or running_estimate() reading another state, fails here.)"""
+    from factories import batch
+
+    from nodeshare.schemas import DegradationEstimate
+    from nodeshare.streams.accounting import apply_message
+
+    first = batch(*[block(1.0, 1.3, 1.01, job="j", cycle=c) for c in range(3)])
+    second = batch(*[block(0.9, 1.2, 0.92, job="j", cycle=c) for c in range(3, 6)], seq=1)
+    messages = as_messages([first, second], IPC)
+    each, lazy = None, None
+    for m in messages:
+        each, out_each, _ = apply_message(each, *m, POLICY)
+        lazy, out_lazy, _ = apply_message(lazy, *m, POLICY, running_estimates=False)
+        assert [o.topic for o in out_each] == ["estimates.degradation"] and out_lazy == []
+    assert lazy is not None and lazy.running_estimate(POLICY) == decode_model(DegradationEstimate, out_each[0].value)
+    rest = as_messages([left("j", "n1", 6, 5)], IPC, start=2) + as_messages([job_event("j", JobState.ENDED)], LIFE)
+    for m in rest:
+        each, out_each, _ = apply_message(each, *m, POLICY)
+        lazy, out_lazy, _ = apply_message(lazy, *m, POLICY, running_estimates=False)
+        assert out_lazy == out_each  # the marker's and the end's estimates, and the charge
+    assert any(o.topic == "ledger.charges" for o in out_lazy)

@@ -1,0 +1,256 @@
+"""The charge fold on confluent-kafka batches, inside the stream worker's process.
+
+faust hands every message to an agent through a task of its own; at the agents' 64-block batches
+that hand-over, faust's event loop and its consumer thread took a third of a busy worker (py-spy,
+`nodeshare bench stream`). The charge fold has no need of faust's machinery: it is one reducer per
+input partition. So it reads ``node.ipc`` and ``jobs.lifecycle`` with ``consume(n)`` in a thread of
+the worker (issue 24, item 6), with the same guarantees faust's agent had:
+
+* **Co-partitioned.** One consumer group of its own (``<app_id>-accounting``: faust's group uses
+  faust's assignor) with the range assignor, which gives a member partition p of both topics.
+* **Rebuilt on assignment.** Before consuming a partition, its job states are folded from offset 0
+  up to the group's committed offsets (in-memory state, no changelog), and the charges they
+  complete are sent again (the ledger's key absorbs copies).
+* **At least once, idempotent.** What a batch produced (charges, estimates, dead letters) is
+  flushed to the broker before the batch's offsets are committed; a crash replays at most the
+  uncommitted messages, which the reducer recognizes by offset. A consumed batch is applied whole
+  before the next ``consume``, where rebalance callbacks run, so a revoked partition's state is
+  never dropped with messages of it still in hand.
+* **Running estimates coalesced.** ``estimates.degradation`` is compacted by job: only a job's
+  latest estimate matters. A batch does not build one; every ``commit_interval_s`` the fold
+  publishes the estimate of each job whose blocks changed since, as its account stands (final
+  estimates, which come with charges, go at once). Placement sees every job at most that late, and
+  a busy worker builds and routes one estimate per job per interval instead of one per batch.
+* **Nothing skipped.** librdkafka delivers every offset of an assigned partition in order (faust
+  could drop messages around a rebalance, which ``streams.cursor`` repairs for its agents).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from nodeshare import logs, metrics
+from nodeshare.config import Settings
+from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.schemas.catalog import ESTIMATES_DEGRADATION, LEDGER_CHARGES
+from nodeshare.schemas.serde import encode
+
+from .accounting import JobAccount, Message, Origin, Outgoing, apply_message, fold_states
+from .cursor import accounting_group, accounting_topics, read_range
+
+log = logging.getLogger(__name__)
+
+#: Messages one ``consume`` call may return: at 64 blocks a message, about 0.1 s of the fold.
+MAX_MESSAGES = 500
+#: How often what was applied is made durable (producer flushed) and its offsets committed. Also
+#: how stale the group's committed offsets may be (the demo's progress check reads them).
+COMMIT_INTERVAL_S = 0.5
+
+
+def _job_id(key: bytes | None) -> str | None:
+    """A message key as a log field: input keys are job ids, but a bad message's key may be anything."""
+    return None if key is None else key[:64].decode("utf-8", "replace")
+
+
+class FoldConsumer:
+    """Folds the worker's input partitions into job accounts and publishes what the fold produces.
+
+    ``run(stop)`` consumes until ``stop`` is set; it raises on a fatal consumer error or an
+    undelivered output (the process must then exit: its supervisor restarts it, and the
+    uncommitted messages are read again).
+    """
+
+    def __init__(self, settings: Settings, *, max_messages: int = MAX_MESSAGES,
+                 commit_interval_s: float = COMMIT_INTERVAL_S) -> None:
+        self.settings = settings
+        self.policy = settings.policy()
+        self.prefix = settings.topic_prefix
+        self.max_messages = max_messages
+        self.commit_interval_s = commit_interval_s
+        self.states: dict[int, dict[bytes | None, JobAccount]] = {}
+        self.producer = EventProducer(settings, client_id="nodeshare-accounting")
+        self._pending: dict[tuple[str, int], int] = {}  # next offset to commit per (topic, partition)
+        self._position: dict[tuple[str, int], int] = {}  # next offset to apply per (topic, partition)
+        #: States of revoked partitions, with where they stopped: an eager rebalance revokes every
+        #: partition, and one that comes back with the group's offsets still there needs no rebuild.
+        self._parked: dict[int, tuple[dict[bytes | None, JobAccount], dict[str, int]]] = {}
+        self.rebuilds = 0
+        #: Jobs whose blocks changed since their last published estimate, by partition and key.
+        self._changed: dict[tuple[int, bytes | None], JobAccount] = {}
+
+    # ------------------------------------------------------------------ the loop
+
+    def consumer(self) -> Consumer:
+        return Consumer(self.settings.client_config(**{
+            "group.id": accounting_group(self.settings),
+            "partition.assignment.strategy": "range",  # partition p of both topics to one member
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": self.settings.session_timeout_ms,
+            "heartbeat.interval.ms": min(1000, self.settings.session_timeout_ms // 3),
+            "fetch.max.bytes": 52_428_800,
+            "fetch.wait.max.ms": 100,  # Tansu holds a fetch for its whole wait (streams/transport.py)
+        }))
+
+    def run(self, stop: threading.Event) -> None:
+        consumer = self.consumer()
+        consumer.subscribe(accounting_topics(self.settings), on_assign=self._on_assign,
+                           on_revoke=self._on_revoke, on_lost=self._on_lost)
+        committed_at = time.monotonic()
+        try:
+            while not stop.is_set():
+                batch = consumer.consume(self.max_messages, timeout=0.2)
+                for msg in batch:
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            continue
+                        if err.fatal():
+                            raise KafkaException(err)
+                        log.warning("accounting: consumer error: %s", err)
+                        continue
+                    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+                    assert topic is not None and partition is not None and offset is not None
+                    self.apply((Origin(topic, partition, offset), msg.key(), msg.value(), msg.timestamp()[1] / 1000))
+                    self._pending[(topic, partition)] = self._position[(topic, partition)] = offset + 1
+                if self._pending and time.monotonic() - committed_at >= self.commit_interval_s:
+                    self.commit(consumer)
+                    committed_at = time.monotonic()
+            self.commit(consumer)
+        finally:
+            consumer.close()  # leaves the group: the other members take the partitions at once
+
+    def apply(self, message: Message) -> None:
+        """One input message through the reducer; what it produced goes to the producer's queue."""
+        origin, key, value, ts = message
+        started = time.perf_counter()
+        jobs = self.states.setdefault(origin.partition, {})
+        account, out, blocks = apply_message(jobs.get(key), origin, key, value, ts, self.policy, self.prefix,
+                                             running_estimates=False)
+        if account is not None:
+            jobs[key] = account
+            if any(o.topic == ESTIMATES_DEGRADATION.name for o in out):  # a fresher one goes now
+                self._changed.pop((origin.partition, key), None)
+            elif blocks is not None and blocks.accepted + blocks.rejected:
+                self._changed[(origin.partition, key)] = account
+        metrics.EVENTS_IN.labels(origin.topic).inc()
+        if blocks is not None:
+            metrics.SHUTTER_BLOCKS.labels("accepted").inc(blocks.accepted)
+            metrics.SHUTTER_BLOCKS.labels("rejected").inc(blocks.rejected)
+            metrics.SHUTTER_BLOCKS.labels("refused").inc(blocks.refused)
+        self._publish(out, origin, key)
+        metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
+
+    def _publish(self, out: list[Outgoing], origin: Origin, key: bytes | None) -> None:
+        for o in out:
+            topic = self.settings.topic(o.topic)
+            self.producer.send_raw(topic, o.key, o.value)
+            metrics.EVENTS_OUT.labels(topic).inc()
+            if o.kind:
+                metrics.DEAD_LETTERS.labels(o.kind).inc()
+                log.warning("dead letter (%s) for %s[%d]@%d; `nodeshare dlq show` has the reason", o.kind,
+                            origin.topic, origin.partition, origin.offset, extra=logs.fields(
+                                kind=o.kind, topic=origin.topic, partition=origin.partition, job_id=_job_id(key)))
+            elif o.topic == LEDGER_CHARGES.name:
+                metrics.CHARGES_EMITTED.inc()
+                log.info("charge published", extra=logs.fields(job_id=_job_id(key), topic=origin.topic,
+                                                               partition=origin.partition))
+
+    def publish_estimates(self) -> None:
+        """The latest estimate of each job whose blocks changed since its last one."""
+        topic = self.settings.topic(ESTIMATES_DEGRADATION.name)
+        for (_, key), account in self._changed.items():
+            self.producer.send_raw(topic, key, encode(account.running_estimate(self.policy)))
+            metrics.EVENTS_OUT.labels(topic).inc()
+        self._changed.clear()
+
+    def commit(self, consumer: Consumer) -> None:
+        """Make what was applied durable, then commit its offsets (never the other way round)."""
+        self.publish_estimates()
+        if not self._pending:
+            return
+        self.producer.flush()  # raises DeliveryError if the broker did not take every output
+        offsets = [TopicPartition(t, p, o) for (t, p), o in self._pending.items()]
+        consumer.commit(offsets=offsets, asynchronous=False)
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ rebalances
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Rebuild each assigned partition's job states from the input topics up to the group's
+        committed offsets, where consumption resumes, and re-send the charges they complete."""
+        log.info("accounting: assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+        committed = consumer.committed(partitions, timeout=30)
+        stops = {(tp.topic, tp.partition): max(0, tp.offset) for tp in committed}
+        parked, self._parked = self._parked, {}
+        for partition in sorted({p for _, p in stops}):
+            mine = {t: s for (t, p), s in stops.items() if p == partition}
+            self._position.update({(t, partition): s for t, s in mine.items()})
+            if partition in parked and parked[partition][1] == mine:  # nobody consumed it meanwhile
+                self.states[partition] = parked[partition][0]
+                continue
+            messages: list[Message] = []
+            for (topic, p), stop in sorted(stops.items()):
+                if p == partition:
+                    messages += read_range(self.settings, topic, p, 0, stop)
+            rebuilt, charges = fold_states(messages, self.policy, self.prefix)
+            self.states[partition] = rebuilt
+            self.rebuilds += 1
+            log.warning("accounting: rebuilt %d job states of partition %d from %d input messages (up to %s); "
+                        "re-sending %d charges", len(rebuilt), partition, len(messages),
+                        ", ".join(f"{t}@{s}" for (t, p), s in sorted(stops.items()) if p == partition),
+                        len(charges), extra=logs.fields(partition=partition))
+            for o in charges:
+                self.producer.send_raw(self.settings.topic(o.topic), o.key, o.value)
+        self.producer.flush()
+        consumer.assign(partitions)
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Everything consumed was applied (callbacks run inside ``consume``): make it durable and
+        commit it, so the next owner resumes exactly after it; then forget the partitions."""
+        try:
+            self.commit(consumer)
+        except KafkaException as exc:  # the group moved on: the next owner re-reads what was not committed
+            log.warning("accounting: could not commit on revoke: %s", exc)
+            self._forget(partitions)
+            return
+        self._forget(partitions, park=True)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Partitions lost without a revoke (session timed out): another member owns them already."""
+        self.producer.flush()
+        self._pending = {tp: o for tp, o in self._pending.items() if tp[1] not in {p.partition for p in partitions}}
+        self._forget(partitions)
+
+    def _forget(self, partitions: list[TopicPartition], park: bool = False) -> None:
+        gone = {tp.partition for tp in partitions}
+        self._changed = {k: a for k, a in self._changed.items() if k[0] not in gone}
+        for p in gone:
+            state = self.states.pop(p, None)
+            here = {t: o for (t, q), o in self._position.items() if q == p}
+            if park and state is not None:
+                self._parked[p] = (state, here)
+            for t in here:
+                del self._position[(t, p)]
+
+
+class FoldThread(threading.Thread):
+    """Runs a FoldConsumer until ``stop`` is set; on failure it calls ``on_failure`` (the worker exits)."""
+
+    def __init__(self, fold: FoldConsumer, stop: threading.Event, on_failure: Callable[[BaseException], None]) -> None:
+        super().__init__(name="accounting", daemon=True)
+        self.fold = fold
+        self.stop_event = stop
+        self.on_failure = on_failure
+
+    def run(self) -> None:
+        try:
+            self.fold.run(self.stop_event)
+        except BaseException as exc:
+            log.exception("accounting: the charge fold failed; the worker stops")
+            self.on_failure(exc)
