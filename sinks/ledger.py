@@ -59,6 +59,8 @@ _COLUMNS: dict[str, str] = {
     "degradation_unfiltered": "DOUBLE",
     "degradation_corrected": "DOUBLE",
     "estimator": "VARCHAR NOT NULL",
+    "degradation_shared": "DOUBLE NOT NULL DEFAULT 0",  # schema 4; a record before it reads 0
+    "alone_s": "DOUBLE NOT NULL DEFAULT 0",  # schema 4
     "blocks_used": "INTEGER NOT NULL",
     "blocks_rejected": "INTEGER NOT NULL",
     "blocks_ignored": "INTEGER NOT NULL",
@@ -71,6 +73,9 @@ _COLUMNS: dict[str, str] = {
     "dividend": "DOUBLE NOT NULL",
     "code_version": "VARCHAR NOT NULL",
 }
+#: Columns added after the first ledgers were written: an older file gets them on open, filled with
+#: the value the older records read as (the model's default), so ``column_drift`` stays clean.
+_ADDED_COLUMNS = ("degradation_shared", "alone_s")
 _CHAIN_COLUMNS = ("record", "kafka_partition", "kafka_offset", "seq", "prev_hash", "row_hash")
 _DDL = (
     "CREATE TABLE IF NOT EXISTS charges ("
@@ -118,7 +123,10 @@ VIEWS: dict[str, str] = {
     # many of its shutters had a job of program b paused beside it (sinks/report.pair_degradation).
     "degradation_by_pair": """CREATE OR REPLACE VIEW degradation_by_pair AS
         SELECT a.program, b.program AS co_program, count(DISTINCT a.job_id) AS jobs,
-               sum(p.shutters) AS shutters, sum(p.shutters * a.degradation) / sum(p.shutters) AS degradation
+               sum(p.shutters) AS shutters,
+               -- D while sharing (schema 4's degradation_shared; D applied is never above it, and a
+               -- row before version 4 has 0 there and its D applied was the shared-time estimate)
+               sum(p.shutters * greatest(a.degradation, a.degradation_shared)) / sum(p.shutters) AS degradation
         FROM co_runners p
         JOIN charges_current a ON a.job_id = p.job_id
         JOIN charges_current b ON b.job_id = p.co_job_id
@@ -149,6 +157,9 @@ class Ledger:
         self.con = duckdb.connect(str(self.path), read_only=read_only)
         if not read_only:
             self.con.execute(_DDL)
+            for column in _ADDED_COLUMNS:
+                kind = _COLUMNS[column].replace(" NOT NULL", "")
+                self.con.execute(f'ALTER TABLE charges ADD COLUMN IF NOT EXISTS "{column}" {kind}')
             self.con.execute(_CO_RUNNER_DDL)
             for ddl in VIEWS.values():
                 self.con.execute(ddl)

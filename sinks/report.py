@@ -60,10 +60,12 @@ def co_runner_counts(archive_root: Path) -> dict[tuple[str, str], int]:
 
 
 def pair_degradation(charges: list[Charge], counts: dict[tuple[str, str], int]) -> tuple[list[str], np.ndarray]:
-    """Programs and the matrix M[a, b]: mean degradation of program a's jobs, weighted by how many
-    of their shutters had a job of program b paused beside them (NaN where never co-located)."""
+    """Programs and the matrix M[a, b]: mean degradation of program a's jobs while they shared a
+    node, weighted by how many of their shutters had a job of program b paused beside them (NaN
+    where never co-located). The shared-time D is ``degradation_shared`` (schema 4); a charge before
+    it has 0 there, and its D applied was that estimate: the larger of the two is the one."""
     program = {c.job_id: c.program for c in charges}
-    d = {c.job_id: c.degradation for c in charges if c.estimate_status.value == "ok"}
+    d = {c.job_id: max(c.degradation, c.degradation_shared) for c in charges if c.estimate_status.value == "ok"}
     programs = sorted(set(program.values()))
     index = {p: i for i, p in enumerate(programs)}
     weight = np.zeros((len(programs), len(programs)))

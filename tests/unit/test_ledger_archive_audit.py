@@ -334,3 +334,38 @@ def test_events_read_only_the_topics_asked_and_skip_an_emptied_topic(tmp_path):
     (tmp_path / "topic=node.ipc").mkdir()  # e.g. every date pruned
     got = [(topic, ev.key) for topic, ev in store.events(["jobs.lifecycle", "node.ipc"])]
     assert got == [("jobs.lifecycle", b"1")]
+
+
+def test_a_ledger_written_before_schema_4_gains_its_columns_and_stays_clean(tmp_path):
+    """A ledger file from before version 4 has no degradation_shared or alone_s column: opening it
+    adds both, filled with what its version-3 records read as (0), so no column drifts and the
+    chain holds; version-4 charges appended after carry their values. (Mutation: no ALTER, or the
+    columns filled with NULL, fails here.)"""
+    from nodeshare.sinks.ledger import GENESIS, chain_hash
+
+    _, ledger_path, n = build(tmp_path)
+    with Ledger(ledger_path) as ledger:
+        charges = ledger.charges()
+    assert any(c.alone_s > 0 for c in charges)  # the simulated jobs ran alone part of the time
+    old = tmp_path / "old.duckdb"
+    with duckdb.connect(str(old)) as con:  # the first half as a version-3 ledger held it
+        con.execute(f"ATTACH '{ledger_path}' AS src (READ_ONLY)")
+        con.execute("CREATE TABLE charges AS SELECT * EXCLUDE (degradation_shared, alone_s) FROM src.charges")
+        con.execute(f"DELETE FROM charges WHERE seq >= {n // 2}")
+        prev = GENESIS
+        for seq, record in con.execute("SELECT seq, record FROM charges ORDER BY seq").fetchall():
+            v3 = json.loads(record)
+            del v3["degradation_shared"], v3["alone_s"]
+            v3.update(schema_version=3, degradation=v3["degradation"])
+            text = json.dumps(v3, separators=(",", ":"))
+            row_hash = chain_hash(prev, text)
+            con.execute("UPDATE charges SET record = ?, prev_hash = ?, row_hash = ? WHERE seq = ?",
+                        [text, prev, row_hash, seq])
+            prev = row_hash
+    with Ledger(old) as ledger:
+        assert ledger.column_drift() == [] and ledger.verify_chain().ok
+        assert ledger.append([(c, encode(c), 0, i) for i, c in enumerate(charges)]) == n - n // 2
+        assert ledger.column_drift() == [] and ledger.verify_chain().ok
+        got = dict(ledger.con.execute("SELECT seq, alone_s FROM charges ORDER BY seq").fetchall())
+    assert [got[i] for i in range(n // 2)] == [0.0] * (n // 2)
+    assert [got[i] for i in range(n // 2, n)] == [c.alone_s for c in charges[n // 2:]]
