@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     partitions: Annotated[int, Field(ge=1, le=1024)] = 4
     app_id: str = Field("nodeshare", description="faust application id (consumer group of the power and placement "
                                                  "agents); the charge fold and the sinks derive their groups from it")
-    session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000  # BROKER.md: ~3 s to join at 6 s
+    session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000  # docs/broker.md: ~3 s to join at 6 s
     # How often the stream worker looks for messages faust skipped at a partition's end (streams.cursor)
     skip_check_interval_s: Annotated[float, Field(gt=0.0)] = 5.0
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L

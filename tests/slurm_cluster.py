@@ -1,4 +1,4 @@
-"""A real single-node Slurm (Debian's 22.05) in a temporary directory, as ../shared/SLURM.md
+"""A real single-node Slurm (Debian's 22.05) in a temporary directory, as docs/slurm.md
 describes: munged, slurmctld and slurmd started by hand, stopped by PID."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reading topics in tests: by content, with a deadline (never by end offsets: BROKER.md)."""
+"""Reading topics in tests: by content, with a deadline (never by end offsets: docs/broker.md)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .processes import Guard, Proc, Refused, send
 
-FREEZER_ROOT = Path("/sys/fs/cgroup/freezer")  # cgroup v1 (SLURM.md: this machine)
+FREEZER_ROOT = Path("/sys/fs/cgroup/freezer")  # cgroup v1 (docs/slurm.md: the test machine)
 FREEZE_DEADLINE_S = 0.5  # FREEZING that lasts longer is an error: the shutter is abandoned and all is thawed
 
 

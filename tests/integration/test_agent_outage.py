@@ -60,7 +60,7 @@ def test_the_agent_spools_through_a_broker_outage_and_loses_nothing(tmp_path: Pa
         assert cycles > 100, out  # it kept shuttering while the broker was stopped
         print("agent:", out.strip())
 
-        # Tansu's high watermark stops at the first record of a partition's last batch (BROKER.md):
+        # Tansu's high watermark stops at the first record of a partition's last batch (docs/broker.md):
         # one more record per partition makes the agent's last batch readable
         with EventProducer(settings, client_id="test-tail") as producer:
             for topic in ("node.shutter", "node.ipc"):

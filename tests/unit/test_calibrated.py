@@ -1,5 +1,6 @@
 """The workload library, the socket contention model and the calibrated simulator."""
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,9 +55,13 @@ def test_load_profiles_names_what_is_wrong(tmp_path: Path):
         load_profiles(f)
 
 
-@pytest.mark.skipif(not Path("../shared/data/llc_profiles_spec.csv").exists(), reason="real data not present")
+#: The 40 SPEC programs' measured profiles (pbbcache/cachesim's metrics.csv), where a site keeps them.
+REAL_PROFILES = Path(os.environ.get("NODESHARE_SPEC_PROFILES", "llc_profiles_spec.csv"))
+
+
+@pytest.mark.skipif(not REAL_PROFILES.exists(), reason="real data not present (set NODESHARE_SPEC_PROFILES)")
 def test_the_real_spec_profiles_load():
-    lib = load_profiles(Path("../shared/data/llc_profiles_spec.csv"))
+    lib = load_profiles(REAL_PROFILES)
     assert len(lib) == 40 and lib["milc06"].mem_stall > 0.4 and lib["namd06"].bw_gbps[-1] < 0.1
 
 

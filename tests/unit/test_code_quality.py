@@ -1,4 +1,4 @@
-"""ARCHITECTURE.md: ruff and mypy clean. Enforced here so CI keeps it so."""
+"""docs/architecture.md: ruff and mypy clean. Enforced here so CI keeps it so."""
 
 import shutil
 import subprocess
