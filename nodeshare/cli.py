@@ -392,6 +392,10 @@ def agent(
     drain_timeout: Annotated[float, typer.Option(
         min=0.0, help="at exit, seconds to wait for the broker to take what is spooled (the rest stays spooled)")]
     = 10.0,
+    power_caps: Annotated[bool, typer.Option(
+        help="apply decisions.power to this node's processor packages through powercap (needs root); every "
+        "limit changed is restored at exit, by the watchdog if the agent is killed")] = False,
+    powercap_root: Annotated[Path, typer.Option(help="the kernel's powercap tree")] = Path("/sys/class/powercap"),
     bootstrap: Bootstrap = None,
 ) -> None:
     """Run the node agent: POPPA's shutters on this node's real jobs; events go through a local spool."""
@@ -411,7 +415,8 @@ def agent(
     options = AgentOptions(
         node=node, spool=spool, sample_us=settings.sample_us,
         k=settings.samples_per_region, period_ms=settings.period_ms, spool_max_bytes=int(spool_max_mb * 2**20),
-        hardware_counters=hardware_counters, flush=settings.flush_policy())
+        hardware_counters=hardware_counters, flush=settings.flush_policy(), power_caps=power_caps,
+        powercap_root=powercap_root)
     try:
         the_agent = build(settings, options, job_file=jobs, slurm=slurm, progress_dir=progress_dir)
     except (ValueError, JobFileError) as exc:

@@ -30,6 +30,8 @@ SPOOL_EVENTS = Gauge("nodeshare_agent_spool_events", "Events in the agent's spoo
 SPOOL_BYTES = Gauge("nodeshare_agent_spool_bytes", "Bytes in the agent's spool not yet acknowledged by the broker")
 SHUTTER_SECONDS = Histogram("nodeshare_agent_shutter_seconds", "How long one shutter kept the co-runners paused",
                             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0))
+POWER_CAPS = Counter("nodeshare_agent_power_caps_total",
+                     "Power limits the agent wrote, by outcome (applied, restored, refused)", ["outcome"])
 SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters not taken, by reason", ["reason"])
 
 #: Dead-letter kinds: the label values of DEAD_LETTERS.

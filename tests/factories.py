@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from nodeshare.schemas import (
     encode,
     key_of,
 )
+from nodeshare.schemas.events import JobPowerPlan, PowerAction, PowerDecision, ProcessorCap
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
@@ -133,3 +135,41 @@ def alone_from_lifecycle(events: list) -> dict[tuple[str, str], float]:
                 alone += (end - at).total_seconds()
             out[(job, node)] = alone
     return out
+
+
+# --------------------------------------------------------------------------- power decisions and powercap
+
+
+def power_plan(job: str, *caps: tuple[str, int, float]) -> JobPowerPlan:
+    return JobPowerPlan(job_id=job, budget_watts=sum(w for _, _, w in caps),
+                        caps=tuple(ProcessorCap(node=n, processor=p, cap_watts=w) for n, p, w in caps))
+
+
+def power_decision(job: str, action: PowerAction, mine: JobPowerPlan | None = None,
+             updates: tuple[JobPowerPlan, ...] = ()) -> PowerDecision:
+    return PowerDecision(event_id=f"{job}-{action}", source="test", event_time=T0, job_id=job, action=action,
+                         plan=mine, running_updates=updates, machine_budget_watts=1000.0,
+                         machine_allocated_watts=0.0)
+
+
+def powercap_tree(root: Path, packages: int = 2, limit_uw: int = 125_000_000, max_uw: int = 150_000_000) -> Path:
+    """The kernel's layout of /sys/class/powercap for ``packages`` RAPL package domains."""
+    for p in range(packages):
+        d = root / f"intel-rapl:{p}"
+        d.mkdir(parents=True)
+        for name, value in (("name", f"package-{p}"), ("energy_uj", "0"), ("max_energy_range_uj", "262143328850"),
+                            ("constraint_0_name", "long_term"), ("constraint_0_power_limit_uw", str(limit_uw)),
+                            ("constraint_0_max_power_uw", str(max_uw)), ("constraint_0_time_window_us", "976")):
+            (d / name).write_text(value + "\n")
+        (root / f"intel-rapl:{p}:0").mkdir()  # a sub-domain (core): never written
+    return root
+
+
+def limit(root: Path, p: int) -> int:
+    """A package's limit. A plain file is truncated before it is written (sysfs is not), so a read
+    racing the agent's write can see it empty: read again."""
+    for _ in range(200):
+        if text := (root / f"intel-rapl:{p}" / "constraint_0_power_limit_uw").read_text():
+            return int(text)
+        time.sleep(0.005)
+    raise AssertionError(f"intel-rapl:{p}'s limit stayed empty")

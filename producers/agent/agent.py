@@ -38,6 +38,8 @@ from nodeshare.schemas import (
 from . import rapl
 from .jobs import JobSource, JobSpec, LocalJob
 from .pausing import FREEZER_ROOT, Pauser, Target
+from .power_decisions import CapFollower
+from .powercap import Powercap
 from .processes import Guard, Refused
 from .progress import ApplicationCounter, Counter, HardwareCounter, hardware_counters_unavailable, sample_between
 from .shutter import left_node, next_lone, shutter_window, triples
@@ -62,6 +64,8 @@ class AgentOptions:
     freezer_root: Path = FREEZER_ROOT
     hardware_counters: bool = True  # try perf_event_open before the application counter
     flush: FlushPolicy = field(default_factory=FlushPolicy)  # how blocks are batched per node.ipc message
+    power_caps: bool = False  # apply decisions.power to this node's packages (powercap), restored at exit
+    powercap_root: Path = rapl.POWERCAP
 
 
 @dataclass
@@ -102,7 +106,8 @@ def _signals_held() -> Iterator[None]:
 
 class Agent:
     def __init__(self, options: AgentOptions, source: JobSource, forwarder_factory: Callable[[Spool], Forwarder],
-                 topic: Callable[[str], str], *, sleep: Callable[[float], None] = time.sleep) -> None:
+                 topic: Callable[[str], str], *, sleep: Callable[[float], None] = time.sleep,
+                 cap_follower: Callable[[Powercap], CapFollower] | None = None) -> None:
         self.options = options
         self.source = source
         self.topic = topic
@@ -131,6 +136,12 @@ class Agent:
         self._power = rapl.package_domains()
         self.source.start()
         self._power_last: dict[int, tuple[int, float]] = {}
+        # Power caps from decisions.power: every limit changed is restored at exit, by the watchdog
+        # if the agent is killed, or at the next start if both died (the state file beside the spool)
+        self.powercap = Powercap(options.spool.with_name(options.spool.name + ".caps.json"), options.powercap_root,
+                                 on_originals=self.watchdog.hold_caps)
+        self.powercap.recover()
+        self.caps = cap_follower(self.powercap) if options.power_caps and cap_follower is not None else None
 
     # ------------------------------------------------------------------ publishing
 
@@ -324,6 +335,8 @@ class Agent:
         next_rescan = next_power = 0.0
         period = self.options.period_ms / 1000
         try:
+            if self.caps is not None:
+                self.caps.start()
             readings = self.power()
             if not self._power:
                 self._put(list(readings), reserve=True)  # said once: no numbers follow
@@ -362,6 +375,11 @@ class Agent:
         for counter in self.counters.values():
             counter.close()
         self.counters = {}
+        if self.caps is not None:
+            self.caps.stop()
+        restored = self.powercap.restore_all()  # what stays unrestored, the watchdog tries once more
+        if restored:
+            log.info("restored %d power limits", restored)
         self.watchdog.close()
         self.source.close()
         self.forwarder.close(drain_s)
@@ -388,4 +406,7 @@ def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm:
         return Forwarder(spool, lambda: EventProducer(settings, client_id=f"nodeshare-agent-{options.node}",
                                                       **{"message.timeout.ms": 0}))
 
-    return Agent(options, source, forwarder, settings.topic)
+    def caps(powercap: Powercap) -> CapFollower:
+        return CapFollower(settings, options.node, powercap)
+
+    return Agent(options, source, forwarder, settings.topic, cap_follower=caps)

@@ -1,10 +1,13 @@
-"""The shutter watchdog: an independent process that resumes what the agent paused if the agent dies.
+"""The shutter watchdog: an independent process that resumes what the agent paused, and restores
+the power limits it changed, if the agent dies.
 
 The agent holds the only write end of a pipe; the watchdog reads it. Before each pause the agent
-writes the set it is about to pause (one JSON line), after resuming it writes an empty set. Bytes
+writes the set it is about to pause (one JSON line), after resuming it writes an empty set; before
+it first changes a power limit it writes the limit's original value, and an empty map once it has
+restored them. Each line states everything, so the last one read is what needs undoing. Bytes
 written to a pipe outlive their writer, so however the agent ends (SIGKILL included) the watchdog
-reads the last set and then end-of-file, at once, and resumes that set. It runs in its own session,
-so a signal to the agent's process group does not take it down too.
+reads the last line and then end-of-file, at once, resumes that set and writes those limits back.
+It runs in its own session, so a signal to the agent's process group does not take it down too.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from .pausing import FREEZER_ROOT, Target, resume_all
+from .powercap import restore
 from .processes import Guard, Proc
 
 
@@ -35,26 +40,38 @@ class Watchdog:
             )
         finally:
             os.close(read_end)
+        self._lock = threading.Lock()  # the shutter loop and the power-cap follower both speak
+        self._paused: tuple[list[list[int]], list[str]] = ([], [])
+        self._caps: dict[str, int] = {}
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    def _say(self, procs: list[list[int]], cgroups: list[str]) -> None:
-        if self.process.poll() is not None:
-            raise WatchdogLost(f"the shutter watchdog (PID {self.pid}) exited with {self.process.returncode}")
-        data = (json.dumps({"procs": procs, "cgroups": cgroups}) + "\n").encode()
-        while data:
-            data = data[os.write(self._write_end, data):]
+    def _say(self, paused: tuple[list[list[int]], list[str]] | None = None,
+             caps: dict[str, int] | None = None) -> None:
+        with self._lock:
+            if self.process.poll() is not None:
+                raise WatchdogLost(f"the shutter watchdog (PID {self.pid}) exited with {self.process.returncode}")
+            self._paused = paused if paused is not None else self._paused
+            self._caps = caps if caps is not None else self._caps
+            data = (json.dumps({"procs": self._paused[0], "cgroups": self._paused[1], "caps": self._caps})
+                    + "\n").encode()
+            while data:
+                data = data[os.write(self._write_end, data):]
 
     def arm(self, targets: list[Target]) -> None:
         """Record what is about to be paused; call before pausing anything."""
-        self._say([p.encode() for t in targets for p in sorted(t.procs) if t.cgroup is None],
-                  [str(t.cgroup) for t in targets if t.cgroup is not None])
+        self._say(([p.encode() for t in targets for p in sorted(t.procs) if t.cgroup is None],
+                   [str(t.cgroup) for t in targets if t.cgroup is not None]))
 
     def disarm(self) -> None:
         """Nothing is paused any more."""
-        self._say([], [])
+        self._say(([], []))
+
+    def hold_caps(self, originals: dict[str, int]) -> None:
+        """The power limits changed so far and their original values (limit file -> µW)."""
+        self._say(caps=originals)
 
     def close(self, timeout: float = 5.0) -> None:
         os.close(self._write_end)
@@ -66,9 +83,10 @@ class Watchdog:
 
 
 def watch(read_fd: int, freezer_root: Path) -> int:
-    """Read paused sets until end-of-file, then resume the last one. Returns how many were resumed."""
+    """Read the agent's lines until end-of-file, then resume the last paused set and write back the
+    last power limits. Returns how many processes, cgroups and limits were put back."""
     guard = Guard(frozenset({os.getpid()}))
-    last: dict[str, list] = {"procs": [], "cgroups": []}
+    last: dict = {"procs": [], "cgroups": [], "caps": {}}
     pending = b""
     with os.fdopen(read_fd, "rb", buffering=0) as pipe:
         while chunk := pipe.read(65536):
@@ -77,13 +95,15 @@ def watch(read_fd: int, freezer_root: Path) -> int:
             for line in lines:
                 last = json.loads(line)
     procs = [Proc(pid, start) for pid, start in last["procs"]]
-    return resume_all(procs, [Path(c) for c in last["cgroups"]], guard, freezer_root)
+    resumed = resume_all(procs, [Path(c) for c in last["cgroups"]], guard, freezer_root)
+    return resumed + len(restore(last.get("caps", {})))
 
 
 def main() -> None:
     resumed = watch(int(sys.argv[1]), Path(sys.argv[2]))
     if resumed:
-        print(f"nodeshare watchdog: the agent ended during a shutter; resumed {resumed} processes/cgroups",
+        print(f"nodeshare watchdog: the agent ended with work to undo; resumed or restored {resumed} "
+              "processes, cgroups and power limits",
               file=sys.stderr)
 
 

@@ -1,0 +1,125 @@
+"""Power caps written through the Linux powercap interface, and always put back.
+
+The kernel exposes each processor package as ``/sys/class/powercap/intel-rapl:N`` with its
+long-term limit in ``constraint_0_power_limit_uw`` and the highest limit it accepts in
+``constraint_0_max_power_uw``. ``Powercap.set`` writes a cap the power manager decided
+(``streams.power.caps``); before the first write to a package it records the package's original
+limit, in memory, in a state file next to the agent's spool and through the watchdog, so the
+original comes back however the agent ends: ``restore_all`` on every exit path, the watchdog if the
+agent is killed, and the next start if both died (it restores what the state file still holds).
+As geopmd does: a cap is a lease, not a setting.
+
+A cap is refused, with the reason, when the package has no powercap domain, when it is outside
+0 < cap <= the package's maximum, or when the limit cannot be written (the agent needs root or
+CAP_SYS_ADMIN and a writable /sys): it is logged and counted, and the package keeps its limit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from .rapl import POWERCAP
+
+log = logging.getLogger(__name__)
+
+LIMIT = "constraint_0_power_limit_uw"
+MAX = "constraint_0_max_power_uw"
+
+
+class CapRefused(RuntimeError):
+    """A cap was not written; the message says why."""
+
+
+class Powercap:
+    """Writes package power limits under ``root`` and remembers the originals in ``state_file``."""
+
+    def __init__(self, state_file: Path, root: Path = POWERCAP,
+                 on_originals: Callable[[dict[str, int]], None] | None = None) -> None:
+        self.root = root
+        self.state_file = state_file
+        self.on_originals = on_originals  # the watchdog hears of every original before it is changed
+        self.originals: dict[str, int] = {}  # limit file -> its original value (µW)
+        self._lock = threading.Lock()
+
+    def _limit(self, processor: int) -> Path:
+        path = self.root / f"intel-rapl:{processor}" / LIMIT
+        if not path.exists():
+            raise CapRefused(f"processor {processor} has no powercap domain ({path} does not exist)")
+        return path
+
+    def set(self, processor: int, watts: float | None) -> None:
+        """Cap ``processor`` at ``watts``, or give it back its original limit (None)."""
+        with self._lock:
+            limit = self._limit(processor)
+            if watts is None:
+                original = self.originals.pop(str(limit), None)
+                if original is not None:
+                    self._write(limit, original)
+                    self._remember()
+                return
+            uw = round(watts * 1e6)
+            top = limit.with_name(MAX)
+            highest = int(top.read_text()) if top.exists() else None
+            if uw <= 0 or (highest is not None and uw > highest):
+                bound = f"{highest / 1e6:g} W" if highest is not None else "its maximum"
+                raise CapRefused(f"cap {watts:g} W for processor {processor} is outside (0, {bound}]")
+            if str(limit) not in self.originals:
+                self.originals[str(limit)] = int(limit.read_text())
+                self._remember()  # recorded before the first write, never after
+            self._write(limit, uw)
+
+    def _write(self, limit: Path, uw: int) -> None:
+        try:
+            limit.write_text(f"{uw}\n")
+        except OSError as exc:
+            raise CapRefused(f"cannot write {limit}: {exc.strerror or exc} (the agent needs root or "
+                             f"CAP_SYS_ADMIN and /sys/class/powercap writable)") from exc
+
+    def _remember(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.originals))
+        os.replace(tmp, self.state_file)
+        if self.on_originals is not None:
+            self.on_originals(dict(self.originals))
+
+    def restore_all(self) -> int:
+        """Every limit this agent changed back to its original; returns how many. A limit that
+        cannot be written back stays in the state file for the next start."""
+        with self._lock:
+            if not self.originals:
+                return 0
+            restored = restore(self.originals)
+            self.originals = {k: v for k, v in self.originals.items() if k not in restored}
+            self._remember()
+            if not self.originals:
+                self.state_file.unlink(missing_ok=True)
+            return len(restored)
+
+    def recover(self) -> int:
+        """At start: restore what a previous run's state file says it changed (it died before it could)."""
+        if not self.state_file.exists():
+            return 0
+        left = {str(k): int(v) for k, v in json.loads(self.state_file.read_text() or "{}").items()}
+        with self._lock:
+            self.originals = left
+        n = self.restore_all()
+        if n:
+            log.warning("restored %d power limits a previous run of the agent left changed", n)
+        return n
+
+
+def restore(originals: dict[str, int]) -> set[str]:
+    """Write each limit file's original value back; the files written (also the watchdog's)."""
+    done = set()
+    for path, uw in originals.items():
+        try:
+            Path(path).write_text(f"{uw}\n")
+            done.add(path)
+        except OSError as exc:
+            log.error("could not restore %s to %d µW: %s", path, uw, exc)
+    return done
