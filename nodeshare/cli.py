@@ -493,6 +493,41 @@ def slurm_source(
     out.print(f"published {sent} lifecycle events")
 
 
+@slurm_app.command("scheduler")
+def slurm_scheduler(
+    llc_ways: Annotated[int, typer.Option(min=1, help="LLC ways of each node's processors (Slurm does not know)")]
+    = 11,
+    mem_bandwidth_gbps: Annotated[float, typer.Option(
+        min=0.1, help="memory bandwidth of each node, GB/s (Slurm does not know)")] = 50.0,
+    duration: Annotated[float | None, typer.Option(min=0.0, help="stop after this many seconds")] = None,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Apply decisions.placement to Slurm: held jobs are pinned to the decided nodes and released.
+
+    Submit jobs held (sbatch --hold or a job_submit rule); publishes Slurm's nodes on
+    cluster.inventory first. While it is down, jobs stay held and no decision is lost."""
+    import threading
+
+    from nodeshare import logs, metrics
+    from nodeshare.producers.slurm_scheduler import SchedulerCommands, run_scheduler
+
+    settings = _settings(bootstrap=bootstrap)
+    _require_bootstrap(settings)
+    logs.configure(settings, "slurm-scheduler")
+    metrics.serve(settings.metrics_port, settings.metrics_addr)
+    stop = threading.Event()
+    if duration is not None:
+        threading.Timer(duration, stop.set).start()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        done = run_scheduler(settings, SchedulerCommands(), stop, llc_ways=llc_ways,
+                             mem_bandwidth_gbps=mem_bandwidth_gbps)
+    except RuntimeError as exc:  # a Slurm command failed (not reachable, not allowed)
+        err.print(f"[red]slurm scheduler[/red]: {exc}")
+        raise typer.Exit(3) from None
+    out.print(", ".join(f"{n} {k.replace('_', ' ')}" for k, n in done.outcomes.items()))
+
+
 @app.command()
 def workload(
     kind: Annotated[str, typer.Option(help="stream (memory-bound) or compute (cache-resident)")] = "stream",

@@ -32,6 +32,9 @@ SHUTTER_SECONDS = Histogram("nodeshare_agent_shutter_seconds", "How long one shu
                             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0))
 POWER_CAPS = Counter("nodeshare_agent_power_caps_total",
                      "Power limits the agent wrote, by outcome (applied, restored, refused)", ["outcome"])
+SLURM_PLACEMENTS = Counter("nodeshare_slurm_placements_total",
+                           "Placement decisions the Slurm adapter handled, by outcome (applied, kept_held, skipped, "
+                           "undecodable)", ["outcome"])
 SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters not taken, by reason", ["reason"])
 
 #: Dead-letter kinds: the label values of DEAD_LETTERS.

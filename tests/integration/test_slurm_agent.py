@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import local_slurm, missing
+from slurm_cluster import SHUTTER, local_slurm, missing, squeue_states
 
 from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
@@ -24,22 +24,8 @@ from nodeshare.schemas import JobState
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
 
-# This machine has 2 cores for everything. When the application counter's time was wall-clock
-# time, a job descheduled for a window read as slowed by its co-runner: fresh-clone CI saw
-# degradations of 0.91-0.99. Its time is now the job's CPU time, which stands still while it waits
-# (unfiltered degradations within ±2% in three runs). 20 ms windows still span several scheduler
-# slices, so a window is rarely all wait (then its rate rests on little CPU time), and the stream
-# worker starts only once the jobs have ended. A node that gives each job its own cores needs neither.
-SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100"}
-
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(missing() is not None, reason=str(missing()))]
-
-
-def squeue_states(env: dict[str, str], job_ids: list[str]) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%T"], env=env,
-                         capture_output=True, text=True, check=True)
-    return out.stdout.split()
 
 
 def test_two_slurm_jobs_sharing_a_node_are_shuttered_and_charged(settings: Settings, tmp_path: Path) -> None:
