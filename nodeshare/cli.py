@@ -396,6 +396,12 @@ def agent(
         help="apply decisions.power to this node's processor packages through powercap (needs root); every "
         "limit changed is restored at exit, by the watchdog if the agent is killed")] = False,
     powercap_root: Annotated[Path, typer.Option(help="the kernel's powercap tree")] = Path("/sys/class/powercap"),
+    resctrl: Annotated[bool, typer.Option(
+        help="give each job the LLC ways and memory bandwidth decisions.placement booked, through resctrl "
+        "(needs root and RDT); every group is removed at exit, by the watchdog if the agent is killed")] = False,
+    resctrl_root: Annotated[Path, typer.Option(help="where resctrl is mounted")] = Path("/sys/fs/resctrl"),
+    mem_bandwidth_gbps: Annotated[float, typer.Option(
+        min=0.0, help="this node's memory bandwidth in GB/s, for MBA percentages (0: no MBA)")] = 0.0,
     bootstrap: Bootstrap = None,
 ) -> None:
     """Run the node agent: POPPA's shutters on this node's real jobs; events go through a local spool."""
@@ -405,6 +411,7 @@ def agent(
     from nodeshare.producers.agent.agent import AgentOptions, build
     from nodeshare.producers.agent.jobs import JobFileError
     from nodeshare.producers.agent.processes import Refused
+    from nodeshare.producers.agent.resctrl import ResctrlUnavailable
     from nodeshare.producers.agent.watchdog import WatchdogLost
 
     settings = _settings(bootstrap=bootstrap)
@@ -416,10 +423,10 @@ def agent(
         node=node, spool=spool, sample_us=settings.sample_us,
         k=settings.samples_per_region, period_ms=settings.period_ms, spool_max_bytes=int(spool_max_mb * 2**20),
         hardware_counters=hardware_counters, flush=settings.flush_policy(), power_caps=power_caps,
-        powercap_root=powercap_root)
+        powercap_root=powercap_root, resctrl=resctrl, resctrl_root=resctrl_root, mem_bandwidth_gbps=mem_bandwidth_gbps)
     try:
         the_agent = build(settings, options, job_file=jobs, slurm=slurm, progress_dir=progress_dir)
-    except (ValueError, JobFileError) as exc:
+    except (ValueError, JobFileError, ResctrlUnavailable) as exc:
         err.print(f"[red]agent[/red]: {exc}")
         raise typer.Exit(2) from None
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwinds through the agent's resume-and-close paths

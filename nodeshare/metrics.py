@@ -32,6 +32,9 @@ SHUTTER_SECONDS = Histogram("nodeshare_agent_shutter_seconds", "How long one shu
                             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0))
 POWER_CAPS = Counter("nodeshare_agent_power_caps_total",
                      "Power limits the agent wrote, by outcome (applied, restored, refused)", ["outcome"])
+RESCTRL = Counter("nodeshare_agent_resctrl_total",
+                  "Per-job resctrl groups (LLC ways, memory bandwidth) the agent set, by outcome (applied, removed, "
+                  "refused)", ["outcome"])
 SLURM_PLACEMENTS = Counter("nodeshare_slurm_placements_total",
                            "Placement decisions the Slurm adapter handled, by outcome (applied, kept_held, skipped, "
                            "undecodable)", ["outcome"])

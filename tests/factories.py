@@ -19,7 +19,7 @@ from nodeshare.schemas import (
     encode,
     key_of,
 )
-from nodeshare.schemas.events import JobPowerPlan, PowerAction, PowerDecision, ProcessorCap
+from nodeshare.schemas.events import JobPowerPlan, PlacementDecision, PowerAction, PowerDecision, ProcessorCap
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
@@ -173,3 +173,27 @@ def limit(root: Path, p: int) -> int:
             return int(text)
         time.sleep(0.005)
     raise AssertionError(f"intel-rapl:{p}'s limit stayed empty")
+
+
+# --------------------------------------------------------------------------- placement decisions and resctrl
+
+
+def placement(job: str, nodes: tuple[str, ...], ways: int | None = None, gbps: float | None = None,
+              action: str = "place") -> PlacementDecision:
+    from nodeshare.schemas.events import PlacementAction
+
+    return PlacementDecision(event_id=f"p-{job}-{action}-{nodes}", source="test", event_time=T0, job_id=job,
+                             action=PlacementAction(action), policy="sns", nodes=nodes,
+                             cores_per_node=1 if nodes else None, llc_ways=ways, bandwidth_gbps=gbps, reason="test")
+
+
+def resctrl_tree(root: Path, ways: int = 11, caches: int = 2, mba: bool = True) -> Path:
+    """The kernel's layout of /sys/fs/resctrl: the default group's schemata and tasks, info/L3."""
+    (root / "info" / "L3").mkdir(parents=True)
+    (root / "info" / "L3" / "cbm_mask").write_text(f"{(1 << ways) - 1:x}\n")
+    lines = ["L3:" + ";".join(f"{i}={(1 << ways) - 1:x}" for i in range(caches))]
+    if mba:
+        lines.append("MB:" + ";".join(f"{i}=100" for i in range(caches)))
+    (root / "schemata").write_text("\n".join(lines) + "\n")
+    (root / "tasks").write_text("1\n")
+    return root

@@ -37,11 +37,13 @@ from nodeshare.schemas import (
 
 from . import rapl
 from .jobs import JobSource, JobSpec, LocalJob
+from .llc_decisions import LlcFollower
 from .pausing import FREEZER_ROOT, Pauser, Target
 from .power_decisions import CapFollower
 from .powercap import Powercap
 from .processes import Guard, Refused
 from .progress import ApplicationCounter, Counter, HardwareCounter, hardware_counters_unavailable, sample_between
+from .resctrl import RESCTRL, Resctrl
 from .shutter import left_node, next_lone, shutter_window, triples
 from .spool import Forwarder, Spool, SpoolFull
 from .watchdog import Watchdog
@@ -66,6 +68,9 @@ class AgentOptions:
     flush: FlushPolicy = field(default_factory=FlushPolicy)  # how blocks are batched per node.ipc message
     power_caps: bool = False  # apply decisions.power to this node's packages (powercap), restored at exit
     powercap_root: Path = rapl.POWERCAP
+    resctrl: bool = False  # give jobs the LLC ways and bandwidth of decisions.placement (resctrl), undone at exit
+    resctrl_root: Path = RESCTRL
+    mem_bandwidth_gbps: float = 0.0  # the node's memory bandwidth, for MBA percentages (0: no MBA)
 
 
 @dataclass
@@ -107,7 +112,8 @@ def _signals_held() -> Iterator[None]:
 class Agent:
     def __init__(self, options: AgentOptions, source: JobSource, forwarder_factory: Callable[[Spool], Forwarder],
                  topic: Callable[[str], str], *, sleep: Callable[[float], None] = time.sleep,
-                 cap_follower: Callable[[Powercap], CapFollower] | None = None) -> None:
+                 cap_follower: Callable[[Powercap], CapFollower] | None = None,
+                 llc_follower: Callable[[Resctrl], LlcFollower] | None = None) -> None:
         self.options = options
         self.source = source
         self.topic = topic
@@ -142,6 +148,14 @@ class Agent:
                                  on_originals=self.watchdog.hold_caps)
         self.powercap.recover()
         self.caps = cap_follower(self.powercap) if options.power_caps and cap_follower is not None else None
+        # Cache shares from decisions.placement: per-job resctrl groups, removed at exit (watchdog too)
+        self.resctrl: Resctrl | None = None
+        self.llc: LlcFollower | None = None
+        if options.resctrl and llc_follower is not None:
+            self.resctrl = Resctrl(options.resctrl_root, on_groups=self.watchdog.hold_groups)
+            if stale := self.resctrl.remove_all():
+                log.warning("removed %d resctrl groups a previous run of the agent left", stale)
+            self.llc = llc_follower(self.resctrl)
 
     # ------------------------------------------------------------------ publishing
 
@@ -335,8 +349,9 @@ class Agent:
         next_rescan = next_power = 0.0
         period = self.options.period_ms / 1000
         try:
-            if self.caps is not None:
-                self.caps.start()
+            for follower in (self.caps, self.llc):
+                if follower is not None:
+                    follower.start()
             readings = self.power()
             if not self._power:
                 self._put(list(readings), reserve=True)  # said once: no numbers follow
@@ -347,6 +362,8 @@ class Agent:
                     break
                 if tick >= next_rescan:
                     self.rescan()
+                    if self.llc is not None:
+                        self.llc.sync(self.jobs)
                     next_rescan = tick + self.options.rescan_s
                     if until_idle and not self.jobs and not self.state and self.forwarder.drain(timeout=0.2):
                         break
@@ -375,11 +392,14 @@ class Agent:
         for counter in self.counters.values():
             counter.close()
         self.counters = {}
-        if self.caps is not None:
-            self.caps.stop()
+        for follower in (self.caps, self.llc):
+            if follower is not None:
+                follower.stop()
         restored = self.powercap.restore_all()  # what stays unrestored, the watchdog tries once more
         if restored:
             log.info("restored %d power limits", restored)
+        if self.resctrl is not None and (removed := self.resctrl.remove_all()):
+            log.info("removed %d resctrl groups", removed)
         self.watchdog.close()
         self.source.close()
         self.forwarder.close(drain_s)
@@ -409,4 +429,7 @@ def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm:
     def caps(powercap: Powercap) -> CapFollower:
         return CapFollower(settings, options.node, powercap)
 
-    return Agent(options, source, forwarder, settings.topic, cap_follower=caps)
+    def llc(resctrl: Resctrl) -> LlcFollower:
+        return LlcFollower(settings, options.node, resctrl, options.mem_bandwidth_gbps)
+
+    return Agent(options, source, forwarder, settings.topic, cap_follower=caps, llc_follower=llc)

@@ -1,13 +1,14 @@
-"""The shutter watchdog: an independent process that resumes what the agent paused, and restores
-the power limits it changed, if the agent dies.
+"""The shutter watchdog: an independent process that resumes what the agent paused, restores the
+power limits it changed and removes the resctrl groups it made, if the agent dies.
 
 The agent holds the only write end of a pipe; the watchdog reads it. Before each pause the agent
 writes the set it is about to pause (one JSON line), after resuming it writes an empty set; before
 it first changes a power limit it writes the limit's original value, and an empty map once it has
-restored them. Each line states everything, so the last one read is what needs undoing. Bytes
-written to a pipe outlive their writer, so however the agent ends (SIGKILL included) the watchdog
-reads the last line and then end-of-file, at once, resumes that set and writes those limits back.
-It runs in its own session, so a signal to the agent's process group does not take it down too.
+restored them; before it makes a resctrl group, the groups it has. Each line states everything, so
+the last one read is what needs undoing. Bytes written to a pipe outlive their writer, so however
+the agent ends (SIGKILL included) the watchdog reads the last line and then end-of-file, at once,
+resumes that set, writes those limits back and removes those groups. It runs in its own session,
+so a signal to the agent's process group does not take it down too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from .pausing import FREEZER_ROOT, Target, resume_all
 from .powercap import restore
 from .processes import Guard, Proc
+from .resctrl import remove_group
 
 
 class WatchdogLost(RuntimeError):
@@ -43,20 +45,22 @@ class Watchdog:
         self._lock = threading.Lock()  # the shutter loop and the power-cap follower both speak
         self._paused: tuple[list[list[int]], list[str]] = ([], [])
         self._caps: dict[str, int] = {}
+        self._groups: list[str] = []
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def _say(self, paused: tuple[list[list[int]], list[str]] | None = None,
-             caps: dict[str, int] | None = None) -> None:
+             caps: dict[str, int] | None = None, groups: list[str] | None = None) -> None:
         with self._lock:
             if self.process.poll() is not None:
                 raise WatchdogLost(f"the shutter watchdog (PID {self.pid}) exited with {self.process.returncode}")
             self._paused = paused if paused is not None else self._paused
             self._caps = caps if caps is not None else self._caps
-            data = (json.dumps({"procs": self._paused[0], "cgroups": self._paused[1], "caps": self._caps})
-                    + "\n").encode()
+            self._groups = groups if groups is not None else self._groups
+            data = (json.dumps({"procs": self._paused[0], "cgroups": self._paused[1], "caps": self._caps,
+                                "resctrl": self._groups}) + "\n").encode()
             while data:
                 data = data[os.write(self._write_end, data):]
 
@@ -72,6 +76,10 @@ class Watchdog:
     def hold_caps(self, originals: dict[str, int]) -> None:
         """The power limits changed so far and their original values (limit file -> µW)."""
         self._say(caps=originals)
+
+    def hold_groups(self, groups: list[str]) -> None:
+        """The resctrl groups made so far (removed if the agent dies)."""
+        self._say(groups=groups)
 
     def close(self, timeout: float = 5.0) -> None:
         os.close(self._write_end)
@@ -96,14 +104,15 @@ def watch(read_fd: int, freezer_root: Path) -> int:
                 last = json.loads(line)
     procs = [Proc(pid, start) for pid, start in last["procs"]]
     resumed = resume_all(procs, [Path(c) for c in last["cgroups"]], guard, freezer_root)
-    return resumed + len(restore(last.get("caps", {})))
+    groups = sum(remove_group(Path(g)) for g in last.get("resctrl", []))
+    return resumed + len(restore(last.get("caps", {}))) + groups
 
 
 def main() -> None:
     resumed = watch(int(sys.argv[1]), Path(sys.argv[2]))
     if resumed:
         print(f"nodeshare watchdog: the agent ended with work to undo; resumed or restored {resumed} "
-              "processes, cgroups and power limits",
+              "processes, cgroups, power limits and resctrl groups",
               file=sys.stderr)
 
 

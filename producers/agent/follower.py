@@ -1,0 +1,77 @@
+"""A node agent's reader of a decision topic, from its start, caught up before it acts.
+
+The state a node must hold (power caps, cache shares) is a fold of every decision, and the agent
+undoes what it applied on exit, so each start folds the whole history again: every partition from
+its beginning, with a consumer group of its own that never commits. Records of the history are
+folded without acting (a decision superseded long ago must not flash on); once every partition is
+read to the end offset seen at start and a fetch then comes back empty, ``settle`` acts on what the
+history ends with, and each later record is folded live. The end offset alone is not enough (the
+bundled broker reports a batch's first offset as the end: docs/broker.md), nor is quiet time
+alone (a consumer still joining reads nothing for a while).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    """Subclasses implement ``handle(value, write)`` (fold one record; act on it when ``write``)
+    and ``settle()`` (act on what the history ends with)."""
+
+    topic_name = ""
+    purpose = ""
+
+    def __init__(self, settings: Any, node: str) -> None:
+        self.settings = settings
+        self.node = node
+        self.caught_up = threading.Event()  # the history is folded and settled
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def handle(self, value: bytes | None, write: bool) -> None:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        topic = self.settings.topic(self.topic_name)
+        consumer = Consumer(self.settings.client_config(**{
+            "group.id": f"{self.settings.app_id}-agent-{self.node}-{self.purpose}",  # never committed
+            "enable.auto.commit": False, "fetch.wait.max.ms": 100}))
+        try:
+            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in partitions}
+            behind = {p: high for p, (low, high) in ends.items() if high > low}  # history still to fold
+            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+            while not self._stop.is_set():
+                batch = [m for m in consumer.consume(500, timeout=0.2) if m.error() is None]
+                for m in batch:
+                    self.handle(m.value(), write=self.caught_up.is_set())
+                    if behind.get(m.partition(), 0) <= (m.offset() or 0) + 1:
+                        behind.pop(m.partition(), None)
+                if not self.caught_up.is_set() and not behind and not batch:
+                    self.settle()
+                    self.caught_up.set()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("%s: the follower stopped; what it applied is undone at exit", self.topic_name)
+        finally:
+            consumer.close()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name=f"follow-{self.purpose}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,83 @@
+"""The node agent applies the cache shares of ``decisions.placement`` through resctrl.
+
+Placement decisions book LLC ways and memory bandwidth per job and node (Seed 001); the agent
+folds them for its node (``streams.placement.resctrl.NodeShares``) from the topic's start as
+``follower.Follower`` reads, and at each rescan ``sync`` gives every running job with a share its
+resctrl group (``layout``: a contiguous run of ways of its own, MBA's percentage) holding its
+processes, and removes the groups of jobs that left. A write the kernel refuses (no permission, a
+schemata it rejects) is logged and counted; the job runs on with the whole cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from nodeshare import metrics
+from nodeshare.schemas import DecodeError, PlacementDecision, decode_model
+from nodeshare.schemas.catalog import DECISIONS_PLACEMENT
+from nodeshare.streams.placement.resctrl import NodeShares, layout
+
+from .follower import Follower
+from .jobs import LocalJob
+from .resctrl import Resctrl
+
+log = logging.getLogger(__name__)
+
+
+class LlcFollower(Follower):
+    """Folds ``decisions.placement`` for ``node``; ``sync`` applies the shares to running jobs."""
+
+    topic_name = DECISIONS_PLACEMENT.name
+    purpose = "llc"
+
+    def __init__(self, settings: Any, node: str, resctrl: Resctrl, node_gbps: float) -> None:
+        super().__init__(settings, node)
+        self.resctrl = resctrl
+        self.node_gbps = node_gbps
+        self.shares = NodeShares(node)
+        self._lock = threading.Lock()
+        self.refused: list[str] = []
+
+    def handle(self, value: bytes | None, write: bool) -> None:
+        try:
+            decision = decode_model(PlacementDecision, value)
+        except DecodeError as exc:
+            log.warning("decisions.placement: skipped a record that does not decode: %s", exc.reason)
+            return
+        with self._lock:
+            self.shares.apply(decision)
+
+    def settle(self) -> None:
+        """Nothing to write yet: ``sync`` does, on the agent's loop, where the jobs' processes are known."""
+
+    def sync(self, jobs: Mapping[str, LocalJob]) -> None:
+        """Give each running job its share, and take back the groups of jobs that left."""
+        if not self.caught_up.is_set():
+            return
+        with self._lock:
+            shares = dict(self.shares.shares)
+        wanted = layout(shares, jobs, self.resctrl.total_ways, self.node_gbps, self.resctrl.settings)
+        for job_id in self.resctrl.jobs():
+            if job_id not in wanted:
+                self.resctrl.remove(job_id)
+                metrics.RESCTRL.labels("removed").inc()
+        for job_id, setting in wanted.items():
+            if setting.overlaps and job_id not in self.resctrl.settings:
+                log.warning("job %s: no free run of %d LLC ways: it shares the highest ways", job_id,
+                            setting.mask.bit_count())
+            new = self.resctrl.settings.get(job_id) != setting
+            try:
+                self.resctrl.apply(job_id, setting, [p.pid for p in jobs[job_id].procs])
+            except OSError as exc:
+                self.refused.append(f"job {job_id}: {exc}")
+                metrics.RESCTRL.labels("refused").inc()
+                log.warning("job %s: resctrl refused (%s): it keeps the whole cache", job_id, exc)
+                self.resctrl.remove(job_id)
+                continue
+            if new:
+                metrics.RESCTRL.labels("applied").inc()
+                log.info("job %s: LLC ways %s, memory bandwidth %s", job_id, f"{setting.mask:#x}",
+                         f"{setting.mb_percent}%" if setting.mb_percent is not None else "unthrottled")
