@@ -622,16 +622,36 @@ def audit(
     archive: Annotated[Path, typer.Option(help="archive root directory")],
     ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    workers: Annotated[int | None, typer.Option(
+        min=1, help="recompute on a local Dask cluster of this many processes, one task per archive partition")]
+    = None,
+    scheduler: Annotated[str | None, typer.Option(
+        help="recompute on this Dask scheduler (tcp://host:8786), e.g. workers started as Slurm jobs by "
+        "dask-jobqueue; the archive and the ledger must be reachable from its workers")] = None,
 ) -> None:
     """Verify the ledger's hash chain and conservation, recompute every charge from the archive and
     compare. Exit 1 on any failure."""
     from nodeshare.sinks.audit import audit as run_audit
+    from nodeshare.sinks.audit import dask_client
 
     settings = _settings()
+    if workers is not None and scheduler is not None:
+        err.print("[red]audit[/red]: --workers starts a local cluster, --scheduler uses one: give one of them")
+        raise typer.Exit(2)
     try:
-        report = run_audit(archive, ledger, settings.policy())
+        with dask_client(workers, scheduler) as client, _progress() as bar:
+            task = bar.add_task("partitions audited", total=None, visible=client is not None)
+
+            def progress(done: int, total: int, samples: int) -> None:
+                bar.update(task, completed=done, total=total,
+                           description=f"partitions ({samples / 1e6:.1f} M samples)")
+            report = run_audit(archive.resolve(), ledger.resolve(), settings.policy(), client=client,
+                               progress=progress)
     except FileNotFoundError as exc:
         err.print(f"[red]audit failed[/red]: {exc}")
+        raise typer.Exit(2) from None
+    except (OSError, TimeoutError) as exc:  # connecting to the Dask scheduler
+        err.print(f"[red]audit failed[/red]: the Dask cluster is not reachable ({scheduler or 'local'}): {exc}")
         raise typer.Exit(2) from None
     if as_json:
         print(json.dumps(report.as_dict(), indent=2, default=str))

@@ -134,12 +134,40 @@ class ArchivedEvent:
 
 
 class ParquetArchive:
-    def __init__(self, root: Path) -> None:
+    """The archive under ``root``; with ``partitions``, a view of those input partitions only (what
+    one task of a distributed audit reads: a job's records live in one partition of each topic)."""
+
+    def __init__(self, root: Path, partitions: Iterable[int] | None = None) -> None:
         self.root = Path(root)
+        self.partitions = None if partitions is None else frozenset(partitions)
 
     def files(self, topic: str = "*") -> list[Path]:
-        """The archive's Parquet files (of one catalog topic, or all)."""
-        return sorted(self.root.glob(f"topic={topic}/date=*/p*.parquet"))
+        """The archive's Parquet files (of one catalog topic, or all; of the view's partitions)."""
+        found = sorted(self.root.glob(f"topic={topic}/date=*/p*.parquet"))
+        if self.partitions is None:
+            return found
+        return [f for f in found if (r := file_range(f)) is not None and r[0] in self.partitions]
+
+    def partitions_held(self, topics: Iterable[str]) -> list[int]:
+        """The input partitions the archive holds files of, for these topics."""
+        return sorted({r[0] for t in topics for f in self.files(t) if (r := file_range(f)) is not None})
+
+    def keys(self, topics: Iterable[str]) -> list[str]:
+        """The distinct message keys (job ids) of these topics' records, decoded."""
+        sources = ", ".join(self.sources_sql(t) for t in topics if self.files(t))
+        if not sources:
+            return []
+        rows = duckdb.connect().execute(
+            f"SELECT DISTINCT key FROM read_parquet([{sources}], union_by_name = true) WHERE key IS NOT NULL"
+        ).fetchall()
+        return sorted(bytes(k).decode(errors="replace") for (k,) in rows)
+
+    def sources_sql(self, topic: str = "*") -> str:
+        """The files of one topic (or all) for ``read_parquet([...])``, as quoted SQL strings: the
+        glob, or for a view of some partitions its files one by one."""
+        if self.partitions is None:
+            return f"'{self.glob_sql(topic)}'"
+        return ", ".join("'" + str(f).replace("'", "''") + "'" for f in self.files(topic))
 
     def high_water(self) -> dict[tuple[str, int], int]:
         """(catalog topic, partition) -> the highest offset archived (pruned ones included: the
@@ -194,7 +222,7 @@ class ParquetArchive:
             key_filter = "WHERE key IN (SELECT unnest(?))"
             params.append(list(keys))
         con = con if con is not None else duckdb.connect()
-        globs = ", ".join(f"'{self.glob_sql(t)}'" for t in wanted)  # only these topics' files are opened
+        globs = ", ".join(self.sources_sql(t) for t in wanted)  # only these topics' files are opened
         rows = con.execute(
             f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
                 FROM read_parquet([{globs}], hive_partitioning = true, union_by_name = true)
@@ -308,7 +336,7 @@ class ParquetArchive:
         if not self.files():
             return 0
         row = duckdb.connect().execute(
-            f"SELECT count(*) FROM read_parquet('{self.glob_sql()}', union_by_name = true)").fetchone()
+            f"SELECT count(*) FROM read_parquet([{self.sources_sql()}], union_by_name = true)").fetchone()
         return int(row[0]) if row else 0
 
 

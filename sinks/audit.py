@@ -7,8 +7,12 @@ charges look wrong), or the configured policy for a job the ledger lacks.
 
 from __future__ import annotations
 
+import logging
 import math
+import uuid
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
@@ -22,6 +26,8 @@ from nodeshare.streams.accounting import Message, Origin, PricingPolicy, fold_me
 from .archive import ParquetArchive
 from .fast_audit import fast_recompute
 from .ledger import Ledger
+
+log = logging.getLogger(__name__)
 
 #: Fields that describe where a charge was computed, not what it is.
 _PROVENANCE = frozenset({"source", "schema_version"})
@@ -104,24 +110,33 @@ def policy_of(charge: Charge) -> PricingPolicy:
                          rate_function=charge.rate_function, estimator=charge.estimator)
 
 
-def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, *, fast: bool = True) -> AuditReport:
-    """Verify the ledger against the archive. With ``fast``, the vectorized path recomputes the
-    clean jobs and the reference fold the rest, including every job where the two disagree with
-    the ledger; without it, the reference fold recomputes everything."""
-    with Ledger(ledger_path, read_only=True) as ledger:
-        ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
-        drift = ledger.column_drift()
-        chain = ledger.verify_chain()
-    archive = ParquetArchive(archive_root)
-    pruned = archive.retention()
-    beyond = {job for (job, _), c in ledger_rows.items()
-              if any(r.first_offset <= pruned.get((r.topic, r.partition), -1) for r in c.event_range)}
-    all_rows, ledger_rows = ledger_rows, {k: c for k, c in ledger_rows.items() if k[0] not in beyond}
+@dataclass
+class JobsAudit:
+    """One part of the audit: the ledger rows of some jobs recomputed and compared. ``checked``
+    holds each row's key and its differences (none: a match), in no particular order."""
+
+    checked: list[tuple[tuple[str, int], list[Mismatch]]] = field(default_factory=list)
+    missing: list[tuple[str, int]] = field(default_factory=list)  # recomputed, not in the ledger
+    held: set[str] = field(default_factory=set)  # the jobs whose ledger rows this part compared
+    fast_path_jobs: int = 0
+    reference_path_jobs: int = 0
+    samples: int = 0  # shutter samples the fast path checked
+
+
+def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charge], beyond: set[str],
+               default: PricingPolicy, fast: bool) -> JobsAudit:
+    """Recompute the charges ``archive`` (the whole archive, or a view of some partitions) yields
+    and compare them with ``ledger_rows`` (the rows of the jobs it holds, those beyond retention
+    left out). With ``fast``, the vectorized path recomputes the clean jobs and the reference fold
+    the rest, including every job where the two disagree with the ledger; without it, the
+    reference fold recomputes everything."""
     policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}
     recomputed: dict[tuple[str, int], Charge] = {}
     reference_jobs: set[str] | None = None  # None: every job
+    samples = 0
     if fast:
-        result = fast_recompute(archive_root, policies, default)
+        result = fast_recompute(archive.root, policies, default, archive.partitions)
+        samples = result.samples
         reference_jobs = set(result.ineligible)
         for key, charge in result.charges.items():
             row = ledger_rows.get(key)
@@ -135,24 +150,117 @@ def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, *, fast
     messages = archived_messages(archive, None if reference_jobs is None else {j.encode() for j in reference_jobs})
     fast_jobs = {k[0] for k in recomputed}
     recomputed.update(recompute(messages, policies, default))
+    part = JobsAudit(held={job for job, _ in ledger_rows}, fast_path_jobs=len(fast_jobs),
+                     reference_path_jobs=len(messages), samples=samples)
+    for key, row in ledger_rows.items():
+        again = recomputed.get(key)
+        part.checked.append((key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")]
+                             if again is None else diff_charges(row, again)))
+    part.missing = [k for k in recomputed if k not in ledger_rows and k[0] not in beyond]
+    return part
+
+
+def audit_partitions(archive_root: str, ledger_path: str, partitions: tuple[int, ...], beyond: set[str],
+                     default: PricingPolicy, fast: bool) -> JobsAudit:
+    """One task of a distributed audit: the jobs whose records these input partitions hold (a job
+    keyed by its id lives in one partition of each topic), their ledger rows read here (the
+    ledger file, read-only, must be reachable from the worker, as the archive is)."""
+    archive = ParquetArchive(Path(archive_root), partitions)
+    jobs = archive.keys([NODE_IPC.name, JOBS_LIFECYCLE.name])
+    with Ledger(Path(ledger_path), read_only=True) as ledger:
+        rows = {(c.job_id, c.revision): c for c in ledger.charges(jobs) if c.job_id not in beyond}
+    part = audit_jobs(archive, rows, beyond, default, fast)
+    part.held = set(jobs)
+    return part
+
+
+@contextmanager
+def dask_client(workers: int | None = None, scheduler: str | None = None) -> Iterator[Any]:
+    """A dask.distributed Client: of the scheduler at ``scheduler`` (a cluster the site runs, e.g.
+    dask-jobqueue's SLURMCluster), or of a LocalCluster of ``workers`` processes; None for neither."""
+    if scheduler is None and workers is None:
+        yield None
+        return
+    from distributed import Client, LocalCluster
+
+    if scheduler is not None:
+        with Client(scheduler, timeout=10) as client:
+            yield client
+        return
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        yield client
+
+
+#: Reports progress: (tasks done, tasks, shutter samples checked so far).
+AuditProgress = Callable[[int, int, int], None]
+
+
+def _distributed(client: Any, archive_root: Path, ledger_path: Path, beyond: set[str], default: PricingPolicy,
+                 fast: bool, progress: AuditProgress | None) -> list[JobsAudit] | None:
+    """One task per input partition on a Dask cluster; None when a job's records are found in two
+    tasks' partitions (topics not co-partitioned): the caller then audits in one process."""
+    from distributed import as_completed
+
+    partitions = ParquetArchive(archive_root).partitions_held([NODE_IPC.name, JOBS_LIFECYCLE.name])
+    futures = [client.submit(audit_partitions, str(archive_root), str(ledger_path), (p,), beyond, default, fast,
+                             key=f"nodeshare-audit-p{p}-{uuid.uuid4().hex[:8]}", pure=False) for p in partitions]
+    parts: list[JobsAudit] = []
+    samples = 0
+    for future in as_completed(futures):
+        part = future.result()
+        parts.append(part)
+        samples += part.samples
+        if progress is not None:
+            progress(len(parts), len(futures), samples)
+    seen: set[str] = set()
+    for part in parts:
+        if seen & part.held:
+            return None
+        seen |= part.held
+    return parts
+
+
+def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, *, fast: bool = True,
+          client: Any = None, progress: AuditProgress | None = None) -> AuditReport:
+    """Verify the ledger against the archive. The hash chain, the ledger's columns and
+    conservation are checked here, globally; the recomputation runs in this process, or with
+    ``client`` (a dask.distributed Client) as one task per input partition, merged into the
+    same report."""
+    with Ledger(ledger_path, read_only=True) as ledger:
+        ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
+        drift = ledger.column_drift()
+        chain = ledger.verify_chain()
+    archive = ParquetArchive(archive_root)
+    pruned = archive.retention()
+    beyond = {job for (job, _), c in ledger_rows.items()
+              if any(r.first_offset <= pruned.get((r.topic, r.partition), -1) for r in c.event_range)}
+    all_rows, ledger_rows = ledger_rows, {k: c for k, c in ledger_rows.items() if k[0] not in beyond}
+    parts = None
+    if client is not None:
+        parts = _distributed(client, archive_root, ledger_path, beyond, default, fast, progress)
+        if parts is None:
+            log.warning("a job's records are in two input partitions (topics not co-partitioned): "
+                        "auditing in one process")
+    if parts is None:
+        parts = [audit_jobs(archive, ledger_rows, beyond, default, fast)]
+    held = set().union(*(p.held for p in parts))
+    checked = [c for p in parts for c in p.checked]
+    checked += [(key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")])
+                for key in ledger_rows if key[0] not in held]  # jobs no partition holds
     report = AuditReport(events_read=archive.count(), chain_ok=chain.ok,
-                         fast_path_jobs=len(fast_jobs), reference_path_jobs=len(messages),
+                         fast_path_jobs=sum(p.fast_path_jobs for p in parts),
+                         reference_path_jobs=sum(p.reference_path_jobs for p in parts),
                          chain_error=chain.error,
                          conservation_violations=conservation_violations(list(all_rows.values())),
                          beyond_retention=len(all_rows) - len(ledger_rows))
     # A SQL column edited behind the record's back is tampering too: analysts read the columns.
     report.mismatches += [Mismatch(j, r, f"column {c}", v, want) for j, r, c, v, want in drift]
-    for key, row in sorted(ledger_rows.items()):
+    for _, diffs in sorted(checked, key=lambda c: c[0]):
         report.charges_checked += 1
-        again = recomputed.get(key)
-        if again is None:
-            report.mismatches.append(Mismatch(key[0], key[1], "*", "charged", "no charge from the archive"))
-            continue
-        diffs = diff_charges(row, again)
         report.mismatches += diffs
         report.matches += not diffs
-    report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(recomputed)
-                                if (j, r) not in ledger_rows and j not in beyond]
+    report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(m for p in parts for m in p.missing)]
     return report
 
 

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -142,11 +143,12 @@ class FastResult:
 
 
 def _source_sql(glob: str, files: list[Path], dedupe: bool) -> str:
-    """The node.ipc files as one relation with every typed column (null where a file has none),
-    with ``dedupe`` each offset once (a compaction in progress leaves copies)."""
+    """The node.ipc files (``glob``: quoted for ``read_parquet([...])``, ParquetArchive.sources_sql)
+    as one relation with every typed column (null where a file has none), with ``dedupe`` each
+    offset once (a compaction in progress leaves copies)."""
     names = [set(pq.read_schema(f).names) for f in files]
     if any("l_cycle" in n for n in names):  # the first one, but for old archives
-        source = f"read_parquet('{glob}', union_by_name = true)"
+        source = f"read_parquet([{glob}], union_by_name = true)"
         # typed columns added later (alone_us, version 4) are null in the files written before them
         later = [f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
                  for name, kind, _ in IPC_FIELDS if not any(name in n for n in names)]
@@ -156,7 +158,7 @@ def _source_sql(glob: str, files: list[Path], dedupe: bool) -> str:
         nulls = ", ".join([*(f"NULL::{'VARCHAR' if kind == pa.string() else 'BIGINT'} AS {name}"
                              for name, kind, _ in IPC_FIELDS), *(f"NULL::BIGINT[] AS {n}" for n in _LISTS)])
         plain = ", ".join(f'"{f.name}"' for f in ARCHIVE_SCHEMA)  # older typed columns are not trusted
-        source = f"(SELECT {plain}, {nulls} FROM read_parquet('{glob}', union_by_name = true))"
+        source = f"(SELECT {plain}, {nulls} FROM read_parquet([{glob}], union_by_name = true))"
     if dedupe:
         source = f'(SELECT * FROM {source} QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1)'
     return source
@@ -361,7 +363,7 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     files = archive.files(NODE_IPC.name)
     if not files:
         return [], 0, 0
-    glob = archive.glob_sql(NODE_IPC.name)
+    glob = archive.sources_sql(NODE_IPC.name)
     overlapping = _overlapping(files)
     source = _source_sql(glob, files, overlapping)
     # Removing copies loses the files' row order; only the order check needs it back.
@@ -417,8 +419,9 @@ def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | No
     return out, wrong_clock
 
 
-def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], default: PricingPolicy) -> FastResult:
-    archive = ParquetArchive(archive_root)
+def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], default: PricingPolicy,
+                   partitions: Iterable[int] | None = None) -> FastResult:
+    archive = ParquetArchive(archive_root, partitions)
     # The most common delta is the query's constant; only the others need a per-row lookup.
     common = Counter(p.delta for p in policies.values()).most_common(1)
     default_delta = common[0][0] if common else default.delta

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,8 +267,12 @@ class Ledger:
         row = self.con.execute("SELECT count(*) FROM charges").fetchone()
         return int(row[0]) if row else 0
 
-    def charges(self) -> list[Charge]:
-        """Every row, as the charge records that were published, in ledger order."""
+    def charges(self, jobs: Iterable[str] | None = None) -> list[Charge]:
+        """Every row (of these jobs), as the charge records that were published, in ledger order."""
+        if jobs is not None:
+            rows = self.con.execute("SELECT record FROM charges WHERE job_id IN (SELECT unnest(?)) ORDER BY seq",
+                                    [list(jobs)]).fetchall()
+            return [Charge.model_validate_json(r[0]) for r in rows]
         rows = self.con.execute("SELECT record FROM charges ORDER BY seq").fetchall()
         return [Charge.model_validate_json(r[0]) for r in rows]
 

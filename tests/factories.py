@@ -76,24 +76,28 @@ def job_event(job: str, state: JobState, *, nodes: tuple[str, ...] = ("n1",), co
     )
 
 
-def build(tmp: Path, *, batch: int = 400) -> tuple[Path, Path, int]:
+def build(tmp: Path, *, batch: int = 400, partitions: int = 1, jobs: int = 8) -> tuple[Path, Path, int]:
     """Archive a simulated run as the archive sink would, and price it into a ledger."""
-    sim = simulate(SimConfig(nodes=4, jobs=8, seed=5))
-    return archive_records(tmp, sim.events, batch=batch)
+    sim = simulate(SimConfig(nodes=4, jobs=jobs, seed=5))
+    return archive_records(tmp, sim.events, batch=batch, partitions=partitions)
 
 
-def archive_records(tmp: Path, records: list, *, batch: int = 400) -> tuple[Path, Path, int]:
-    """Archive records on partition 0 of their topics, as the archive sink would, and price them
-    into a ledger with the reference fold."""
-    offsets: dict[str, int] = {}
+def archive_records(tmp: Path, records: list, *, batch: int = 400, partitions: int = 1) -> tuple[Path, Path, int]:
+    """Archive records on their topics' partitions (Kafka's default partitioner: murmur2 of the
+    key; one partition: all on 0), as the archive sink would, and price them into a ledger with
+    the reference fold."""
+    from aiokafka.partitioner import murmur2
+
+    offsets: dict[tuple[str, int], int] = {}
     rows: dict[str, list[ArchivedEvent]] = {}
     for i, rec in enumerate(records):
         raw = rec if isinstance(rec, tuple) else (TOPIC_OF_RECORD[type(rec)].name, key_of(rec), encode(rec))
         topic, key, value = raw
-        off = offsets[topic] = offsets.get(topic, -1) + 1
+        p = 0 if partitions == 1 or key is None else (murmur2(key) & 0x7FFFFFFF) % partitions
+        off = offsets[(topic, p)] = offsets.get((topic, p), -1) + 1
         # the broker's timestamp: when the record was produced (its event time; raw bytes: T0)
         when = rec.event_time if not isinstance(rec, tuple) else T0
-        rows.setdefault(topic, []).append(ArchivedEvent(topic, 0, off, round(when.timestamp() * 1000) + i, key,
+        rows.setdefault(topic, []).append(ArchivedEvent(topic, p, off, round(when.timestamp() * 1000) + i, key,
                                                         value))
     archive = ParquetArchive(tmp / "archive")
     for topic, evs in rows.items():
