@@ -814,15 +814,23 @@ def bench_audit(
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/audit.json"),
     rounds: Annotated[int, typer.Option(min=1, help="alternating rounds of scan and audit (about 1.2 s each at "
                                                     "1 M blocks; the noisier the machine, the more)")] = 11,
+    workers: Annotated[str, typer.Option(
+        help="also time the audit as one Dask task per partition on local clusters of these many worker "
+        "processes, e.g. 1,2 ('' for none)")] = "1,2",
 ) -> None:
     """Samples per second the vectorized audit recomputes from a large archive made by the calibrated
     simulator, and its ratio to a plain DuckDB scan of the same files (medians over alternating rounds)."""
     from nodeshare.sinks.bench_audit import as_json, run_audit_bench
 
+    try:
+        counts = [int(w) for w in workers.split(",") if w.strip()]
+    except ValueError:
+        err.print(f"[red]bench audit[/red]: --workers takes numbers separated by commas, got {workers!r}")
+        raise typer.Exit(2) from None
     with _progress() as bar:
         task = bar.add_task("simulating the cluster", total=blocks)
         result = run_audit_bench(workdir, blocks, rounds, progress=lambda done: bar.update(
-            task, completed=min(done, blocks)))
+            task, completed=min(done, blocks)), workers=counts)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(as_json(result) + "\n")
     out.print(as_json(result))

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -51,6 +51,11 @@ class AuditBench:
     rounds: int
     machine: str
     date: str
+    # the same recomputation as one Dask task per archive partition on a LocalCluster of N worker
+    # processes (median seconds of the rounds, cluster start excluded)
+    samples_per_s_by_workers: dict[str, int] = field(default_factory=dict)
+    speedup_2_workers: float | None = None
+    partitions: int = 0
 
 
 #: A broker appends a record a few milliseconds after the agent stamped it (the archive keeps the
@@ -160,14 +165,48 @@ def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], Fa
     return scan, runs, result
 
 
+def _partition_task(root: str, partition: int) -> int:
+    """One distributed task: the fast recomputation of one partition; the samples it checked."""
+    return fast_recompute(Path(root), {}, PricingPolicy(), (partition,)).samples
+
+
+def _timed_workers(root: Path, workers: list[int], rounds: int) -> tuple[dict[int, float], int, int]:
+    """Median seconds of the recomputation as one task per partition on LocalClusters of each
+    number of workers (a first round warms every worker up and is not counted), the samples the
+    tasks checked, and the number of partitions."""
+    from nodeshare.sinks.audit import dask_client
+
+    partitions = ParquetArchive(root).partitions_held([NODE_IPC.name, JOBS_LIFECYCLE.name])
+    seconds: dict[int, float] = {}
+    samples = 0
+    for n in workers:
+        with dask_client(workers=n) as client:
+            runs = []
+            for r in range(rounds + 1):
+                t = time.perf_counter()
+                futures = [client.submit(_partition_task, str(root), p, pure=False) for p in partitions]
+                samples = sum(client.gather(futures))
+                if r:
+                    runs.append(time.perf_counter() - t)
+        seconds[n] = float(np.median(runs))
+    return seconds, samples, len(partitions)
+
+
 def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
-                    progress: Callable[[int], None] | None = None) -> AuditBench:
+                    progress: Callable[[int], None] | None = None, workers: list[int] | None = None) -> AuditBench:
     root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
+    by_workers: dict[int, float] = {}
+    partitions = 0
     try:
         jobs = write_simulated_archive(root, blocks, progress=progress)
         files = ParquetArchive(root).files()
         archive_mb = round(sum(f.stat().st_size for f in files) / 1e6, 1)
         scan, runs, result = _timed_rounds(root, rounds)
+        if workers:
+            by_workers, spread_samples, partitions = _timed_workers(root, workers, max(3, rounds // 2))
+            if spread_samples != result.samples:
+                raise RuntimeError(f"the partitions' tasks checked {spread_samples} samples, one process "
+                                   f"{result.samples}")
     finally:
         shutil.rmtree(root, ignore_errors=True)  # hundreds of MB at large sizes; the bench regenerates it
     if result.ineligible or len(result.charges) != jobs or result.parsed_rows:
@@ -185,6 +224,9 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
         ratio_range=(round(min(ratios), 4), round(max(ratios), 4)), rounds=rounds,
         machine=f"{platform.machine()}, {available_cores()} cores, Python {platform.python_version()}",
         date=datetime.now(UTC).date().isoformat(),
+        samples_per_s_by_workers={str(n): round(samples / t) for n, t in by_workers.items()},
+        speedup_2_workers=round(by_workers[1] / by_workers[2], 3) if {1, 2} <= by_workers.keys() else None,
+        partitions=partitions,
     )
 
 

@@ -146,6 +146,12 @@ def test_bench_audit_runs_and_reports_its_figures(tmp_path):
     # (audit_s is rounded to the millisecond)
     t = body["audit_s"]
     assert body["samples"] / (t + 5e-4) - 1 <= body["samples_per_s"] <= body["samples"] / max(t - 5e-4, 1e-9) + 1
+    # the same audit as one Dask task per partition on 1 and 2 local workers (default --workers 1,2)
+    import pytest
+
+    rates = body["samples_per_s_by_workers"]
+    assert set(rates) == {"1", "2"} and body["partitions"] == 4
+    assert body["speedup_2_workers"] == pytest.approx(rates["2"] / rates["1"], rel=1e-3)
 
 
 # ---------------------------------------------------------------- typed archive columns
