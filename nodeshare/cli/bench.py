@@ -1,0 +1,156 @@
+"""Benchmarks: each prints numbers and writes them to a JSON file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import (
+    Bootstrap,
+    err,
+    load_settings,
+    out,
+    progress_bar,
+    staged_progress,
+    write_bench,
+)
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print numbers and write them to a JSON file.")
+
+
+@bench_app.command("audit")
+def bench_audit(
+    blocks: Annotated[int, typer.Option(min=1000, help="about this many shutter blocks in the simulated archive")
+                      ] = 1_000_000,
+    workdir: Annotated[Path, typer.Option(help="where the simulated archive is written")] = Path("bench"),
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/audit.json"),
+    rounds: Annotated[int, typer.Option(min=1, help="alternating rounds of scan and audit (about 1.2 s each at "
+                                                    "1 M blocks; the noisier the machine, the more)")] = 11,
+    workers: Annotated[str, typer.Option(
+        help="also time the audit as one Dask task per partition on local clusters of these many worker "
+        "processes, e.g. 1,2 ('' for none)")] = "1,2",
+) -> None:
+    """Samples per second the vectorized audit recomputes from a large archive made by the calibrated
+    simulator, and its ratio to a plain DuckDB scan of the same files (medians over alternating rounds)."""
+    from nodeshare.sinks.bench_audit import as_json, run_audit_bench
+
+    try:
+        counts = [int(w) for w in workers.split(",") if w.strip()]
+    except ValueError:
+        err.print(f"[red]bench audit[/red]: --workers takes numbers separated by commas, got {workers!r}")
+        raise typer.Exit(2) from None
+    with progress_bar() as bar:
+        task = bar.add_task("simulating the cluster", total=blocks)
+        result = run_audit_bench(workdir, blocks, rounds, progress=lambda done: bar.update(
+            task, completed=min(done, blocks)), workers=counts)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(as_json(result) + "\n")
+    out.print(as_json(result))
+    out.print(f"wrote {out_file}")
+
+
+@bench_app.command("ledger")
+def bench_ledger(
+    windows: Annotated[int, typer.Option(min=1000, help="shutter windows to count")] = 100_000,
+    nodes: Annotated[int, typer.Option(min=1, help="nodes they come from")] = 1_000,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/ledger.json"),
+) -> None:
+    """Shutter windows per second the ledger sink decodes and counts into its co-runner table."""
+    from nodeshare.sinks.bench_ledger import run_ledger_bench
+
+    write_bench(run_ledger_bench(windows=windows, nodes=nodes), out_file)
+
+
+@bench_app.command("power")
+def bench_power(
+    repeats: Annotated[int, typer.Option(min=3, help="runs per measurement (median)")] = 15,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/power.json"),
+) -> None:
+    """PTune over 550 processors and one PPartition dispatch across 100 running jobs (median ms)."""
+    from nodeshare.experiments.power import bench_power as run
+
+    result = run(repeats=repeats)
+    write_bench(result, out_file)
+
+
+@bench_app.command("stream")
+def bench_stream(
+    blocks: Annotated[int, typer.Option(min=10_000, help="shutter blocks for the throughput run")] = 1_000_000,
+    rate: Annotated[float, typer.Option(min=100.0, help="shutter blocks per second offered in the latency run "
+                                                         "(48,000: a 10,000-node cluster)")] = 48_000.0,
+    seconds: Annotated[float, typer.Option(min=2.0, help="length of the latency run")] = 20.0,
+    per_message: Annotated[int, typer.Option(min=1, max=4096, help="blocks per node.ipc message (the agents' "
+                                                                   "default flush)")] = 64,
+    job_ends: Annotated[float, typer.Option(min=0.1, help="jobs ending per second in the latency run (80: above "
+                                                          "the busiest hour of a real trace, 50/s on 10,000 nodes)")]
+    = 80.0,
+    workdir: Annotated[Path, typer.Option(help="scratch space (removed after)")] = Path("bench"),
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/stream.json"),
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Shutter blocks per second through one stream worker, its ratio to a raw confluent-kafka
+    consumer of the same topic, and job-end to charge-row latency at a steady input rate."""
+    from nodeshare.bench_stream import as_dict, run_stream_bench
+
+    settings = load_settings(bootstrap=bootstrap)
+    with progress_bar() as bar:
+        result = run_stream_bench(settings, workdir, blocks=blocks, rate=rate, seconds=seconds,
+                                  per_message=per_message, job_ends=job_ends, progress=staged_progress(bar))
+    write_bench(as_dict(result), out_file)
+
+
+@bench_app.command("agent")
+def bench_agent(
+    jobs: Annotated[int, typer.Option(min=2, help="real workloads sharing the machine")] = 2,
+    seconds: Annotated[float, typer.Option(min=1.0, help="measured seconds per slot")] = 4.0,
+    slots: Annotated[int, typer.Option(min=2, help="slots without, and as many with, the agent (alternating)")]
+    = 10,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/agent.json"),
+    bootstrap: Bootstrap = None,
+) -> None:
+    """The node agent's overhead on real processes: its CPU use and the co-runners' dilation, vs Eq. 10."""
+    from nodeshare.deploy.broker import broker_for
+    from nodeshare.producers.agent.overhead import measure
+
+    settings = load_settings(bootstrap=bootstrap)
+    with broker_for(settings.bootstrap) as where, progress_bar() as bar:
+        task = bar.add_task("slot pairs", total=slots)
+        env = {**settings.model_copy(update={"bootstrap": where}).as_env(), "NODESHARE_CONFIG": ""}
+        result = measure(env, jobs=jobs, seconds=seconds, slots=slots,
+                         progress=lambda done, total: bar.update(task, completed=done))
+    write_bench(result, out_file)
+
+
+@bench_app.command("placement")
+def bench_placement(
+    repeats: Annotated[int, typer.Option(min=3, help="runs per measurement (median)")] = 5,
+    greedy_jobs: Annotated[int, typer.Option(min=2, help="queue size for greedy pairing")] = 1000,
+    blossom_jobs: Annotated[int, typer.Option(min=2, help="queue size for blossom matching")] = 200,
+    predict_jobs: Annotated[int, typer.Option(min=2, help="queue size for predicting every pair")] = 50,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/placement.json"),
+) -> None:
+    """Greedy pairing of 1,000 jobs, blossom matching of 200, predicting all pairs of 50 (median ms)."""
+    from nodeshare.experiments.pairing import bench_placement as run
+
+    result = run(repeats=repeats, greedy_jobs=greedy_jobs, blossom_jobs=blossom_jobs, predict_jobs=predict_jobs)
+    write_bench(result, out_file)
+
+
+@bench_app.command("simulate")
+def bench_simulate(
+    nodes: Annotated[int, typer.Option(min=1, help="cluster size")] = 10_000,
+    hours: Annotated[float, typer.Option(min=0.001, help="simulated time")] = 1.0,
+    keep: Annotated[Path | None, typer.Option(help="keep the typed Parquet event tables here")] = None,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/simulate.json"),
+) -> None:
+    """The calibrated simulator's speed: a full cluster's event stream (blocks, shutter windows,
+    lifecycle, job-left markers) written as typed Parquet; events per second of wall time."""
+    from nodeshare.experiments.poppa import bench_simulate as run
+
+    with progress_bar() as bar:
+        task = bar.add_task("simulated seconds", total=round(hours * 3600))
+        result = run(nodes=nodes, hours=hours, out_dir=keep,
+                     progress=lambda t, _span: bar.update(task, completed=round(t)))
+    write_bench(result, out_file)

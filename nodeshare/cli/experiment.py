@@ -1,0 +1,231 @@
+"""Experiments of the source papers: JSON and a PNG plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, cast
+
+import typer
+
+from .common import (
+    EstimatorOpt,
+    FullJson,
+    LibraryProfiles,
+    PeriodMs,
+    Programs,
+    SampleUs,
+    checked_estimator,
+    chosen_programs,
+    experiment_out,
+    program_library,
+    progress_bar,
+    staged_progress,
+)
+
+experiment_app = typer.Typer(no_args_is_help=True, help="Experiments of the source papers: JSON and a PNG plot.")
+
+
+@experiment_app.command("ptune")
+def experiment_ptune(
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/ptune.png"),
+    seed: Annotated[int, typer.Option(help="population and sampling seed")] = 4,
+    margin: Annotated[float, typer.Option(min=0.0, max=1.0, help="PTune's noise margin")] = 0.01,
+) -> None:
+    """PTune against uniform power on 16-128 processors from quartile mixes of a 600-chip population
+    (Seed 004, Fig. 13-14): run-time reduction and processors freed."""
+    from nodeshare.experiments.power import experiment_ptune as run
+    from nodeshare.experiments.power import plot_ptune
+
+    r = run(seed=seed, margin=margin)
+    experiment_out(r, as_json, png, plot_ptune, [
+        f"{r['configurations']} configurations (4 programs x 6 quartile mixes x 4 sizes x 4 budgets)",
+        f"run-time reduction vs uniform power: max {r['max_speedup_pct']:.1f}%, mean {r['mean_speedup_pct']:.1f}%, "
+        f"min {r['min_speedup_pct']:.1f}% ({r['slower_than_uniform']} slower than uniform)",
+        f"processors freed: max {r['max_freed_pct']:.1f}%, mean {r['mean_freed_pct']:.1f}%; "
+        f"uniform power kept (gain below the {margin:.0%} margin) in {r['uniform_kept']}"])
+
+
+@experiment_app.command("ppartition")
+def experiment_ppartition(
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/ppartition.png"),
+    seed: Annotated[int, typer.Option(help="population and queue seed")] = 4,
+    budget_watts: Annotated[float, typer.Option(min=1.0, help="the machine's power bound Pm/c")] = 28_000.0,
+    processors: Annotated[int, typer.Option(min=8, max=600, help="Nmax")] = 550,
+    admit: Annotated[str, typer.Option(help="fair (the paper) or throughput")] = "fair",
+) -> None:
+    """PPartition + PTune on a power-bounded machine fed by a job queue, against uniform capping at
+    Pm/c/Nmax, 75 W and TDP (Seed 004, Fig. 15-17): jobs started and machine throughput."""
+    from nodeshare.experiments.power import experiment_ppartition as run
+    from nodeshare.experiments.power import plot_ppartition
+    from nodeshare.streams.power.ppartition import PowerPolicy
+
+    if admit not in ("fair", "throughput"):
+        raise typer.BadParameter("must be 'fair' or 'throughput'", param_hint="--admit")
+    policy = PowerPolicy(admit=cast(Literal["fair", "throughput"], admit))
+    r = run(seed=seed, processors=processors, budget_w=budget_watts, policy=policy)
+    gains = ", ".join(f"{s['throughput_gain_pct']:+.1f}% vs uniform {s['cap_watts']:.0f} W ({s['jobs_scheduled']} jobs)"
+                      for s in r["uniform"].values())
+    experiment_out(r, as_json, png, plot_ppartition, [
+        f"{r['jobs_scheduled']} of {r['queue']['jobs']} jobs started on {r['processors_used']} processors at "
+        f"{r['allocated_watts']:.0f} W (admit={admit}); uniform Pm/c/Nmax: {r['jobs_scheduled_uniform']} jobs",
+        f"throughput: {gains}"])
+
+
+@experiment_app.command("pairwise")
+def experiment_pairwise(
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pairwise.png"),
+    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
+    profiles: LibraryProfiles = None,
+    programs: Programs = None,
+    sample_us: SampleUs = 3200,
+    period_ms: PeriodMs = 200,
+    estimator: EstimatorOpt = "refill_corrected",
+) -> None:
+    """Every pair co-located as in Seed 002 Section 7 on the calibrated simulator, charged by the
+    stream worker's fold: Fig. 10 (run-time prediction error % per estimator) and Fig. 11 (degradation %)."""
+    from nodeshare.experiments.poppa import experiment_pairwise as run
+    from nodeshare.experiments.poppa import plot_pairwise
+
+    lib = program_library(profiles)
+    with progress_bar() as bar:
+        bar.add_task("simulating and charging", total=None)
+        r = run(seed=seed, iterations=iterations, programs=chosen_programs(programs, lib, profiles), library=lib,
+                sample_us=sample_us, period_ms=period_ms, estimator=checked_estimator(estimator))
+    est = r["estimators"]
+    experiment_out(r, as_json, png, plot_pairwise, [
+        f"{r['pairs']} pairs, {r['runs']} completed runs; mean true degradation {r['mean_degradation_pct']:.1f}%",
+        *(f"{name:17s} MAE {s['mae_pct']:.2f}%  max |err| {s['max_abs_err_pct']:.2f}%  bias {s['bias_pct']:+.2f}%  "
+          f"pairs above 6%: {s['pairs_above_6_pct']}  worst {s['worst'][0]['job']} next to "
+          f"{s['worst'][0]['co_runner']}" for name, s in est.items()),
+        f"worst ten ({r['estimator']}): " + ", ".join(f"{w['job']}/{w['co_runner']} {w['err_pct']:+.1f}"
+                                                      for w in est[r['estimator']]['worst']),
+        f"applied estimator: {r['estimator']}"])
+
+
+@experiment_app.command("pricing")
+def experiment_pricing(
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pricing.png"),
+    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
+    profiles: LibraryProfiles = None,
+    programs: Programs = None,
+    sample_us: SampleUs = 3200,
+    period_ms: PeriodMs = 200,
+    estimator: EstimatorOpt = "refill_corrected",
+) -> None:
+    """Seed 002 Fig. 12: prices relative to the solo baseline under SOP, POPPA (the ledger's
+    charge) and the oracle, for every (program, co-runner)."""
+    from nodeshare.experiments.poppa import experiment_pricing as run
+    from nodeshare.experiments.poppa import plot_pricing
+
+    lib = program_library(profiles)
+    with progress_bar() as bar:
+        bar.add_task("simulating and charging", total=None)
+        r = run(seed=seed, iterations=iterations, programs=chosen_programs(programs, lib, profiles), library=lib,
+                sample_us=sample_us, period_ms=period_ms, estimator=checked_estimator(estimator))
+    experiment_out(r, as_json, png, plot_pricing, [
+        f"{r['jobs']} (program, co-runner) jobs from {r['runs']} runs; price / solo baseline:",
+        f"SOP    mean {r['sop_mean']:.4f}  min {r['sop_min']:.4f}  max {r['sop_max']:.4f}",
+        f"POPPA  mean {r['poppa_mean']:.4f}  min {r['poppa_min']:.4f}  max {r['poppa_max']:.4f}  ({r['estimator']})",
+        f"Oracle mean {r['oracle_mean']:.4f}  min {r['oracle_min']:.4f}  max {r['oracle_max']:.4f}",
+        f"POPPA - oracle: {r['poppa_minus_oracle_pp']:+.2f} pp; charged above the baseline: {r['overcharged_jobs']} "
+        f"jobs (mean surcharge {r['overcharge_mean_pct']:.2f}%), {r['overcharged_runs']} of {r['runs']} runs"])
+
+
+@experiment_app.command("pairing")
+def experiment_pairing(
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pairing.png"),
+    seed: Annotated[int, typer.Option(help="seed of the train/test split and the queues")] = 7,
+    queues: Annotated[int, typer.Option(min=1, help="random queues")] = 20,
+    jobs: Annotated[int, typer.Option(min=2, help="jobs per queue")] = 50,
+    trees: Annotated[int, typer.Option(min=1, help="trees of the Random Forest")] = 200,
+    profiles: LibraryProfiles = None,
+) -> None:
+    """Seed 003: a Random Forest predicts pairwise degradation from solo counter profiles; queues
+    paired greedily or by blossom matching, makespan against FIFO and FIFO-shared on 1-5 nodes."""
+    from nodeshare.experiments.pairing import experiment_pairing as run
+    from nodeshare.experiments.pairing import plot_pairing
+    from nodeshare.producers.workloads import BUILTIN
+
+    loaded = {k: w for k, w in program_library(profiles).items() if k not in BUILTIN}
+    with progress_bar() as bar:
+        task = bar.add_task("scheduling queues", total=queues)
+        r = run(seed=seed, queues=queues, jobs=jobs, profiles=loaded, trees=trees,
+                progress=lambda done, total: bar.update(task, completed=done))
+    m = r["makespan_vs_fifo_pct"]
+    experiment_out(r, as_json, png, plot_pairing, [
+        f"{len(r['programs'])} programs; Random Forest R2 {r['r2']:.3f} on {r['fit']['test_pairs']} held-out pairs "
+        f"(mean abs error {r['fit']['mae_pct_points']:.2f} points)",
+        f"makespan vs FIFO over {queues} queues of {jobs} jobs on {r['servers'][0]}-{r['servers'][-1]} nodes: "
+        + ", ".join(f"{p} {v:+.1f}%" for p, v in m.items()),
+        f"rf_blossom: {r['rf_blossom_pairs']} pairs, {r['rf_blossom_serialized']} serialized (slower shared)"])
+
+
+@experiment_app.command("sns")
+def experiment_sns(
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="job trace in Standard Workload Format")],
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/sns.png"),
+    scaling_ratio: Annotated[float, typer.Option(min=0.01, max=0.99, help="chance a job runs a scaling program")] = 0.5,
+    nodes: Annotated[int | None, typer.Option(min=1, help="simulated nodes (default: the trace's MaxNodes)")] = None,
+    min_procs: Annotated[int, typer.Option(min=1, help="keep jobs with at least this many trace processors")] = 36,
+    limit: Annotated[int | None, typer.Option(min=1, help="replay only the first N kept jobs")] = None,
+    alpha: Annotated[float, typer.Option(min=0.01, max=1.0, help="every job's slowdown threshold")] = 0.9,
+    age_limit_s: Annotated[float, typer.Option(min=0.0, help="wait after which a job blocks younger ones")] = 3600.0,
+    bandwidth_budget: Annotated[float, typer.Option(min=0.05, max=1.0,
+                                                    help="share of a node's peak bandwidth SNS hands out")] = 0.92,
+    seed: Annotated[int, typer.Option(help="seed of the job-to-program mapping")] = 7,
+) -> None:
+    """Seed 001 Section 6.4: a real trace replayed on a simulated cluster under CE, CS and SNS:
+    throughput (1 / mean turnaround), wait and run times, and alpha violations."""
+    from nodeshare.experiments.sns import experiment_sns as run
+    from nodeshare.experiments.sns import plot_sns
+
+    try:
+        with progress_bar() as bar:
+            progress = staged_progress(bar, "replaying under {}")
+            r = run(trace, scaling_ratio=scaling_ratio, nodes=nodes, min_procs=min_procs, limit=limit, alpha=alpha,
+                    age_limit_s=age_limit_s, seed=seed, bandwidth_budget=bandwidth_budget, progress=progress)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trace") from None
+    pol = r["policies"]
+    experiment_out(r, as_json, png, plot_sns, [
+        f"{r['jobs']} jobs of {trace.name} on {r['nodes']} nodes of {r['node']['cores']} cores "
+        f"(scaling ratio {scaling_ratio}: {100 * r['scaling_core_hours_share']:.0f}% of core-hours scaling)",
+        *(f"{p:<4} wait {v['mean_wait_s']:>9.0f} s  run {v['mean_run_s']:>9.0f} s  turnaround "
+          f"{v['mean_turnaround_s']:>9.0f} s  run/CE {v['run_vs_ce_geomean']:.3f}  "
+          f"alpha violations {v['alpha_violations']}" for p, v in pol.items()),
+        "throughput vs CE: " + ", ".join(f"{p} {g:+.1f}%" for p, g in r["throughput_gain_vs_ce_pct"].items())])
+
+
+@experiment_app.command("shutter")
+def experiment_shutter(
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/shutter.png"),
+    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    iterations: Annotated[int, typer.Option(min=1, help="runs per pair and shutter length")] = 3,
+    period_ms: Annotated[int, typer.Option(min=1, help="P")] = 200,
+) -> None:
+    """Seed 002 Figs. 5-9: accuracy and overhead for S from 200 us to 25.6 ms, NPB next to a
+    contentious (ADVECT3D) and a moderate (Swim) co-runner, and next to NULL against Eq. 10."""
+    from nodeshare.experiments.poppa import SHUTTER_US, plot_shutter
+    from nodeshare.experiments.poppa import experiment_shutter as run
+
+    with progress_bar() as bar:
+        task = bar.add_task("shutter lengths", total=len(SHUTTER_US))
+        r = run(seed=seed, iterations=iterations, period_ms=period_ms,
+                progress=lambda done, _total: bar.update(task, completed=done))
+    lines = ["overhead at S = 3200 us: " + ", ".join(f"{k} {v:.2f}%" for k, v in r["overhead_at_3200_pct"].items()),
+             f"simulated overhead next to NULL vs Eq. 10: max difference {r['eq10_max_abs_diff_pp']:.3f} pp",
+             "S (us)   " + "  ".join(f"{j}/{c[:6]:6s}" for c in r["co_runners"] for j in r["jobs"])]
+    for s_us in r["shutter_us"]:
+        cells = [next(x for x in r["rows"] if x["sample_us"] == s_us and x["job"] == j and x["co_runner"] == c)
+                 for c in r["co_runners"] for j in r["jobs"]]
+        lines.append(f"{s_us:>6}   " + "  ".join(f"{x['err_refill_corrected_pct']:+9.2f}" for x in cells))
+    experiment_out(r, as_json, png, plot_shutter, lines)

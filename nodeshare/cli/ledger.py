@@ -1,0 +1,195 @@
+"""The ledger and the archive: audit, charges, usage reports, report, archive housekeeping."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from .common import (
+    app,
+    err,
+    load_settings,
+    out,
+    print_machine_readable,
+    progress_bar,
+    split_values,
+)
+
+archive_app = typer.Typer(no_args_is_help=True, help="Archive housekeeping.")
+
+
+@app.command()
+def audit(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    workers: Annotated[int | None, typer.Option(
+        min=1, help="recompute on a local Dask cluster of this many processes, one task per archive partition")]
+    = None,
+    scheduler: Annotated[str | None, typer.Option(
+        help="recompute on this Dask scheduler (tcp://host:8786), e.g. workers started as Slurm jobs by "
+        "dask-jobqueue; the archive and the ledger must be reachable from its workers")] = None,
+) -> None:
+    """Verify the ledger's hash chain and conservation, recompute every charge from the archive and
+    compare. Exit 1 on any failure."""
+    from nodeshare.sinks.audit import audit as run_audit
+    from nodeshare.sinks.audit import dask_client
+
+    settings = load_settings()
+    if workers is not None and scheduler is not None:
+        err.print("[red]audit[/red]: --workers starts a local cluster, --scheduler uses one: give one of them")
+        raise typer.Exit(2)
+    try:
+        with dask_client(workers, scheduler) as client, progress_bar() as bar:
+            task = bar.add_task("partitions audited", total=None, visible=client is not None)
+
+            def progress(done: int, total: int, samples: int) -> None:
+                bar.update(task, completed=done, total=total,
+                           description=f"partitions ({samples / 1e6:.1f} M samples)")
+            report = run_audit(archive.resolve(), ledger.resolve(), settings.policy(), client=client,
+                               progress=progress)
+    except FileNotFoundError as exc:
+        err.print(f"[red]audit failed[/red]: {exc}")
+        raise typer.Exit(2) from None
+    except (OSError, TimeoutError) as exc:  # connecting to the Dask scheduler
+        err.print(f"[red]audit failed[/red]: the Dask cluster is not reachable ({scheduler or 'local'}): {exc}")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(report.as_dict(), indent=2, default=str))
+    else:
+        out.print(f"{report.charges_checked} charges checked against {report.events_read} archived events: "
+                  f"{report.matches} match, {len(report.mismatches)} mismatches, "
+                  f"{len(report.missing_in_ledger)} missing from the ledger")
+        for m in report.mismatches[:20]:
+            out.print(f"  {m.job_id}#{m.revision} {m.field}: ledger {m.ledger!r} != recomputed {m.recomputed!r}")
+        out.print("hash chain: " + ("intact" if report.chain_ok else f"[red]broken[/red]: {report.chain_error}"))
+        out.print("conservation (SOP = charged + dividend, 0 <= price <= SOP): "
+                  + ("holds" if report.conservation_ok else "[red]violated[/red]"))
+        for v in report.conservation_violations[:20]:
+            out.print(f"  {v}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def charges(
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+    user: Annotated[list[str] | None, typer.Option("--user", "-u", help="user(s), comma-separated")] = None,
+    account: Annotated[list[str] | None, typer.Option("--account", "-A", help="account(s), comma-separated")] = None,
+    starttime: Annotated[str | None, typer.Option("--starttime", "-S", help="YYYY-MM-DD[THH:MM[:SS]] (UTC)")] = None,
+    endtime: Annotated[str | None, typer.Option("--endtime", "-E", help="YYYY-MM-DD[THH:MM[:SS]] (UTC)")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-o", help="comma-separated columns")] = "",
+    parsable: Annotated[bool, typer.Option("--parsable2", "-P", help="'|'-separated, no trailing delimiter")] = False,
+    noheader: Annotated[bool, typer.Option("--noheader", "-n", help="no header line")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
+    all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
+) -> None:
+    """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime."""
+    from nodeshare.sinks.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
+    from nodeshare.sinks.usage import charges as query
+
+    try:
+        header, rows = query(
+            ledger, users=split_values(user), accounts=split_values(account),
+            start=parse_time(starttime) if starttime else None, end=parse_time(endtime) if endtime else None,
+            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions)
+    except (QueryError, FileNotFoundError) as exc:
+        err.print(f"[red]charges[/red]: {exc}  (columns: {', '.join(CHARGE_COLUMNS)})")
+        raise typer.Exit(2) from None
+    if not print_machine_readable(header, rows, as_json, parsable, noheader):
+        table = Table(show_header=not noheader, box=None)
+        for c in header:
+            table.add_column(c, justify="left" if c in ("JobID", "User", "Account", "Program", "State") else "right")
+        for r in rows:
+            table.add_row(*(render_value(c, v) for c, v in zip(header, r, strict=True)))
+        out.print(table)
+
+
+@app.command("report-usage")
+def report_usage(
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+    starttime: Annotated[str | None, typer.Option("--starttime", "-S", help="jobs that ended from (UTC)")] = None,
+    endtime: Annotated[str | None, typer.Option("--endtime", "-E", help="jobs that ended before (UTC)")] = None,
+    parsable: Annotated[bool, typer.Option("--parsable2", "-P", help="'|'-separated, no trailing delimiter")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
+) -> None:
+    """Standard price, charged and dividend by account and user, like
+    `sreport cluster AccountUtilizationByUser` (an account's total first, then its users)."""
+    from nodeshare.sinks.usage import USAGE_COLUMNS, QueryError, parse_time, usage_by_account
+
+    try:
+        rows = usage_by_account(ledger, parse_time(starttime) if starttime else None,
+                                parse_time(endtime) if endtime else None)
+    except (QueryError, FileNotFoundError) as exc:
+        err.print(f"[red]report-usage[/red]: {exc}")
+        raise typer.Exit(2) from None
+    if not print_machine_readable(USAGE_COLUMNS, rows, as_json, parsable):
+        table = Table(title="Usage by account and user (SU)", box=None)
+        for c in USAGE_COLUMNS:
+            table.add_column(c, justify="left" if c in ("Account", "Login") else "right")
+        for r in rows:
+            table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r))
+        out.print(table)
+
+
+@app.command()
+def report(
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
+    out_dir: Annotated[Path, typer.Option("--out", help="directory for the PNG files and index.html")],
+    archive: Annotated[Path | None, typer.Option(help="archive root (for the program-pair heatmap)")] = None,
+    truth: Annotated[Path | None, typer.Option(help="ground-truth parquet of a simulation (oracle prices)")] = None,
+) -> None:
+    """PNG plots and one HTML page: prices per program (with the oracle when truth exists),
+    degradation by program pair, dividend per account over time, estimator confidence."""
+    from nodeshare.sinks.report import build_report
+
+    try:
+        files = build_report(ledger, archive, out_dir, truth)
+    except (FileNotFoundError, ValueError) as exc:
+        err.print(f"[red]report failed[/red]: {exc}")
+        raise typer.Exit(2) from None
+    for p in (files.html, *files.pngs):
+        out.print(f"wrote {p}")
+
+
+@archive_app.command("compact")
+def archive_compact(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    min_rows: Annotated[int, typer.Option(min=1, help="merge until a file holds this many rows")] = 100_000,
+) -> None:
+    """Merge small archive files into large ones with scan-sized row groups (safe while the sink runs)."""
+    from nodeshare.sinks.archive import ParquetArchive
+
+    before, after = ParquetArchive(archive).compact(min_rows=min_rows)
+    out.print(f"{before} files -> {after} files")
+
+
+@archive_app.command("prune")
+def archive_prune(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    before: Annotated[str, typer.Option(help="remove the events of every date before this one (YYYY-MM-DD, UTC)")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would go, remove nothing")] = False,
+) -> None:
+    """Retention: remove archived events of whole dates. Charges computed from removed events stay
+    in the ledger; the audit then checks their hash chain and conservation, and counts them as
+    beyond retention instead of recomputing them."""
+    from datetime import date
+
+    from nodeshare.sinks.archive import ParquetArchive
+
+    try:
+        cutoff = date.fromisoformat(before)
+    except ValueError:
+        err.print(f"[red]--before[/red]: {before!r} is not a date (YYYY-MM-DD)")
+        raise typer.Exit(2) from None
+    if not archive.is_dir():
+        err.print(f"[red]no archive at[/red] {archive}")
+        raise typer.Exit(2)
+    pruned = ParquetArchive(archive).prune(cutoff, dry_run=dry_run)
+    span = f"{pruned.dates[0]} .. {pruned.dates[-1]}" if pruned.dates else "none"
+    verb = "would remove" if dry_run else "removed"
+    out.print(f"{verb} {pruned.events:,} events in {pruned.files} files (dates {span})")

@@ -1,0 +1,365 @@
+"""Running the pipeline: demo, broker, topics, schemas, worker, sinks, simulation, replay, decisions."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from nodeshare import __version__
+
+from .common import (
+    Bootstrap,
+    EngineOpt,
+    JobProfiles,
+    TimeScaleOpt,
+    TraceOpt,
+    app,
+    cluster_choice,
+    err,
+    load_settings,
+    out,
+    print_charges,
+    progress_bar,
+    require_bootstrap,
+    staged_progress,
+)
+
+topics_app = typer.Typer(no_args_is_help=True, help="The topic catalog on the broker.")
+
+
+schemas_app = typer.Typer(no_args_is_help=True, help="The record contract as JSON Schema.")
+
+
+sink_app = typer.Typer(no_args_is_help=True, help="Run a sink in the foreground.")
+
+
+config_app = typer.Typer(no_args_is_help=True, help="The effective configuration.")
+
+
+decisions_app = typer.Typer(no_args_is_help=True, help="Decision topics, as a scheduler sees them.")
+
+
+@config_app.command("show")
+def config_show(as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
+    """Print the effective configuration (defaults < config file < environment), secrets masked."""
+    from nodeshare.config import config_file
+
+    data = load_settings().masked()
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+        return
+    table = Table(title=f"Effective configuration (file: {config_file() or 'none'})")
+    table.add_column("key")
+    table.add_column("value")
+    for k, v in data.items():
+        table.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
+    out.print(table)
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    out.print(__version__)
+
+
+@app.command()
+def demo(
+    nodes: Annotated[int, typer.Option(min=1, help="simulated nodes")] = 6,
+    jobs: Annotated[int, typer.Option(min=1, help="simulated jobs")] = 12,
+    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+    engine: EngineOpt = "calibrated",
+    trace: TraceOpt = None,
+    profiles: JobProfiles = None,
+    time_scale: TimeScaleOpt = 1.0,
+    out_dir: Annotated[Path, typer.Option("--out", help="where the ledger, archive and logs go")] = Path(
+        "nodeshare-demo"),
+    timeout: Annotated[float, typer.Option(help="seconds to wait for every charge")] = 180.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Run the whole pipeline locally: simulator -> broker -> stream worker -> ledger + archive -> audit.
+
+    Uses the bundled Tansu broker unless a bootstrap server is configured.
+    """
+    from nodeshare.demo import DemoError, run_demo
+    from nodeshare.scenarios import source
+
+    settings = load_settings(bootstrap=bootstrap)
+    choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
+                             profiles=profiles, time_scale=time_scale)
+    with progress_bar() as bar:
+        try:
+            result = run_demo(settings, source(choice), out_dir, timeout_s=timeout, progress=staged_progress(bar))
+        except DemoError as exc:
+            err.print(f"[red]demo failed[/red]: {exc}")
+            raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2, default=str))
+    else:
+        print_charges(result.charges)
+        d = result.as_dict()
+        out.print(f"\n{d['jobs_ended']} jobs ended, {d['charges']} charges; "
+                  f"standard price {d['total_standard_price']:.4f} SU, charged {d['total_price']:.4f} SU, "
+                  f"co-location dividend {d['total_dividend']:.4f} SU")
+        verdict = "[green]0 mismatches[/green]" if result.audit.ok else (
+            f"[red]{d['audit_mismatches']} mismatches[/red]")
+        out.print(f"audit: {result.audit.charges_checked} charges recomputed from "
+                  f"{result.audit.events_read} archived events, {verdict}")
+        out.print(f"ledger:  {result.ledger}\narchive: {result.archive}\ntruth:   {result.truth}  "
+                  f"(ground truth, never read by pricing)\nbroker:  {result.broker} at {result.bootstrap}; "
+                  f"{result.elapsed_s:.1f} s")
+    if not result.audit.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def broker(port: Annotated[int | None, typer.Option(help="port on 127.0.0.1 (default: a free one)")] = None) -> None:
+    """Run the bundled Tansu broker in the foreground (in-memory storage) until Ctrl-C."""
+    from nodeshare.deploy.broker import BundledBroker
+
+    with BundledBroker(port=port) as b:
+        out.print(f"Tansu broker on {b.bootstrap} (pid {b.pid}); export NODESHARE_BOOTSTRAP={b.bootstrap}")
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+
+
+@topics_app.command("create")
+def topics_create(bootstrap: Bootstrap = None) -> None:
+    """Create every catalog topic that is missing (safe to run again)."""
+    from nodeshare.deploy.topics import create_topics
+
+    settings = load_settings(bootstrap=bootstrap)
+    require_bootstrap(settings)
+    for name, status in sorted(create_topics(settings).items()):
+        out.print(f"{status:8} {name}")
+
+
+@topics_app.command("describe")
+def topics_describe(bootstrap: Bootstrap = None) -> None:
+    """The catalog's topics as the broker has them: present, partitions, cleanup policy."""
+    from nodeshare.sinks.inspect import describe_topics
+
+    settings = load_settings(bootstrap=bootstrap)
+    require_bootstrap(settings)
+    table = Table(title=f"Topics on {settings.bootstrap}")
+    for col in ("topic", "exists", "partitions", "cleanup.policy", "expected"):
+        table.add_column(col)
+    for t in describe_topics(settings):
+        policy = t.cleanup_policy or "(not reported)"
+        flag = "" if t.cleanup_policy in (None, t.expected_cleanup_policy) else " [red](differs)[/red]"
+        table.add_row(t.name, "yes" if t.exists else "[red]missing[/red]", str(t.partitions or "-"),
+                      policy + flag, t.expected_cleanup_policy)
+    out.print(table)
+
+
+dlq_app = typer.Typer(no_args_is_help=True, help="The dead-letter topic.")
+
+
+@dlq_app.command("show")
+def dlq_show(
+    first: Annotated[int, typer.Option(min=0, help="how many records to show")] = 10,
+    idle: Annotated[float, typer.Option(help="stop after the topic has been quiet this many seconds")] = 3.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Dead letters by reason and origin, and the first records with their bytes."""
+    from nodeshare.sinks.inspect import preview, read_dead_letters
+
+    settings = load_settings(bootstrap=bootstrap)
+    require_bootstrap(settings)
+    summary = read_dead_letters(settings, first=first, idle_s=idle)
+    if as_json:
+        print(json.dumps(summary.as_dict(), indent=2))
+        return
+    out.print(f"{summary.total} dead letters on {settings.topic('dlq')}"
+              + (f" ({summary.undecodable} not readable as dead letters)" if summary.undecodable else ""))
+    reasons = Table(title="By reason")
+    reasons.add_column("count", justify="right")
+    reasons.add_column("reason")
+    for reason, n in summary.by_reason.most_common():
+        reasons.add_row(str(n), reason)
+    out.print(reasons)
+    records = Table(title=f"First {len(summary.first)}")
+    for col in ("origin", "reason", "field", "bytes"):
+        records.add_column(col)
+    for d in summary.first:
+        records.add_row(f"{d.origin_topic}[{d.origin_partition}]@{d.origin_offset}", d.reason, d.field or "",
+                        preview(d.value_b64))
+    out.print(records)
+
+
+@topics_app.command("list")
+def topics_list() -> None:
+    """Print the topic catalog."""
+    from nodeshare.schemas import TOPICS
+
+    settings = load_settings()
+    table = Table(title="Topics")
+    for col in ("topic", "key", "value", "partitions", "cleanup", "role", "what"):
+        table.add_column(col)
+    for t in TOPICS:
+        value = " | ".join(r.__name__ for r in t.record_types)
+        table.add_row(settings.topic(t.name), t.key_field, value, str(t.partitions or settings.partitions),
+                      t.cleanup_policy, t.role.value, t.description)
+    out.print(table)
+
+
+@schemas_app.command("export")
+def schemas_export(
+    directory: Annotated[Path | None, typer.Option("--dir", help="target directory")] = None,
+) -> None:
+    """Write one JSON Schema file per topic (default: the package's schemas/json)."""
+    from nodeshare.schemas.jsonschema import export_schemas, schema_dir
+
+    for path in export_schemas(directory or schema_dir()):
+        out.print(f"wrote {path}")
+
+
+@app.command()
+def worker(
+    datadir: Annotated[Path, typer.Option(help="faust data directory")] = Path(".nodeshare-worker"),
+    loglevel: Annotated[str, typer.Option(help="faust log level")] = "warning",
+    count_only: Annotated[bool, typer.Option("--count-only", hidden=True,
+                                             help="only count node.ipc messages (bench stream's yardstick)")] = False,
+) -> None:
+    """Run one stream worker (faust) in the foreground."""
+    from nodeshare.streams.app import run_worker
+    from nodeshare.streams.kafka_security import SecurityConfigError, faust_credentials
+
+    settings = load_settings()
+    require_bootstrap(settings)
+    try:
+        faust_credentials(settings.kafka)  # refuse settings faust cannot honour before connecting at all
+    except SecurityConfigError as exc:
+        err.print(f"[red]configuration error[/red]: kafka: {exc}")
+        raise typer.Exit(2) from None
+    run_worker(settings, datadir, loglevel, count_only)
+
+
+def _run_sink(sink: Any) -> None:
+    from nodeshare import logs, metrics
+
+    logs.configure(sink.settings, f"{sink.name}-sink")
+    metrics.serve(sink.settings.metrics_port, sink.settings.metrics_addr)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    sink.run(stop)
+
+
+@sink_app.command("ledger")
+def sink_ledger(ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+                bootstrap: Bootstrap = None) -> None:
+    """Consume ledger.charges into the DuckDB ledger (idempotent on job id and revision)."""
+    from nodeshare.producers.kafka_producer import EventProducer
+    from nodeshare.sinks.ledger import LedgerSink
+
+    settings = load_settings(bootstrap=bootstrap)
+    require_bootstrap(settings)
+    with EventProducer(settings, client_id="nodeshare-ledger-dlq") as dlq:
+        _run_sink(LedgerSink(settings, ledger, dead_letters=dlq))
+
+
+@sink_app.command("archive")
+def sink_archive(archive: Annotated[Path, typer.Option(help="archive root directory")] = Path("archive"),
+                 bootstrap: Bootstrap = None) -> None:
+    """Consume every input topic into the Parquet archive."""
+    from nodeshare.sinks.archive import ArchiveSink
+
+    settings = load_settings(bootstrap=bootstrap)
+    require_bootstrap(settings)
+    _run_sink(ArchiveSink(settings, archive))
+
+
+@app.command()
+def simulate(
+    nodes: Annotated[int, typer.Option(min=1)] = 6,
+    jobs: Annotated[int, typer.Option(min=1, help="jobs (with --trace: the first this many of the trace)")] = 12,
+    seed: int = 7,
+    engine: EngineOpt = "calibrated",
+    trace: TraceOpt = None,
+    profiles: JobProfiles = None,
+    time_scale: TimeScaleOpt = 1.0,
+    hours: Annotated[float | None, typer.Option(
+        min=0.0, help="stop after this much simulated time (default: when the last job ends)")] = None,
+    truth: Annotated[Path, typer.Option(help="where the ground truth goes")] = Path("truth.parquet"),
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Simulate a cluster and publish its events to the broker as they are made; ground truth goes to a file."""
+    from nodeshare.demo import write_truth
+    from nodeshare.producers.kafka_producer import EventProducer
+    from nodeshare.scenarios import stream
+
+    settings = load_settings(bootstrap=bootstrap)
+    require_bootstrap(settings)
+    choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
+                             profiles=profiles, time_scale=time_scale)
+    until = hours * 3600.0 if hours is not None else None
+    with progress_bar() as bar, EventProducer(settings, client_id="nodeshare-simulator") as producer:
+        # with a horizon the bar counts simulated seconds, else the jobs that ended
+        task = bar.add_task("simulated seconds" if until else "jobs ended", total=until)
+
+        def progress(t: float, done: int, total: int) -> None:
+            bar.update(task, completed=int(t) if until else done, total=until or total)
+
+        ended, sent = stream(choice, producer.send_all, until_s=until, progress=progress)
+    write_truth(ended, truth)
+    out.print(f"published {sent} events; {len(ended)} jobs ended; truth in {truth}")
+
+
+@app.command()
+def replay(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    bootstrap: Bootstrap = None,
+    topic_prefix: Annotated[str | None, typer.Option(help="prefix of the fresh target topics")] = None,
+) -> None:
+    """Re-publish the archive into a broker (original partition, order, key, bytes and timestamp),
+    creating the target topics first. Run a worker and sinks on them to rebuild every state."""
+    from nodeshare.deploy.topics import create_topics
+    from nodeshare.producers.replay import ReplayError
+    from nodeshare.producers.replay import replay as run_replay
+
+    settings = load_settings(bootstrap=bootstrap, topic_prefix=topic_prefix)
+    require_bootstrap(settings)
+    create_topics(settings)
+    with progress_bar() as bar:
+        task = bar.add_task("replaying", total=None)
+        try:
+            result = run_replay(archive, settings, progress=lambda done, total: bar.update(
+                task, completed=done, total=total))
+        except ReplayError as exc:
+            err.print(f"[red]replay failed[/red]: {exc}")
+            raise typer.Exit(2) from None
+    for topic, n in sorted(result.per_topic.items()):
+        out.print(f"{n:>10} {settings.topic(topic)}")
+    out.print(f"replayed {result.events} events")
+
+
+@decisions_app.command("tail")
+def decisions_tail(
+    topic: Annotated[str, typer.Option(help="decisions.power or decisions.placement")] = "decisions.power",
+    from_beginning: Annotated[bool, typer.Option("--from-beginning", help="also print past decisions")] = False,
+    limit: Annotated[int | None, typer.Option(min=1, help="stop after this many decisions")] = None,
+    idle_exit: Annotated[float | None, typer.Option(help="stop after this many seconds without a decision")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON record per line")] = False,
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Print decisions as they arrive, the way a scheduler subscribes to them."""
+    from nodeshare.sinks.inspect import tail_decisions
+
+    settings = load_settings(bootstrap=bootstrap)
+    require_bootstrap(settings)
+    if topic not in ("decisions.power", "decisions.placement"):
+        raise typer.BadParameter("must be decisions.power or decisions.placement", param_hint="--topic")
+    for line in tail_decisions(settings, topic, from_beginning=from_beginning, limit=limit, idle_exit_s=idle_exit,
+                               as_json=as_json):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
