@@ -21,8 +21,10 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from nodeshare.streams.placement.resctrl import Setting
+if TYPE_CHECKING:  # the watchdog imports this module: it stays free of the schemas and numpy
+    from nodeshare.streams.placement.resctrl import Setting
 
 log = logging.getLogger(__name__)
 
