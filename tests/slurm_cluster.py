@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -128,3 +129,14 @@ def squeue_states(env: dict[str, str], job_ids: list[str]) -> list[str]:
     out = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%T"], env=env,
                          capture_output=True, text=True, check=True)
     return out.stdout.split()
+
+
+def run_agent_until_idle(env: dict[str, str], settings_env: dict[str, str], spool: Path,
+                         progress: Path) -> subprocess.CompletedProcess[str]:
+    """The node agent on this Slurm's jobs (``--slurm``, with SHUTTER) until every job has ended."""
+    agent = subprocess.run(
+        [sys.executable, "-m", "nodeshare", "agent", "--slurm", "--spool", str(spool),
+         "--progress-dir", str(progress), "--until-idle"],
+        env={**env, "NODESHARE_CONFIG": "", **settings_env, **SHUTTER}, capture_output=True, text=True, timeout=120)
+    assert agent.returncode == 0, agent.stderr
+    return agent

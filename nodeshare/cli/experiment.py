@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import typer
 
@@ -73,6 +73,18 @@ def experiment_ppartition(
         f"throughput: {gains}"])
 
 
+def _simulate_and_charge(run: Any, seed: int, iterations: int, profiles: Path | None, programs: str | None,
+                         sample_us: int, period_ms: int, estimator: str) -> dict[str, Any]:
+    """Seed 002's pairwise runs on the calibrated simulator, charged by the worker's fold (pairwise, pricing)."""
+    lib = program_library(profiles)
+    with progress_bar() as bar:
+        bar.add_task("simulating and charging", total=None)
+        result: dict[str, Any] = run(seed=seed, iterations=iterations, library=lib,
+                                     programs=chosen_programs(programs, lib, profiles), sample_us=sample_us,
+                                     period_ms=period_ms, estimator=checked_estimator(estimator))
+    return result
+
+
 @experiment_app.command("pairwise")
 def experiment_pairwise(
     as_json: FullJson = False,
@@ -90,11 +102,7 @@ def experiment_pairwise(
     from nodeshare.experiments.poppa import experiment_pairwise as run
     from nodeshare.experiments.poppa import plot_pairwise
 
-    lib = program_library(profiles)
-    with progress_bar() as bar:
-        bar.add_task("simulating and charging", total=None)
-        r = run(seed=seed, iterations=iterations, programs=chosen_programs(programs, lib, profiles), library=lib,
-                sample_us=sample_us, period_ms=period_ms, estimator=checked_estimator(estimator))
+    r = _simulate_and_charge(run, seed, iterations, profiles, programs, sample_us, period_ms, estimator)
     est = r["estimators"]
     experiment_out(r, as_json, png, plot_pairwise, [
         f"{r['pairs']} pairs, {r['runs']} completed runs; mean true degradation {r['mean_degradation_pct']:.1f}%",
@@ -123,11 +131,7 @@ def experiment_pricing(
     from nodeshare.experiments.poppa import experiment_pricing as run
     from nodeshare.experiments.poppa import plot_pricing
 
-    lib = program_library(profiles)
-    with progress_bar() as bar:
-        bar.add_task("simulating and charging", total=None)
-        r = run(seed=seed, iterations=iterations, programs=chosen_programs(programs, lib, profiles), library=lib,
-                sample_us=sample_us, period_ms=period_ms, estimator=checked_estimator(estimator))
+    r = _simulate_and_charge(run, seed, iterations, profiles, programs, sample_us, period_ms, estimator)
     experiment_out(r, as_json, png, plot_pricing, [
         f"{r['jobs']} (program, co-runner) jobs from {r['runs']} runs; price / solo baseline:",
         f"SOP    mean {r['sop_mean']:.4f}  min {r['sop_min']:.4f}  max {r['sop_max']:.4f}",

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SHUTTER, local_slurm, missing, squeue_states
+from slurm_cluster import local_slurm, missing, run_agent_until_idle, squeue_states
 
 from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
@@ -58,12 +58,7 @@ def test_two_slurm_jobs_sharing_a_node_are_shuttered_and_charged(settings: Setti
             lifecycle = threading.Thread(target=lambda: published.append(
                 run_source(source, publish, poll_s=0.5, stop=stop.is_set)))
             lifecycle.start()
-            agent = subprocess.run(
-                [sys.executable, "-m", "nodeshare", "agent", "--slurm", "--spool", str(tmp_path / "spool.db"),
-                 "--progress-dir", str(progress), "--until-idle"],
-                env={**env, "NODESHARE_CONFIG": "", **settings.as_env(), **SHUTTER},
-                capture_output=True, text=True, timeout=120)
-            assert agent.returncode == 0, agent.stderr
+            agent = run_agent_until_idle(env, settings.as_env(), tmp_path / "spool.db", progress)
             # the stream worker starts once the jobs have ended (see SHUTTER): it then reads it all
             with running_pipeline(settings, tmp_path / "run") as pipeline:
                 pipeline.wait(charges=2, archived=0, timeout_s=90, report=lambda *_: None)

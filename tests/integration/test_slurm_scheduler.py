@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SHUTTER, local_slurm, missing, squeue_states
+from slurm_cluster import local_slurm, missing, run_agent_until_idle, squeue_states
 
 from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
@@ -73,12 +73,7 @@ def test_held_slurm_jobs_are_placed_by_the_placement_manager_then_shuttered_and_
                 where = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%N"], env=env,
                                        capture_output=True, text=True, check=True).stdout.split()
                 assert where == [host, host]  # side by side on the node the decisions named
-                agent = subprocess.run(
-                    [sys.executable, "-m", "nodeshare", "agent", "--slurm", "--spool", str(tmp_path / "spool.db"),
-                     "--progress-dir", str(progress), "--until-idle"],
-                    env={**env, "NODESHARE_CONFIG": "", **settings.as_env(), **SHUTTER},
-                    capture_output=True, text=True, timeout=120)
-                assert agent.returncode == 0, agent.stderr
+                run_agent_until_idle(env, settings.as_env(), tmp_path / "spool.db", progress)
                 pipeline.wait(charges=2, archived=0, timeout_s=120, report=lambda *_: None)
             finally:
                 stop.set()
