@@ -18,3 +18,19 @@ def test_ruff_is_clean():
 def test_mypy_is_clean():
     result = subprocess.run([sys.executable, "-m", "mypy", *PACKAGES], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_relative_link_of_the_docs_resolves_inside_the_repository():
+    """A person who clones the repository follows these links: each must name a file or folder in it."""
+    import re
+
+    root = Path(__file__).parents[2]
+    broken = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            resolved = (page.parent / target).resolve()
+            if not resolved.exists() or root.resolve() not in [resolved, *resolved.parents]:
+                broken.append(f"{page.relative_to(root)}: {target}")
+    assert not broken, broken

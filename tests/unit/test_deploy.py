@@ -60,3 +60,37 @@ def test_grafana_dashboard_queries_only_metrics_the_code_exports():
     used = {re.sub(r"_(total|bucket|count|sum)$", "", name) for p in dashboard["panels"] for t in p["targets"]
             for name in re.findall(r"nodeshare_[a-z_]+", t["expr"])}
     assert used == families  # nothing queried that is not exported, and a panel for every metric
+
+
+SYSTEMD = COMPOSE.parent / "systemd"
+
+
+def _unit(path: Path) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            keys[key.strip()] = value.strip()
+    return keys
+
+
+def test_systemd_units_run_real_commands_with_real_options():
+    """HPC nodes run services under systemd: each unit's ExecStart must be a nodeshare command with
+    options it has (a renamed option would leave a site's nodes without agents)."""
+    runner = CliRunner()
+    units = sorted(SYSTEMD.glob("*.service"))
+    assert {u.stem for u in units} >= {"nodeshare-agent", "nodeshare-worker", "nodeshare-ledger-sink",
+                                       "nodeshare-archive-sink", "nodeshare-slurm-source", "nodeshare-slurm-scheduler"}
+    for unit in units:
+        keys = _unit(unit)
+        cmd = keys["ExecStart"].split()
+        assert cmd[0].endswith("/bin/nodeshare"), unit.name
+        words = [w for w in cmd[1:] if not w.startswith("-") and not w.startswith("/")][:2]
+        result = runner.invoke(app, [*words, "--help"])
+        assert result.exit_code == 0, f"{unit.name}: `nodeshare {' '.join(words)}` is not a command"
+        for flag in (w for w in cmd[1:] if w.startswith("--")):
+            assert flag in result.output, f"{unit.name}: {flag} is not an option of {words}"
+        assert keys["EnvironmentFile"] == "/etc/nodeshare/nodeshare.env" and keys["Restart"] == "on-failure"
+    # the agent's watchdog must outlive a stopped agent to undo what it could not
+    assert _unit(SYSTEMD / "nodeshare-agent.service")["KillMode"] == "process"
+    assert "NODESHARE_BOOTSTRAP=" in (SYSTEMD / "nodeshare.env.example").read_text()
