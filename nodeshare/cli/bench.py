@@ -34,7 +34,7 @@ def bench_audit(
 ) -> None:
     """Samples per second the vectorized audit recomputes from a large archive made by the calibrated
     simulator, and its ratio to a plain DuckDB scan of the same files (medians over alternating rounds)."""
-    from nodeshare.sinks.bench_audit import as_json, run_audit_bench
+    from nodeshare.bench.audit import as_json, run_audit_bench
 
     try:
         counts = [int(w) for w in workers.split(",") if w.strip()]
@@ -58,7 +58,7 @@ def bench_ledger(
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/ledger.json"),
 ) -> None:
     """Shutter windows per second the ledger sink decodes and counts into its co-runner table."""
-    from nodeshare.sinks.bench_ledger import run_ledger_bench
+    from nodeshare.bench.ledger import run_ledger_bench
 
     write_bench(run_ledger_bench(windows=windows, nodes=nodes), out_file)
 
@@ -92,7 +92,7 @@ def bench_stream(
 ) -> None:
     """Shutter blocks per second through one stream worker, its ratio to a raw confluent-kafka
     consumer of the same topic, and job-end to charge-row latency at a steady input rate."""
-    from nodeshare.bench_stream import as_dict, run_stream_bench
+    from nodeshare.bench.stream import as_dict, run_stream_bench
 
     settings = load_settings(bootstrap=bootstrap)
     with progress_bar() as bar:
@@ -111,8 +111,8 @@ def bench_agent(
     bootstrap: Bootstrap = None,
 ) -> None:
     """The node agent's overhead on real processes: its CPU use and the co-runners' dilation, vs Eq. 10."""
+    from nodeshare.bench.agent import measure
     from nodeshare.deploy.broker import broker_for
-    from nodeshare.producers.agent.overhead import measure
 
     settings = load_settings(bootstrap=bootstrap)
     with broker_for(settings.bootstrap) as where, progress_bar() as bar:

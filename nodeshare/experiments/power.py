@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from nodeshare.bench.machine import available_cores
 from nodeshare.experiments import pyplot, save
 from nodeshare.producers.power_population import MIN_WATTS, PROGRAMS, TDP_WATTS, Chip, characterization, population
-from nodeshare.sinks.bench_audit import available_cores
 from nodeshare.streams.power.curves import Characterization, Curve, curves_for, to_mw
 from nodeshare.streams.power.ppartition import JobRequest, Machine, PowerPolicy, check, dispatch, give_back
 from nodeshare.streams.power.ptune import ptune, uniform

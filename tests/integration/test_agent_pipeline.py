@@ -29,9 +29,18 @@ from nodeshare.sinks.ledger import Ledger
 # starts only once the jobs have ended. A node that gives each job its own cores needs neither.
 SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100"}
 #: Even so, one run in three of this test once saw a job 90% slower next to its co-runner for a
-#: whole run (unfiltered too): the virtual machine's two CPUs are not always two CPUs. The run
-#: is repeated once when a degradation is out of bounds; both runs' figures are printed.
-ATTEMPTS = 2
+#: whole run (unfiltered too), before application counters were timed by CPU time. A degradation
+#: out of bounds now fails, unless the hypervisor took the CPUs meanwhile (steal time, which a
+#: guest counts as its processes' CPU time): then the test is an expected failure that says so,
+#: with the figures, never a pass.
+STEAL_LIMIT = 0.05  # of the machine's CPU time during the run
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, total) jiffies of every CPU since boot (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -99,12 +108,13 @@ def run_two_jobs(settings: Settings, tmp_path: Path) -> dict[str, Charge]:
 
 
 def test_two_real_jobs_shuttered_by_the_agent_are_charged(settings: Settings, tmp_path: Path) -> None:
-    for attempt in range(ATTEMPTS):
-        run_settings = settings.model_copy(update={"topic_prefix": f"{settings.topic_prefix}a{attempt}.",
-                                                   "app_id": f"{settings.app_id}-a{attempt}"})
-        charges = run_two_jobs(run_settings, tmp_path / f"attempt{attempt}")
-        # two jobs on two cores next to the agent, the worker and the broker: slowed, not stopped
-        if all(0.0 <= c.degradation < 0.6 for c in charges.values()):
-            break
-        print(f"attempt {attempt + 1}: a degradation out of [0, 0.6)")
-    assert all(0.0 <= c.degradation < 0.6 for c in charges.values())
+    steal0, total0 = cpu_ticks()
+    charges = run_two_jobs(settings, tmp_path)
+    steal1, total1 = cpu_ticks()
+    steal = (steal1 - steal0) / max(1, total1 - total0)
+    print(f"steal time during the run: {100 * steal:.1f}% of the CPUs")
+    # two jobs on two cores next to the agent, the worker and the broker: slowed, not stopped
+    out = {c.job_id: round(c.degradation, 3) for c in charges.values() if not 0.0 <= c.degradation < 0.6}
+    if out and steal >= STEAL_LIMIT:
+        pytest.xfail(f"degradations {out} out of [0, 0.6) while the hypervisor stole {100 * steal:.1f}% of the CPUs")
+    assert not out, f"degradations {out} out of [0, 0.6) (steal time {100 * steal:.1f}%)"

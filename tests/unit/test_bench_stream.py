@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nodeshare.bench_stream import _latency_schedule, calibrated_ipc
+from nodeshare.bench.stream import _latency_schedule, calibrated_ipc
 from nodeshare.schemas import ShutterBatch, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages

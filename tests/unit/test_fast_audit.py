@@ -115,7 +115,7 @@ def test_fast_and_reference_audits_agree_on_every_verdict(tmp_path):
 
 
 def test_the_bench_archive_is_what_the_archive_sink_would_hold(tmp_path):
-    from nodeshare.sinks.bench_audit import write_simulated_archive
+    from nodeshare.bench.audit import write_simulated_archive
 
     jobs = write_simulated_archive(tmp_path / "a", 2000, nodes=8, partitions=3)
     fast, reference = _both(tmp_path / "a")

@@ -49,9 +49,9 @@ from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.schemas import SCHEMA_VERSION, JobLeftNode, ShutterBatch, encode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, key_of
 from nodeshare.sinks.archive import ArchiveSink
-from nodeshare.sinks.bench_audit import available_cores
 from nodeshare.sinks.consumer import run_in_thread
 from nodeshare.sinks.ledger import LedgerSink
+from nodeshare.bench.machine import machine_stamp
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -422,7 +422,7 @@ def _run(settings: Settings, workdir: Path, blocks: int, rate: float, seconds: f
         latency_p50_s=round(float(np.percentile(lat, 50)), 3), latency_p99_s=round(float(np.percentile(lat, 99)), 3),
         latency_max_s=round(max(lat), 3),
         broker="configured" if settings.bootstrap else "bundled tansu",
-        machine=f"{platform.machine()}, {available_cores()} cores, Python {platform.python_version()}",
+        machine=machine_stamp(),
         date=datetime.now(UTC).date().isoformat(),
     )
 

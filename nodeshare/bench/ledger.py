@@ -18,8 +18,9 @@ from typing import Any
 from nodeshare.schemas import ShutterWindow, decode, encode
 from nodeshare.schemas.catalog import NODE_SHUTTER
 
-from .bench_audit import available_cores
-from .ledger import Ledger
+from nodeshare.sinks.ledger import Ledger
+
+from .machine import machine_stamp
 
 _T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -57,6 +58,6 @@ def run_ledger_bench(windows: int = 100_000, nodes: int = 1_000, jobs_per_node: 
         "decode_us_per_window": round(decode_s / windows * 1e6, 2),
         "count_us_per_window": round(count_s / windows * 1e6, 2),
         "windows_per_s": round(1 / per_window),
-        "machine": f"{platform.machine()}, {available_cores()} cores, Python {platform.python_version()}",
+        "machine": machine_stamp(),
         "date": datetime.now(UTC).date().isoformat(),
     }

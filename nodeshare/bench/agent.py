@@ -22,9 +22,11 @@ from typing import Any
 
 from nodeshare.streams.shutter_overhead import dilated_run_time, sleep_fraction
 
-from .processes import descendants
-from .progress import COUNTER
-from .spool import Spool
+from nodeshare.producers.agent.processes import descendants
+from nodeshare.producers.agent.progress import COUNTER
+from nodeshare.producers.agent.spool import Spool
+
+from .machine import machine_stamp
 
 AGENT_WARM_UP_S = 2.5  # interpreter start, imports, watchdog, first rescan
 
@@ -126,5 +128,5 @@ def measure(agent_env: dict[str, str], *, jobs: int = 2, seconds: float = 4.0, s
         if len(dilation) >= 2 else [],
         "eq10_dilation_pct": round(100 * (dilated_run_time(1.0, jobs, s, p) - 1), 3),
         "work_rate_off_median": round(statistics.median(off)), "work_rate_on_median": round(statistics.median(on)),
-        "machine": f"{os.cpu_count()} cores",
+        "machine": machine_stamp(),
     }

@@ -32,8 +32,10 @@ from nodeshare.schemas import TOPIC_OF_RECORD, ShutterBlock, encode, key_of
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.streams.accounting import PricingPolicy
 
-from .archive import IPC_FIELDS, IPC_LISTS, ArchivedEvent, ParquetArchive
-from .fast_audit import FastResult, fast_recompute
+from nodeshare.sinks.archive import IPC_FIELDS, IPC_LISTS, ArchivedEvent, ParquetArchive
+from nodeshare.sinks.fast_audit import FastResult, fast_recompute
+
+from .machine import machine_stamp
 
 
 @dataclass
@@ -222,19 +224,12 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
         audit_s=round(audit_s, 3), samples_per_s=round(samples / audit_s),
         scan_s=round(scan_s, 4), ratio_to_scan=round(float(np.median(ratios)), 4),
         ratio_range=(round(min(ratios), 4), round(max(ratios), 4)), rounds=rounds,
-        machine=f"{platform.machine()}, {available_cores()} cores, Python {platform.python_version()}",
+        machine=machine_stamp(),
         date=datetime.now(UTC).date().isoformat(),
         samples_per_s_by_workers={str(n): round(samples / t) for n, t in by_workers.items()},
         speedup_2_workers=round(by_workers[1] / by_workers[2], 3) if {1, 2} <= by_workers.keys() else None,
         partitions=partitions,
     )
-
-
-def available_cores() -> int:
-    """CPUs this process may run on (the affinity mask, not the host's count)."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def as_json(bench: AuditBench) -> str:
