@@ -7,12 +7,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from nodeshare.config import Settings
 from nodeshare.schemas import TOPICS
-from nodeshare.streams.placement.stream import PLACEMENT_LOG
-from nodeshare.streams.power.stream import POWER_LOG
-
-#: Internal topics of the stream worker (not in the public catalog): name -> partitions.
-# PPartition and Spread-n-Share decide for the whole machine: one ordered log each
-INTERNAL_TOPICS = {POWER_LOG: 1, PLACEMENT_LOG: 1}
+from nodeshare.schemas.catalog import INTERNAL_TOPICS
 
 
 def create_topics(settings: Settings, timeout_s: float = 30.0) -> dict[str, str]:

@@ -115,6 +115,14 @@ INPUT_TOPICS: tuple[TopicSpec, ...] = tuple(t for t in TOPICS if t.role is Role.
 BY_NAME: dict[str, TopicSpec] = {t.name: t for t in TOPICS}
 TOPIC_OF_RECORD: dict[type[Record], TopicSpec] = {rt: t for t in TOPICS for rt in t.record_types}
 
+#: The stream worker's internal topics: not records of the contract, but every input one decision
+#: maker needs in one order, one partition each (PPartition and Spread-n-Share decide for the
+#: whole machine). Named here, beside the catalog, so that topic creation, the worker and the
+#: progress reader all take them from one place. Name -> partitions.
+POWER_LOG = "power.machine"
+PLACEMENT_LOG = "placement.cluster"
+INTERNAL_TOPICS: dict[str, int] = {POWER_LOG: 1, PLACEMENT_LOG: 1}
+
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {t.name: TypeAdapter(t.value) for t in TOPICS}
 
 

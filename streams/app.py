@@ -37,6 +37,8 @@ from nodeshare.schemas.catalog import (
     NODE_IPC,
     NODE_LLC,
     NODE_POWER,
+    PLACEMENT_LOG,
+    POWER_LOG,
     PROFILES_PROGRAM,
     TOPIC_OF_RECORD,
     TopicSpec,
@@ -48,8 +50,8 @@ from .accounting import Message, Origin
 from .cursor import Cursor, blocking, committed_offsets, read_range
 from .fold_consumer import FoldConsumer, FoldThread
 from .kafka_security import faust_credentials
-from .placement.stream import PLACEMENT_LOG, ROUTED, PlacementManager
-from .power.stream import POWER_LOG, PowerManager, envelope, open_envelope, screen
+from .placement.stream import ROUTED, PlacementManager
+from .power.stream import PowerManager, envelope, open_envelope, screen
 from .transport import use_short_fetch_wait
 
 log = logging.getLogger(__name__)

@@ -33,11 +33,12 @@ from nodeshare.schemas.catalog import (
     NODE_IPC,
     NODE_LLC,
     NODE_POWER,
+    PLACEMENT_LOG,
+    POWER_LOG,
 )
 
 from .accounting import Message, Origin
-from .placement.stream import PLACEMENT_LOG, ROUTED
-from .power.stream import POWER_LOG
+from .placement.stream import ROUTED
 
 log = logging.getLogger(__name__)
 

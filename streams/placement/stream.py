@@ -65,7 +65,6 @@ from .sns import (
 )
 
 SOURCE = "nodeshare.streams.placement"
-PLACEMENT_LOG = "placement.cluster"
 #: The topics the router forwards to the placement log. Not node.ipc: every block crosses the
 #: worker once, in the charge fold, which sends each job's running estimate (with its IPC moments)
 #: per batch of blocks on estimates.degradation.

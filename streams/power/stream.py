@@ -35,8 +35,6 @@ from nodeshare.schemas.serde import DecodeError, decode
 from .curves import to_mw, to_w
 from .ppartition import JobRequest, Machine, Outcome, Plan, PowerPolicy, dispatch, release, retry_deferred, set_node
 
-#: The internal single-partition log the power manager consumes: every relevant input, in one order.
-POWER_LOG = "power.machine"
 NAMESPACE = uuid.UUID("0d0e5a1c-9a8c-4772-62f0-02c6b0000004")
 SOURCE = "nodeshare/power"
 

@@ -15,8 +15,9 @@ import pytest
 from nodeshare.config import Settings
 from nodeshare.deploy.broker import BundledBroker, wait_for_metadata
 from nodeshare.deploy.processes import pid_alive
-from nodeshare.deploy.topics import INTERNAL_TOPICS, create_topics
+from nodeshare.deploy.topics import create_topics
 from nodeshare.schemas import TOPICS
+from nodeshare.schemas.catalog import INTERNAL_TOPICS
 
 pytestmark = pytest.mark.integration
 
