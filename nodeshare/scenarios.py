@@ -14,16 +14,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from nodeshare.producers.calibrated import (
-    CalibratedConfig,
-    JobSpec,
-    RecordSink,
-    Result,
-    cluster_specs,
-    library,
-    run_cluster,
-    with_records,
-)
+from nodeshare.producers.calibrated import CalibratedConfig, JobSpec, Result, run_cluster
+from nodeshare.producers.calibrated_records import RecordSink, with_records
+from nodeshare.producers.job_mix import cluster_specs, library
 from nodeshare.producers.simulator import JobTruth, SimConfig, simulate
 from nodeshare.producers.workloads import Workload, load_profiles
 from nodeshare.schemas import JobEvent, JobState, Record

@@ -27,7 +27,9 @@ import numpy as np
 import pyarrow as pa
 from aiokafka.partitioner import murmur2
 
-from nodeshare.producers.calibrated import SLOTS, CalibratedConfig, JobSpec, RecordSink, run_cluster, synthetic_jobs
+from nodeshare.producers.calibrated import SLOTS, CalibratedConfig, JobSpec, run_cluster
+from nodeshare.producers.calibrated_records import RecordSink
+from nodeshare.producers.job_mix import synthetic_jobs
 from nodeshare.schemas import TOPIC_OF_RECORD, ShutterBlock, encode, key_of
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.streams.accounting import PricingPolicy

@@ -44,7 +44,9 @@ from nodeshare.deploy.broker import broker_for, free_port
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.batching import DEFAULT_MAX_BLOCKS, FlushPolicy
-from nodeshare.producers.calibrated import CalibratedConfig, RecordSink, cluster_specs, library, run_cluster
+from nodeshare.producers.calibrated import CalibratedConfig, run_cluster
+from nodeshare.producers.calibrated_records import RecordSink
+from nodeshare.producers.job_mix import cluster_specs, library
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.schemas import SCHEMA_VERSION, JobLeftNode, ShutterBatch, encode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, key_of

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from nodeshare.experiments import pyplot, save
-from nodeshare.producers.calibrated import CalibratedConfig, JobTruth, run_pairwise, with_records
+from nodeshare.producers.calibrated import CalibratedConfig, JobTruth, run_pairwise
+from nodeshare.producers.calibrated_records import with_records
 from nodeshare.producers.workloads import BUILTIN, PAIRWISE, Workload
 from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
 from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
@@ -325,7 +326,9 @@ def bench_simulate(nodes: int = 10_000, hours: float = 1.0, out_dir: Path | None
     import tempfile
     import time
 
-    from nodeshare.producers.calibrated import ParquetSink, run_cluster, synthetic_jobs
+    from nodeshare.producers.calibrated import run_cluster
+    from nodeshare.producers.calibrated_records import ParquetSink
+    from nodeshare.producers.job_mix import synthetic_jobs
 
     span = hours * 3600.0
     cfg = CalibratedConfig(nodes=nodes, seed=seed)

@@ -9,17 +9,10 @@ import pytest
 from factories import profile_csv
 
 from nodeshare.experiments.poppa import charges_of, predicted_run_time
-from nodeshare.producers.calibrated import (
-    CalibratedConfig,
-    JobSpec,
-    ParquetSink,
-    run_cluster,
-    run_pairwise,
-    state_tables,
-    swf_jobs,
-    with_records,
-)
+from nodeshare.producers.calibrated import CalibratedConfig, JobSpec, run_cluster, run_pairwise, state_tables
+from nodeshare.producers.calibrated_records import ParquetSink, with_records
 from nodeshare.producers.contention import Socket, bandwidth_ipc, fill_path, loaded_latency
+from nodeshare.producers.swf import swf_jobs
 from nodeshare.producers.workloads import BUILTIN, WAYS, interp_ways, load_profiles, shaped
 from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobState, ShutterBatch, encode
 from nodeshare.streams.shutter_overhead import dilated_run_time
