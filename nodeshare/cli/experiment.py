@@ -208,6 +208,42 @@ def experiment_sns(
         "throughput vs CE: " + ", ".join(f"{p} {g:+.1f}%" for p, g in r["throughput_gain_vs_ce_pct"].items())])
 
 
+@experiment_app.command("sns-testbed")
+def experiment_sns_testbed(
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/sns-testbed.png"),
+    sequences: Annotated[int, typer.Option(min=1, help="random job sequences")] = 36,
+    jobs: Annotated[int, typer.Option(min=1, help="jobs per sequence, all submitted at once")] = 20,
+    alpha: Annotated[float, typer.Option(min=0.01, max=1.0, help="every job's slowdown threshold")] = 0.9,
+    seed: Annotated[int, typer.Option(help="seed of the sequences")] = 7,
+    comm_growth: Annotated[float, typer.Option(
+        min=0.0, help="communication's growth per doubling of nodes (the model's assumption)")] = 0.5,
+    loaded_latency_queue: Annotated[float, typer.Option(
+        min=0.0, help="steepness of the loaded-latency curve 1 + q rho / (1 - rho) (the model's assumption)")]
+    = 0.35,
+) -> None:
+    """Seed 001 Section 6.2 on its own testbed: 8 nodes of 28 cores, sequences of 20 jobs of 16 or
+    28 processes submitted at once, under CE, CS and SNS: each sequence's scaling ratio and
+    throughput gain over CE (Fig. 14), and how often SNS beats CS."""
+    from nodeshare.experiments.sns import experiment_sns_testbed as run
+    from nodeshare.experiments.sns import plot_sns_testbed
+
+    with progress_bar() as bar:
+        task = bar.add_task("sequences", total=sequences)
+        r = run(sequences=sequences, jobs=jobs, seed=seed, alpha=alpha, comm_growth=comm_growth,
+                loaded_latency_queue=loaded_latency_queue,
+                progress=lambda done, _total: bar.update(task, completed=done))
+    gain, span = r["throughput_gain_vs_ce_pct"], r["throughput_gain_vs_ce_range_pct"]
+    paper = r["paper"]["throughput_gain_vs_ce_pct"]
+    experiment_out(r, as_json, png, plot_sns_testbed, [
+        f"{r['sequences']} sequences of {r['jobs_per_sequence']} jobs on {r['nodes']} nodes of "
+        f"{r['node']['cores']} cores; scaling ratios {min(r['scaling_ratio']):.2f}-{max(r['scaling_ratio']):.2f}",
+        *(f"{p:<4} throughput vs CE {gain[p]:+.1f}% (range {span[p][0]:+.1f} to {span[p][1]:+.1f}; paper "
+          f"{paper[p]:+.1f}%)" for p in ("CS", "SNS")),
+        f"SNS beats CS in {r['sns_beats_cs']} of {r['sequences']} (paper: 26 of 36); below CE in "
+        f"{r['sns_below_ce']}"])
+
+
 @experiment_app.command("shutter")
 def experiment_shutter(
     as_json: FullJson = False,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -116,10 +116,12 @@ def read_swf(path: Path, min_procs: int = 8, limit: int | None = None,
 class Machine:
     """The simulated truth for a library of programs on NODE (cached: the same co-runner sets recur)."""
 
-    def __init__(self, programs: Sequence[Workload], cores: int = NODE_CORES, node: Socket = NODE) -> None:
+    def __init__(self, programs: Sequence[Workload], cores: int = NODE_CORES, node: Socket = NODE,
+                 comm_growth: float = COMM_GROWTH) -> None:
         self.programs = list(programs)
         self.cores = cores
         self.node = node
+        self.comm_growth = comm_growth
         self.ipc = np.array([w.ipc for w in programs])
         self.bw = np.array([w.bw_gbps for w in programs])
         self.stall = np.array([w.mem_stall for w in programs])
@@ -151,7 +153,7 @@ class Machine:
         """Run time relative to the CE run of a ``procs``-process job computing at ``ipc`` on scale ``scale``."""
         _, c_ce = spread(procs, self.cores, 1)
         comm = float(self.comm[prog])
-        return (1.0 - comm) * self.exclusive_ipc(prog, c_ce) / ipc + comm * (1.0 + COMM_GROWTH * math.log2(scale))
+        return (1.0 - comm) * self.exclusive_ipc(prog, c_ce) / ipc + comm * (1.0 + self.comm_growth * math.log2(scale))
 
     def runtime_by_scale(self, prog: int, procs: int) -> dict[int, float]:
         """Exclusive run time per scale factor, relative to CE (what a profile holds)."""
@@ -366,4 +368,96 @@ def plot_sns(result: dict[str, Any], path: Path) -> Path:
     ax2.set_ylim(0.6, top + 0.05)
     ax2.set(ylabel="exclusive run time / CE", title="profiles: run time per scale factor (Seed 001 Fig. 13)")
     ax2.legend(fontsize=8)
+    return save(fig, path)
+
+
+# --------------------------------------------------------------------------- Section 6.2: the testbed
+
+#: Seed 001 Section 6.1: 8 nodes of two Xeon E5-2680 v4 (2 x 14 cores, 2 x 35 MB of LLC in 20 ways
+#: each), whose STREAM-like bandwidth reaches 118.26 GB/s with all 28 cores (Section 3, Fig. 4).
+#: The library's curves are per 2.5 MB way (Socket.way_mb), so the node's 70 MB are 28 such ways;
+#: 118.26 GB/s is what the node delivers, Socket.max_util of its peak.
+TESTBED_NODE = Socket(ways=28.0, bw_gbps=118.26 / Socket().max_util)
+TESTBED_CORES = 28
+TESTBED_NODES = 8
+
+
+def testbed_sequence(programs: Sequence[Workload], jobs: int, rng: np.random.Generator,
+                     run_scale_s: float = 10.0) -> tuple[list[TraceJob], list[int]]:
+    """One Section 6.2 job sequence: ``jobs`` jobs submitted at once, each a program drawn uniformly
+    from the library with 16 or 28 processes; a program's CE run time is fixed (the paper sizes
+    each program's input once), ``run_scale_s`` times its library solo time."""
+    prog = rng.integers(len(programs), size=jobs)
+    procs = rng.choice([16, 28], size=jobs)
+    seq = [TraceJob(f"j{i:02d}", 0.0, programs[p].solo_s * run_scale_s, int(n))
+           for i, (p, n) in enumerate(zip(prog, procs, strict=True))]
+    return seq, [int(p) for p in prog]
+
+
+def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, alpha: float = 0.9,
+                           nodes: int = TESTBED_NODES, comm_growth: float = COMM_GROWTH,
+                           loaded_latency_queue: float = TESTBED_NODE.queue,
+                           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Seed 001 Section 6.2: random job sequences, all jobs submitted at once, on the paper's
+    8-node testbed, under CE, CS and SNS. Per sequence: the scaling ratio (core-hours of scaling
+    jobs under CE) and the throughput gain of CS and SNS over CE (throughput = 1 / mean
+    submit-to-finish time); the means over sequences and how often SNS beats CS.
+    ``comm_growth`` (communication's growth per doubling of nodes) and ``loaded_latency_queue``
+    (the loaded-latency curve's steepness) are the model's two assumptions that move SNS most."""
+    programs = [w for name, w in BUILTIN.items() if name != "NULL"]
+    node = replace(TESTBED_NODE, queue=loaded_latency_queue)
+    machine = Machine(programs, cores=TESTBED_CORES, node=node, comm_growth=comm_growth)
+    classes = [classify(machine.runtime_by_scale(i, machine.cores)) for i in range(len(programs))]
+    rng = np.random.default_rng(seed)
+    rows: list[dict[str, Any]] = []
+    for s in range(sequences):
+        seq, assignment = testbed_sequence(programs, jobs, rng)
+        core_s = np.array([j.procs * j.run_s for j in seq])
+        scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
+        turnaround: dict[str, float] = {}
+        wait: dict[str, float] = {}
+        for name in ("CE", "CS", "SNS"):
+            out = simulate(seq, assignment, machine, name, nodes, alpha=alpha)
+            turnaround[name] = float(out["end"].mean())  # every job was submitted at 0
+            wait[name] = float(out["start"].mean())
+        rows.append({
+            "scaling_ratio": float(core_s[scaling].sum() / core_s.sum()),
+            "throughput_gain_vs_ce_pct": {p: 100.0 * (turnaround["CE"] / turnaround[p] - 1.0) for p in ("CS", "SNS")},
+            "sns_vs_cs_pct": 100.0 * (turnaround["CS"] / turnaround["SNS"] - 1.0),
+            "mean_turnaround_s": turnaround, "mean_wait_s": wait,
+        })
+        if progress is not None:
+            progress(s + 1, sequences)
+    gains = {p: [r["throughput_gain_vs_ce_pct"][p] for r in rows] for p in ("CS", "SNS")}
+    return {
+        "experiment": "sns-testbed", "sequences": sequences, "jobs_per_sequence": jobs, "nodes": nodes,
+        "node": {"cores": TESTBED_CORES, "llc_mb": node.ways * node.way_mb,
+                 "bandwidth_gbps": round(node.bw_gbps * node.max_util, 2)},
+        "alpha": alpha, "seed": seed, "comm_growth": comm_growth, "loaded_latency_queue": loaded_latency_queue,
+        "programs": {w.name: classes[i].value for i, w in enumerate(programs)},
+        "throughput_gain_vs_ce_pct": {p: float(np.mean(v)) for p, v in gains.items()},
+        "throughput_gain_vs_ce_range_pct": {p: [float(min(v)), float(max(v))] for p, v in gains.items()},
+        "sns_beats_cs": sum(r["sns_vs_cs_pct"] > 0 for r in rows),
+        "sns_below_ce": sum(g < 0 for g in gains["SNS"]),
+        "scaling_ratio": [r["scaling_ratio"] for r in rows],
+        "per_sequence": rows,
+        "paper": {"throughput_gain_vs_ce_pct": {"CS": 13.7, "SNS": 19.8}, "sns_beats_cs": 26, "sequences": 36},
+    }
+
+
+def plot_sns_testbed(result: dict[str, Any], path: Path) -> Path:
+    """Seed 001 Fig. 14: each sequence's throughput gain over CE against its scaling ratio."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = result["scaling_ratio"]
+    for p, marker in (("CS", "o"), ("SNS", "^")):
+        ys = [r["throughput_gain_vs_ce_pct"][p] for r in result["per_sequence"]]
+        ax.scatter(x, ys, marker=marker, label=f"{p} (mean {result['throughput_gain_vs_ce_pct'][p]:+.1f}%; "
+                                               f"paper {result['paper']['throughput_gain_vs_ce_pct'][p]:+.1f}%)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set(xlabel="scaling ratio (core-hours of scaling jobs under CE)", ylabel="throughput vs CE (%)",
+           title=f"{result['sequences']} sequences of {result['jobs_per_sequence']} jobs on {result['nodes']} "
+                 f"nodes of {result['node']['cores']} cores (Seed 001 Fig. 14); SNS beats CS in "
+                 f"{result['sns_beats_cs']}")
+    ax.legend()
     return save(fig, path)

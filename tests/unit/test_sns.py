@@ -222,3 +222,40 @@ def test_experiment_reports_what_the_issue_asks(tmp_path: Path) -> None:
     assert r["throughput_gain_vs_ce_pct"]["SNS"] == pytest.approx(gain)
     with pytest.raises(ValueError, match="scaling-ratio"):
         experiment_sns(swf(tmp_path, rows), scaling_ratio=1.0)
+
+
+def test_the_testbed_sequences_are_the_papers() -> None:
+    """Seed 001 Section 6.2: 20 jobs of 16 or 28 processes, all submitted at once, a program's CE run
+    time fixed by its input (the same program, the same time)."""
+    from nodeshare.experiments.sns import testbed_sequence
+
+    programs = [w for n, w in BUILTIN.items() if n != "NULL"]
+    seq, assignment = testbed_sequence(programs, 20, np.random.default_rng(1))
+    assert len(seq) == 20 and {j.procs for j in seq} <= {16, 28} and {j.submit_s for j in seq} == {0.0}
+    by_program: dict[int, set[float]] = {}
+    for j, p in zip(seq, assignment, strict=True):
+        by_program.setdefault(p, set()).add(j.run_s)
+    assert all(len(times) == 1 for times in by_program.values())
+    assert seq[0].run_s == programs[assignment[0]].solo_s * 10.0
+
+
+def test_the_testbed_experiment_reports_fig_14_from_its_own_runs() -> None:
+    from nodeshare.experiments.sns import experiment_sns_testbed
+
+    r = experiment_sns_testbed(sequences=3, jobs=8, seed=3)
+    assert r["node"] == {"cores": 28, "llc_mb": 70.0, "bandwidth_gbps": 118.26} and r["nodes"] == 8
+    rows = r["per_sequence"]
+    assert len(rows) == len(r["scaling_ratio"]) == 3 and all(0.0 <= x <= 1.0 for x in r["scaling_ratio"])
+    for row in rows:  # a gain is CE's mean turnaround over the policy's, as the paper's throughput
+        t = row["mean_turnaround_s"]
+        for p in ("CS", "SNS"):
+            assert row["throughput_gain_vs_ce_pct"][p] == pytest.approx(100.0 * (t["CE"] / t[p] - 1.0))
+        assert all(row["mean_wait_s"][p] < t[p] for p in t)  # waits are part of the turnaround
+    for p in ("CS", "SNS"):
+        gains = [row["throughput_gain_vs_ce_pct"][p] for row in rows]
+        assert r["throughput_gain_vs_ce_pct"][p] == pytest.approx(float(np.mean(gains)))
+    assert r["sns_beats_cs"] == sum(row["sns_vs_cs_pct"] > 0 for row in rows)
+    # the model's assumptions are inputs, not constants: without communication growth nothing is
+    # slower spread out, so the profiles change
+    flat = experiment_sns_testbed(sequences=1, jobs=8, seed=3, comm_growth=0.0)
+    assert flat["comm_growth"] == 0.0 and flat["programs"] != r["programs"]
