@@ -21,8 +21,8 @@ from nodeshare.producers.simulator import JobTruth, SimConfig, simulate
 from nodeshare.producers.workloads import Workload, load_profiles
 from nodeshare.schemas import JobEvent, JobState, Record
 
-Engine = Literal["calibrated", "simple"]
-ENGINES: tuple[Engine, ...] = ("calibrated", "simple")
+EngineName = Literal["calibrated", "simple"]  # not producers.calibrated.Engine, the engine itself
+ENGINES: tuple[EngineName, ...] = ("calibrated", "simple")
 
 
 class ScenarioError(ValueError):
@@ -31,7 +31,7 @@ class ScenarioError(ValueError):
 
 @dataclass(frozen=True)
 class ClusterChoice:
-    engine: Engine = "calibrated"
+    engine: EngineName = "calibrated"
     nodes: int = 6
     jobs: int = 12
     seed: int = 7

@@ -26,7 +26,7 @@ from nodeshare.schemas import (
 
 from .batching import Batcher, FlushPolicy
 from .calibrated import CAT_EPISODE_S, CAT_WAYS, SIM_NAMESPACE, CalibratedConfig, Engine, JobTable, Result, Sink, job_id
-from .simulator import JobTruth
+from .simulator import Simulation
 from .workloads import interp_ways
 
 
@@ -147,20 +147,17 @@ class RecordSink(Sink):
 
 
 @dataclass
-class Simulation:
-    events: list[Record]
-    truth: list[JobTruth]
+class CalibratedSimulation(Simulation):
+    """A calibrated run in memory: the simple simulator's records and truth, and the engine's result."""
+
     result: Result
 
-    def count(self, kind: type[Record]) -> int:
-        return sum(isinstance(e, kind) for e in self.events)
 
-
-def with_records(cfg: CalibratedConfig, run: Callable[[Sink], Result]) -> Simulation:
+def with_records(cfg: CalibratedConfig, run: Callable[[Sink], Result]) -> CalibratedSimulation:
     """Run a scenario with a record sink and return events (in event-time order) and truth."""
     sink = RecordSink(cfg)
     result = run(sink)
-    return Simulation(sink.records(), result.truth, result)
+    return CalibratedSimulation(sink.records(), result.truth, result)
 
 
 class ParquetSink(Sink):

@@ -74,7 +74,7 @@ def faust_app(settings: Settings, datadir: Path | None = None, loglevel: str = "
         producer_acks=-1,
         web_enabled=False,
         Worker="nodeshare.streams.transport:Worker",  # no spinner: it puts the root logger at DEBUG
-        key_serializer="raw",  # topics and tables carry bytes; nodeshare's serde does the JSON
+        key_serializer="raw",  # every topic and table carries bytes (none says otherwise): our serde does JSON
         value_serializer="raw",
         datadir=str(datadir or Path.cwd() / ".nodeshare-worker"),
         # faust's worker installs this instead of its coloured handler: the operator's format, secrets masked
@@ -138,6 +138,12 @@ def add_skip_repair(app: faust.App, settings: Settings, cursors: list[Cursor]) -
                 await cursor.tail()
 
 
+class _Fold:
+    """The manager's current fold, replaced whole by each re-fold (the agent's closures share it)."""
+
+    fold: Any = None
+
+
 def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: str, inputs: Any,
                     screened: tuple[TopicSpec, ...], fresh: Callable[[], Any],
                     publish: Callable[[Any], Awaitable[None]], cursors: list[Cursor]) -> None:
@@ -147,9 +153,9 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
     ``fresh().apply(topic, value)`` and publishes what each step returns. After a start or a
     rebalance the manager first re-folds the log up to where it resumes, without publishing."""
     log_name = settings.topic(log_topic)
-    log_ = app.topic(log_name, partitions=1, key_serializer="raw", value_serializer="raw")
-    dlq = app.topic(settings.topic(DLQ.name), key_serializer="raw", value_serializer="raw")
-    state: dict[str, Any] = {}
+    log_ = app.topic(log_name, partitions=1)
+    dlq = app.topic(settings.topic(DLQ.name))
+    held = _Fold()
 
     async def route(message: Message) -> None:
         origin, key, value, ts = message
@@ -173,7 +179,7 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
         router.start(topic, partition, handled)
 
     async def manage(message: Message) -> None:
-        for record in state["m"].apply(*open_envelope(message[2] or b"")):
+        for record in held.fold.apply(*open_envelope(message[2] or b"")):
             await publish(record)
 
     manager = Cursor(settings, f"{name}-manager", manage)
@@ -188,7 +194,7 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
         if history:
             log.warning("%s-manager: rebuilt its state from %d log records", name, len(history),
                         extra=logs.fields(topic=topic, partition=partition))
-        state["m"] = m
+        held.fold = m
         manager.start(topic, partition, offset)
 
     cursors += [router, manager]
@@ -200,9 +206,8 @@ def add_power_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) 
     """PPartition needs the whole machine in one place: lifecycle, power and inventory records go
     through the single-partition ``power.machine`` log to the PowerManager (streams.power.stream),
     which publishes ``decisions.power``."""
-    inputs = app.topic(*[settings.topic(t.name) for t in (JOBS_LIFECYCLE, NODE_POWER, CLUSTER_INVENTORY)],
-                       key_serializer="raw", value_serializer="raw")
-    decisions = app.topic(settings.topic(DECISIONS_POWER.name), key_serializer="raw", value_serializer="raw")
+    inputs = app.topic(*[settings.topic(t.name) for t in (JOBS_LIFECYCLE, NODE_POWER, CLUSTER_INVENTORY)])
+    decisions = app.topic(settings.topic(DECISIONS_POWER.name))
 
     async def publish(decision: Any) -> None:
         await decisions.send(key=decision.job_id.encode(), value=encode(decision))
@@ -219,8 +224,8 @@ def add_placement_agents(app: faust.App, settings: Settings, cursors: list[Curso
     CAT episodes and degradation estimates (with each job's IPC moments) go through the single-partition
     ``placement.cluster`` log to the PlacementManager (streams.placement.stream), which publishes
     ``profiles.program`` and ``decisions.placement``."""
-    inputs = app.topic(*[settings.topic(t.name) for t in ROUTED], key_serializer="raw", value_serializer="raw")
-    outputs = {t.name: app.topic(settings.topic(t.name), key_serializer="raw", value_serializer="raw")
+    inputs = app.topic(*[settings.topic(t.name) for t in ROUTED])
+    outputs = {t.name: app.topic(settings.topic(t.name))
                for t in (PROFILES_PROGRAM, DECISIONS_PLACEMENT)}
 
     async def publish(record: Any) -> None:
@@ -238,7 +243,7 @@ def make_counting_app(settings: Settings, datadir: Path | None = None, loglevel:
     """A yardstick for `nodeshare bench stream`: a worker whose one agent reads ``node.ipc`` and
     only counts (``nodeshare_events_in_total``). What it sustains is faust's own ceiling here."""
     app = faust_app(settings, datadir, loglevel)
-    topic = app.topic(settings.topic(NODE_IPC.name), key_serializer="raw", value_serializer="raw")
+    topic = app.topic(settings.topic(NODE_IPC.name))
     counter = metrics.EVENTS_IN.labels(settings.topic(NODE_IPC.name))
 
     @app.agent(topic, name="count-only")
