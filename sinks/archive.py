@@ -29,7 +29,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -58,7 +59,7 @@ _FILE = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
 RETENTION_FILE = "retention.json"
 
 
-def file_range(path: Path) -> tuple[int, int, int] | None:
+def file_range(path: PurePath) -> tuple[int, int, int] | None:
     """(partition, first offset, last offset) from an archive file's name; None for other files."""
     m = _FILE.match(path.name)
     return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
@@ -135,15 +136,63 @@ class ArchivedEvent:
 
 class ParquetArchive:
     """The archive under ``root``; with ``partitions``, a view of those input partitions only (what
-    one task of a distributed audit reads: a job's records live in one partition of each topic)."""
+    one task of a distributed audit reads: a job's records live in one partition of each topic).
 
-    def __init__(self, root: Path, partitions: Iterable[int] | None = None) -> None:
-        self.root = Path(root)
+    ``root`` is a directory, or a URL of object storage (``s3://bucket/prefix``) that fsspec can
+    reach (credentials and endpoint from the environment, e.g. ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``): an archive there is read (audit, replay),
+    through a filesystem registered with each DuckDB connection, never written."""
+
+    def __init__(self, root: Path | str, partitions: Iterable[int] | None = None) -> None:
+        text = str(root)
+        self.url: str | None = None
+        self.fs: Any = None
+        if "://" in text:  # object storage: read through fsspec
+            import fsspec
+
+            self.url = text.rstrip("/")
+            self.fs, base = fsspec.core.url_to_fs(self.url)
+            self.root = Path(base)
+        else:
+            self.root = Path(root)
         self.partitions = None if partitions is None else frozenset(partitions)
 
-    def files(self, topic: str = "*") -> list[Path]:
+    @property
+    def location(self) -> Path | str:
+        """What this archive was opened on: its directory, or its URL."""
+        return self.url if self.url is not None else self.root
+
+    def _uri(self, path: PurePath) -> str:
+        """A file as DuckDB and pyarrow read it: the path, or the URL on object storage."""
+        return f"{self.url.split('://', 1)[0]}://{path}" if self.url is not None else str(path)
+
+    def _local(self, what: str) -> None:
+        if self.url is not None:
+            raise ValueError(f"{what} needs the archive on a file system; {self.url} is read only here")
+
+    def _local_files(self) -> list[Path]:
+        """Every file, on a file system (what compaction and retention rewrite)."""
+        self._local("rewriting files")
+        return [Path(f) for f in self.files()]
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """An in-memory DuckDB that reads this archive's files (object storage registered)."""
+        con = duckdb.connect()
+        if self.fs is not None:
+            con.register_filesystem(self.fs)
+        return con
+
+    def schema_names(self, path: PurePath) -> set[str]:
+        """The columns of one archive file."""
+        return set(pq.read_schema(str(path), filesystem=self.fs).names)
+
+    def files(self, topic: str = "*") -> list[PurePath]:
         """The archive's Parquet files (of one catalog topic, or all; of the view's partitions)."""
-        found = sorted(self.root.glob(f"topic={topic}/date=*/p*.parquet"))
+        found: list[PurePath]
+        if self.fs is not None:
+            found = sorted(PurePosixPath(p) for p in self.fs.glob(f"{self.root}/topic={topic}/date=*/p*.parquet"))
+        else:
+            found = sorted(self.root.glob(f"topic={topic}/date=*/p*.parquet"))
         if self.partitions is None:
             return found
         return [f for f in found if (r := file_range(f)) is not None and r[0] in self.partitions]
@@ -157,7 +206,7 @@ class ParquetArchive:
         sources = ", ".join(self.sources_sql(t) for t in topics if self.files(t))
         if not sources:
             return []
-        rows = duckdb.connect().execute(
+        rows = self.connect().execute(
             f"SELECT DISTINCT key FROM read_parquet([{sources}], union_by_name = true) WHERE key IS NOT NULL"
         ).fetchall()
         return sorted(bytes(k).decode(errors="replace") for (k,) in rows)
@@ -167,7 +216,7 @@ class ParquetArchive:
         glob, or for a view of some partitions its files one by one."""
         if self.partitions is None:
             return f"'{self.glob_sql(topic)}'"
-        return ", ".join("'" + str(f).replace("'", "''") + "'" for f in self.files(topic))
+        return ", ".join("'" + self._uri(f).replace("'", "''") + "'" for f in self.files(topic))
 
     def high_water(self) -> dict[tuple[str, int], int]:
         """(catalog topic, partition) -> the highest offset archived (pruned ones included: the
@@ -182,10 +231,11 @@ class ParquetArchive:
 
     def glob_sql(self, topic: str = "*") -> str:
         """The files' glob (of one topic, or all) as a SQL string literal body (quotes doubled)."""
-        return str(self.root / f"topic={topic}" / "date=*" / "p*.parquet").replace("'", "''")
+        return self._uri(self.root / f"topic={topic}" / "date=*" / "p*.parquet").replace("'", "''")
 
     def write(self, topic: str, rows: list[ArchivedEvent]) -> list[Path]:
         """Durably write rows of one catalog topic; one file per (date, partition)."""
+        self._local("writing")
         groups: dict[tuple[str, int], list[ArchivedEvent]] = defaultdict(list)
         for r in rows:
             day = datetime.fromtimestamp(r.timestamp_ms / 1000, UTC).strftime("%Y-%m-%d")
@@ -221,7 +271,7 @@ class ParquetArchive:
         if keys is not None:
             key_filter = "WHERE key IN (SELECT unnest(?))"
             params.append(list(keys))
-        con = con if con is not None else duckdb.connect()
+        con = con if con is not None else self.connect()
         globs = ", ".join(self.sources_sql(t) for t in wanted)  # only these topics' files are opened
         rows = con.execute(
             f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
@@ -242,9 +292,10 @@ class ParquetArchive:
         before the files it replaces are removed; until then readers see overlapping offset
         ranges, which every reader here de-duplicates by (topic, partition, offset).
         """
+        self._local("compacting")
         for stale in self.root.glob(f"topic=*/date=*/p*.parquet{COMPACT_TMP}"):  # an interrupted compaction
             stale.unlink()
-        before = self.files()
+        before = self._local_files()
         groups: dict[tuple[Path, int], list[tuple[int, int, Path]]] = defaultdict(list)
         for f in before:
             r = file_range(f)
@@ -261,7 +312,7 @@ class ParquetArchive:
                     self._merge(directory, partition, run, row_group_rows)
                     run, rows = [], 0
             self._merge(directory, partition, run, row_group_rows)  # the remainder
-        return len(before), len(self.files())
+        return len(before), len(self._local_files())
 
     def _merge(self, directory: Path, partition: int, files: list[Path], row_group_rows: int) -> None:
         if len(files) < 2:
@@ -294,10 +345,18 @@ class ParquetArchive:
     def retention(self) -> dict[tuple[str, int], int]:
         """(catalog topic, partition) -> the highest offset retention removed (none: empty)."""
         marker = self.root / RETENTION_FILE
+        if self.fs is not None:
+            if not self.fs.exists(str(marker)):
+                return {}
+            return self._pruned(json.loads(self.fs.cat(str(marker))))
         if not marker.exists():
             return {}
+        return self._pruned(json.loads(marker.read_text()))
+
+    @staticmethod
+    def _pruned(marker: dict[str, Any]) -> dict[tuple[str, int], int]:
         out: dict[tuple[str, int], int] = {}
-        for name, offset in json.loads(marker.read_text())["pruned_through"].items():
+        for name, offset in marker["pruned_through"].items():
             topic, partition = name.rsplit(":", 1)
             out[(topic, int(partition))] = int(offset)
         return out
@@ -310,7 +369,8 @@ class ParquetArchive:
         reverse. Offsets removed need not be a prefix of a partition (late events are filed
         under their old date): the marker's highest offset makes the audit skip every charge
         that may have lost an event, and no other."""
-        doomed = [f for f in self.files() if f.parent.name.removeprefix("date=") < before.isoformat()]
+        self._local("pruning")
+        doomed = [f for f in self._local_files() if f.parent.name.removeprefix("date=") < before.isoformat()]
         through = self.retention()
         events = 0
         for f in doomed:
@@ -335,7 +395,7 @@ class ParquetArchive:
     def count(self) -> int:
         if not self.files():
             return 0
-        row = duckdb.connect().execute(
+        row = self.connect().execute(
             f"SELECT count(*) FROM read_parquet([{self.sources_sql()}], union_by_name = true)").fetchone()
         return int(row[0]) if row else 0
 

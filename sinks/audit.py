@@ -135,7 +135,7 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
     reference_jobs: set[str] | None = None  # None: every job
     samples = 0
     if fast:
-        result = fast_recompute(archive.root, policies, default, archive.partitions)
+        result = fast_recompute(archive.location, policies, default, archive.partitions)
         samples = result.samples
         reference_jobs = set(result.ineligible)
         for key, charge in result.charges.items():
@@ -165,7 +165,7 @@ def audit_partitions(archive_root: str, ledger_path: str, partitions: tuple[int,
     """One task of a distributed audit: the jobs whose records these input partitions hold (a job
     keyed by its id lives in one partition of each topic), their ledger rows read here (the
     ledger file, read-only, must be reachable from the worker, as the archive is)."""
-    archive = ParquetArchive(Path(archive_root), partitions)
+    archive = ParquetArchive(archive_root, partitions)
     jobs = archive.keys([NODE_IPC.name, JOBS_LIFECYCLE.name])
     with Ledger(Path(ledger_path), read_only=True) as ledger:
         rows = {(c.job_id, c.revision): c for c in ledger.charges(jobs) if c.job_id not in beyond}
@@ -196,7 +196,7 @@ def dask_client(workers: int | None = None, scheduler: str | None = None) -> Ite
 AuditProgress = Callable[[int, int, int], None]
 
 
-def _distributed(client: Any, archive_root: Path, ledger_path: Path, beyond: set[str], default: PricingPolicy,
+def _distributed(client: Any, archive_root: Path | str, ledger_path: Path, beyond: set[str], default: PricingPolicy,
                  fast: bool, progress: AuditProgress | None) -> list[JobsAudit] | None:
     """One task per input partition on a Dask cluster; None when a job's records are found in two
     tasks' partitions (topics not co-partitioned): the caller then audits in one process."""
@@ -221,7 +221,7 @@ def _distributed(client: Any, archive_root: Path, ledger_path: Path, beyond: set
     return parts
 
 
-def audit(archive_root: Path, ledger_path: Path, default: PricingPolicy, *, fast: bool = True,
+def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *, fast: bool = True,
           client: Any = None, progress: AuditProgress | None = None) -> AuditReport:
     """Verify the ledger against the archive. The hash chain, the ledger's columns and
     conservation are checked here, globally; the recomputation runs in this process, or with

@@ -28,11 +28,10 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, clock_problem, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
@@ -142,11 +141,12 @@ class FastResult:
     parsed_rows: int = 0  # rows parsed from the value's JSON (no typed columns, or they disagree)
 
 
-def _source_sql(glob: str, files: list[Path], dedupe: bool) -> str:
+def _source_sql(archive: ParquetArchive, files: list[PurePath], dedupe: bool) -> str:
     """The node.ipc files (``glob``: quoted for ``read_parquet([...])``, ParquetArchive.sources_sql)
     as one relation with every typed column (null where a file has none), with ``dedupe`` each
     offset once (a compaction in progress leaves copies)."""
-    names = [set(pq.read_schema(f).names) for f in files]
+    glob = archive.sources_sql(NODE_IPC.name)
+    names = [archive.schema_names(f) for f in files]
     if any("l_cycle" in n for n in names):  # the first one, but for old archives
         source = f"read_parquet([{glob}], union_by_name = true)"
         # typed columns added later (alone_us, version 4) are null in the files written before them
@@ -363,12 +363,11 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     files = archive.files(NODE_IPC.name)
     if not files:
         return [], 0, 0
-    glob = archive.sources_sql(NODE_IPC.name)
     overlapping = _overlapping(files)
-    source = _source_sql(glob, files, overlapping)
+    source = _source_sql(archive, files, overlapping)
     # Removing copies loses the files' row order; only the order check needs it back.
     in_file_order = f'(SELECT * FROM {source} ORDER BY job_id, node, "offset")' if overlapping else source
-    con = con if con is not None else duckdb.connect()
+    con = con if con is not None else archive.connect()
     delta, join = repr(default_delta), ""
     if deltas:  # a hash join on every row: only for the jobs whose delta is not the default
         con.register("deltas", pa.table({"job": list(deltas), "delta": list(deltas.values())}))
@@ -393,7 +392,7 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     return streams, suspects.verified_rows, parsed
 
 
-def _overlapping(files: list[Path]) -> bool:
+def _overlapping(files: list[PurePath]) -> bool:
     """Whether two archive files hold the same offsets (a compaction in progress): only then are
     copies removed row by row."""
     ranges = sorted(r for r in map(file_range, files) if r)  # by partition, then first offset
@@ -419,7 +418,7 @@ def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | No
     return out, wrong_clock
 
 
-def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], default: PricingPolicy,
+def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy], default: PricingPolicy,
                    partitions: Iterable[int] | None = None) -> FastResult:
     archive = ParquetArchive(archive_root, partitions)
     # The most common delta is the query's constant; only the others need a per-row lookup.
@@ -429,7 +428,7 @@ def fast_recompute(archive_root: Path, policies: dict[str, PricingPolicy], defau
     # The lifecycle events are decoded in Python while DuckDB (which releases the GIL) folds node.ipc.
     # One in-memory database for every query of the audit (opening one costs 15-30 ms), a cursor
     # per thread.
-    con = duckdb.connect()
+    con = archive.connect()
     with ThreadPoolExecutor(max_workers=1) as pool:
         terminals = pool.submit(terminal_events, archive, con.cursor())
         streams, typed, parsed = read_streams(archive, deltas, default_delta, con.cursor())

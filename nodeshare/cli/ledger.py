@@ -24,7 +24,9 @@ archive_app = typer.Typer(no_args_is_help=True, help="Archive housekeeping.")
 
 @app.command()
 def audit(
-    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    archive: Annotated[str, typer.Option(
+        help="archive root: a directory, or object storage (s3://bucket/prefix; credentials and endpoint from "
+        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)")],
     ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     workers: Annotated[int | None, typer.Option(
@@ -50,7 +52,8 @@ def audit(
             def progress(done: int, total: int, samples: int) -> None:
                 bar.update(task, completed=done, total=total,
                            description=f"partitions ({samples / 1e6:.1f} M samples)")
-            report = run_audit(archive.resolve(), ledger.resolve(), settings.policy(), client=client,
+            root = archive if "://" in archive else Path(archive).resolve()
+            report = run_audit(root, ledger.resolve(), settings.policy(), client=client,
                                progress=progress)
     except FileNotFoundError as exc:
         err.print(f"[red]audit failed[/red]: {exc}")
