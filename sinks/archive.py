@@ -143,7 +143,8 @@ class ParquetArchive:
     ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``): an archive there is read (audit, replay),
     through a filesystem registered with each DuckDB connection, never written."""
 
-    def __init__(self, root: Path | str, partitions: Iterable[int] | None = None) -> None:
+    def __init__(self, root: Path | str, partitions: Iterable[int] | None = None, threads: int | None = None) -> None:
+        self.threads = threads  # DuckDB's threads per query (None: its default, every core)
         text = str(root)
         self.url: str | None = None
         self.fs: Any = None
@@ -177,7 +178,7 @@ class ParquetArchive:
 
     def connect(self) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB that reads this archive's files (object storage registered)."""
-        con = duckdb.connect()
+        con = duckdb.connect(config={"threads": self.threads} if self.threads else {})
         if self.fs is not None:
             con.register_filesystem(self.fs)
         return con

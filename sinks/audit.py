@@ -135,7 +135,7 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
     reference_jobs: set[str] | None = None  # None: every job
     samples = 0
     if fast:
-        result = fast_recompute(archive.location, policies, default, archive.partitions)
+        result = fast_recompute(archive.location, policies, default, archive.partitions, archive.threads)
         samples = result.samples
         reference_jobs = set(result.ineligible)
         for key, charge in result.charges.items():
@@ -165,7 +165,7 @@ def audit_partitions(archive_root: str, ledger_path: str, partitions: tuple[int,
     """One task of a distributed audit: the jobs whose records these input partitions hold (a job
     keyed by its id lives in one partition of each topic), their ledger rows read here (the
     ledger file, read-only, must be reachable from the worker, as the archive is)."""
-    archive = ParquetArchive(archive_root, partitions)
+    archive = ParquetArchive(archive_root, partitions, threads=1)  # a Dask worker's thread is one core
     jobs = archive.keys([NODE_IPC.name, JOBS_LIFECYCLE.name])
     with Ledger(Path(ledger_path), read_only=True) as ledger:
         rows = {(c.job_id, c.revision): c for c in ledger.charges(jobs) if c.job_id not in beyond}

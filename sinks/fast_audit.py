@@ -419,8 +419,8 @@ def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | No
 
 
 def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy], default: PricingPolicy,
-                   partitions: Iterable[int] | None = None) -> FastResult:
-    archive = ParquetArchive(archive_root, partitions)
+                   partitions: Iterable[int] | None = None, threads: int | None = None) -> FastResult:
+    archive = ParquetArchive(archive_root, partitions, threads)
     # The most common delta is the query's constant; only the others need a per-row lookup.
     common = Counter(p.delta for p in policies.values()).most_common(1)
     default_delta = common[0][0] if common else default.delta

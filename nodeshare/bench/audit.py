@@ -171,7 +171,7 @@ def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], Fa
 
 def _partition_task(root: str, partition: int) -> int:
     """One distributed task: the fast recomputation of one partition; the samples it checked."""
-    return fast_recompute(Path(root), {}, PricingPolicy(), (partition,)).samples
+    return fast_recompute(Path(root), {}, PricingPolicy(), (partition,), threads=1).samples
 
 
 def _timed_workers(root: Path, workers: list[int], rounds: int) -> tuple[dict[int, float], int, int]:
