@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import shutil
 import time
 import uuid
@@ -32,10 +31,9 @@ from nodeshare.producers.calibrated_records import RecordSink
 from nodeshare.producers.job_mix import synthetic_jobs
 from nodeshare.schemas import TOPIC_OF_RECORD, ShutterBlock, encode, key_of
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.streams.accounting import PricingPolicy
-
 from nodeshare.sinks.archive import IPC_FIELDS, IPC_LISTS, ArchivedEvent, ParquetArchive
 from nodeshare.sinks.fast_audit import FastResult, fast_recompute
+from nodeshare.streams.accounting import PricingPolicy
 
 from .machine import machine_stamp
 

@@ -8,7 +8,6 @@ pydantic decode the sink does) and counting a batch in one transaction of the Du
 
 from __future__ import annotations
 
-import platform
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
@@ -17,7 +16,6 @@ from typing import Any
 
 from nodeshare.schemas import ShutterWindow, decode, encode
 from nodeshare.schemas.catalog import NODE_SHUTTER
-
 from nodeshare.sinks.ledger import Ledger
 
 from .machine import machine_stamp

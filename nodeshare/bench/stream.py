@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import platform
 import shutil
 import threading
 import time
@@ -39,6 +38,7 @@ import numpy as np
 from confluent_kafka import Consumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
+from nodeshare.bench.machine import machine_stamp
 from nodeshare.config import Settings
 from nodeshare.deploy.broker import broker_for, free_port
 from nodeshare.deploy.processes import start_worker, stop_process
@@ -53,7 +53,6 @@ from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, key_of
 from nodeshare.sinks.archive import ArchiveSink
 from nodeshare.sinks.consumer import run_in_thread
 from nodeshare.sinks.ledger import LedgerSink
-from nodeshare.bench.machine import machine_stamp
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 

@@ -83,7 +83,16 @@ def test_profiles_and_placement_decisions_come_out_of_the_running_pipeline(
     for d in decisions:
         first.setdefault(d.job_id, d)
         assert d.inputs is not None and d.inputs.program and d.inputs.trigger_event_id
-    assert {d.action for d in first.values()} <= {PlacementAction.PLACE, PlacementAction.DELAY}
+    # A job's first decision places or delays it; a serialize needs the pair model, which the
+    # manager fits once MIN_PAIRS jobs were measured next to one other program: jobs of 20 s end
+    # while later ones are still submitted, so whether it is fitted by then depends on the order the
+    # router interleaves lifecycle events and final estimates (one CI run in three saw one).
+    from nodeshare.streams.placement.stream import MIN_PAIRS
+
+    for d in first.values():
+        assert d.action is not PlacementAction.PAIR, d
+        if d.action is PlacementAction.SERIALIZE:
+            assert d.inputs is not None and d.inputs.model_pairs >= MIN_PAIRS, d
     placed = [d for d in decisions if d.action is PlacementAction.PLACE]
     assert placed and all(d.nodes and d.scale_factor for d in placed)
 
