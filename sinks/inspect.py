@@ -46,15 +46,40 @@ def describe_topics(settings: Settings, timeout_s: float = 15.0) -> list[TopicSt
 
 @dataclass
 class DeadLetterSummary:
+    """The dead-letter topic as an operator reads it. A worker that restarts re-applies the input
+    after its last committed offset and dead-letters those records again: each refused input
+    (origin topic, partition, offset) counts once in ``total`` and by reason and origin; the
+    copies are counted apart, in ``resent``."""
+
     total: int = 0
     by_reason: Counter[str] = field(default_factory=Counter)
     by_origin: Counter[str] = field(default_factory=Counter)
     first: list[DeadLetter] = field(default_factory=list)
     undecodable: int = 0  # records on the dead-letter topic that are not dead letters themselves
+    resent: int = 0  # copies of a dead letter already counted (the same input, refused again)
+    _seen: set[tuple[str, int | None, int | None]] = field(default_factory=set, repr=False)
+
+    def add(self, value: bytes, first: int) -> None:
+        """Count one record of the dead-letter topic."""
+        try:
+            dl = decode_model(DeadLetter, value)
+        except DecodeError:
+            self.undecodable += 1
+            return
+        origin = (dl.origin_topic, dl.origin_partition, dl.origin_offset)
+        if dl.origin_offset is not None and origin in self._seen:
+            self.resent += 1
+            return
+        self._seen.add(origin)
+        self.total += 1
+        self.by_reason[dl.reason] += 1
+        self.by_origin[dl.origin_topic] += 1
+        if len(self.first) < first:
+            self.first.append(dl)
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "total": self.total, "undecodable": self.undecodable,
+            "total": self.total, "resent": self.resent, "undecodable": self.undecodable,
             "by_reason": dict(self.by_reason.most_common()), "by_origin": dict(self.by_origin.most_common()),
             "first": [{"origin": f"{d.origin_topic}[{d.origin_partition}]@{d.origin_offset}", "reason": d.reason,
                        "field": d.field, "value": preview(d.value_b64)} for d in self.first],
@@ -78,23 +103,15 @@ def read_dead_letters(settings: Settings, *, first: int = 10, idle_s: float = 3.
     summary = DeadLetterSummary()
     start = last = time.monotonic()
     try:
-        while time.monotonic() - last < idle_s + (settings.session_timeout_ms / 1000 if not summary.total else 0):
+        while time.monotonic() - last < idle_s + (settings.session_timeout_ms / 1000 if not summary.total
+                                                   and not summary.undecodable else 0):
             if time.monotonic() - start > max_s:
                 break
             for m in consumer.consume(1000, timeout=0.5):
                 if m.error() is not None:
                     continue
                 last = time.monotonic()
-                summary.total += 1
-                try:
-                    dl = decode_model(DeadLetter, m.value() or b"")
-                except DecodeError:
-                    summary.undecodable += 1
-                    continue
-                summary.by_reason[dl.reason] += 1
-                summary.by_origin[dl.origin_topic] += 1
-                if len(summary.first) < first:
-                    summary.first.append(dl)
+                summary.add(m.value() or b"", first)
     finally:
         consumer.close()
     return summary

@@ -181,7 +181,9 @@ def dlq_show(
         print(json.dumps(summary.as_dict(), indent=2))
         return
     out.print(f"{summary.total} dead letters on {settings.topic('dlq')}"
-              + (f" ({summary.undecodable} not readable as dead letters)" if summary.undecodable else ""))
+              + (f" ({summary.undecodable} not readable as dead letters)" if summary.undecodable else "")
+              + (f"; {summary.resent} copies re-sent after a worker restart, counted once" if summary.resent
+                 else ""))
     reasons = Table(title="By reason")
     reasons.add_column("count", justify="right")
     reasons.add_column("reason")

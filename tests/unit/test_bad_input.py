@@ -333,3 +333,23 @@ def test_a_wrong_clock_on_a_power_reading_keeps_it_off_the_power_log():
     dl = screen(POWER, 1, 7, b"n", encode(late), late.event_time.timestamp() - 2 * 86400)
     assert dl is not None and dl.field == "event_time" and "ahead of the broker" in dl.reason
     assert screen(POWER, 1, 7, b"n", encode(late), late.event_time.timestamp()) is None
+
+
+def test_dead_letters_re_sent_after_a_worker_restart_are_counted_once():
+    """A restarted worker re-applies what it had not committed and dead-letters it again: `dlq
+    show` counts each refused input once and says how many copies it saw. (Mutation: counting
+    every record in `total` fails here.)"""
+    from nodeshare.schemas import DeadLetter, encode
+    from nodeshare.sinks.inspect import DeadLetterSummary
+
+    def dl(offset: int, reason: str) -> bytes:
+        return encode(DeadLetter(event_id=f"dl-{offset}-{reason}", source="test", event_time=T0,
+                                 origin_topic="node.ipc", origin_partition=1, origin_offset=offset, reason=reason,
+                                 value_b64="e30="))
+
+    summary = DeadLetterSummary()
+    for value in (dl(5, "decode"), dl(9, "key_mismatch"), dl(5, "decode"), b"not a dead letter"):
+        summary.add(value, first=10)
+    assert (summary.total, summary.resent, summary.undecodable) == (2, 1, 1)
+    assert summary.by_reason == {"decode": 1, "key_mismatch": 1} and len(summary.first) == 2
+    assert summary.as_dict()["resent"] == 1
