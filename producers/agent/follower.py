@@ -34,7 +34,6 @@ class Follower:
         self.caught_up = threading.Event()  # the history is folded and settled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
 
     def handle(self, value: bytes | None, write: bool) -> None:
         raise NotImplementedError
@@ -61,8 +60,7 @@ class Follower:
                 if not self.caught_up.is_set() and not behind and not batch:
                     self.settle()
                     self.caught_up.set()
-        except BaseException as exc:
-            self.error = exc
+        except BaseException:
             log.exception("%s: the follower stopped; what it applied is undone at exit", self.topic_name)
         finally:
             consumer.close()

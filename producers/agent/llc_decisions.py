@@ -39,7 +39,9 @@ class LlcFollower(Follower):
         self.node_gbps = node_gbps
         self.shares = NodeShares(node)
         self._lock = threading.Lock()
-        self.refused: list[str] = []
+        #: jobs whose group the kernel refused: they keep the whole cache and are not tried again
+        #: at every rescan while they run (one log line each, not one a second)
+        self.refused: set[str] = set()
 
     def handle(self, value: bytes | None, write: bool) -> None:
         try:
@@ -59,7 +61,9 @@ class LlcFollower(Follower):
             return
         with self._lock:
             shares = dict(self.shares.shares)
-        wanted = layout(shares, jobs, self.resctrl.total_ways, self.node_gbps, self.resctrl.settings)
+        self.refused &= jobs.keys()  # a job that left may come back as a new one
+        wanted = layout(shares, [j for j in jobs if j not in self.refused], self.resctrl.total_ways, self.node_gbps,
+                        self.resctrl.settings)
         for job_id in self.resctrl.jobs():
             if job_id not in wanted:
                 self.resctrl.remove(job_id)
@@ -72,7 +76,7 @@ class LlcFollower(Follower):
             try:
                 self.resctrl.apply(job_id, setting, [p.pid for p in jobs[job_id].procs])
             except OSError as exc:
-                self.refused.append(f"job {job_id}: {exc}")
+                self.refused.add(job_id)
                 metrics.RESCTRL.labels("refused").inc()
                 log.warning("job %s: resctrl refused (%s): it keeps the whole cache", job_id, exc)
                 self.resctrl.remove(job_id)

@@ -83,6 +83,7 @@ class Resctrl:
         self.total_ways = int(mask.read_text().strip(), 16).bit_length()
         self.groups: dict[str, Path] = {}
         self.settings: dict[str, Setting] = {}
+        self.members: dict[str, set[int]] = {}  # PIDs written to each group (their children join by fork)
 
     def group(self, job_id: str) -> Path:
         return self.root / (PREFIX + re.sub(r"[^\w.-]", "_", job_id))
@@ -93,7 +94,8 @@ class Resctrl:
 
     def apply(self, job_id: str, setting: Setting, pids: Iterable[int]) -> None:
         """Give ``job_id``'s processes ``setting``: its group made (said first), schemata written
-        when it changed, every PID not yet in its tasks added (a process gone meanwhile is skipped)."""
+        when it changed, every PID not yet written added (a process gone meanwhile is skipped). The
+        agent calls this at every rescan: a job whose processes did not change costs no file I/O."""
         path = self.group(job_id)
         if job_id not in self.groups:
             self.groups[job_id] = path
@@ -102,22 +104,21 @@ class Resctrl:
         if self.settings.get(job_id) != setting:
             (path / "schemata").write_text(setting.schemata(self.cache_ids, self.mb_ids))
             self.settings[job_id] = setting
-        tasks = path / "tasks"
-        present = set(tasks.read_text().split()) if tasks.exists() else set()
-        for pid in sorted(pids):
-            if str(pid) in present:
-                continue
+        written = self.members.setdefault(job_id, set())
+        for pid in sorted(set(pids) - written):
             try:
-                with tasks.open("a") as f:
+                with (path / "tasks").open("a") as f:
                     f.write(f"{pid}\n")
             except ProcessLookupError:
-                continue
+                pass
+            written.add(pid)  # written or gone: either way not again
 
     def remove(self, job_id: str) -> None:
         path = self.groups.get(job_id)
         if path is not None and remove_group(path):
             del self.groups[job_id]
             self.settings.pop(job_id, None)
+            self.members.pop(job_id, None)
             self._tell()
 
     def jobs(self) -> list[str]:
@@ -129,5 +130,6 @@ class Resctrl:
         removed = sum(remove_group(p) for p in sorted(paths))
         self.groups = {j: p for j, p in self.groups.items() if p.exists()}
         self.settings = {j: s for j, s in self.settings.items() if j in self.groups}
+        self.members = {j: m for j, m in self.members.items() if j in self.groups}
         self._tell()
         return removed

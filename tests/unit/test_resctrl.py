@@ -112,3 +112,30 @@ def test_the_follower_gives_running_jobs_their_shares_once_caught_up(tmp_path):
     assert not (root / "nodeshare-b").exists() and not (root / "nodeshare-z").exists()  # b is not running here
     follower.sync({})  # a left the node
     assert not list(root.glob("nodeshare-*"))
+
+
+def test_a_job_the_kernel_refuses_keeps_the_whole_cache_and_is_not_retried_every_rescan(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    root = resctrl_tree(tmp_path / "resctrl")
+    follower = LlcFollower(settings=None, node="n1", resctrl=Resctrl(root), node_gbps=50.0)
+    follower.handle(encode(placement("a", ("n1",), ways=4)), write=False)
+    follower.handle(encode(placement("b", ("n1",), ways=2)), write=False)
+    follower.caught_up.set()
+    real, attempts = Path.write_text, []
+
+    def refuse_a(self: Path, data: str, *args, **kwargs) -> int:
+        if self.name == "schemata" and self.parent.name == "nodeshare-a":
+            attempts.append(data)
+            raise PermissionError(13, "Permission denied")
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refuse_a)
+    jobs = {j: LocalJob(j, frozenset({Proc(100 + i, 0)})) for i, j in enumerate("ab")}
+    for _ in range(3):  # three rescans
+        follower.sync(jobs)
+    assert len(attempts) == 1 and follower.refused == {"a"}
+    assert not (root / "nodeshare-a").exists()
+    assert (root / "nodeshare-b" / "schemata").read_text() == "L3:0=30;1=30\n"  # b keeps its ways 4-5
+    follower.sync({"b": jobs["b"]})  # a left: a new job "a" would be tried again
+    assert follower.refused == set()
