@@ -46,17 +46,8 @@ class BatchSink:
         consumer.assign(partitions)
 
     def consumer(self) -> Consumer:
-        return Consumer(self.settings.client_config(**{
-            "group.id": self.group_id,
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "session.timeout.ms": self.settings.session_timeout_ms,
-            "heartbeat.interval.ms": min(1000, self.settings.session_timeout_ms // 3),
-            "fetch.max.bytes": 52_428_800,
-            # Tansu holds a fetch for its whole wait though data has arrived: librdkafka's 500 ms
-            # default delayed a message by 94 ms at p50, 100 ms by 11 ms (streams/transport.py)
-            "fetch.wait.max.ms": 100,
-        }))
+        # librdkafka's 500 ms fetch wait delayed a message by 94 ms at p50 on Tansu, 100 ms by 11 ms
+        return Consumer(self.settings.group_consumer_config(self.group_id))
 
     def run(self, stop: threading.Event) -> None:
         consumer = self.consumer()

@@ -86,16 +86,9 @@ class FoldConsumer:
     # ------------------------------------------------------------------ the loop
 
     def consumer(self) -> Consumer:
-        return Consumer(self.settings.client_config(**{
-            "group.id": accounting_group(self.settings),
-            "partition.assignment.strategy": "range",  # partition p of both topics to one member
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "session.timeout.ms": self.settings.session_timeout_ms,
-            "heartbeat.interval.ms": min(1000, self.settings.session_timeout_ms // 3),
-            "fetch.max.bytes": 52_428_800,
-            "fetch.wait.max.ms": 100,  # Tansu holds a fetch for its whole wait (streams/transport.py)
-        }))
+        return Consumer(self.settings.group_consumer_config(
+            accounting_group(self.settings),
+            **{"partition.assignment.strategy": "range"}))  # partition p of both topics to one member
 
     def run(self, stop: threading.Event) -> None:
         consumer = self.consumer()
