@@ -157,6 +157,7 @@ class ParquetArchive:
         else:
             self.root = Path(root)
         self.partitions = None if partitions is None else frozenset(partitions)
+        self._listed: dict[str, list[PurePath]] = {}  # object storage: topic -> its files
 
     @property
     def location(self) -> Path | str:
@@ -190,8 +191,11 @@ class ParquetArchive:
     def files(self, topic: str = "*") -> list[PurePath]:
         """The archive's Parquet files (of one catalog topic, or all; of the view's partitions)."""
         found: list[PurePath]
-        if self.fs is not None:
-            found = sorted(PurePosixPath(p) for p in self.fs.glob(f"{self.root}/topic={topic}/date=*/p*.parquet"))
+        if self.fs is not None:  # read only here: listed once, as the audit's snapshot (each listing is requests)
+            if topic not in self._listed:
+                self._listed[topic] = sorted(
+                    PurePosixPath(p) for p in self.fs.glob(f"{self.root}/topic={topic}/date=*/p*.parquet"))
+            found = self._listed[topic]
         else:
             found = sorted(self.root.glob(f"topic={topic}/date=*/p*.parquet"))
         if self.partitions is None:

@@ -61,6 +61,16 @@ def test_an_archive_on_object_storage_audits_as_the_directory_does(tmp_path, s3)
     remote = ParquetArchive(url)
     assert [f.name for f in remote.files()] == [f.name for f in ParquetArchive(archive).files()]
     assert remote.count() == ParquetArchive(archive).count() and remote.retention() == {}
+    listings = []
+    glob = remote.fs.glob
+    remote.fs.glob = lambda pattern, **kw: listings.append(pattern) or glob(pattern, **kw)
+    try:  # (fsspec shares the filesystem instance: the wrapper goes again after)
+        for _ in range(3):
+            remote.files("node.ipc")
+            remote.sources_sql("node.ipc")
+    finally:
+        del remote.fs.glob
+    assert len(listings) == 1  # a read-only archive is listed once per topic, not at every use
     here = audit(archive, ledger, POLICY)
     there = audit(url, ledger, POLICY)
     assert there.as_dict() == here.as_dict() and {m.job_id for m in there.mismatches} == {edited}
