@@ -86,7 +86,7 @@ def test_profiles_and_placement_decisions_come_out_of_the_running_pipeline(
     # A job's first decision places or delays it; a serialize needs the pair model, which the
     # manager fits once MIN_PAIRS jobs were measured next to one other program: jobs of 20 s end
     # while later ones are still submitted, so whether it is fitted by then depends on the order the
-    # router interleaves lifecycle events and final estimates (one CI run in three saw one).
+    # router interleaves lifecycle events and final estimates (one of five fresh-clone runs on 2026-11-25 saw one).
     from nodeshare.streams.placement.stream import MIN_PAIRS
 
     for d in first.values():
