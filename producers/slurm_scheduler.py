@@ -31,6 +31,7 @@ from confluent_kafka import Message
 from nodeshare import metrics
 from nodeshare.config import Settings
 from nodeshare.logs import fields
+from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.schemas import DecodeError, NodeInventory, PlacementDecision, decode_model
 from nodeshare.schemas.catalog import DECISIONS_PLACEMENT
 from nodeshare.schemas.events import PlacementAction
@@ -162,8 +163,6 @@ class SlurmScheduler(BatchSink):
 def publish_inventory(settings: Settings, commands: SchedulerCommands, *, llc_ways: int,
                       mem_bandwidth_gbps: float) -> list[NodeInventory]:
     """Slurm's nodes on ``cluster.inventory`` (acknowledged before this returns)."""
-    from nodeshare.producers.kafka_producer import EventProducer
-
     records = inventory(commands.nodes(), commands.cluster_name(), llc_ways, mem_bandwidth_gbps, datetime.now(UTC))
     with EventProducer(settings, client_id="nodeshare-slurm-scheduler") as producer:
         producer.send_all(records)

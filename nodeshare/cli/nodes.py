@@ -171,7 +171,9 @@ def slurm_scheduler(
     metrics.serve(settings.metrics_port, settings.metrics_addr)
     stop = threading.Event()
     if duration is not None:
-        threading.Timer(duration, stop.set).start()
+        timer = threading.Timer(duration, stop.set)
+        timer.daemon = True  # a scheduler that failed early must not wait out --duration before exiting
+        timer.start()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         done = run_scheduler(settings, SchedulerCommands(), stop, llc_ways=llc_ways,
