@@ -86,22 +86,21 @@ def layout(shares: dict[str, Share], jobs: Iterable[str], total_ways: int, node_
     take the lowest free run of ways."""
     if total_ways < 1:
         raise ValueError(f"a node has at least one LLC way, got {total_ways}")
-    running = sorted(set(jobs) & shares.keys())
+    ways = {job: min(max(1, shares[job].ways), total_ways) for job in sorted(set(jobs) & shares.keys())}
+    mba = {job: mb_percent(shares[job].bandwidth_gbps, node_gbps) for job in ways}
     out: dict[str, Setting] = {}
     free = (1 << total_ways) - 1
-    for job in running:  # kept first, so a newcomer never moves them
+    for job, n in ways.items():  # kept first, so a newcomer never moves them
         old = (previous or {}).get(job)
-        ways = min(max(1, shares[job].ways), total_ways)
-        if old is not None and not old.overlaps and old.mask.bit_count() == ways and old.mask & free == old.mask:
-            out[job] = Setting(old.mask, mb_percent(shares[job].bandwidth_gbps, node_gbps))
+        if old is not None and not old.overlaps and old.mask.bit_count() == n and old.mask & free == old.mask:
+            out[job] = Setting(old.mask, mba[job])
             free &= ~old.mask
-    for job in running:
+    for job, n in ways.items():
         if job in out:
             continue
-        ways = min(max(1, shares[job].ways), total_ways)
-        first = _first_fit(free, ways, total_ways)
-        mask = ((1 << ways) - 1) << (total_ways - ways if first is None else first)
+        first = _first_fit(free, n, total_ways)
+        mask = ((1 << n) - 1) << (total_ways - n if first is None else first)
         if first is not None:
             free &= ~mask
-        out[job] = Setting(mask, mb_percent(shares[job].bandwidth_gbps, node_gbps), overlaps=first is None)
+        out[job] = Setting(mask, mba[job], overlaps=first is None)
     return out
