@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -14,10 +15,17 @@ from .common import (
     out,
     progress_bar,
     staged_progress,
-    write_bench,
 )
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print numbers and write them to a JSON file.")
+
+
+def write_bench(result: dict[str, Any], out_file: Path) -> None:
+    """A benchmark's numbers: printed, and written to its JSON file."""
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    out.print_json(json.dumps(result))
+    out.print(f"wrote {out_file}")
 
 
 @bench_app.command("audit")

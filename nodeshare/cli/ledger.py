@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -14,12 +14,26 @@ from .common import (
     err,
     load_settings,
     out,
-    print_machine_readable,
     progress_bar,
-    split_values,
 )
 
 archive_app = typer.Typer(no_args_is_help=True, help="Archive housekeeping.")
+
+
+def split_values(values: list[str] | None) -> list[str]:
+    return [v for item in values or [] for v in item.split(",") if v]
+
+
+def print_machine_readable(header: Any, rows: list[Any], as_json: bool, parsable: bool,
+                            noheader: bool = False) -> bool:
+    """--json (a list of objects) or --parsable2 ('|'-separated, like sacct); False when neither."""
+    from nodeshare.sinks.usage import parsable2
+
+    if as_json:
+        print(json.dumps([dict(zip(header, r, strict=True)) for r in rows], indent=2, default=str))
+    elif parsable:
+        print(parsable2(header, rows, noheader=noheader))
+    return as_json or parsable
 
 
 @app.command()

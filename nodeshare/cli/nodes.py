@@ -13,11 +13,14 @@ from .common import (
     Bootstrap,
     app,
     err,
-    exit_on_sigterm,
     load_settings,
     out,
     require_bootstrap,
 )
+
+
+def exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 @app.command()

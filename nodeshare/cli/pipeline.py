@@ -16,16 +16,10 @@ from nodeshare import __version__
 
 from .common import (
     Bootstrap,
-    EngineOpt,
-    JobProfiles,
-    TimeScaleOpt,
-    TraceOpt,
     app,
-    cluster_choice,
     err,
     load_settings,
     out,
-    print_charges,
     progress_bar,
     require_bootstrap,
     staged_progress,
@@ -44,6 +38,51 @@ config_app = typer.Typer(no_args_is_help=True, help="The effective configuration
 
 
 decisions_app = typer.Typer(no_args_is_help=True, help="Decision topics, as a scheduler sees them.")
+
+
+EngineOpt = Annotated[str, typer.Option(
+    "--engine", help="calibrated: the workload library with per-socket contention; simple: four toy programs")]
+
+
+TraceOpt = Annotated[Path | None, typer.Option(
+    "--trace", help="Standard Workload Format trace: the first --jobs usable jobs arrive as it says",
+    exists=True, dir_okay=False)]
+
+
+JobProfiles = Annotated[Path | None, typer.Option(
+    "--profiles", help="CSV shaped like llc_profiles_spec.csv: jobs run these programs", exists=True,
+    dir_okay=False)]
+
+
+TimeScaleOpt = Annotated[float, typer.Option("--time-scale", min=1e-6,
+                                             help="multiply the trace's run and submit times by this")]
+
+
+def cluster_choice(settings: Any, **choice: Any) -> Any:
+    from nodeshare.scenarios import ClusterChoice, ScenarioError
+
+    try:
+        picked = ClusterChoice.from_settings(settings, **choice)
+        if picked.engine == "calibrated":
+            _ = picked.calibrated  # a bad trace or profile file fails here, before any broker starts
+        return picked
+    except ScenarioError as exc:
+        err.print(f"[red]bad simulation choice[/red]: {exc}")
+        raise typer.Exit(2) from None
+
+
+def print_charges(charges: list[Any]) -> None:
+    table = Table(title="Charges (service units; L = rate per core-hour)")
+    for col in ("job", "user", "account", "program", "cores", "T_co s", "paused s", "D", "blocks used/all",
+                "SOP", "price", "dividend"):
+        table.add_column(col, justify="left" if col in ("job", "user", "account", "program") else "right")
+    for c in sorted(charges, key=lambda c: (c.job_id, c.revision)):
+        d = f"{c.degradation:.3f}" if c.estimate_status.value == "ok" else f"0 ({c.estimate_status.value})"
+        table.add_row(c.job_id, c.user, c.account, c.program, str(c.cores), f"{c.run_time_s:.1f}",
+                      f"{c.pause_credit_s:.2f}", d,
+                      f"{c.blocks_used}/{c.blocks_used + c.blocks_rejected}",
+                      f"{c.standard_price:.4f}", f"{c.price:.4f}", f"{c.dividend:.4f}")
+    out.print(table)
 
 
 @config_app.command("show")
