@@ -89,10 +89,43 @@ def greedy_pairs(exclusive: np.ndarray, weights: np.ndarray, serialize: bool = T
 #: Blossom works on integer weights (exact arithmetic): wall times are rounded to this many per second.
 WEIGHT_RESOLUTION = 1000
 
+#: Past this many jobs, blossom matches on a sparse graph: each job's BLOSSOM_NEIGHBOURS best
+#: partners by what sharing saves, plus the greedy pairs (so a perfect matching always exists and
+#: the result is never worse than greedy). Measured by ``nodeshare bench placement`` against the
+#: exact matching on the whole graph.
+BLOSSOM_NEIGHBOURS = 64
 
-def blossom_pairs(exclusive: np.ndarray, weights: np.ndarray, serialize: bool = True) -> list[Task]:
-    """Minimum-weight perfect matching on the degradation graph (Edmonds' blossom). With an odd
-    queue one job stays single: a dummy vertex takes it at the cost of running it alone.
+
+def candidate_edges(exclusive: np.ndarray, weights: np.ndarray,
+                    neighbours: int | None = BLOSSOM_NEIGHBOURS) -> tuple[np.ndarray, np.ndarray]:
+    """The edges (i < j) blossom matches on. All of them for a queue of at most ``neighbours + 1``
+    jobs (or ``neighbours=None``); otherwise each job's ``neighbours`` lightest edges by reduced
+    cost ``w_ij - exclusive_i - exclusive_j`` (the time the pair saves over running both jobs
+    alone), together with the greedy matching's pairs.
+
+    The reduced cost changes no perfect matching's ranking (every job is in exactly one pair, so
+    the same sum of exclusive times is subtracted from each), but it ranks partners by what they
+    save instead of by length: by raw wall time every job's nearest partners would be the
+    shortest jobs of the queue, and the long jobs, which must pair with one another, would lose
+    the edges they need."""
+    n = len(exclusive)
+    if neighbours is None or n - 1 <= neighbours:
+        return np.triu_indices(n, 1)
+    saved = weights - exclusive[:, None] - exclusive[None, :]
+    np.fill_diagonal(saved, np.inf)
+    best = np.argpartition(saved, neighbours - 1, axis=1)[:, :neighbours]
+    greedy = [t.jobs for t in greedy_pairs(exclusive, weights, serialize=False) if len(t.jobs) == 2]
+    i = np.concatenate([np.repeat(np.arange(n), neighbours), [a for a, _ in greedy]])
+    j = np.concatenate([best.ravel(), [b for _, b in greedy]])
+    keys = np.unique(np.minimum(i, j).astype(np.int64) * n + np.maximum(i, j))
+    return keys // n, keys % n
+
+
+def blossom_pairs(exclusive: np.ndarray, weights: np.ndarray, serialize: bool = True,
+                  neighbours: int | None = BLOSSOM_NEIGHBOURS) -> list[Task]:
+    """Minimum-weight perfect matching on the degradation graph (Edmonds' blossom), on the edges
+    ``candidate_edges`` keeps (the whole graph up to ``neighbours + 1`` jobs). With an odd queue
+    one job stays single: a dummy vertex takes it at the cost of running it alone.
 
     rustworkx's ``max_weight_matching`` is the same primal-dual blossom algorithm as networkx's
     (a port of it, in Rust): about 100x faster (36 ms for 200 jobs against 3.9 s), and a test
@@ -100,7 +133,7 @@ def blossom_pairs(exclusive: np.ndarray, weights: np.ndarray, serialize: bool = 
     greatest ``top - weight`` among the maximum-cardinality matchings; weights are rounded to
     1/WEIGHT_RESOLUTION s so that the algorithm runs in exact integer arithmetic."""
     n = len(exclusive)
-    iu, ju = np.triu_indices(n, 1)
+    iu, ju = candidate_edges(exclusive, weights, neighbours)
     w = weights[iu, ju]
     if n % 2:
         iu, ju = np.concatenate([iu, np.arange(n)]), np.concatenate([ju, np.full(n, n)])

@@ -14,6 +14,7 @@ from nodeshare.streams.pairing import (
     DegradationModel,
     Task,
     blossom_pairs,
+    candidate_edges,
     exclusive_times,
     fifo,
     fifo_shared,
@@ -136,6 +137,37 @@ def test_blossom_finds_a_perfect_matching_as_light_as_networkx(n):
     best = sum(g[a][b]["weight"] for a, b in nx.min_weight_matching(g))
     cost = sum(w[t.jobs] if len(t.jobs) == 2 else alone[t.jobs[0]] for t in ours)
     assert cost == pytest.approx(best, abs=n * 1e-3)  # weights are rounded to the millisecond
+
+
+def test_candidate_edges_rank_partners_by_what_sharing_saves():
+    # four short jobs, two long ones; no contention except 10% between the long two
+    times = np.array([100.0, 100.0, 100.0, 100.0, 1000.0, 1000.0])
+    deg = np.zeros((6, 6))
+    deg[4, 5] = deg[5, 4] = 10.0
+    w, alone = pair_weights(times, deg), exclusive_times(times, deg)
+    assert w[4, 0] == 1000.0 and w[4, 5] == 1100.0  # by wall time a short job is the long one's nearest
+    iu, ju = candidate_edges(alone, w, neighbours=1)
+    edges = set(zip(iu.tolist(), ju.tolist(), strict=True))
+    assert (4, 5) in edges  # reduced cost 1100 - 500 - 500 = 100 s against 1000 - 500 - 50 = 450 s for a short partner
+    assert len(edges) < 15  # sparse: not the 15 edges of the whole graph
+    assert len(candidate_edges(alone, w, neighbours=5)[0]) == 15  # a queue of neighbours + 1: all of them
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sparse_blossom_matches_as_lightly_as_the_whole_graph(seed):
+    rng = np.random.default_rng(seed)
+    n = 151  # odd: the dummy vertex too
+    times = rng.lognormal(np.log(600.0), 0.8, n)
+    deg = rng.gamma(1.0, 15.0, (n, n))
+    w, alone = pair_weights(times, deg), exclusive_times(times, deg)
+
+    def cost(tasks):
+        assert sorted(k for t in tasks for k in t.jobs) == list(range(n))
+        return sum(w[t.jobs] if len(t.jobs) == 2 else alone[t.jobs[0]] for t in tasks)
+
+    exact = cost(blossom_pairs(alone, w, serialize=False, neighbours=None))
+    assert cost(blossom_pairs(alone, w, serialize=False, neighbours=32)) == pytest.approx(exact, abs=1e-6)
+    assert cost(greedy_pairs(alone, w, serialize=False)) > exact
 
 
 def test_pair_queue_keeps_pairs_within_alpha_and_faster_than_serial():
