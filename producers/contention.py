@@ -7,10 +7,13 @@ or every combination of programs, are solved at once):
   references per instruction x IPC), the occupancy an LRU cache settles to; a process then
   runs at its IPC-LLC and BW-LLC curves' values for the ways it holds (Seed 001, Section 3).
 * **Memory bandwidth**: the socket's load rho = demand / capacity raises loaded memory latency
-  as 1 + queue * rho / (1 - rho); a program whose CPI stack has a share ``mem_stall`` of memory
+  as 1 + queue * rho / (1 - rho) (or, with ``Socket.latency_curve``, as a measured curve such as
+  ``MLC_LOADED_LATENCY``); a program whose CPI stack has a share ``mem_stall`` of memory
   stalls slows by 1 + mem_stall * (latency - 1); and no socket moves more than ``max_util`` of
   its bandwidth, shared in proportion to demand (streaming codes whose stalls prefetching hides
   are held back here). Demand falls with IPC, so both are solved together (a fixed point).
+  With ``share`` (Intel RDT's MBA), each co-runner has a partition of the bandwidth of its own:
+  its load, latency and cap are its partition's, and the others' traffic does not reach it.
 * **Cache refill after a shutter** (:func:`fill_path`): when co-runners pause, every miss of
   the lone job brings a line in and evicts one of the paused job's lines (they are the least
   recently used), so its occupancy grows at its own miss bandwidth: dw/dt = bw(w) / way_mb,
@@ -31,6 +34,28 @@ import numpy as np
 
 from .workloads import WAYS, interp_ways
 
+#: Loaded latency measured with Intel Memory Latency Checker 3.5 (``mlc --loaded_latency``,
+#: read-only traffic, all threads; two Xeon Silver 4110 sockets, 12 x 32 GB DDR4 RDIMM), as posted
+#: at https://community.intel.com/t5/Software-Tuning-Performance/Intel-Memory-Latency-Checker-v3-5-test/m-p/1126268
+#: (inject delay rows 20000 .. 0): (bandwidth MB/s, latency ns).
+MLC_LOADED_LATENCY_TABLE = (
+    (1237.6, 81.96), (1785.2, 83.00), (2583.5, 84.20), (3354.4, 84.99), (4383.3, 85.56), (6068.3, 86.54),
+    (7680.3, 87.24), (9723.8, 87.81), (13463.5, 88.79), (18355.0, 90.16), (22580.9, 90.85), (29473.3, 92.29),
+    (42695.4, 94.56), (68357.8, 98.94), (131282.0, 123.71), (135655.9, 130.31),
+)
+
+
+def normalized_latency_curve(table: tuple[tuple[float, float], ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """A loaded-latency measurement as (load, latency ratio) points: bandwidth as a share of the
+    most the machine delivered, latency relative to the least loaded row (taken as idle, at load 0)."""
+    bw = np.array([b for b, _ in table])
+    lat = np.array([t for _, t in table])
+    load = (bw - bw[0]) / (bw[-1] - bw[0])
+    return tuple(load.tolist()), tuple((lat / lat[0]).tolist())
+
+
+MLC_LOADED_LATENCY = normalized_latency_curve(MLC_LOADED_LATENCY_TABLE)
+
 
 @dataclass(frozen=True)
 class Socket:
@@ -42,6 +67,9 @@ class Socket:
     queue: float = 0.35  # loaded latency = 1 + queue * rho / (1 - rho)
     max_util: float = 0.92  # the share of bandwidth a socket can actually deliver
     procs: int = 4  # processes per job per socket (two 8-process jobs on a 2 x 8-core node)
+    #: A measured loaded-latency curve, (load, latency ratio) with load 1 at the most the socket
+    #: delivers (max_util of bw_gbps); None: the M/M/1 shape with ``queue``.
+    latency_curve: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
 def loaded_latency(rho: np.ndarray, queue: float) -> np.ndarray:
@@ -50,27 +78,47 @@ def loaded_latency(rho: np.ndarray, queue: float) -> np.ndarray:
     return 1.0 + queue * r / (1.0 - r)
 
 
+def socket_latency(rho: np.ndarray, socket: Socket) -> np.ndarray:
+    """Loaded latency at load rho (demand / bw_gbps): the socket's measured curve, read at
+    rho / max_util and held at its ends, or else the M/M/1 shape."""
+    if socket.latency_curve is None:
+        return loaded_latency(rho, socket.queue)
+    load, ratio = socket.latency_curve
+    return np.interp(np.asarray(rho) / socket.max_util, load, ratio)
+
+
 def bandwidth_ipc(ipc0: np.ndarray, bw0: np.ndarray, stall: np.ndarray, active: np.ndarray, socket: Socket,
-                  iters: int = 40, procs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  iters: int = 40, procs: np.ndarray | None = None,
+                  share: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """IPC of each co-runner once memory bandwidth is shared, and the socket's load rho.
 
     ``ipc0`` and ``bw0`` are each process's IPC and bandwidth at its ways without bandwidth
     contention; inactive co-runners (paused or absent) count for nothing and get IPC 0.
-    ``procs``: processes of each co-runner on the socket (default ``socket.procs`` each)."""
+    ``procs``: processes of each co-runner on the socket (default ``socket.procs`` each).
+    ``share``: each co-runner's partition of the socket's bandwidth (MBA; shares sum to at most
+    1); a co-runner's load, loaded latency and cap are then those of its partition alone."""
     n = socket.procs if procs is None else procs
-    rho = np.zeros(ipc0.shape[:-1])
+    if share is None:
+        def load(demand: np.ndarray) -> np.ndarray:  # the whole socket's: every co-runner sees it
+            return demand.sum(axis=-1, keepdims=True)
+        part = socket.bw_gbps
+    else:
+        def load(demand: np.ndarray) -> np.ndarray:  # each partition's own
+            return demand
+        part = np.maximum(share * socket.bw_gbps, 1e-12)
+    rho = np.zeros(ipc0.shape[:-1] + ((1,) if share is None else ipc0.shape[-1:]))
     ipc = ipc0
     safe0 = np.where(ipc0 > 0, ipc0, 1.0)
     for _ in range(iters):
-        lat = loaded_latency(rho, socket.queue)[..., None]
+        lat = socket_latency(rho, socket)
         ipc = ipc0 / (1.0 + stall * (lat - 1.0))
-        demand = np.where(active, n * bw0 * ipc / safe0, 0.0)
-        total = demand.sum(axis=-1)
-        cap = socket.max_util * socket.bw_gbps
-        scale = np.minimum(1.0, cap / np.maximum(total, 1e-12))
-        ipc = ipc * scale[..., None]
-        rho = 0.5 * rho + 0.5 * (total * scale / socket.bw_gbps)
-    return np.where(active, ipc, 0.0), rho
+        demand = load(np.where(active, n * bw0 * ipc / safe0, 0.0))
+        scale = np.minimum(1.0, socket.max_util * part / np.maximum(demand, 1e-12))
+        ipc = ipc * scale
+        rho = 0.5 * rho + 0.5 * (demand * scale / part)
+    if share is not None:  # the socket's load: every partition's traffic
+        rho = (rho * part).sum(axis=-1, keepdims=True) / socket.bw_gbps
+    return np.where(active, ipc, 0.0), rho[..., 0]
 
 
 def llc_ways(rpki: np.ndarray, ipc: np.ndarray, active: np.ndarray, socket: Socket,
@@ -91,11 +139,11 @@ class Steady:
 
 
 def at_ways(ipc_tab: np.ndarray, bw_tab: np.ndarray, stall: np.ndarray, ways: np.ndarray, active: np.ndarray,
-            socket: Socket, procs: np.ndarray | None = None) -> Steady:
-    """IPC of co-runners holding the given ways, with bandwidth shared."""
+            socket: Socket, procs: np.ndarray | None = None, share: np.ndarray | None = None) -> Steady:
+    """IPC of co-runners holding the given ways, with bandwidth shared (or partitioned: ``share``)."""
     ipc0 = interp_ways(ipc_tab, ways)
     bw0 = interp_ways(bw_tab, ways)
-    ipc, rho = bandwidth_ipc(ipc0, bw0, stall, active, socket, procs=procs)
+    ipc, rho = bandwidth_ipc(ipc0, bw0, stall, active, socket, procs=procs, share=share)
     return Steady(ways, ipc, np.where(active, bw0, 0.0), rho)
 
 

@@ -285,20 +285,30 @@ def experiment_sns_testbed(
     seed: Annotated[int, typer.Option(help="seed of the sequences")] = 7,
     comm_growth: Annotated[float, typer.Option(
         min=0.0, help="communication's growth per doubling of nodes (the model's assumption)")] = 0.5,
+    latency: Annotated[str, typer.Option(
+        help="loaded-latency curve: measured (Intel MLC) or mm1 (1 + q rho / (1 - rho))")] = "measured",
     loaded_latency_queue: Annotated[float, typer.Option(
-        min=0.0, help="steepness of the loaded-latency curve 1 + q rho / (1 - rho) (the model's assumption)")]
-    = 0.35,
+        min=0.0, help="q of the mm1 curve")] = 0.35,
+    mba: Annotated[bool, typer.Option(help="SNS's bandwidth allocations are partitions of their own (Intel MBA)")]
+    = True,
+    programs_mix: Annotated[str, typer.Option(
+        "--programs",
+        help="draw programs by the paper's class mix (5 scaling, 4 neutral, 3 compact) or uniformly")] = "paper",
 ) -> None:
     """Seed 001 Section 6.2 on its own testbed: 8 nodes of 28 cores, sequences of 20 jobs of 16 or
     28 processes submitted at once, under CE, CS and SNS: each sequence's scaling ratio and
     throughput gain over CE (Fig. 14), and how often SNS beats CS."""
+    from nodeshare.experiments.sns import LATENCY_CURVES, PROGRAM_MIXES, plot_sns_testbed
     from nodeshare.experiments.sns import experiment_sns_testbed as run
-    from nodeshare.experiments.sns import plot_sns_testbed
+
+    for value, allowed, hint in ((latency, LATENCY_CURVES, "--latency"), (programs_mix, PROGRAM_MIXES, "--programs")):
+        if value not in allowed:
+            raise typer.BadParameter(f"must be one of {', '.join(allowed)}", param_hint=hint)
 
     with progress_bar() as bar:
         task = bar.add_task("sequences", total=sequences)
         r = run(sequences=sequences, jobs=jobs, seed=seed, alpha=alpha, comm_growth=comm_growth,
-                loaded_latency_queue=loaded_latency_queue,
+                latency=latency, loaded_latency_queue=loaded_latency_queue, mba=mba, programs_mix=programs_mix,
                 progress=lambda done, _total: bar.update(task, completed=done))
     gain, span = r["throughput_gain_vs_ce_pct"], r["throughput_gain_vs_ce_range_pct"]
     paper = r["paper"]["throughput_gain_vs_ce_pct"]

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from nodeshare.experiments import pyplot, save
-from nodeshare.producers.contention import Socket, at_ways, equilibrium
+from nodeshare.producers.contention import MLC_LOADED_LATENCY, Socket, at_ways, equilibrium
 from nodeshare.producers.workloads import BUILTIN, WAYS, Workload, interp_ways
 from nodeshare.schemas.events import ProgramClass
 from nodeshare.streams.placement.sns import (
@@ -117,11 +117,12 @@ class Machine:
     """The simulated truth for a library of programs on NODE (cached: the same co-runner sets recur)."""
 
     def __init__(self, programs: Sequence[Workload], cores: int = NODE_CORES, node: Socket = NODE,
-                 comm_growth: float = COMM_GROWTH) -> None:
+                 comm_growth: float = COMM_GROWTH, mba: bool = True) -> None:
         self.programs = list(programs)
         self.cores = cores
         self.node = node
         self.comm_growth = comm_growth
+        self.mba = mba
         self.ipc = np.array([w.ipc for w in programs])
         self.bw = np.array([w.bw_gbps for w in programs])
         self.stall = np.array([w.mem_stall for w in programs])
@@ -132,18 +133,24 @@ class Machine:
         self.curves = lru_cache(maxsize=None)(self._curves)
 
     def _exclusive_ipc(self, prog: int, procs: int) -> float:
-        return float(self._node_ipc(((prog, procs, 0),), cat=False)[0])
+        return float(self._node_ipc(((prog, procs, 0, 0.0),), cat=False)[0])
 
-    def _node_ipc(self, jobs: tuple[tuple[int, int, int], ...], cat: bool) -> np.ndarray:
-        """IPC of each (program, processes, allocated ways) on one node. With ``cat`` each job holds
-        its ways and the rest are shared equally; without, ways go by access rates."""
+    def _node_ipc(self, jobs: tuple[tuple[int, int, int, float], ...], cat: bool) -> np.ndarray:
+        """IPC of each (program, processes, allocated ways, allocated GB/s) on one node. With
+        ``cat`` each job holds its ways and the rest are shared equally (CAT), and with the
+        machine's ``mba`` its bandwidth too: a partition of its allocation plus an equal share of
+        what is unallocated (MBA). Without ``cat``, ways go by access rates and bandwidth is one pool."""
         prog = np.array([j[0] for j in jobs])
         procs = np.array([float(j[1]) for j in jobs])
         active = np.ones(len(jobs), bool)
         if cat:
             spare = max(0.0, self.node.ways - sum(j[2] for j in jobs)) / len(jobs)
             ways = (np.array([float(j[2]) for j in jobs]) + spare) / procs
-            st = at_ways(self.ipc[prog], self.bw[prog], self.stall[prog], ways, active, self.node, procs)
+            share = None
+            if self.mba:
+                gbps = np.array([j[3] for j in jobs])
+                share = (gbps + max(0.0, self.node.bw_gbps - gbps.sum()) / len(jobs)) / self.node.bw_gbps
+            st = at_ways(self.ipc[prog], self.bw[prog], self.stall[prog], ways, active, self.node, procs, share)
         else:
             st = equilibrium(self.ipc[prog], self.bw[prog], self.stall[prog], self.rpki[prog], active, self.node,
                              procs=procs)
@@ -230,7 +237,7 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
     def node_ipc(name: str, jid: str) -> float:
         held = sched.loads[name].jobs  # job -> (cores, ways, bandwidth)
         ids = sorted(held)
-        key = tuple((running[j].prog, held[j][0], held[j][1]) for j in ids)
+        key = tuple((running[j].prog, held[j][0], held[j][1], held[j][2]) for j in ids)
         return float(machine.node_ipc(key, pol.resource_aware)[ids.index(jid)])
 
     while done < len(jobs):
@@ -382,36 +389,79 @@ TESTBED_CORES = 28
 TESTBED_NODES = 8
 
 
+#: Seed 001's 12 test programs by class (Sections 6.1 and 6.4: 5 scaling, 4 neutral, 3 compact).
+PAPER_CLASS_MIX: Mapping[ProgramClass, int] = {ProgramClass.SCALING: 5, ProgramClass.NEUTRAL: 4,
+                                               ProgramClass.COMPACT: 3}
+#: How a testbed sequence draws its programs: by the paper's class mix, or uniformly from the library.
+PROGRAM_MIXES = ("paper", "library")
+
+
 def testbed_sequence(programs: Sequence[Workload], jobs: int, rng: np.random.Generator,
-                     run_scale_s: float = 10.0) -> tuple[list[TraceJob], list[int]]:
-    """One Section 6.2 job sequence: ``jobs`` jobs submitted at once, each a program drawn uniformly
-    from the library with 16 or 28 processes; a program's CE run time is fixed (the paper sizes
-    each program's input once), ``run_scale_s`` times its library solo time."""
-    prog = rng.integers(len(programs), size=jobs)
+                     run_scale_s: float = 10.0, classes: Sequence[ProgramClass] | None = None,
+                     mix: Mapping[ProgramClass, int] = PAPER_CLASS_MIX) -> tuple[list[TraceJob], list[int]]:
+    """One Section 6.2 job sequence: ``jobs`` jobs submitted at once with 16 or 28 processes; a
+    program's CE run time is fixed (the paper sizes each program's input once), ``run_scale_s``
+    times its library solo time.
+
+    Programs are drawn uniformly from the library, or, given each program's class, as the paper
+    draws from its 12 programs: a class with the weight ``mix`` gives it (5 scaling, 4 neutral,
+    3 compact of 12), then a program of that class uniformly. A class the library lacks is left out."""
+    if classes is None:
+        prog = rng.integers(len(programs), size=jobs)
+    else:
+        members = {c: [i for i, k in enumerate(classes) if k is c] for c in mix}
+        kinds = [c for c in mix if members[c]]
+        if not kinds:
+            raise ValueError("no program of the library is in a class of the mix")
+        weight = np.array([mix[c] for c in kinds], dtype=float)
+        drawn = rng.choice(len(kinds), size=jobs, p=weight / weight.sum())
+        prog = np.array([rng.choice(members[kinds[k]]) for k in drawn])
     procs = rng.choice([16, 28], size=jobs)
     seq = [TraceJob(f"j{i:02d}", 0.0, programs[p].solo_s * run_scale_s, int(n))
            for i, (p, n) in enumerate(zip(prog, procs, strict=True))]
     return seq, [int(p) for p in prog]
 
 
+#: The loaded-latency curves a node can have: the measured one (Intel MLC) or the M/M/1 shape.
+LATENCY_CURVES = ("measured", "mm1")
+
+
+def testbed_machine(comm_growth: float = COMM_GROWTH, latency: str = "measured",
+                    loaded_latency_queue: float = TESTBED_NODE.queue, mba: bool = True) -> Machine:
+    """The testbed's node with the library's programs: loaded latency ``measured``
+    (MLC_LOADED_LATENCY) or ``mm1`` (1 + q rho / (1 - rho), q = ``loaded_latency_queue``); with
+    ``mba``, SNS's bandwidth allocations are partitions of their own."""
+    if latency not in LATENCY_CURVES:
+        raise ValueError(f"latency must be one of {LATENCY_CURVES}, got {latency!r}")
+    node = replace(TESTBED_NODE, queue=loaded_latency_queue,
+                   latency_curve=MLC_LOADED_LATENCY if latency == "measured" else None)
+    programs = [w for name, w in BUILTIN.items() if name != "NULL"]
+    return Machine(programs, cores=TESTBED_CORES, node=node, comm_growth=comm_growth, mba=mba)
+
+
 def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, alpha: float = 0.9,
                            nodes: int = TESTBED_NODES, comm_growth: float = COMM_GROWTH,
-                           loaded_latency_queue: float = TESTBED_NODE.queue,
+                           latency: str = "measured", loaded_latency_queue: float = TESTBED_NODE.queue,
+                           mba: bool = True, programs_mix: str = "paper",
                            progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Seed 001 Section 6.2: random job sequences, all jobs submitted at once, on the paper's
     8-node testbed, under CE, CS and SNS. Per sequence: the scaling ratio (core-hours of scaling
     jobs under CE) and the throughput gain of CS and SNS over CE (throughput = 1 / mean
     submit-to-finish time); the means over sequences and how often SNS beats CS.
-    ``comm_growth`` (communication's growth per doubling of nodes) and ``loaded_latency_queue``
-    (the loaded-latency curve's steepness) are the model's two assumptions that move SNS most."""
-    programs = [w for name, w in BUILTIN.items() if name != "NULL"]
-    node = replace(TESTBED_NODE, queue=loaded_latency_queue)
-    machine = Machine(programs, cores=TESTBED_CORES, node=node, comm_growth=comm_growth)
+    ``comm_growth`` (communication's growth per doubling of nodes), ``latency`` (the
+    loaded-latency curve) and ``mba`` (bandwidth partitions) are the model's assumptions that
+    move SNS most (see ``testbed_machine``). ``programs_mix``: ``paper`` draws programs by the
+    paper's class mix, ``library`` uniformly (see ``testbed_sequence``)."""
+    if programs_mix not in PROGRAM_MIXES:
+        raise ValueError(f"programs mix must be one of {PROGRAM_MIXES}, got {programs_mix!r}")
+    machine = testbed_machine(comm_growth, latency, loaded_latency_queue, mba)
+    programs, node = machine.programs, machine.node
     classes = [classify(machine.runtime_by_scale(i, machine.cores)) for i in range(len(programs))]
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
     for s in range(sequences):
-        seq, assignment = testbed_sequence(programs, jobs, rng)
+        seq, assignment = testbed_sequence(programs, jobs, rng,
+                                           classes=classes if programs_mix == "paper" else None)
         core_s = np.array([j.procs * j.run_s for j in seq])
         scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
         turnaround: dict[str, float] = {}
@@ -433,15 +483,22 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
         "experiment": "sns-testbed", "sequences": sequences, "jobs_per_sequence": jobs, "nodes": nodes,
         "node": {"cores": TESTBED_CORES, "llc_mb": node.ways * node.way_mb,
                  "bandwidth_gbps": round(node.bw_gbps * node.max_util, 2)},
-        "alpha": alpha, "seed": seed, "comm_growth": comm_growth, "loaded_latency_queue": loaded_latency_queue,
-        "programs": {w.name: classes[i].value for i, w in enumerate(programs)},
+        "alpha": alpha, "seed": seed, "comm_growth": comm_growth, "latency": latency, "mba": mba,
+        "programs_mix": programs_mix,
+        **({"loaded_latency_queue": loaded_latency_queue} if latency == "mm1" else {}),
+        "programs": {w.name: {"class": classes[i].value,
+                              "speedup_by_scale": {str(k): 1.0 / v for k, v in
+                                                   machine.runtime_by_scale(i, 16).items()}}
+                     for i, w in enumerate(programs)},
         "throughput_gain_vs_ce_pct": {p: float(np.mean(v)) for p, v in gains.items()},
         "throughput_gain_vs_ce_range_pct": {p: [float(min(v)), float(max(v))] for p, v in gains.items()},
         "sns_beats_cs": sum(r["sns_vs_cs_pct"] > 0 for r in rows),
         "sns_below_ce": sum(g < 0 for g in gains["SNS"]),
         "scaling_ratio": [r["scaling_ratio"] for r in rows],
         "per_sequence": rows,
-        "paper": {"throughput_gain_vs_ce_pct": {"CS": 13.7, "SNS": 19.8}, "sns_beats_cs": 26, "sequences": 36},
+        "paper": {"throughput_gain_vs_ce_pct": {"CS": 13.7, "SNS": 19.8}, "sns_beats_cs": 26, "sequences": 36,
+                  # Fig. 13: 16 processes spread on 8 nodes (CG: at 2), exclusive, vs one node
+                  "best_speedup": {"MG": "> 1.3", "LU": "> 1.3", "TS": "> 1.3", "BW": "> 1.3", "CG": 1.13}},
     }
 
 

@@ -11,7 +11,15 @@ from factories import profile_csv
 from nodeshare.experiments.poppa import charges_of, predicted_run_time
 from nodeshare.producers.calibrated import CalibratedConfig, JobSpec, run_cluster, run_pairwise, state_tables
 from nodeshare.producers.calibrated_records import ParquetSink, with_records
-from nodeshare.producers.contention import Socket, bandwidth_ipc, fill_path, loaded_latency
+from nodeshare.producers.contention import (
+    MLC_LOADED_LATENCY,
+    Socket,
+    bandwidth_ipc,
+    fill_path,
+    loaded_latency,
+    normalized_latency_curve,
+    socket_latency,
+)
 from nodeshare.producers.swf import swf_jobs
 from nodeshare.producers.workloads import BUILTIN, WAYS, interp_ways, load_profiles, shaped
 from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobState, ShutterBatch, encode
@@ -73,6 +81,35 @@ def test_bandwidth_cap_shares_in_proportion_to_demand():
     s = Socket(bw_gbps=30.0, max_util=0.9, queue=0.35, procs=4)
     ipc, rho = bandwidth_ipc(np.array([1.0, 2.0]), np.array([10.0, 5.0]), np.zeros(2), np.array([True, True]), s)
     assert ipc == pytest.approx([0.45, 0.9]) and rho == pytest.approx(0.9)
+
+
+def test_a_measured_latency_curve_is_read_at_the_share_of_what_the_socket_delivers():
+    # rows (MB/s, ns): 1,000 at 80 ns (idle), 51,000 at 100 ns, 101,000 at 160 ns
+    load, ratio = normalized_latency_curve(((1000.0, 80.0), (51000.0, 100.0), (101000.0, 160.0)))
+    assert load == pytest.approx((0.0, 0.5, 1.0)) and ratio == pytest.approx((1.0, 1.25, 2.0))
+    s = Socket(bw_gbps=100.0, max_util=0.8, latency_curve=(load, ratio))
+    # rho = 0.4 of 100 GB/s is half of the 80 GB/s it delivers: 1.25; a quarter of it: halfway to 1.25
+    assert socket_latency(np.array([0.0, 0.2, 0.4, 0.8, 0.9]), s) == pytest.approx([1.0, 1.125, 1.25, 2.0, 2.0])
+    assert socket_latency(np.array(0.5), Socket(queue=0.4)) == pytest.approx(1.4)  # no curve: the M/M/1 shape
+    # the MLC measurement: 130.31 ns at 135.7 GB/s over 81.96 ns idle
+    assert MLC_LOADED_LATENCY[1][-1] == pytest.approx(130.31 / 81.96) and MLC_LOADED_LATENCY[0][-1] == 1.0
+
+
+def test_bandwidth_partitions_keep_each_co_runner_to_its_own():
+    # stall 0, no latency effect: a 4 x 10 GB/s streamer and a 4 x 1 GB/s job on 30 GB/s (90% deliverable)
+    s = Socket(bw_gbps=30.0, max_util=0.9, queue=0.35, procs=4)
+    ipc0, bw0, both = np.array([1.0, 1.0]), np.array([10.0, 1.0]), np.array([True, True])
+    shared, _ = bandwidth_ipc(ipc0, bw0, np.zeros(2), both, s)
+    assert shared == pytest.approx([27 / 44, 27 / 44])  # one pool: both scaled by 27 / 44
+    # MBA halves: each partition delivers 13.5 GB/s; the streamer gets 13.5 of 40, the other all its 4
+    parted, rho = bandwidth_ipc(ipc0, bw0, np.zeros(2), both, s, share=np.array([0.5, 0.5]))
+    assert parted == pytest.approx([13.5 / 40, 1.0]) and rho == pytest.approx((13.5 + 4.0) / 30.0)
+    # with memory stalls, the small job's latency is its own partition's (4 of 15 GB/s), whatever the streamer does
+    stall = np.array([0.5, 0.5])
+    alone, _ = bandwidth_ipc(ipc0[1:], bw0[1:], stall[1:], both[1:], s, share=np.array([0.5]))
+    beside, _ = bandwidth_ipc(ipc0, bw0, stall, both, s, share=np.array([0.5, 0.5]))
+    assert beside[1] == pytest.approx(alone[0])
+    assert bandwidth_ipc(ipc0, bw0, stall, both, s)[0][1] < 0.9 * beside[1]  # one pool: the streamer's queue is its
 
 
 def test_fill_path_at_a_constant_miss_bandwidth_grows_linearly_and_stops_at_the_target():

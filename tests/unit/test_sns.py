@@ -259,3 +259,31 @@ def test_the_testbed_experiment_reports_fig_14_from_its_own_runs() -> None:
     # slower spread out, so the profiles change
     flat = experiment_sns_testbed(sequences=1, jobs=8, seed=3, comm_growth=0.0)
     assert flat["comm_growth"] == 0.0 and flat["programs"] != r["programs"]
+
+
+def test_testbed_sequences_draw_programs_by_the_papers_class_mix() -> None:
+    from nodeshare.experiments.sns import PAPER_CLASS_MIX, testbed_sequence
+
+    programs = [w for n, w in BUILTIN.items() if n != "NULL"][:4]
+    classes = [ProgramClass.SCALING, ProgramClass.NEUTRAL, ProgramClass.NEUTRAL, ProgramClass.UNKNOWN]
+    _, assignment = testbed_sequence(programs, 6000, np.random.default_rng(3), classes=classes)
+    share = np.bincount(assignment, minlength=4) / 6000
+    # no compact program in this library: scaling 5 of 9, neutral 4 of 9 split over two programs
+    assert PAPER_CLASS_MIX[ProgramClass.SCALING] == 5
+    assert share == pytest.approx([5 / 9, 2 / 9, 2 / 9, 0.0], abs=0.02)
+    with pytest.raises(ValueError, match="no program"):
+        testbed_sequence(programs, 5, np.random.default_rng(3), classes=[ProgramClass.UNKNOWN] * 4)
+
+
+def test_mba_keeps_a_light_job_from_a_bandwidth_hogs_queue() -> None:
+    from nodeshare.experiments.sns import testbed_machine
+
+    names = [w.name for w in testbed_machine().programs]
+    hog, light = names.index("ADVECT3D"), names.index("LAMMPS")
+    by_mba = {}
+    for mba in (True, False):
+        m = testbed_machine(mba=mba)
+        alone = m.node_ipc(((light, 8, 6, 20.0),), True)[0]
+        beside = m.node_ipc(((light, 8, 6, 20.0), (hog, 20, 10, 60.0)), True)[0]
+        by_mba[mba] = beside / alone
+    assert by_mba[False] < by_mba[True] <= 1.0 + 1e-9
