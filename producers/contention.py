@@ -13,7 +13,8 @@ or every combination of programs, are solved at once):
   its bandwidth, shared in proportion to demand (streaming codes whose stalls prefetching hides
   are held back here). Demand falls with IPC, so both are solved together (a fixed point).
   With ``share`` (Intel RDT's MBA), each co-runner has a partition of the bandwidth of its own:
-  its load, latency and cap are its partition's, and the others' traffic does not reach it.
+  the cap is its partition's, so a neighbour's streaming cannot take its bandwidth; latency
+  still follows the socket's load, which the partitions bound.
 * **Cache refill after a shutter** (:func:`fill_path`): when co-runners pause, every miss of
   the lone job brings a line in and evicts one of the paused job's lines (they are the least
   recently used), so its occupancy grows at its own miss bandwidth: dw/dt = bw(w) / way_mb,
@@ -96,28 +97,25 @@ def bandwidth_ipc(ipc0: np.ndarray, bw0: np.ndarray, stall: np.ndarray, active: 
     contention; inactive co-runners (paused or absent) count for nothing and get IPC 0.
     ``procs``: processes of each co-runner on the socket (default ``socket.procs`` each).
     ``share``: each co-runner's partition of the socket's bandwidth (MBA; shares sum to at most
-    1); a co-runner's load, loaded latency and cap are then those of its partition alone."""
+    1): a co-runner moves at most max_util of its partition, so a streaming neighbour cannot take
+    its bandwidth; the memory controller's queue stays one, so loaded latency follows the
+    socket's whole load (MBA throttles requests at the core; it does not give each partition a
+    queue of its own)."""
     n = socket.procs if procs is None else procs
-    if share is None:
-        def load(demand: np.ndarray) -> np.ndarray:  # the whole socket's: every co-runner sees it
-            return demand.sum(axis=-1, keepdims=True)
-        part = socket.bw_gbps
-    else:
-        def load(demand: np.ndarray) -> np.ndarray:  # each partition's own
-            return demand
-        part = np.maximum(share * socket.bw_gbps, 1e-12)
-    rho = np.zeros(ipc0.shape[:-1] + ((1,) if share is None else ipc0.shape[-1:]))
+    cap = socket.max_util * socket.bw_gbps * (1.0 if share is None else share)
+    rho = np.zeros((*ipc0.shape[:-1], 1))
     ipc = ipc0
     safe0 = np.where(ipc0 > 0, ipc0, 1.0)
     for _ in range(iters):
         lat = socket_latency(rho, socket)
         ipc = ipc0 / (1.0 + stall * (lat - 1.0))
-        demand = load(np.where(active, n * bw0 * ipc / safe0, 0.0))
-        scale = np.minimum(1.0, socket.max_util * part / np.maximum(demand, 1e-12))
+        demand = np.where(active, n * bw0 * ipc / safe0, 0.0)
+        if share is None:  # one pool, shared in proportion to demand
+            scale = np.minimum(1.0, cap / np.maximum(demand.sum(axis=-1, keepdims=True), 1e-12))
+        else:  # each partition caps its own co-runner
+            scale = np.minimum(1.0, cap / np.maximum(demand, 1e-12))
         ipc = ipc * scale
-        rho = 0.5 * rho + 0.5 * (demand * scale / part)
-    if share is not None:  # the socket's load: every partition's traffic
-        rho = (rho * part).sum(axis=-1, keepdims=True) / socket.bw_gbps
+        rho = 0.5 * rho + 0.5 * ((demand * scale).sum(axis=-1, keepdims=True) / socket.bw_gbps)
     return np.where(active, ipc, 0.0), rho[..., 0]
 
 

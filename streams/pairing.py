@@ -29,6 +29,34 @@ def exclusive_times(times: np.ndarray, deg: np.ndarray) -> np.ndarray:
     return times * (1.0 + np.maximum(np.diag(deg), 0.0) / 100.0) / 2.0
 
 
+def whole_server(times: np.ndarray, deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Seed 003's own setting, from the half-node measurements: each application alone uses every
+    core of the server, and two that share it both run on all its cores. Returns each job's time
+    alone on the server and Deg on the server's terms (Seed 003 Eq. 1 against that time, >= 0).
+
+    Alone, a job takes ``exclusive_times``; sharing every core with another, the operating system
+    gives each half the cores' time, so it runs as on its half of the node next to the other:
+    ``times_i (1 + Deg_ij)``. On the server's terms that is ``2 (1 + Deg_ij) / (1 + Deg_ii) - 1``:
+    a program whose second half of cores buys little (a high Deg_ii: its own copies contend)
+    loses little by sharing, which is what makes sharing a whole server pay in Seed 003."""
+    d = np.maximum(deg, 0.0) / 100.0
+    alone = exclusive_times(times, deg)
+    shared = 100.0 * (2.0 * (1.0 + d) / (1.0 + np.diag(d))[:, None] - 1.0)
+    return alone, np.maximum(shared, 0.0)
+
+
+def pair_level(alone: np.ndarray, deg: np.ndarray, i: int, j: int) -> float:
+    """Seed 003 Section 4.4.1's measure of a pair: its longer degraded run time,
+    ``max(T_i (1 + Deg_ij), T_j (1 + Deg_ji))``, relative to running both one after the other
+    (FIFO): below 0.75 a low-degradation pair, 0.75 to 1 medium, above 1 high."""
+    longest = max(alone[i] * (1.0 + deg[i, j] / 100.0), alone[j] * (1.0 + deg[j, i] / 100.0))
+    return float(longest / (alone[i] + alone[j]))
+
+
+#: Seed 003 Section 4.4.1's queue kinds by ``pair_level``: [low, high) bounds.
+PAIR_LEVELS = {"low": (0.0, 0.75), "medium": (0.75, 1.0), "high": (1.0, np.inf)}
+
+
 @dataclass(frozen=True)
 class Task:
     """What one server runs: a pair (co-located, or serialized when that is predicted faster) or a single job."""
@@ -178,24 +206,27 @@ def fifo_shared(n: int) -> list[Task]:
     return [Task(tuple(range(k, min(k + 2, n)))) for k in range(0, n, 2)]
 
 
-def task_time(task: Task, times: np.ndarray, deg: np.ndarray) -> float:
+def task_time(task: Task, times: np.ndarray, deg: np.ndarray, alone: np.ndarray | None = None) -> float:
     """How long a task occupies its node under degradations ``deg`` (the truth, for scoring): a
-    single job, or a serialized pair, runs alone on the whole node; a pair shares it."""
-    exclusive = exclusive_times(times[list(task.jobs)], deg[np.ix_(task.jobs, task.jobs)])
+    single job, or a serialized pair, runs alone on the whole node; a pair shares it. ``alone``:
+    each job's time alone on the node when ``times`` are not half-node times (``whole_server``)."""
+    exclusive = (exclusive_times(times[list(task.jobs)], deg[np.ix_(task.jobs, task.jobs)]) if alone is None
+                 else alone[list(task.jobs)])
     if len(task.jobs) == 1 or task.serialized:
         return float(exclusive.sum())
     i, j = task.jobs
     return pair_time(float(times[i]), float(times[j]), float(deg[i, j]), float(deg[j, i]))
 
 
-def makespan(tasks: Sequence[Task], times: np.ndarray, deg: np.ndarray, servers: int) -> float:
-    """List scheduling in task order: each task goes to the node that frees first."""
+def makespan(tasks: Sequence[Task], times: np.ndarray, deg: np.ndarray, servers: int,
+             alone: np.ndarray | None = None) -> float:
+    """List scheduling in task order: each task goes to the node that frees first (``alone``: see ``task_time``)."""
     free = [0.0] * servers
     heapq.heapify(free)
     end = 0.0
     for t in tasks:
         start = heapq.heappop(free)
-        done = start + task_time(t, times, deg)
+        done = start + task_time(t, times, deg, alone)
         end = max(end, done)
         heapq.heappush(free, done)
     return end

@@ -213,21 +213,50 @@ def experiment_pairing(
     as_json: FullJson = False,
     png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pairing.png"),
     seed: Annotated[int, typer.Option(help="seed of the train/test split and the queues")] = 7,
-    queues: Annotated[int, typer.Option(min=1, help="random queues")] = 20,
+    queues: Annotated[str, typer.Option(
+        help="random queues (a number), or 'paper': Seed 003 Fig. 8's low, medium and high degradation "
+             "queues on one server")] = "20",
     jobs: Annotated[int, typer.Option(min=2, help="jobs per queue")] = 50,
     trees: Annotated[int, typer.Option(min=1, help="trees of the Random Forest")] = 200,
+    sharing: Annotated[str | None, typer.Option(
+        help="half-node (each job on its half: the HPC mode) or whole-server (both on every core: the paper's); "
+             "default: half-node for random queues, whole-server for 'paper'")] = None,
+    per_level: Annotated[int, typer.Option(min=1, help="with --queues paper: queues per degradation level")] = 5,
     profiles: LibraryProfiles = None,
 ) -> None:
     """Seed 003: a Random Forest predicts pairwise degradation from solo counter profiles; queues
-    paired greedily or by blossom matching, makespan against FIFO and FIFO-shared on 1-5 nodes."""
+    paired greedily or by blossom matching, makespan against FIFO and FIFO-shared on 1-5 nodes
+    (random queues), or on one server per degradation level (--queues paper, Fig. 8)."""
+    from nodeshare.experiments.pairing import SHARING, plot_pairing, plot_pairing_levels
     from nodeshare.experiments.pairing import experiment_pairing as run
-    from nodeshare.experiments.pairing import plot_pairing
+    from nodeshare.experiments.pairing import experiment_pairing_levels as run_levels
     from nodeshare.producers.workloads import BUILTIN
 
+    paper = queues == "paper"
+    if not paper and not (queues.isdigit() and int(queues) >= 1):
+        raise typer.BadParameter(f"a number of random queues or 'paper', got {queues!r}", param_hint="--queues")
+    sharing = sharing or ("whole-server" if paper else "half-node")
+    if sharing not in SHARING:
+        raise typer.BadParameter(f"must be one of {', '.join(SHARING)}", param_hint="--sharing")
     loaded = {k: w for k, w in program_library(profiles).items() if k not in BUILTIN}
+    if paper:
+        with progress_bar() as bar:
+            task = bar.add_task("scheduling queues", total=3 * per_level)
+            r = run_levels(seed=seed, queues=per_level, jobs=jobs, sharing=sharing, profiles=loaded, trees=trees,
+                           progress=lambda done, total: bar.update(task, completed=done))
+        levels = r["makespan_vs_fifo_pct"]["by_level"]
+        experiment_out(r, as_json, png, plot_pairing_levels, [
+            f"{len(r['programs'])} programs, {sharing} sharing; Random Forest R2 {r['r2']:.3f}",
+            *(f"{lv:<6} makespan vs FIFO: " + (", ".join(f"{p} {v:+.1f}%" for p, v in levels[lv].items())
+                                               or "no queue: the library has no such pairs")
+              for lv in levels),
+            "overall: " + ", ".join(f"{p} {v:+.1f}%" for p, v in r["makespan_vs_fifo_pct"]["overall"].items())])
+        return
+    if sharing != "half-node":
+        raise typer.BadParameter("random queues run half-node (multi-server list scheduling)", param_hint="--sharing")
     with progress_bar() as bar:
-        task = bar.add_task("scheduling queues", total=queues)
-        r = run(seed=seed, queues=queues, jobs=jobs, profiles=loaded, trees=trees,
+        task = bar.add_task("scheduling queues", total=int(queues))
+        r = run(seed=seed, queues=int(queues), jobs=jobs, profiles=loaded, trees=trees,
                 progress=lambda done, total: bar.update(task, completed=done))
     m = r["makespan_vs_fifo_pct"]
     experiment_out(r, as_json, png, plot_pairing, [
@@ -238,6 +267,14 @@ def experiment_pairing(
         f"rf_blossom: {r['rf_blossom_pairs']} pairs, {r['rf_blossom_serialized']} serialized (slower shared)"])
 
 
+#: Options of the commands that replay a trace.
+TraceMinCores = Annotated[int, typer.Option("--min-procs", min=1,
+                                            help="keep jobs with at least this many cores on the trace's machine")]
+TraceCoresPerNode = Annotated[float | None, typer.Option(
+    min=1.0, help="cores of a node of the trace's machine (default: the header's MaxProcs / MaxNodes; "
+                  "needed when the trace counts whole nodes as processors)")]
+
+
 @experiment_app.command("sns")
 def experiment_sns(
     trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="job trace in Standard Workload Format")],
@@ -245,7 +282,8 @@ def experiment_sns(
     png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/sns.png"),
     scaling_ratio: Annotated[float, typer.Option(min=0.01, max=0.99, help="chance a job runs a scaling program")] = 0.5,
     nodes: Annotated[int | None, typer.Option(min=1, help="simulated nodes (default: the trace's MaxNodes)")] = None,
-    min_procs: Annotated[int, typer.Option(min=1, help="keep jobs with at least this many trace processors")] = 36,
+    min_procs: TraceMinCores = 36,
+    cores_per_node: TraceCoresPerNode = None,
     limit: Annotated[int | None, typer.Option(min=1, help="replay only the first N kept jobs")] = None,
     alpha: Annotated[float, typer.Option(min=0.01, max=1.0, help="every job's slowdown threshold")] = 0.9,
     age_limit_s: Annotated[float, typer.Option(min=0.0, help="wait after which a job blocks younger ones")] = 3600.0,
@@ -262,7 +300,8 @@ def experiment_sns(
         with progress_bar() as bar:
             progress = staged_progress(bar, "replaying under {}")
             r = run(trace, scaling_ratio=scaling_ratio, nodes=nodes, min_procs=min_procs, limit=limit, alpha=alpha,
-                    age_limit_s=age_limit_s, seed=seed, bandwidth_budget=bandwidth_budget, progress=progress)
+                    age_limit_s=age_limit_s, seed=seed, bandwidth_budget=bandwidth_budget,
+                    cores_per_node=cores_per_node, progress=progress)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--trace") from None
     pol = r["policies"]
@@ -273,6 +312,59 @@ def experiment_sns(
           f"{v['mean_turnaround_s']:>9.0f} s  run/CE {v['run_vs_ce_geomean']:.3f}  "
           f"alpha violations {v['alpha_violations']}" for p, v in pol.items()),
         "throughput vs CE: " + ", ".join(f"{p} {g:+.1f}%" for p, g in r["throughput_gain_vs_ce_pct"].items())])
+
+
+def _numbers(text: str, kind: type, hint: str) -> list:
+    """A comma-separated list of numbers from an option, or a clear error naming the option."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"takes numbers separated by commas, got {text!r}", param_hint=hint) from None
+    if not values:
+        raise typer.BadParameter("needs at least one number", param_hint=hint)
+    return values
+
+
+@experiment_app.command("sns-clusters")
+def experiment_sns_clusters(
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="job trace in Standard Workload Format")],
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/sns-clusters.png"),
+    nodes: Annotated[str | None, typer.Option(
+        help="cluster sizes, comma-separated (default: the trace's MaxNodes x 1/2, 1, 4: the paper's 4K:8K:32K)")]
+    = None,
+    scaling_ratios: Annotated[str, typer.Option(help="scaling ratios, comma-separated (the paper: 0.5, 0.9)")]
+    = "0.5,0.9",
+    min_procs: TraceMinCores = 36,
+    cores_per_node: TraceCoresPerNode = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="replay only the first N kept jobs")] = None,
+    seed: Annotated[int, typer.Option(help="seed of the job-to-program mapping")] = 7,
+) -> None:
+    """Seed 001 Section 6.4 and Fig. 20: a real trace on clusters of several sizes at each scaling
+    ratio, CE vs CS vs SNS: throughput gain and the run/wait breakdown normalized to CE's turnaround."""
+    from nodeshare.experiments.sns import experiment_sns_clusters as run
+    from nodeshare.experiments.sns import plot_sns_clusters
+
+    sizes = _numbers(nodes, int, "--nodes") if nodes else None
+    ratios = _numbers(scaling_ratios, float, "--scaling-ratios")
+    if sizes and min(sizes) < 1:
+        raise typer.BadParameter("cluster sizes are at least 1 node", param_hint="--nodes")
+    if not all(0.0 < r < 1.0 for r in ratios):
+        raise typer.BadParameter("scaling ratios are within (0, 1)", param_hint="--scaling-ratios")
+    try:
+        with progress_bar() as bar:
+            r = run(trace, nodes=sizes, scaling_ratios=ratios, min_procs=min_procs, limit=limit, seed=seed,
+                    cores_per_node=cores_per_node, progress=staged_progress(bar, "{}"))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trace") from None
+    experiment_out(r, as_json, png, plot_sns_clusters, [
+        f"{trace.name}: {r['runs'][0]['jobs']} jobs ({r['runs'][0]['skipped_too_big']} over {min(r['nodes'])} nodes "
+        "left out) on nodes of 28 cores",
+        *(f"{x['nodes']:>6} nodes, ratio {x['scaling_ratio']}: throughput vs CE CS "
+          f"{x['throughput_gain_vs_ce_pct']['CS']:+.1f}%, SNS {x['throughput_gain_vs_ce_pct']['SNS']:+.1f}%; "
+          f"SNS wait {x['breakdown']['SNS']['wait']:.2f} run {x['breakdown']['SNS']['run']:.2f} "
+          f"(CE {x['breakdown']['CE']['wait']:.2f} + {x['breakdown']['CE']['run']:.2f})" for x in r["runs"]),
+        "the paper (Trinity, 4K/8K/32K nodes): SNS +15.7% at 32K and ratio 0.9"])
 
 
 @experiment_app.command("sns-testbed")

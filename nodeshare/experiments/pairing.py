@@ -21,6 +21,7 @@ from nodeshare.producers.pairs import FEATURES, pair_degradation, solo_profiles
 from nodeshare.producers.workloads import BUILTIN, Workload
 from nodeshare.streams.pairing import (
     BLOSSOM_NEIGHBOURS,
+    PAIR_LEVELS,
     DegradationModel,
     Task,
     blossom_pairs,
@@ -29,8 +30,10 @@ from nodeshare.streams.pairing import (
     fifo_shared,
     greedy_pairs,
     makespan,
+    pair_level,
     pair_weights,
     r2,
+    whole_server,
 )
 
 POLICIES = ("fifo_shared", "rf_greedy", "rf_blossom", "oracle_blossom")
@@ -41,10 +44,23 @@ def library(profiles: dict[str, Workload] | None = None) -> list[Workload]:
     return [w for n, w in BUILTIN.items() if n != "NULL"] + list((profiles or {}).values())
 
 
-def train(programs: Sequence[Workload], seed: int, trees: int = 200,
-          holdout: float = 0.25) -> tuple[DegradationModel, np.ndarray, np.ndarray, dict[str, Any]]:
-    """Fit on a random 1 - ``holdout`` of the ordered program pairs; R2 on the others."""
+#: Where two jobs share a node: each on its half (the HPC mode), or both on every core (Seed 003's).
+SHARING = ("half-node", "whole-server")
+
+
+def server_degradation(truth: np.ndarray) -> np.ndarray:
+    """Deg of every program pair on Seed 003's terms (both on all cores of the server, against
+    the program alone on it), from the half-node truth; times do not enter it."""
+    return whole_server(np.ones(len(truth)), truth)[1]
+
+
+def train(programs: Sequence[Workload], seed: int, trees: int = 200, holdout: float = 0.25,
+          sharing: str = "half-node") -> tuple[DegradationModel, np.ndarray, np.ndarray, dict[str, Any]]:
+    """Fit on a random 1 - ``holdout`` of the ordered program pairs; R2 on the others. With
+    ``sharing="whole-server"`` the forest learns Deg on the whole server's terms, as Seed 003's did."""
     feats, truth = solo_profiles(programs), pair_degradation(programs)
+    if sharing == "whole-server":
+        truth = server_degradation(truth)
     n = len(programs)
     i, j = (a.ravel() for a in np.meshgrid(np.arange(n), np.arange(n), indexing="ij"))
     rng = np.random.default_rng(seed)
@@ -58,11 +74,16 @@ def train(programs: Sequence[Workload], seed: int, trees: int = 200,
     return model, feats, truth, fit
 
 
-def schedules(times: np.ndarray, predicted: np.ndarray, true: np.ndarray) -> dict[str, list[Task]]:
-    weights, alone = pair_weights(times, predicted), exclusive_times(times, predicted)
+def schedules(times: np.ndarray, predicted: np.ndarray, true: np.ndarray,
+              alone: np.ndarray | None = None) -> dict[str, list[Task]]:
+    """Every policy's tasks for one queue. ``alone``: each job's time alone on a server when
+    ``times`` are already that (whole-server sharing); by default derived from half-node times."""
+    weights = pair_weights(times, predicted)
+    mine = exclusive_times(times, predicted) if alone is None else alone
+    truths = exclusive_times(times, true) if alone is None else alone
     return {"fifo": fifo(len(times)), "fifo_shared": fifo_shared(len(times)),
-            "rf_greedy": greedy_pairs(alone, weights), "rf_blossom": blossom_pairs(alone, weights),
-            "oracle_blossom": blossom_pairs(exclusive_times(times, true), pair_weights(times, true))}
+            "rf_greedy": greedy_pairs(mine, weights), "rf_blossom": blossom_pairs(mine, weights),
+            "oracle_blossom": blossom_pairs(truths, pair_weights(times, true))}
 
 
 def experiment_pairing(seed: int = 7, queues: int = 20, jobs: int = 50, servers: Sequence[int] = (1, 2, 3, 4, 5),
@@ -97,6 +118,96 @@ def experiment_pairing(seed: int = 7, queues: int = 20, jobs: int = 50, servers:
             "worst_vs_fifo_pct": {p: float(np.max([v for m in servers for v in rel[p][m]])) for p in POLICIES},
             "rf_blossom_pairs": paired, "rf_blossom_serialized": serialized,
             "mean_true_degradation_pct": float(truth[~np.eye(len(programs), dtype=bool)].mean())}
+
+
+def level_queue(kind: str, jobs: int, base: np.ndarray, truth_half: np.ndarray, rng: np.random.Generator,
+                sharing: str, attempts: int = 100_000) -> tuple[np.ndarray, np.ndarray] | None:
+    """One of Seed 003 Section 4.4.1's queues: ``jobs`` applications arriving in pairs whose
+    ``pair_level`` (on the true degradations) is of ``kind``; programs and run times drawn as
+    for the random queues. None when ``attempts`` draws find too few such pairs."""
+    lo, hi = PAIR_LEVELS[kind]
+    prog: list[int] = []
+    times: list[float] = []
+    for _ in range(attempts):
+        if len(prog) >= jobs:
+            break
+        pair = rng.integers(len(base), size=2)
+        t = base[pair] * rng.lognormal(0.0, 0.1, 2)
+        deg = truth_half[np.ix_(pair, pair)]
+        alone, d = whole_server(t, deg) if sharing == "whole-server" else (exclusive_times(t, deg), deg)
+        if lo <= pair_level(alone, d, 0, 1) < hi:
+            prog += pair.tolist()
+            times += t.tolist()
+    if len(prog) < jobs:
+        return None
+    return np.array(prog[:jobs]), np.array(times[:jobs])
+
+
+def experiment_pairing_levels(seed: int = 7, queues: int = 5, jobs: int = 50, sharing: str = "whole-server",
+                              profiles: dict[str, Workload] | None = None, trees: int = 200,
+                              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Seed 003 Fig. 8: ``queues`` queues of ``jobs`` applications for each of the low, medium
+    and high degradation levels, on one server; FIFO (one after the other), FIFO-shared
+    (consecutive pairs), RF-greedy, RF-blossom and blossom on the truth; makespan against FIFO
+    per level and overall. ``sharing``: whole-server (the paper's: both on every core) or half-node."""
+    if sharing not in SHARING:
+        raise ValueError(f"sharing must be one of {SHARING}, got {sharing!r}")
+    programs = library(profiles)
+    model, feats, truth, fit = train(programs, seed, trees, sharing=sharing)
+    half = pair_degradation(programs)
+    rng = np.random.default_rng(seed + 1)
+    base = rng.lognormal(np.log(600.0), 0.8, len(programs))
+    rel: dict[str, dict[str, list[float]]] = {k: {p: [] for p in POLICIES} for k in PAIR_LEVELS}
+    missing: list[str] = []
+    done = 0
+    for kind in PAIR_LEVELS:
+        for _ in range(queues):
+            drawn = level_queue(kind, jobs, base, half, rng, sharing)
+            done += 1
+            if drawn is None:
+                missing.append(kind)
+                continue
+            prog, t = drawn
+            predicted = model.matrix(feats[prog])
+            if sharing == "whole-server":
+                alone, true = whole_server(t, half[np.ix_(prog, prog)])
+                times = alone
+            else:
+                alone, true, times = None, truth[np.ix_(prog, prog)], t
+            plans = schedules(times, predicted, true, alone)
+            ref = makespan(plans["fifo"], times, true, 1, alone)
+            for p in POLICIES:
+                rel[kind][p].append(100.0 * (makespan(plans[p], times, true, 1, alone) / ref - 1.0))
+            if progress:
+                progress(done, queues * len(PAIR_LEVELS))
+    by_level = {k: {p: float(np.mean(v)) for p, v in r.items() if v} for k, r in rel.items()}
+    overall = {p: float(np.mean([v for k in rel for v in rel[k][p]])) for p in POLICIES
+               if any(rel[k][p] for k in rel)}
+    return {"experiment": "pairing-levels", "sharing": sharing, "programs": [w.name for w in programs],
+            "seed": seed, "queues_per_level": queues, "jobs": jobs, "servers": 1,
+            "r2": fit["r2"], "fit": {k: v for k, v in fit.items() if k != "heldout"},
+            "makespan_vs_fifo_pct": {"by_level": by_level, "overall": overall},
+            "queues_not_built": {k: missing.count(k) for k in PAIR_LEVELS if k in missing},
+            "paper": {"fifo_shared_vs_fifo_pct": {"high": 130.0, "medium": -23.0, "low": -40.0},
+                      "rf_vs_fifo": "below FIFO on every level; blossom a little above FIFO-shared on medium and low"}}
+
+
+def plot_pairing_levels(result: dict[str, Any], path: Path) -> Path:
+    """Seed 003 Fig. 8: makespan against FIFO per degradation level and policy."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    levels = [k for k in PAIR_LEVELS if k in result["makespan_vs_fifo_pct"]["by_level"]]
+    width = 0.8 / len(POLICIES)
+    for k, p in enumerate(POLICIES):
+        ys = [result["makespan_vs_fifo_pct"]["by_level"][lv].get(p, np.nan) for lv in levels]
+        ax.bar(np.arange(len(levels)) + k * width, ys, width, label=p)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(np.arange(len(levels)) + width * (len(POLICIES) - 1) / 2, levels)
+    ax.set(xlabel="degradation level of the queue's pairs", ylabel="makespan vs FIFO (%)",
+           title=f"{result['queues_per_level']} queues of {result['jobs']} per level, one server, "
+                 f"{result['sharing']} sharing (Seed 003 Fig. 8)")
+    ax.legend(fontsize=8)
+    return save(fig, path)
 
 
 def plot_pairing(result: dict[str, Any], path: Path) -> Path:

@@ -20,10 +20,12 @@ from nodeshare.streams.pairing import (
     fifo_shared,
     greedy_pairs,
     makespan,
+    pair_level,
     pair_queue,
     pair_time,
     pair_weights,
     r2,
+    whole_server,
 )
 
 
@@ -184,3 +186,46 @@ def test_pair_queue_keeps_pairs_within_alpha_and_faster_than_serial():
     assert pair_queue(np.full(2, 100.0), np.full(2, 0.1), np.full((2, 2), 200.0)) == []
     with pytest.raises(ValueError, match="pairing must be one of"):
         pair_queue(times, alphas, deg, "fifo")
+
+
+def test_whole_server_terms_by_hand():
+    # half-node times 100 s; 0 next to 1: 20%, 1 next to 0: 50%; each next to a copy of itself: 0 / 60%
+    times = np.array([100.0, 100.0])
+    deg = np.array([[0.0, 20.0], [50.0, 60.0]])
+    alone, shared = whole_server(times, deg)
+    # alone on the server: 100 (1 + Deg_ii) / 2 = 50 s and 80 s
+    assert alone == pytest.approx([50.0, 80.0])
+    # sharing every core: 100 x 1.2 = 120 s against 50 -> +140%; 100 x 1.5 = 150 s against 80 -> +87.5%
+    assert shared[0, 1] == pytest.approx(140.0) and shared[1, 0] == pytest.approx(87.5)
+    # Seed 003's level: max(50 x 2.4, 80 x 1.875) = 150 against 130 s one after the other
+    assert pair_level(alone, shared, 0, 1) == pytest.approx(150.0 / 130.0)
+    # programs whose second half of cores buys nothing (Deg_ii 100%) share for free with a neighbour
+    # that costs them nothing (Deg_ij 0), and pay double next to a copy of themselves
+    assert whole_server(times, np.array([[100.0, 0.0], [0.0, 100.0]]))[1] == pytest.approx(np.diag([100.0, 100.0]))
+
+
+def test_paper_queues_hold_pairs_of_their_level_and_scoring_uses_server_times():
+    from nodeshare.experiments.pairing import level_queue, library
+    from nodeshare.streams.pairing import PAIR_LEVELS
+
+    programs = library()
+    half = pair_degradation(programs)
+    base = np.random.default_rng(1).lognormal(np.log(600.0), 0.8, len(programs))
+    for kind in ("medium", "high"):
+        drawn = level_queue(kind, 10, base, half, np.random.default_rng(2), "whole-server")
+        assert drawn is not None
+        prog, t = drawn
+        alone, true = whole_server(t, half[np.ix_(prog, prog)])
+        lo, hi = PAIR_LEVELS[kind]
+        assert all(lo <= pair_level(alone, true, k, k + 1) < hi for k in range(0, 10, 2))
+        # FIFO on one server is the sum of the times alone on it
+        assert makespan(fifo(10), alone, true, 1, alone) == pytest.approx(alone.sum())
+    assert level_queue("low", 10, base, half, np.random.default_rng(2), "whole-server", attempts=2000) is None
+
+
+def test_experiment_pairing_paper_queues_json(tmp_path: Path):
+    r = run_json("experiment", "pairing", "--queues", "paper", "--per-level", "1", "--jobs", "10", "--trees", "20",
+                 "--json", "--png", str(tmp_path / "p.png"))
+    assert r["sharing"] == "whole-server" and r["servers"] == 1
+    assert set(r["makespan_vs_fifo_pct"]["by_level"]) == {"low", "medium", "high"}
+    assert "rf_blossom" in r["makespan_vs_fifo_pct"]["overall"] and (tmp_path / "p.png").exists()

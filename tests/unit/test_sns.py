@@ -168,11 +168,11 @@ def test_a_veto_delays_the_job_with_its_reason() -> None:
 SWF_HEADER = "; MaxNodes: 4\n; MaxProcs: 64\n"
 
 
-def swf(tmp_path: Path, rows: list[tuple[int, int, int, int]]) -> Path:
+def swf(tmp_path: Path, rows: list[tuple[int, int, int, int]], header: str = SWF_HEADER) -> Path:
     """A small Standard Workload Format trace: (job, submit, run time, processors)."""
     path = tmp_path / "t.swf"
     lines = [f"{j} {s} 0 {r} {p} -1 -1 {p} 3600 -1 1 1 1 -1 -1 1 -1 -1" for j, s, r, p in rows]
-    path.write_text(SWF_HEADER + "\n".join(lines) + "\n")
+    path.write_text(header + "\n".join(lines) + "\n")
     return path
 
 
@@ -181,10 +181,27 @@ def test_read_swf_resizes_and_filters(tmp_path: Path) -> None:
     jobs, meta = read_swf(path, min_procs=8, node_cores=8)
     # 16 trace cores per node -> 8 simulated: processes halve; run time 0 and 4-proc jobs dropped
     assert [(j.job_id, j.submit_s, j.procs) for j in jobs] == [("4", 0.0, 8), ("1", 10.0, 16)]
-    assert meta == {"trace_nodes": 4, "trace_cores_per_node": 16.0}
+    assert meta == {"trace_nodes": 4, "trace_cores_per_node": 16.0, "trace_processors_per_node": 16.0}
     (tmp_path / "bad.swf").write_text("1 2 3\n")
     with pytest.raises(ValueError, match=r"bad\.swf:1: 3 fields"):
         read_swf(tmp_path / "bad.swf")
+
+
+def test_a_trace_that_counts_nodes_as_processors_needs_its_cores_per_node(tmp_path: Path) -> None:
+    rows = [(1, 100, 50, 2), (2, 110, 60, 1), (3, 120, 70, 4)]  # nodes, logged as processors
+    path = swf(tmp_path, rows, header="; MaxNodes: 4\n; MaxProcs: 4\n")
+    with pytest.raises(ValueError, match=r"MaxProcs = MaxNodes = 4: .* --cores-per-node"):
+        read_swf(path, min_procs=8, node_cores=28)
+    # 36-core nodes: 1 node is 36 cores (kept at min_procs 36), 2 nodes 72; each keeps its node count
+    jobs, meta = read_swf(path, min_procs=36, node_cores=28, cores_per_node=36)
+    assert [(j.job_id, j.procs) for j in jobs] == [("1", 56), ("2", 28), ("3", 112)]
+    assert meta["trace_cores_per_node"] == 36 and meta["trace_processors_per_node"] == 1.0
+    assert [j.job_id for j in read_swf(path, min_procs=72, node_cores=28, cores_per_node=36)[0]] == ["1", "3"]
+    with pytest.raises(ValueError, match=r"MaxProcs \(2\) is below its MaxNodes \(4\)"):
+        read_swf(swf(tmp_path, rows, header="; MaxNodes: 4\n; MaxProcs: 2\n"))
+    with pytest.raises(ValueError, match="more than the 2 simulated nodes"):
+        experiment_sns(swf(tmp_path, [(1, 0, 50, 3)], header="; MaxNodes: 4\n; MaxProcs: 4\n"), nodes=2,
+                       min_procs=1, cores_per_node=36, policies=("CE",))
 
 
 def test_a_job_alone_runs_exactly_its_ce_time() -> None:
