@@ -413,6 +413,34 @@ def experiment_sns_testbed(
         f"{r['sns_below_ce']}"])
 
 
+@experiment_app.command("sns-sweep")
+def experiment_sns_sweep(
+    as_json: FullJson = False,
+    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/sns-sweep.png"),
+    ratios: Annotated[str, typer.Option(help="scaling ratios, comma-separated")] =
+    "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+    sequences: Annotated[int, typer.Option(min=1, help="random job sequences per ratio")] = 10,
+    seed: Annotated[int, typer.Option(help="seed of the sequences")] = 7,
+) -> None:
+    """Seed 001 Section 6.3 (Fig. 19) on the 8-node testbed: SNS's and CS's run, wait and
+    turnaround time relative to CE as the share of scaling jobs goes from 0 to 1."""
+    from nodeshare.experiments.sns import experiment_sns_sweep as run
+    from nodeshare.experiments.sns import plot_sns_sweep
+
+    values = _numbers(ratios, float, "--ratios")
+    if not all(0.0 <= v <= 1.0 for v in values):
+        raise typer.BadParameter("scaling ratios are within [0, 1]", param_hint="--ratios")
+    with progress_bar() as bar:
+        task = bar.add_task("sequences", total=len(values) * sequences)
+        r = run(ratios=values, sequences=sequences, seed=seed,
+                progress=lambda done, _total: bar.update(task, completed=done))
+    experiment_out(r, as_json, png, plot_sns_sweep, [
+        f"{sequences} sequences of {r['jobs_per_sequence']} jobs per ratio; relative to CE (run / wait / turnaround):",
+        *(f"ratio {x['scaling_ratio']:.2f}: " + "   ".join(
+            f"{p} {x[p]['run']:.3f} / {x[p]['wait']:.3f} / {x[p]['turnaround']:.3f}" for p in ("SNS", "CS"))
+          for x in r["ratios"])])
+
+
 @experiment_app.command("shutter")
 def experiment_shutter(
     as_json: FullJson = False,

@@ -482,15 +482,22 @@ PROGRAM_MIXES = ("paper", "library")
 
 def testbed_sequence(programs: Sequence[Workload], jobs: int, rng: np.random.Generator,
                      run_scale_s: float = 10.0, classes: Sequence[ProgramClass] | None = None,
-                     mix: Mapping[ProgramClass, int] = PAPER_CLASS_MIX) -> tuple[list[TraceJob], list[int]]:
+                     mix: Mapping[ProgramClass, int] = PAPER_CLASS_MIX,
+                     scaling_ratio: float | None = None) -> tuple[list[TraceJob], list[int]]:
     """One Section 6.2 job sequence: ``jobs`` jobs submitted at once with 16 or 28 processes; a
     program's CE run time is fixed (the paper sizes each program's input once), ``run_scale_s``
     times its library solo time.
 
     Programs are drawn uniformly from the library, or, given each program's class, as the paper
     draws from its 12 programs: a class with the weight ``mix`` gives it (5 scaling, 4 neutral,
-    3 compact of 12), then a program of that class uniformly. A class the library lacks is left out."""
-    if classes is None:
+    3 compact of 12), then a program of that class uniformly. A class the library lacks is left out.
+    With ``scaling_ratio`` (and ``classes``), a job runs a scaling program with that chance
+    instead (Section 6.3's sequences, ``assign_programs``)."""
+    if scaling_ratio is not None:
+        if classes is None:
+            raise ValueError("a scaling ratio needs the programs' classes")
+        prog = assign_programs(jobs, classes, scaling_ratio, rng)
+    elif classes is None:
         prog = rng.integers(len(programs), size=jobs)
     else:
         members = {c: [i for i, k in enumerate(classes) if k is c] for c in mix}
@@ -543,6 +550,7 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
     classes = [classify(machine.runtime_by_scale(i, machine.cores)) for i in range(len(programs))]
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
+    promised: list[float] = []  # each SNS job's run time over its exclusive run time at its scale
     for s in range(sequences):
         seq, assignment = testbed_sequence(programs, jobs, rng,
                                            classes=classes if programs_mix == "paper" else None)
@@ -554,6 +562,9 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
             out = simulate(seq, assignment, machine, name, nodes, alpha=alpha)
             turnaround[name] = float(out["end"].mean())  # every job was submitted at 0
             wait[name] = float(out["start"].mean())
+        promised += [float(end - start) / (machine.runtime_by_scale(prog, j.procs)[int(k)] * j.run_s)
+                     for j, prog, k, start, end in zip(seq, assignment, out["scale"], out["start"], out["end"],
+                                                       strict=True)]
         rows.append({
             "scaling_ratio": float(core_s[scaling].sum() / core_s.sum()),
             "throughput_gain_vs_ce_pct": {p: 100.0 * (turnaround["CE"] / turnaround[p] - 1.0) for p in ("CS", "SNS")},
@@ -578,12 +589,65 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
         "throughput_gain_vs_ce_range_pct": {p: [float(min(v)), float(max(v))] for p, v in gains.items()},
         "sns_beats_cs": sum(r["sns_vs_cs_pct"] > 0 for r in rows),
         "sns_below_ce": sum(g < 0 for g in gains["SNS"]),
+        # SNS promises each job alpha of its exclusive speed at the scale it picked (Section 4.3)
+        "sns_run_vs_exclusive_at_scale": {"mean": float(np.mean(promised)), "p90": float(np.percentile(promised, 90)),
+                                          "beyond_1_over_alpha_pct": 100.0 * float(np.mean(
+                                              np.array(promised) > 1.0 / alpha + 1e-9))},
         "scaling_ratio": [r["scaling_ratio"] for r in rows],
         "per_sequence": rows,
         "paper": {"throughput_gain_vs_ce_pct": {"CS": 13.7, "SNS": 19.8}, "sns_beats_cs": 26, "sequences": 36,
                   # Fig. 13: 16 processes spread on 8 nodes (CG: at 2), exclusive, vs one node
                   "best_speedup": {"MG": "> 1.3", "LU": "> 1.3", "TS": "> 1.3", "BW": "> 1.3", "CG": 1.13}},
     }
+
+
+def experiment_sns_sweep(ratios: Sequence[float] = tuple(k / 10 for k in range(11)), sequences: int = 10,
+                         jobs: int = 20, seed: int = 7, alpha: float = 0.9,
+                         progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Seed 001 Section 6.3 (Fig. 19) on the testbed: sequences whose jobs run a scaling program
+    with the chance ``ratio`` (0 .. 1); per ratio, the mean over sequences of SNS's and CS's mean
+    run, wait and turnaround time, each relative to CE's."""
+    machine = testbed_machine()
+    classes = [classify(machine.runtime_by_scale(i, machine.cores)) for i in range(len(machine.programs))]
+    rng = np.random.default_rng(seed)
+    rows = []
+    total, done = len(ratios) * sequences, 0
+    for ratio in ratios:
+        rel: dict[str, dict[str, list[float]]] = {p: {"run": [], "wait": [], "turnaround": []} for p in ("CS", "SNS")}
+        for _ in range(sequences):
+            seq, assignment = testbed_sequence(machine.programs, jobs, rng, classes=classes, scaling_ratio=ratio)
+            means = {}
+            for name in ("CE", "CS", "SNS"):
+                out = simulate(seq, assignment, machine, name, TESTBED_NODES, alpha=alpha)
+                means[name] = {"run": float((out["end"] - out["start"]).mean()), "wait": float(out["start"].mean()),
+                               "turnaround": float(out["end"].mean())}
+            for p in ("CS", "SNS"):
+                for m in ("run", "wait", "turnaround"):
+                    rel[p][m].append(means[p][m] / max(means["CE"][m], 1e-9))
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        rows.append({"scaling_ratio": ratio,
+                     **{p: {m: float(np.mean(v)) for m, v in rel[p].items()} for p in ("CS", "SNS")}})
+    return {"experiment": "sns-sweep", "sequences_per_ratio": sequences, "jobs_per_sequence": jobs, "seed": seed,
+            "alpha": alpha, "ratios": rows,
+            "paper": {"sns_turnaround_cut_pct_between_0.35_and_0.85": "> 10", "sns_at_ratio_0": "equal to CE"}}
+
+
+def plot_sns_sweep(result: dict[str, Any], path: Path) -> Path:
+    """Seed 001 Fig. 19: SNS's (and CS's) run, wait and turnaround time relative to CE by scaling ratio."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = [r["scaling_ratio"] for r in result["ratios"]]
+    for k, m in enumerate(("run", "wait", "turnaround")):
+        ax.plot(x, [r["SNS"][m] for r in result["ratios"]], marker="o", color=f"C{k}", label=f"SNS {m}")
+        ax.plot(x, [r["CS"][m] for r in result["ratios"]], ls="--", color=f"C{k}", alpha=0.6, label=f"CS {m}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel="scaling ratio (chance a job runs a scaling program)", ylabel="relative to CE",
+           title=f"{result['sequences_per_ratio']} sequences of {result['jobs_per_sequence']} jobs per ratio "
+                 "on the 8-node testbed (Seed 001 Fig. 19)")
+    ax.legend(fontsize=8, ncol=2)
+    return save(fig, path)
 
 
 def plot_sns_testbed(result: dict[str, Any], path: Path) -> Path:

@@ -304,3 +304,35 @@ def test_mba_keeps_a_light_job_from_a_bandwidth_hogs_queue() -> None:
         beside = m.node_ipc(((light, 8, 6, 20.0), (hog, 20, 10, 60.0)), True)[0]
         by_mba[mba] = beside / alone
     assert by_mba[False] < by_mba[True] <= 1.0 + 1e-9
+
+
+def test_sns_testbed_cli_reports_the_papers_figures_and_refuses_an_unknown_curve(tmp_path: Path) -> None:
+    from cli_runs import run_json
+    from typer.testing import CliRunner
+
+    from nodeshare.cli import app
+
+    png = tmp_path / "t.png"
+    r = run_json("experiment", "sns-testbed", "--sequences", "2", "--json", "--png", str(png))
+    assert set(r["throughput_gain_vs_ce_pct"]) == {"CS", "SNS"} and r["sequences"] == 2
+    assert len(r["scaling_ratio"]) == 2 and r["latency"] == "measured" and r["mba"] is True
+    assert r["programs_mix"] == "paper" and set(r["programs"]["CG"]["speedup_by_scale"]) == {"1", "2", "4", "8"}
+    assert r["sns_run_vs_exclusive_at_scale"]["mean"] > 0 and png.exists()
+    bad = CliRunner().invoke(app, ["experiment", "sns-testbed", "--latency", "flat"])
+    assert bad.exit_code == 2 and "measured, mm1" in bad.output
+
+
+def test_sns_sweep_and_clusters_cli(tmp_path: Path) -> None:
+    from cli_runs import run_json
+
+    r = run_json("experiment", "sns-sweep", "--ratios", "0,1", "--sequences", "1", "--json",
+                 "--png", str(tmp_path / "s.png"))
+    assert [x["scaling_ratio"] for x in r["ratios"]] == [0.0, 1.0]
+    assert set(r["ratios"][0]["SNS"]) == {"run", "wait", "turnaround"}
+    rows = [(i, 60 * i, 600 + 37 * (i % 7), 16 * (1 + i % 5)) for i in range(30)]  # 1 to 5 trace nodes of 16
+    r = run_json("experiment", "sns-clusters", "--trace", str(swf(tmp_path, rows)), "--nodes", "4,8",
+                 "--scaling-ratios", "0.5", "--min-procs", "8", "--json", "--png", str(tmp_path / "c.png"))
+    assert [x["nodes"] for x in r["runs"]] == [4, 8]
+    # jobs over the smallest cluster are left out of every run, so both sizes replay the same jobs
+    assert r["runs"][0]["jobs"] == r["runs"][1]["jobs"] == 24 and r["runs"][0]["skipped_too_big"] == 6
+    assert r["runs"][0]["breakdown"]["CE"]["wait"] + r["runs"][0]["breakdown"]["CE"]["run"] == pytest.approx(1.0)
