@@ -1,21 +1,26 @@
-"""Seed 001 Section 6.4 on a simulated cluster: a real job trace (Standard Workload Format)
-replayed under CE, CS and SNS; throughput, wait, run and turnaround times, alpha violations.
+"""Seed 001's experiments on a simulated cluster, under CE, CS and SNS: Section 6.4 (a real job
+trace in Standard Workload Format, on one or several cluster sizes), Section 6.2 (the paper's
+8-node testbed, sequences of 20 jobs) and Section 6.3 (the scaling-ratio sweep); throughput,
+wait, run and turnaround times, alpha violations.
 
 As in the paper, each trace job is mapped to a program of the workload library, sampled with a
 bias (the *scaling ratio*: the chance a job runs a scaling program), and its trace run time is
 its CE run time. What the scheduler does not know and the simulation decides is how fast each
 job really runs where it was put:
 
-* **Nodes** are one contention domain each (:mod:`nodeshare.producers.contention`): 16 cores,
-  22 LLC ways and 76 GB/s, two of the library's sockets taken as one.
+* **Nodes** are one contention domain each (:mod:`nodeshare.producers.contention`): the
+  paper's testbed node (28 cores, 70 MB of LLC, 118.26 GB/s; ``testbed_machine``) with loaded
+  latency from an Intel MLC measurement, or the model node (16 cores, 22 LLC ways and 76 GB/s,
+  two of the library's sockets taken as one).
 * **Exclusive runs at scale k** (the profile): c = ceil(P / n) processes per node alone on the
   node; compute speeds up by the IPC gained from more ways and bandwidth per process, and the
   program's communication share grows by ``COMM_GROWTH`` per doubling of nodes (so
   communication-heavy programs come out compact, memory-bound ones scaling).
 * **Shared nodes**: a job runs at the IPC its node's co-runners leave it, with the slowest of
   its nodes setting its pace (bulk-synchronous codes). Under SNS every job holds its allocated
-  LLC ways (CAT) and unallocated ways are shared equally (Seed 001 Section 4.4); under CS the
-  ways go by access rates, as without CAT.
+  LLC ways (CAT) and unallocated ways are shared equally (Seed 001 Section 4.4), and its
+  booked bandwidth is a partition of its own plus an equal share of what is unbooked (MBA);
+  under CS the ways go by access rates and bandwidth is one pool, as without RDT.
 
 A job's speed changes whenever its nodes' co-runners do; the simulation integrates progress
 between events. The scheduler sees only profiles (program-level: exclusive run times per scale
@@ -601,7 +606,8 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
     }
 
 
-def experiment_sns_sweep(ratios: Sequence[float] = tuple(k / 10 for k in range(11)), sequences: int = 10,
+def experiment_sns_sweep(ratios: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+                         sequences: int = 10,
                          jobs: int = 20, seed: int = 7, alpha: float = 0.9,
                          progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Seed 001 Section 6.3 (Fig. 19) on the testbed: sequences whose jobs run a scaling program
