@@ -3,6 +3,10 @@
 Precedence, highest first: explicit arguments, NODESHARE_* environment variables, the TOML file
 named by --config or NODESHARE_CONFIG, defaults. Unknown keys and bad values are errors that
 name the key. deploy/nodeshare.example.toml documents every key.
+
+Settings depend on nothing of the domain: the defaults are plain values (a test checks they are
+the domain's own), and the policy objects are built where they are used, from these fields, by
+the methods below, which import their types when called.
 """
 
 from __future__ import annotations
@@ -12,17 +16,16 @@ import logging
 import os
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from nodeshare.producers.batching import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BLOCKS, FlushPolicy
-from nodeshare.streams.accounting import PricingPolicy
-from nodeshare.streams.degradation import DEFAULT_DELTA
-from nodeshare.streams.placement.sns import DEFAULT_AGE_LIMIT_S
-from nodeshare.streams.power.ppartition import PowerPolicy
-from nodeshare.streams.pricing import POPPA_EQ4
+if TYPE_CHECKING:  # the policy types, for the methods' signatures only
+    from nodeshare.producers.batching import FlushPolicy
+    from nodeshare.streams.core.accounting import PricingPolicy
+    from nodeshare.streams.core.power.ppartition import PowerPolicy
+
 
 #: The configuration file given on the command line (--config); NODESHARE_CONFIG is the fallback.
 CONFIG_FILE: ContextVar[Path | None] = ContextVar("nodeshare_config_file", default=None)
@@ -51,28 +54,29 @@ class Settings(BaseSettings):
     app_id: str = Field("nodeshare", description="faust application id (consumer group of the power and placement "
                                                  "agents); the charge fold and the sinks derive their groups from it")
     session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000  # docs/broker.md: ~3 s to join at 6 s
-    # How often the stream worker looks for messages faust skipped at a partition's end (streams.cursor)
+    # How often the stream worker looks for messages faust skipped at a partition's end (streams.worker.cursor)
     skip_check_interval_s: Annotated[float, Field(gt=0.0)] = 5.0
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
-    delta: Annotated[float, Field(gt=0.0)] = DEFAULT_DELTA
-    rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = POPPA_EQ4  # streams.pricing.RATE_FUNCTIONS
-    # streams.degradation.ESTIMATORS
+    delta: Annotated[float, Field(gt=0.0)] = 0.05  # streams.core.degradation.DEFAULT_DELTA
+    rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = "poppa_eq4"  # streams.core.pricing.RATE_FUNCTIONS
+    # streams.core.degradation.ESTIMATORS
     estimator: Literal["refill_corrected", "poppa_alg4", "unfiltered"] = "refill_corrected"
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
     period_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 200
     # How node agents batch shutter blocks per node.ipc message (producers.batching.FlushPolicy)
-    batch_blocks: Annotated[int, Field(ge=1, le=4096)] = DEFAULT_MAX_BLOCKS
-    batch_age_s: Annotated[float, Field(ge=0.0)] = DEFAULT_MAX_AGE_S
+    batch_blocks: Annotated[int, Field(ge=1, le=4096)] = 64  # DEFAULT_MAX_BLOCKS
+    batch_age_s: Annotated[float, Field(ge=0.0)] = 30.0  # DEFAULT_MAX_AGE_S
     power_budget_watts: Annotated[float, Field(gt=0.0)] | None = None  # the machine's bound (Seed 004)
-    power_admit: Literal["fair", "throughput"] = "fair"  # streams.power.ppartition.PowerPolicy
+    power_admit: Literal["fair", "throughput"] = "fair"  # streams.core.power.ppartition.PowerPolicy
     power_release: Literal["proportional", "pool"] = "proportional"
     power_min_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
     power_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
-    placement_policy: Literal["SNS", "CS", "CE"] = "SNS"  # streams.placement.sns.POLICIES
+    placement_policy: Literal["SNS", "CS", "CE"] = "SNS"  # streams.core.placement.sns.POLICIES
     placement_pairing: Literal["blossom", "greedy", "off"] = "blossom"  # Seed 003 pairs of waiting jobs
-    placement_age_limit_s: Annotated[float, Field(gt=0.0)] = DEFAULT_AGE_LIMIT_S  # longer waits block younger jobs
+    # longer waits block younger jobs (streams.core.placement.sns.DEFAULT_AGE_LIMIT_S)
+    placement_age_limit_s: Annotated[float, Field(gt=0.0)] = 3600.0
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None  # Prometheus endpoint; off when unset
     metrics_addr: str = "127.0.0.1"
     log_format: Literal["text", "json"] = "text"  # nodeshare.logs: "json" writes one JSON object per line
@@ -94,13 +98,19 @@ class Settings(BaseSettings):
         return f"{self.topic_prefix}{name}"
 
     def policy(self) -> PricingPolicy:
+        from nodeshare.streams.core.accounting import PricingPolicy
+
         return PricingPolicy(rate_per_core_hour=self.rate_per_core_hour, delta=self.delta,
                              rate_function=self.rate_function, estimator=self.estimator)
 
     def flush_policy(self) -> FlushPolicy:
+        from nodeshare.producers.batching import FlushPolicy
+
         return FlushPolicy(max_blocks=self.batch_blocks, max_age_s=self.batch_age_s)
 
     def power_policy(self) -> PowerPolicy:
+        from nodeshare.streams.core.power.ppartition import PowerPolicy
+
         return PowerPolicy(release=self.power_release, min_share=self.power_min_share, admit=self.power_admit,
                            margin=self.power_margin)
 

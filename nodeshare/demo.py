@@ -26,7 +26,7 @@ from nodeshare.sinks.archive import ArchiveSink
 from nodeshare.sinks.audit import AuditReport, audit
 from nodeshare.sinks.consumer import run_in_thread
 from nodeshare.sinks.ledger import Ledger, LedgerSink
-from nodeshare.streams.cursor import unconsumed, worker_groups
+from nodeshare.streams.worker.cursor import unconsumed, worker_groups
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 

@@ -1,6 +1,10 @@
 """The calibrated cluster simulator: programs from the workload library on shared nodes,
 per-socket contention, and POPPA's shutters, emitting the same events as real node agents.
 
+Longer than 500 lines because it is the engine alone (its jobs, traces and outputs live in
+job_mix.py, swf.py and calibrated_records.py): the event loop, the shutter schedule and the
+phase state it advances are one piece.
+
 Model
 -----
 * A node has two sockets of eight cores and two *slots*: a job in a slot holds four cores of

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from nodeshare.schemas.events import NodeInventory, PowerReading, ProcessorSpec
-from nodeshare.streams.power.curves import CharacterizationRow
+from nodeshare.streams.core.power.curves import CharacterizationRow
 
 MIN_WATTS = 51.0  # the architecture's lower bound on a cap (Seed 004: Ivy Bridge, 51 W)
 TDP_WATTS = 120.0

@@ -3,6 +3,9 @@
 Every record carries ``event_id``, ``schema_version``, ``source`` and ``event_time`` and a
 ``kind`` tag, so an archived record explains itself. Validation is strict: unknown fields,
 non-finite numbers, wrong types and inconsistent lengths are errors that name the field.
+
+Longer than 500 lines because it is the whole contract in one place: every record of the topic
+catalog side by side, so a schema change is one diff and one review.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ class ShutterBlock(Record):
 
 class SampleColumns(BaseModel):
     """K samples per block of one region, columnar and block-major: block i's samples are
-    ``[i * k, (i + 1) * k)``. Values are checked per block (``streams.blocks.block_rows``), not
+    ``[i * k, (i + 1) * k)``. Values are checked per block (``streams.core.blocks.block_rows``), not
     here, so one bad block does not refuse its batch."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -163,7 +166,7 @@ class ShutterBatch(Record):
     """A run of consecutive shutter blocks of one job on one node from one agent (schema 3): the
     blocks of ``ShutterBlock``, one array per field. ``seq`` is the agent's batch number for this
     (job, node) stream. The shape (lengths, types) is checked here and refuses the whole message;
-    values are checked per block (``streams.blocks.block_rows``), so a bad block is dead-lettered with its
+    values are checked per block (``streams.core.blocks.block_rows``), so a bad block is dead-lettered with its
     index while the others count."""
 
     kind: Literal["shutter_batch"] = "shutter_batch"
@@ -419,7 +422,7 @@ class DegradationEstimate(Record):
     blocks_rejected: NonNegInt
     delta: Annotated[float, Field(gt=0.0)]
     final: bool
-    corrected: float | None = None  # refill-corrected over Alg. 4's accepted blocks (streams.degradation)
+    corrected: float | None = None  # refill-corrected over Alg. 4's accepted blocks (streams.core.degradation)
     estimator: Name = "poppa_alg4"  # which estimate ``degradation`` applies
     #: The job's sample IPCs so far, for the profiles: ``ipc_alone`` (during its shutters) and
     #: ``ipc_shared`` (before and after them), over every block counted (schema 3).
@@ -613,7 +616,7 @@ class Charge(Record):
     estimate_status: EstimateStatus
     degradation_filtered: float | None
     degradation_unfiltered: float | None
-    degradation_corrected: float | None = None  # refill-corrected (streams.degradation)
+    degradation_corrected: float | None = None  # refill-corrected (streams.core.degradation)
     estimator: Name = "poppa_alg4"  # which estimate applies: poppa_alg4 | refill_corrected | unfiltered
     #: The applied estimator's D over the time the job shared a node (what its blocks measure), 0
     #: without evidence; and the billed time the job had no co-runner on any of its nodes (a lower

@@ -1,6 +1,6 @@
 """The audit: recompute every charge from the archive with the stream's own functions and diff.
 
-Each job is folded separately, through ``streams.accounting.process_message``, with the
+Each job is folded separately, through ``streams.core.accounting.process_message``, with the
 pricing policy its ledger row states (so a later change of L or delta does not make old
 charges look wrong), or the configured policy for a job the ledger lacks.
 """
@@ -21,7 +21,7 @@ from typing import Any
 from nodeshare.schemas import Charge
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.schemas.events import carried
-from nodeshare.streams.accounting import Message, Origin, PricingPolicy, fold_messages
+from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fold_messages
 
 from .archive import ParquetArchive
 from .fast_audit import fast_recompute

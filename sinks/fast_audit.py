@@ -8,7 +8,7 @@ order checked in one streaming pass; jobs with one are folded again, parsing the
 where the typed columns do not reproduce it. It handles the common, clean case: K = 1 samples,
 every record well formed and with a plausible clock (``schemas.clock_problem``), block cycles
 increasing per node, every node stream closed once, and one terminal event. A job that does not
-fit is *ineligible* and goes to the reference path (``streams.accounting.process_message``), and
+fit is *ineligible* and goes to the reference path (``streams.core.accounting.process_message``), and
 so does any job whose fast result differs from the ledger. A fast "match" therefore always
 means the reference functions agree too. The test suite proves the two paths equal on the same
 events.
@@ -36,8 +36,8 @@ import pyarrow as pa
 from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, clock_problem, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S, MAX_BATCH_BLOCKS
-from nodeshare.streams.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
-from nodeshare.streams.degradation import estimate_from_totals
+from nodeshare.streams.core.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
+from nodeshare.streams.core.degradation import estimate_from_totals
 
 from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_range, typed_columns_sql
 

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from nodeshare.schemas import Charge
-from nodeshare.streams.pricing import fair_charge
+from nodeshare.streams.core.pricing import fair_charge
 
 from .audit import current_revisions
 from .ledger import Ledger

@@ -1,1 +1,1 @@
-"""Stream processors: faust agents that are thin shells over pure functions."""
+"""Stream processing: ``core`` (pure functions and folds) and ``worker`` (the faust shell that runs them)."""

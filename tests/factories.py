@@ -22,7 +22,7 @@ from nodeshare.schemas import (
 from nodeshare.schemas.events import JobPowerPlan, PlacementDecision, PowerAction, PowerDecision, ProcessorCap
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.ledger import Ledger
-from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
 
 POLICY = PricingPolicy(rate_per_core_hour=1.5)
 

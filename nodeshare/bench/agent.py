@@ -23,7 +23,7 @@ from typing import Any
 from nodeshare.producers.agent.processes import descendants
 from nodeshare.producers.agent.progress import COUNTER
 from nodeshare.producers.agent.spool import Spool
-from nodeshare.streams.shutter_overhead import dilated_run_time, sleep_fraction
+from nodeshare.streams.core.shutter_overhead import dilated_run_time, sleep_fraction
 
 from .machine import machine_stamp
 

@@ -33,7 +33,7 @@ from nodeshare.schemas import TOPIC_OF_RECORD, ShutterBlock, encode, key_of
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.sinks.archive import IPC_FIELDS, IPC_LISTS, ArchivedEvent, ParquetArchive
 from nodeshare.sinks.fast_audit import FastResult, fast_recompute
-from nodeshare.streams.accounting import PricingPolicy
+from nodeshare.streams.core.accounting import PricingPolicy
 
 from .machine import machine_stamp
 

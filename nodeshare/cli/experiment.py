@@ -84,7 +84,7 @@ EstimatorOpt = Annotated[str, typer.Option(
 
 
 def checked_estimator(name: str) -> str:
-    from nodeshare.streams.degradation import ESTIMATORS
+    from nodeshare.streams.core.degradation import ESTIMATORS
 
     if name not in ESTIMATORS:
         err.print(f"error: unknown estimator {name!r}; known: {', '.join(ESTIMATORS)}")
@@ -126,7 +126,7 @@ def experiment_ppartition(
     Pm/c/Nmax, 75 W and TDP (Seed 004, Fig. 15-17): jobs started and machine throughput."""
     from nodeshare.experiments.power import experiment_ppartition as run
     from nodeshare.experiments.power import plot_ppartition
-    from nodeshare.streams.power.ppartition import PowerPolicy
+    from nodeshare.streams.core.power.ppartition import PowerPolicy
 
     if admit not in ("fair", "throughput"):
         raise typer.BadParameter("must be 'fair' or 'throughput'", param_hint="--admit")
@@ -293,8 +293,8 @@ def experiment_sns(
 ) -> None:
     """Seed 001 Section 6.4: a real trace replayed on a simulated cluster under CE, CS and SNS:
     throughput (1 / mean turnaround), wait and run times, and alpha violations."""
-    from nodeshare.experiments.sns import experiment_sns as run
-    from nodeshare.experiments.sns import plot_sns
+    from nodeshare.experiments.sns_trace import experiment_sns as run
+    from nodeshare.experiments.sns_trace import plot_sns
 
     try:
         with progress_bar() as bar:
@@ -342,8 +342,8 @@ def experiment_sns_clusters(
 ) -> None:
     """Seed 001 Section 6.4 and Fig. 20: a real trace on clusters of several sizes at each scaling
     ratio, CE vs CS vs SNS: throughput gain and the run/wait breakdown normalized to CE's turnaround."""
-    from nodeshare.experiments.sns import experiment_sns_clusters as run
-    from nodeshare.experiments.sns import plot_sns_clusters
+    from nodeshare.experiments.sns_trace import experiment_sns_clusters as run
+    from nodeshare.experiments.sns_trace import plot_sns_clusters
 
     sizes = _numbers(nodes, int, "--nodes") if nodes else None
     ratios = _numbers(scaling_ratios, float, "--scaling-ratios")
@@ -390,8 +390,9 @@ def experiment_sns_testbed(
     """Seed 001 Section 6.2 on its own testbed: 8 nodes of 28 cores, sequences of 20 jobs of 16 or
     28 processes submitted at once, under CE, CS and SNS: each sequence's scaling ratio and
     throughput gain over CE (Fig. 14), and how often SNS beats CS."""
-    from nodeshare.experiments.sns import LATENCY_CURVES, PROGRAM_MIXES, plot_sns_testbed
-    from nodeshare.experiments.sns import experiment_sns_testbed as run
+    from nodeshare.experiments.sns import LATENCY_CURVES
+    from nodeshare.experiments.sns_testbed import PROGRAM_MIXES, plot_sns_testbed
+    from nodeshare.experiments.sns_testbed import experiment_sns_testbed as run
 
     for value, allowed, hint in ((latency, LATENCY_CURVES, "--latency"), (programs_mix, PROGRAM_MIXES, "--programs")):
         if value not in allowed:
@@ -424,8 +425,8 @@ def experiment_sns_sweep(
 ) -> None:
     """Seed 001 Section 6.3 (Fig. 19) on the 8-node testbed: SNS's and CS's run, wait and
     turnaround time relative to CE as the share of scaling jobs goes from 0 to 1."""
-    from nodeshare.experiments.sns import experiment_sns_sweep as run
-    from nodeshare.experiments.sns import plot_sns_sweep
+    from nodeshare.experiments.sns_testbed import experiment_sns_sweep as run
+    from nodeshare.experiments.sns_testbed import plot_sns_sweep
 
     values = _numbers(ratios, float, "--ratios")
     if not all(0.0 <= v <= 1.0 for v in values):

@@ -273,8 +273,8 @@ def worker(
                                              help="only count node.ipc messages (bench stream's yardstick)")] = False,
 ) -> None:
     """Run one stream worker (faust) in the foreground."""
-    from nodeshare.streams.app import run_worker
-    from nodeshare.streams.kafka_security import SecurityConfigError, faust_credentials
+    from nodeshare.streams.worker.app import run_worker
+    from nodeshare.streams.worker.kafka_security import SecurityConfigError, faust_credentials
 
     settings = load_settings()
     require_bootstrap(settings)

@@ -19,7 +19,7 @@ import numpy as np
 from nodeshare.experiments import pyplot, save
 from nodeshare.producers.pairs import FEATURES, pair_degradation, solo_profiles
 from nodeshare.producers.workloads import BUILTIN, Workload
-from nodeshare.streams.pairing import (
+from nodeshare.streams.core.pairing import (
     BLOSSOM_NEIGHBOURS,
     PAIR_LEVELS,
     DegradationModel,

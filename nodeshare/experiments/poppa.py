@@ -1,7 +1,7 @@
 """POPPA's evaluation (Seed 002, Section 8) on the calibrated simulator, through the audit path.
 
 Every experiment simulates, then folds the events with the stream worker's own reducer
-(``streams.accounting.fold_messages``, the fold ``nodeshare audit`` replays; a test shows the
+(``streams.core.accounting.fold_messages``, the fold ``nodeshare audit`` replays; a test shows the
 pipeline's ledger equals it). Only then is the ground truth read, to score the charges.
 
 * ``pairwise``: every pair of the library co-located as in Section 7; Fig. 10 (run-time
@@ -26,9 +26,9 @@ from nodeshare.producers.calibrated import CalibratedConfig, JobTruth, run_pairw
 from nodeshare.producers.calibrated_records import with_records
 from nodeshare.producers.workloads import BUILTIN, PAIRWISE, Workload
 from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
-from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
-from nodeshare.streams.degradation import DEFAULT_ESTIMATOR
-from nodeshare.streams.shutter_overhead import dilated_run_time
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
+from nodeshare.streams.core.degradation import DEFAULT_ESTIMATOR
+from nodeshare.streams.core.shutter_overhead import dilated_run_time
 
 #: The three estimates every charge carries, by the name experiments report them under.
 ESTIMATES: dict[str, Callable[[Charge], float | None]] = {

@@ -21,9 +21,9 @@ import numpy as np
 from nodeshare.bench.machine import available_cores
 from nodeshare.experiments import pyplot, save
 from nodeshare.producers.power_population import MIN_WATTS, PROGRAMS, TDP_WATTS, Chip, characterization, population
-from nodeshare.streams.power.curves import Characterization, Curve, curves_for, to_mw
-from nodeshare.streams.power.ppartition import JobRequest, Machine, PowerPolicy, check, dispatch, give_back
-from nodeshare.streams.power.ptune import ptune, uniform
+from nodeshare.streams.core.power.curves import Characterization, Curve, curves_for, to_mw
+from nodeshare.streams.core.power.ppartition import JobRequest, Machine, PowerPolicy, check, dispatch, give_back
+from nodeshare.streams.core.power.ptune import ptune, uniform
 
 QUARTILE_MIXES: tuple[tuple[str, ...], ...] = (("Q1",), ("Q2",), ("Q4",), ("Q1", "Q4"), ("Q2", "Q3"),
                                                ("Q1", "Q2", "Q3", "Q4"))

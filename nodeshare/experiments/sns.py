@@ -1,7 +1,6 @@
-"""Seed 001's experiments on a simulated cluster, under CE, CS and SNS: Section 6.4 (a real job
-trace in Standard Workload Format, on one or several cluster sizes), Section 6.2 (the paper's
-8-node testbed, sequences of 20 jobs) and Section 6.3 (the scaling-ratio sweep); throughput,
-wait, run and turnaround times, alpha violations.
+"""The model behind Seed 001's experiments: a simulated cluster whose jobs run under CE, CS or
+SNS and whose truth the scheduler never sees. The experiments are beside it: a real trace
+(Section 6.4, :mod:`.sns_trace`) and the paper's testbed (Sections 6.2-6.3, :mod:`.sns_testbed`).
 
 As in the paper, each trace job is mapped to a program of the workload library, sampled with a
 bias (the *scaling ratio*: the chance a job runs a scaling program), and its trace run time is
@@ -34,23 +33,19 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from nodeshare.experiments import pyplot, save
 from nodeshare.producers.contention import MLC_LOADED_LATENCY, Socket, at_ways, equilibrium
 from nodeshare.producers.workloads import BUILTIN, WAYS, Workload, interp_ways
 from nodeshare.schemas.events import ProgramClass
-from nodeshare.streams.placement.sns import (
+from nodeshare.streams.core.placement.sns import (
     POLICIES,
     SCALE_FACTORS,
     LlcDemand,
     NodeCapacity,
     PendingJob,
     Scheduler,
-    classify,
     llc_demand,
     spread,
 )
@@ -73,65 +68,6 @@ class TraceJob:
     submit_s: float
     run_s: float  # the trace's run time: the job's CE run time here
     procs: int  # processes on the simulated nodes
-
-
-def read_swf(path: Path, min_procs: int = 8, limit: int | None = None, node_cores: int = NODE_CORES,
-             cores_per_node: float | None = None) -> tuple[list[TraceJob], dict[str, Any]]:
-    """Jobs of a Standard Workload Format trace with a positive run time and at least
-    ``min_procs`` cores on the trace's machine (parallel jobs, as Seed 001 Section 6.4 selects),
-    resized to nodes of ``node_cores`` cores: a job keeps its node count (its trace processors /
-    the header's MaxProcs per MaxNodes), as the paper re-sized its Trinity jobs to its testbed's nodes.
-
-    ``cores_per_node``: cores of one node of the trace's machine (default: its processors per
-    node). Some sites log whole nodes as processors (MaxProcs equal to MaxNodes); such a trace
-    needs it said, since one core per node is not a machine jobs share. Raises ValueError naming
-    the line of anything malformed, or what the header lacks."""
-    header: dict[str, str] = {}
-    rows: list[tuple[str, float, float, float]] = []
-    with open(path) as fh:
-        for line_no, line in enumerate(fh, start=1):
-            text = line.strip()
-            if not text:
-                continue
-            if text.startswith(";"):
-                key, _, value = text[1:].partition(":")
-                header[key.strip()] = value.strip()
-                continue
-            fields = text.split()
-            if len(fields) < 18:
-                raise ValueError(f"{path}:{line_no}: {len(fields)} fields, the Standard Workload Format has 18")
-            try:
-                num, submit, run, alloc, req = (float(fields[i]) for i in (0, 1, 3, 4, 7))
-            except ValueError:
-                raise ValueError(f"{path}:{line_no}: a field is not a number: {text[:60]!r}") from None
-            procs = alloc if alloc > 0 else req
-            if run > 0 and procs > 0:
-                rows.append((str(int(num)), submit, run, procs))
-    try:
-        trace_nodes, trace_procs = int(header["MaxNodes"]), int(header["MaxProcs"])
-    except (KeyError, ValueError):
-        raise ValueError(f"{path}: the header needs MaxNodes and MaxProcs to resize jobs to the simulated nodes") \
-            from None
-    if trace_nodes < 1 or trace_procs < trace_nodes:
-        raise ValueError(f"{path}: the header's MaxProcs ({trace_procs}) is below its MaxNodes ({trace_nodes}): "
-                         "no node has a processor")
-    per_node = trace_procs / trace_nodes
-    if cores_per_node is None:
-        if per_node == 1:
-            raise ValueError(f"{path}: MaxProcs = MaxNodes = {trace_nodes}: this trace counts whole nodes as "
-                             "processors; say how many cores a node of its machine has with --cores-per-node")
-        cores_per_node = per_node
-    kept = [r for r in rows if r[3] / per_node * cores_per_node >= min_procs]
-    if not kept:
-        raise ValueError(f"{path}: no job with a run time and at least {min_procs} cores "
-                         f"({cores_per_node:g} per node of {per_node:g} processors)")
-    kept.sort(key=lambda r: (r[1], r[0]))
-    kept = kept[:limit] if limit else kept
-    t0 = kept[0][1]
-    resized = [TraceJob(job, submit - t0, run, max(1, math.ceil(procs / per_node * node_cores)))
-               for job, submit, run, procs in kept]
-    return resized, {"trace_nodes": trace_nodes, "trace_cores_per_node": cores_per_node,
-                     "trace_processors_per_node": per_node}
 
 
 class Machine:
@@ -307,166 +243,6 @@ def assign_programs(n: int, classes: Sequence[ProgramClass], scaling_ratio: floa
     return np.where(pick, rng.choice(scaling, n), rng.choice(other, n))
 
 
-def experiment_sns(trace: Path, scaling_ratio: float = 0.5, nodes: int | None = None, min_procs: int = 8,
-                   limit: int | None = None, alpha: float = 0.9, age_limit_s: float = 3600.0, seed: int = 7,
-                   bandwidth_budget: float = BANDWIDTH_BUDGET,
-                   policies: Sequence[str] = ("CE", "CS", "SNS"), cores_per_node: float | None = None,
-                   machine: Machine | None = None, max_job_nodes: int | None = None,
-                   progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """CE vs CS vs SNS on a trace, its jobs re-sized to the paper's testbed nodes (Seed 001
-    Section 6.4; ``machine``: another). Throughput is Seed 001's: the reciprocal of the mean
-    submit-to-finish time; an alpha violation is a job whose run time exceeds its CE run time / alpha.
-    ``cores_per_node``: cores of a node of the trace's machine (see ``read_swf``). Jobs on more
-    than ``nodes`` nodes (or ``max_job_nodes``, if fewer) are left out."""
-    if not 0.0 < scaling_ratio < 1.0:
-        raise ValueError(f"--scaling-ratio must be within (0, 1), got {scaling_ratio}")
-    machine = machine or testbed_machine()
-    jobs, meta = read_swf(trace, min_procs, limit, node_cores=machine.cores, cores_per_node=cores_per_node)
-    nodes = nodes or meta["trace_nodes"]
-    fits = min(nodes, max_job_nodes or nodes)
-    too_big = [j.job_id for j in jobs if math.ceil(j.procs / machine.cores) > fits]
-    jobs = [j for j in jobs if math.ceil(j.procs / machine.cores) <= fits]
-    if not jobs:
-        raise ValueError(f"{trace}: every kept job needs more than the {fits} simulated nodes")
-    ref = {i: machine.runtime_by_scale(i, machine.cores) for i in range(len(machine.programs))}
-    classes = [classify(ref[i]) for i in range(len(machine.programs))]
-    assignment = assign_programs(len(jobs), classes, scaling_ratio, np.random.default_rng(seed))
-    ce_run = np.array([j.run_s for j in jobs])
-    submit = np.array([j.submit_s for j in jobs])
-    results: dict[str, dict[str, Any]] = {}
-    for name in policies:
-        report: Callable[[int, int], None] | None = None
-        if progress is not None:
-            report = (lambda pol: lambda d, t: progress(pol, d, t))(name)
-        out = simulate(jobs, assignment.tolist(), machine, name, nodes, alpha=alpha, age_limit_s=age_limit_s,
-                       bandwidth_budget=bandwidth_budget,
-                       progress=report)
-        wait, run = out["start"] - submit, out["end"] - out["start"]
-        turnaround = out["end"] - submit
-        slowdown = run / ce_run
-        results[name] = {
-            "mean_wait_s": float(wait.mean()), "mean_run_s": float(run.mean()),
-            "mean_turnaround_s": float(turnaround.mean()), "throughput_per_h": 3600.0 / float(turnaround.mean()),
-            "makespan_s": float(out["end"].max()),
-            "run_vs_ce_geomean": float(np.exp(np.log(slowdown).mean())),
-            "run_vs_ce_max": float(slowdown.max()),
-            "alpha_violations": int((slowdown > 1.0 / alpha + 1e-9).sum()),
-            "scale_share": {str(k): float((out["scale"] == k).mean()) for k in SCALE_FACTORS},
-        }
-    ce_turn = results["CE"]["mean_turnaround_s"] if "CE" in results else None
-    core_s = np.array([j.procs * j.run_s for j in jobs])
-    scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
-    return {
-        "experiment": "sns", "trace": str(trace), "jobs": len(jobs), "skipped_too_big": len(too_big),
-        "nodes": nodes, "node": {"cores": machine.cores, "llc_mb": machine.node.ways * machine.node.way_mb,
-                                 "bandwidth_gbps": round(machine.node.bw_gbps * machine.node.max_util, 2),
-                                 "latency": "measured" if machine.node.latency_curve else "mm1", "mba": machine.mba},
-        "min_procs": min_procs, "alpha": alpha, "bandwidth_budget": bandwidth_budget, "age_limit_s": age_limit_s,
-        "seed": seed,
-        "scaling_ratio": scaling_ratio, "scaling_core_hours_share": float(core_s[scaling].sum() / core_s.sum()),
-        "programs": {w.name: {"class": classes[i].value,
-                              "runtime_vs_ce_by_scale": {str(k): v for k, v in ref[i].items()}}
-                     for i, w in enumerate(machine.programs)},
-        "policies": results,
-        "throughput_gain_vs_ce_pct": {p: 100.0 * (ce_turn / r["mean_turnaround_s"] - 1.0)
-                                      for p, r in results.items() if ce_turn and p != "CE"},
-        "alpha_violations": {p: r["alpha_violations"] for p, r in results.items()},
-        **meta,
-    }
-
-
-def plot_sns(result: dict[str, Any], path: Path) -> Path:
-    """Seed 001 Fig. 20's breakdown: mean wait and run time per policy, normalized to CE's turnaround."""
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    pols = list(result["policies"])
-    ref = result["policies"].get("CE", result["policies"][pols[0]])["mean_turnaround_s"]
-    wait = [result["policies"][p]["mean_wait_s"] / ref for p in pols]
-    run = [result["policies"][p]["mean_run_s"] / ref for p in pols]
-    ax1.bar(pols, wait, label="wait (submit to start)")
-    ax1.bar(pols, run, bottom=wait, label="run (start to finish)")
-    for x, p in enumerate(pols):
-        gain = result["throughput_gain_vs_ce_pct"].get(p)
-        label = f"{gain:+.1f}%" if gain is not None else "baseline"
-        ax1.text(x, wait[x] + run[x], label, ha="center", va="bottom")
-    ax1.set(ylabel="time / CE mean turnaround",
-            title=f"{result['jobs']} jobs on {result['nodes']} nodes, scaling ratio {result['scaling_ratio']}")
-    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=2)
-    names = list(result["programs"])
-    width = 0.8 / len(SCALE_FACTORS)
-    for k_i, k in enumerate(SCALE_FACTORS):
-        ys = [result["programs"][n]["runtime_vs_ce_by_scale"][str(k)] for n in names]
-        ax2.bar(np.arange(len(names)) + k_i * width, ys, width, label=f"scale {k}")
-    ax2.axhline(1.0, color="grey", lw=0.8)
-    ax2.set_xticks(np.arange(len(names)) + width * 1.5,
-                   [f"{n} ({result['programs'][n]['class'][:4]})" for n in names], fontsize=7, rotation=40,
-                   ha="right")
-    top = max(v for n in names for v in result["programs"][n]["runtime_vs_ce_by_scale"].values())
-    ax2.set_ylim(0.6, top + 0.05)
-    ax2.set(ylabel="exclusive run time / CE", title="profiles: run time per scale factor (Seed 001 Fig. 13)")
-    ax2.legend(fontsize=8)
-    return save(fig, path)
-
-
-#: Seed 001 Section 6.4's cluster sizes (4K, 8K and 32K nodes) as multiples of the middle one.
-CLUSTER_MULTIPLES = (0.5, 1.0, 4.0)
-
-
-def experiment_sns_clusters(trace: Path, nodes: Sequence[int] | None = None,
-                            scaling_ratios: Sequence[float] = (0.5, 0.9), min_procs: int = 8,
-                            limit: int | None = None, seed: int = 7, cores_per_node: float | None = None,
-                            progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """Seed 001 Section 6.4 and Fig. 20: the trace on clusters of several sizes (default: the
-    trace's own node count times 1/2, 1 and 4, the paper's 4K : 8K : 32K), at each scaling ratio,
-    CE against SNS (and CS); jobs on more nodes than the smallest cluster are left out of every
-    run, as the paper left out jobs over 4,096 nodes. Each run's mean wait and run time are
-    normalized to CE's mean turnaround, as Fig. 20 plots them."""
-    if nodes is None:
-        trace_nodes = read_swf(trace, min_procs, limit, cores_per_node=cores_per_node)[1]["trace_nodes"]
-        nodes = sorted({max(1, round(trace_nodes * m)) for m in CLUSTER_MULTIPLES})
-    runs = []
-    for ratio in scaling_ratios:
-        for n in nodes:
-            report = None if progress is None else \
-                (lambda label: lambda pol, d, t: progress(f"{label} {pol}", d, t))(f"{n} nodes, ratio {ratio}")
-            r = experiment_sns(trace, scaling_ratio=ratio, nodes=n, min_procs=min_procs, limit=limit, seed=seed,
-                               cores_per_node=cores_per_node, max_job_nodes=min(nodes), progress=report)
-            ce = r["policies"]["CE"]["mean_turnaround_s"]
-            runs.append({
-                "nodes": n, "scaling_ratio": ratio, "jobs": r["jobs"], "skipped_too_big": r["skipped_too_big"],
-                "throughput_gain_vs_ce_pct": r["throughput_gain_vs_ce_pct"],
-                "alpha_violations": r["alpha_violations"],
-                "breakdown": {p: {"wait": v["mean_wait_s"] / ce, "run": v["mean_run_s"] / ce}
-                              for p, v in r["policies"].items()},
-            })
-    return {"experiment": "sns-clusters", "trace": str(trace), "nodes": list(nodes),
-            "scaling_ratios": list(scaling_ratios), "seed": seed, "runs": runs,
-            "paper": {"nodes": [4096, 8192, 32768], "sns_gain_vs_ce_pct_at_32k_ratio_0.9": 15.7}}
-
-
-def plot_sns_clusters(result: dict[str, Any], path: Path) -> Path:
-    """Seed 001 Fig. 20: mean wait and run time of CE, CS and SNS per cluster size, normalized to
-    CE's mean turnaround, one panel per scaling ratio."""
-    plt = pyplot()
-    ratios = result["scaling_ratios"]
-    fig, axes = plt.subplots(1, len(ratios), figsize=(6 * len(ratios), 5), squeeze=False)
-    pols = ("CE", "CS", "SNS")
-    for ax, ratio in zip(axes[0], ratios, strict=True):
-        runs = [r for r in result["runs"] if r["scaling_ratio"] == ratio]
-        for k, pol in enumerate(pols):
-            x = np.arange(len(runs)) + (k - 1) * 0.27
-            wait = [r["breakdown"][pol]["wait"] for r in runs]
-            run = [r["breakdown"][pol]["run"] for r in runs]
-            ax.bar(x, wait, 0.25, color=f"C{k}", alpha=0.45, label=f"{pol} wait")
-            ax.bar(x, run, 0.25, bottom=wait, color=f"C{k}", label=f"{pol} run")
-        ax.set_xticks(np.arange(len(runs)),
-                      [f"{r['nodes']} nodes\nSNS {r['throughput_gain_vs_ce_pct']['SNS']:+.1f}%" for r in runs])
-        ax.set(ylabel="time / CE mean turnaround", title=f"scaling ratio {ratio}")
-        ax.legend(fontsize=7, ncol=3)
-    fig.suptitle(f"{Path(result['trace']).name}: run/wait breakdown by cluster size (Seed 001 Fig. 20)")
-    return save(fig, path)
-
-
 # --------------------------------------------------------------------------- Section 6.2: the testbed
 
 #: Seed 001 Section 6.1: 8 nodes of two Xeon E5-2680 v4 (2 x 14 cores, 2 x 35 MB of LLC in 20 ways
@@ -476,46 +252,6 @@ def plot_sns_clusters(result: dict[str, Any], path: Path) -> Path:
 TESTBED_NODE = Socket(ways=28.0, bw_gbps=118.26 / Socket().max_util)
 TESTBED_CORES = 28
 TESTBED_NODES = 8
-
-
-#: Seed 001's 12 test programs by class (Sections 6.1 and 6.4: 5 scaling, 4 neutral, 3 compact).
-PAPER_CLASS_MIX: Mapping[ProgramClass, int] = {ProgramClass.SCALING: 5, ProgramClass.NEUTRAL: 4,
-                                               ProgramClass.COMPACT: 3}
-#: How a testbed sequence draws its programs: by the paper's class mix, or uniformly from the library.
-PROGRAM_MIXES = ("paper", "library")
-
-
-def testbed_sequence(programs: Sequence[Workload], jobs: int, rng: np.random.Generator,
-                     run_scale_s: float = 10.0, classes: Sequence[ProgramClass] | None = None,
-                     mix: Mapping[ProgramClass, int] = PAPER_CLASS_MIX,
-                     scaling_ratio: float | None = None) -> tuple[list[TraceJob], list[int]]:
-    """One Section 6.2 job sequence: ``jobs`` jobs submitted at once with 16 or 28 processes; a
-    program's CE run time is fixed (the paper sizes each program's input once), ``run_scale_s``
-    times its library solo time.
-
-    Programs are drawn uniformly from the library, or, given each program's class, as the paper
-    draws from its 12 programs: a class with the weight ``mix`` gives it (5 scaling, 4 neutral,
-    3 compact of 12), then a program of that class uniformly. A class the library lacks is left out.
-    With ``scaling_ratio`` (and ``classes``), a job runs a scaling program with that chance
-    instead (Section 6.3's sequences, ``assign_programs``)."""
-    if scaling_ratio is not None:
-        if classes is None:
-            raise ValueError("a scaling ratio needs the programs' classes")
-        prog = assign_programs(jobs, classes, scaling_ratio, rng)
-    elif classes is None:
-        prog = rng.integers(len(programs), size=jobs)
-    else:
-        members = {c: [i for i, k in enumerate(classes) if k is c] for c in mix}
-        kinds = [c for c in mix if members[c]]
-        if not kinds:
-            raise ValueError("no program of the library is in a class of the mix")
-        weight = np.array([mix[c] for c in kinds], dtype=float)
-        drawn = rng.choice(len(kinds), size=jobs, p=weight / weight.sum())
-        prog = np.array([rng.choice(members[kinds[k]]) for k in drawn])
-    procs = rng.choice([16, 28], size=jobs)
-    seq = [TraceJob(f"j{i:02d}", 0.0, programs[p].solo_s * run_scale_s, int(n))
-           for i, (p, n) in enumerate(zip(prog, procs, strict=True))]
-    return seq, [int(p) for p in prog]
 
 
 #: The loaded-latency curves a node can have: the measured one (Intel MLC) or the M/M/1 shape.
@@ -533,142 +269,3 @@ def testbed_machine(comm_growth: float = COMM_GROWTH, latency: str = "measured",
                    latency_curve=MLC_LOADED_LATENCY if latency == "measured" else None)
     programs = [w for name, w in BUILTIN.items() if name != "NULL"]
     return Machine(programs, cores=TESTBED_CORES, node=node, comm_growth=comm_growth, mba=mba)
-
-
-def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, alpha: float = 0.9,
-                           nodes: int = TESTBED_NODES, comm_growth: float = COMM_GROWTH,
-                           latency: str = "measured", loaded_latency_queue: float = TESTBED_NODE.queue,
-                           mba: bool = True, programs_mix: str = "paper",
-                           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Seed 001 Section 6.2: random job sequences, all jobs submitted at once, on the paper's
-    8-node testbed, under CE, CS and SNS. Per sequence: the scaling ratio (core-hours of scaling
-    jobs under CE) and the throughput gain of CS and SNS over CE (throughput = 1 / mean
-    submit-to-finish time); the means over sequences and how often SNS beats CS.
-    ``comm_growth`` (communication's growth per doubling of nodes), ``latency`` (the
-    loaded-latency curve) and ``mba`` (bandwidth partitions) are the model's assumptions that
-    move SNS most (see ``testbed_machine``). ``programs_mix``: ``paper`` draws programs by the
-    paper's class mix, ``library`` uniformly (see ``testbed_sequence``)."""
-    if programs_mix not in PROGRAM_MIXES:
-        raise ValueError(f"programs mix must be one of {PROGRAM_MIXES}, got {programs_mix!r}")
-    machine = testbed_machine(comm_growth, latency, loaded_latency_queue, mba)
-    programs, node = machine.programs, machine.node
-    classes = [classify(machine.runtime_by_scale(i, machine.cores)) for i in range(len(programs))]
-    rng = np.random.default_rng(seed)
-    rows: list[dict[str, Any]] = []
-    promised: list[float] = []  # each SNS job's run time over its exclusive run time at its scale
-    for s in range(sequences):
-        seq, assignment = testbed_sequence(programs, jobs, rng,
-                                           classes=classes if programs_mix == "paper" else None)
-        core_s = np.array([j.procs * j.run_s for j in seq])
-        scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
-        turnaround: dict[str, float] = {}
-        wait: dict[str, float] = {}
-        for name in ("CE", "CS", "SNS"):
-            out = simulate(seq, assignment, machine, name, nodes, alpha=alpha)
-            turnaround[name] = float(out["end"].mean())  # every job was submitted at 0
-            wait[name] = float(out["start"].mean())
-        promised += [float(end - start) / (machine.runtime_by_scale(prog, j.procs)[int(k)] * j.run_s)
-                     for j, prog, k, start, end in zip(seq, assignment, out["scale"], out["start"], out["end"],
-                                                       strict=True)]
-        rows.append({
-            "scaling_ratio": float(core_s[scaling].sum() / core_s.sum()),
-            "throughput_gain_vs_ce_pct": {p: 100.0 * (turnaround["CE"] / turnaround[p] - 1.0) for p in ("CS", "SNS")},
-            "sns_vs_cs_pct": 100.0 * (turnaround["CS"] / turnaround["SNS"] - 1.0),
-            "mean_turnaround_s": turnaround, "mean_wait_s": wait,
-        })
-        if progress is not None:
-            progress(s + 1, sequences)
-    gains = {p: [r["throughput_gain_vs_ce_pct"][p] for r in rows] for p in ("CS", "SNS")}
-    return {
-        "experiment": "sns-testbed", "sequences": sequences, "jobs_per_sequence": jobs, "nodes": nodes,
-        "node": {"cores": TESTBED_CORES, "llc_mb": node.ways * node.way_mb,
-                 "bandwidth_gbps": round(node.bw_gbps * node.max_util, 2)},
-        "alpha": alpha, "seed": seed, "comm_growth": comm_growth, "latency": latency, "mba": mba,
-        "programs_mix": programs_mix,
-        **({"loaded_latency_queue": loaded_latency_queue} if latency == "mm1" else {}),
-        "programs": {w.name: {"class": classes[i].value,
-                              "speedup_by_scale": {str(k): 1.0 / v for k, v in
-                                                   machine.runtime_by_scale(i, 16).items()}}
-                     for i, w in enumerate(programs)},
-        "throughput_gain_vs_ce_pct": {p: float(np.mean(v)) for p, v in gains.items()},
-        "throughput_gain_vs_ce_range_pct": {p: [float(min(v)), float(max(v))] for p, v in gains.items()},
-        "sns_beats_cs": sum(r["sns_vs_cs_pct"] > 0 for r in rows),
-        "sns_below_ce": sum(g < 0 for g in gains["SNS"]),
-        # SNS promises each job alpha of its exclusive speed at the scale it picked (Section 4.3)
-        "sns_run_vs_exclusive_at_scale": {"mean": float(np.mean(promised)), "p90": float(np.percentile(promised, 90)),
-                                          "beyond_1_over_alpha_pct": 100.0 * float(np.mean(
-                                              np.array(promised) > 1.0 / alpha + 1e-9))},
-        "scaling_ratio": [r["scaling_ratio"] for r in rows],
-        "per_sequence": rows,
-        "paper": {"throughput_gain_vs_ce_pct": {"CS": 13.7, "SNS": 19.8}, "sns_beats_cs": 26, "sequences": 36,
-                  # Fig. 13: 16 processes spread on 8 nodes (CG: at 2), exclusive, vs one node
-                  "best_speedup": {"MG": "> 1.3", "LU": "> 1.3", "TS": "> 1.3", "BW": "> 1.3", "CG": 1.13}},
-    }
-
-
-def experiment_sns_sweep(ratios: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
-                         sequences: int = 10,
-                         jobs: int = 20, seed: int = 7, alpha: float = 0.9,
-                         progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Seed 001 Section 6.3 (Fig. 19) on the testbed: sequences whose jobs run a scaling program
-    with the chance ``ratio`` (0 .. 1); per ratio, the mean over sequences of SNS's and CS's mean
-    run, wait and turnaround time, each relative to CE's."""
-    machine = testbed_machine()
-    classes = [classify(machine.runtime_by_scale(i, machine.cores)) for i in range(len(machine.programs))]
-    rng = np.random.default_rng(seed)
-    rows = []
-    total, done = len(ratios) * sequences, 0
-    for ratio in ratios:
-        rel: dict[str, dict[str, list[float]]] = {p: {"run": [], "wait": [], "turnaround": []} for p in ("CS", "SNS")}
-        for _ in range(sequences):
-            seq, assignment = testbed_sequence(machine.programs, jobs, rng, classes=classes, scaling_ratio=ratio)
-            means = {}
-            for name in ("CE", "CS", "SNS"):
-                out = simulate(seq, assignment, machine, name, TESTBED_NODES, alpha=alpha)
-                means[name] = {"run": float((out["end"] - out["start"]).mean()), "wait": float(out["start"].mean()),
-                               "turnaround": float(out["end"].mean())}
-            for p in ("CS", "SNS"):
-                for m in ("run", "wait", "turnaround"):
-                    rel[p][m].append(means[p][m] / max(means["CE"][m], 1e-9))
-            done += 1
-            if progress is not None:
-                progress(done, total)
-        rows.append({"scaling_ratio": ratio,
-                     **{p: {m: float(np.mean(v)) for m, v in rel[p].items()} for p in ("CS", "SNS")}})
-    return {"experiment": "sns-sweep", "sequences_per_ratio": sequences, "jobs_per_sequence": jobs, "seed": seed,
-            "alpha": alpha, "ratios": rows,
-            "paper": {"sns_turnaround_cut_pct_between_0.35_and_0.85": "> 10", "sns_at_ratio_0": "equal to CE"}}
-
-
-def plot_sns_sweep(result: dict[str, Any], path: Path) -> Path:
-    """Seed 001 Fig. 19: SNS's (and CS's) run, wait and turnaround time relative to CE by scaling ratio."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    x = [r["scaling_ratio"] for r in result["ratios"]]
-    for k, m in enumerate(("run", "wait", "turnaround")):
-        ax.plot(x, [r["SNS"][m] for r in result["ratios"]], marker="o", color=f"C{k}", label=f"SNS {m}")
-        ax.plot(x, [r["CS"][m] for r in result["ratios"]], ls="--", color=f"C{k}", alpha=0.6, label=f"CS {m}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="scaling ratio (chance a job runs a scaling program)", ylabel="relative to CE",
-           title=f"{result['sequences_per_ratio']} sequences of {result['jobs_per_sequence']} jobs per ratio "
-                 "on the 8-node testbed (Seed 001 Fig. 19)")
-    ax.legend(fontsize=8, ncol=2)
-    return save(fig, path)
-
-
-def plot_sns_testbed(result: dict[str, Any], path: Path) -> Path:
-    """Seed 001 Fig. 14: each sequence's throughput gain over CE against its scaling ratio."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    x = result["scaling_ratio"]
-    for p, marker in (("CS", "o"), ("SNS", "^")):
-        ys = [r["throughput_gain_vs_ce_pct"][p] for r in result["per_sequence"]]
-        ax.scatter(x, ys, marker=marker, label=f"{p} (mean {result['throughput_gain_vs_ce_pct'][p]:+.1f}%; "
-                                               f"paper {result['paper']['throughput_gain_vs_ce_pct'][p]:+.1f}%)")
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set(xlabel="scaling ratio (core-hours of scaling jobs under CE)", ylabel="throughput vs CE (%)",
-           title=f"{result['sequences']} sequences of {result['jobs_per_sequence']} jobs on {result['nodes']} "
-                 f"nodes of {result['node']['cores']} cores (Seed 001 Fig. 14); SNS beats CS in "
-                 f"{result['sns_beats_cs']}")
-    ax.legend()
-    return save(fig, path)

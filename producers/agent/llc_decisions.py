@@ -1,7 +1,7 @@
 """The node agent applies the cache shares of ``decisions.placement`` through resctrl.
 
 Placement decisions book LLC ways and memory bandwidth per job and node (Seed 001); the agent
-folds them for its node (``streams.placement.resctrl.NodeShares``) from the topic's start as
+folds them for its node (``streams.core.placement.resctrl.NodeShares``) from the topic's start as
 ``follower.Follower`` reads, and at each rescan ``sync`` gives every running job with a share its
 resctrl group (``layout``: a contiguous run of ways of its own, MBA's percentage) holding its
 processes, and removes the groups of jobs that left. A write the kernel refuses (no permission, a
@@ -18,7 +18,7 @@ from typing import Any
 from nodeshare import metrics
 from nodeshare.schemas import DecodeError, PlacementDecision, decode_model
 from nodeshare.schemas.catalog import DECISIONS_PLACEMENT
-from nodeshare.streams.placement.resctrl import NodeShares, layout
+from nodeshare.streams.core.placement.resctrl import NodeShares, layout
 
 from .follower import Follower
 from .jobs import LocalJob

@@ -1,6 +1,6 @@
 """The node agent applies ``decisions.power``: the caps the power manager decided for this node.
 
-The caps a node must hold are a fold of every decision (``streams.power.caps``), read from the
+The caps a node must hold are a fold of every decision (``streams.core.power.caps``), read from the
 topic's start as ``follower.Follower`` reads (history folded without writing, then the caps it
 ends with, then each change as it arrives). A refused cap (no domain, out of range, no
 permission) is logged and counted; the processor keeps its limit and the agent goes on.
@@ -14,7 +14,7 @@ from typing import Any
 from nodeshare import metrics
 from nodeshare.schemas import DecodeError, PowerDecision, decode_model
 from nodeshare.schemas.catalog import DECISIONS_POWER
-from nodeshare.streams.power.caps import CapChanges, NodeCaps
+from nodeshare.streams.core.power.caps import CapChanges, NodeCaps
 
 from .follower import Follower
 from .powercap import CapRefused, Powercap

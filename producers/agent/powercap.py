@@ -3,7 +3,7 @@
 The kernel exposes each processor package as ``/sys/class/powercap/intel-rapl:N`` with its
 long-term limit in ``constraint_0_power_limit_uw`` and the highest limit it accepts in
 ``constraint_0_max_power_uw``. ``Powercap.set`` writes a cap the power manager decided
-(``streams.power.caps``); before the first write to a package it records the package's original
+(``streams.core.power.caps``); before the first write to a package it records the package's original
 limit, in memory, in a state file next to the agent's spool and through the watchdog, so the
 original comes back however the agent ends: ``restore_all`` on every exit path, the watchdog if the
 agent is killed, and the next start if both died (it restores what the state file still holds).

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the watchdog imports this module: it stays free of the schemas and numpy
-    from nodeshare.streams.placement.resctrl import Setting
+    from nodeshare.streams.core.placement.resctrl import Setting
 
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ def test_profiles_and_placement_decisions_come_out_of_the_running_pipeline(
     from nodeshare.schemas.catalog import DECISIONS_PLACEMENT as PLACEMENT
     from nodeshare.schemas.catalog import ESTIMATES_DEGRADATION, PROFILES_PROGRAM
     from nodeshare.schemas.events import JobEvent, JobState, LlcSample, PlacementAction
-    from nodeshare.streams.profiles import ProfileBook
+    from nodeshare.streams.core.profiles import ProfileBook
 
     choice = ClusterChoice(nodes=4, jobs=8, seed=5, mean_work_s=20.0, span_s=20.0)
     tag = uuid.uuid4().hex[:8]
@@ -87,7 +87,7 @@ def test_profiles_and_placement_decisions_come_out_of_the_running_pipeline(
     # manager fits once MIN_PAIRS jobs were measured next to one other program: jobs of 20 s end
     # while later ones are still submitted, so whether it is fitted by then depends on the order the
     # router interleaves lifecycle events and final estimates (one of five fresh-clone runs on 2026-11-25 saw one).
-    from nodeshare.streams.placement.stream import MIN_PAIRS
+    from nodeshare.streams.core.placement.stream import MIN_PAIRS
 
     for d in first.values():
         assert d.action is not PlacementAction.PAIR, d

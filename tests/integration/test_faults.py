@@ -28,7 +28,7 @@ from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobLeftNode, ShutterBat
 from nodeshare.schemas.catalog import Role
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
-from nodeshare.streams.accounting import Origin, fold_messages
+from nodeshare.streams.core.accounting import Origin, fold_messages
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -149,7 +149,7 @@ def test_worker_killed_while_starting_up_loses_nothing(kafka_bootstrap: str, tmp
 
 
 def _rebuilt_partitions(log: Path) -> set[int]:
-    """The partitions a worker's log says it rebuilt job states for (streams.fold_consumer)."""
+    """The partitions a worker's log says it rebuilt job states for (streams.worker.fold_consumer)."""
     found = re.findall(r"rebuilt \d+ job states of partition (\d+)", log.read_text(errors="replace"))
     return {int(p) for p in found}
 

@@ -16,8 +16,8 @@ from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBatch, ShutterBlock, d
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.sinks.report import co_runner_counts
-from nodeshare.streams.degradation import filtered_degradation
-from nodeshare.streams.pricing import alone_time, billed_time, fair_charge, job_degradation
+from nodeshare.streams.core.degradation import filtered_degradation
+from nodeshare.streams.core.pricing import alone_time, billed_time, fair_charge, job_degradation
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeshare.schemas import Charge, DeadLetter, JobState, Record, decode_model, encode
-from nodeshare.streams.accounting import JobAccount, Origin, PricingPolicy, fold_messages, process_message
-from nodeshare.streams.degradation import filtered_degradation
-from nodeshare.streams.pricing import fair_charge
+from nodeshare.streams.core.accounting import JobAccount, Origin, PricingPolicy, fold_messages, process_message
+from nodeshare.streams.core.degradation import filtered_degradation
+from nodeshare.streams.core.pricing import fair_charge
 
 POLICY = PricingPolicy(rate_per_core_hour=2.0)
 IPC, LIFE = "node.ipc", "jobs.lifecycle"
@@ -241,7 +241,7 @@ def test_a_charge_lost_in_a_crash_is_sent_again_when_its_trigger_is_redelivered(
 
 
 def test_rebuilt_states_equal_an_uninterrupted_fold_and_resend_completed_charges():
-    from nodeshare.streams.accounting import fold_states
+    from nodeshare.streams.core.accounting import fold_states
 
     ipc, life = two_node_job()
     msgs = as_messages(ipc, IPC) + as_messages(life, LIFE)
@@ -253,13 +253,13 @@ def test_rebuilt_states_equal_an_uninterrupted_fold_and_resend_completed_charges
 
 def test_a_batch_without_running_estimates_publishes_none_and_the_later_one_is_the_same():
     """The stream worker folds batches without building a running estimate each and publishes the
-    latest per job twice a second (streams.fold_consumer): that estimate must be, bit for bit, the
+    latest per job twice a second (streams.worker.fold_consumer): that estimate must be, bit for bit, the
     one the last batch would have published. Final estimates, with charges, are unchanged.
     (Mutation: ignoring the flag, or running_estimate() reading another state, fails here.)"""
     from factories import batch
 
     from nodeshare.schemas import DegradationEstimate
-    from nodeshare.streams.accounting import apply_message
+    from nodeshare.streams.core.accounting import apply_message
 
     first = batch(*[block(1.0, 1.3, 1.01, job="j", cycle=c) for c in range(3)])
     second = batch(*[block(0.9, 1.2, 0.92, job="j", cycle=c) for c in range(3, 6)], seq=1)

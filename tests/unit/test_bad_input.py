@@ -20,8 +20,8 @@ from power_events import scenario
 
 from nodeshare.schemas import Charge, DeadLetter, JobState, Record, clock_problem, decode_model, encode
 from nodeshare.schemas.events import MAX_AHEAD_OF_BROKER_S, SCHEMA_VERSION
-from nodeshare.streams.accounting import Origin, PricingPolicy, process_message
-from nodeshare.streams.power.stream import screen
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, process_message
+from nodeshare.streams.core.power.stream import screen
 
 POLICY = PricingPolicy(rate_per_core_hour=2.0)
 IPC, LIFE = "node.ipc", "jobs.lifecycle"

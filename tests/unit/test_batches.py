@@ -1,4 +1,4 @@
-"""Schema 3: shutter blocks travel in columnar batches (streams.blocks, streams.accounting).
+"""Schema 3: shutter blocks travel in columnar batches (streams.core.blocks, streams.core.accounting).
 
 A charge is a function of the *set* of blocks: however an agent cuts a stream into batches, and
 whatever it re-sends after a crash, the same blocks give the same bits. A bad block is refused
@@ -24,9 +24,9 @@ from nodeshare.producers.batching import Batcher, FlushPolicy
 from nodeshare.schemas import DeadLetter, JobState, ShutterBatch, decode, decode_model, encode
 from nodeshare.schemas.catalog import NODE_IPC
 from nodeshare.schemas.serde import DecodeError
-from nodeshare.streams.accounting import Origin, apply_message, fold_messages
-from nodeshare.streams.blocks import block_rows, counted_after, prior_max
-from nodeshare.streams.degradation import ExactSum, add_rows, filtered_degradation
+from nodeshare.streams.core.accounting import Origin, apply_message, fold_messages
+from nodeshare.streams.core.blocks import block_rows, counted_after, prior_max
+from nodeshare.streams.core.degradation import ExactSum, add_rows, filtered_degradation
 
 IPC = "node.ipc"
 

@@ -7,7 +7,7 @@ import numpy as np
 from nodeshare.bench.stream import _latency_schedule, calibrated_ipc
 from nodeshare.schemas import ShutterBatch, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
 
 
 def test_latency_schedule_is_valid_input_that_prices_every_job_once() -> None:

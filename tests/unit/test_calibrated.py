@@ -23,7 +23,7 @@ from nodeshare.producers.contention import (
 from nodeshare.producers.swf import swf_jobs
 from nodeshare.producers.workloads import BUILTIN, WAYS, interp_ways, load_profiles, shaped
 from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobState, ShutterBatch, encode
-from nodeshare.streams.shutter_overhead import dilated_run_time
+from nodeshare.streams.core.shutter_overhead import dilated_run_time
 
 # ----------------------------------------------------------------------------- workload library
 

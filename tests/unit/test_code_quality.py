@@ -34,3 +34,77 @@ def test_every_relative_link_of_the_docs_resolves_inside_the_repository():
             if not resolved.exists() or root.resolve() not in [resolved, *resolved.parents]:
                 broken.append(f"{page.relative_to(root)}: {target}")
     assert not broken, broken
+
+
+# ----------------------------------------------------------------------------- the architecture's rules
+
+#: What the pure core may never import: a runtime, a store, a client, a shell of this project.
+RUNTIME = ("faust", "mode", "aiokafka", "confluent_kafka", "duckdb", "pyarrow", "dask", "distributed", "fsspec",
+           "s3fs", "nodeshare.streams.worker", "nodeshare.sinks", "nodeshare.config", "nodeshare.cli")
+
+
+def _imported(path: Path, package: str) -> set[str]:
+    """Every module a file imports, anywhere in it (functions too), relative imports resolved."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names.add(".".join(base + ([node.module] if node.module else [])))
+            else:
+                names.add(node.module or "")
+    return names
+
+
+def _package_of(path: Path, root: Path, top: str, dotted: str) -> str:
+    rel = path.relative_to(root / top).with_suffix("")
+    return ".".join([dotted, *rel.parts[:-1]]) if rel.parts[:-1] else dotted
+
+
+def test_the_pure_core_imports_no_runtime():
+    bad = []
+    for path in sorted((ROOT / "streams" / "core").rglob("*.py")):
+        package = _package_of(path, ROOT, "streams/core", "nodeshare.streams.core")
+        bad += [f"{path.relative_to(ROOT)}: {m}" for m in _imported(path, package)
+                if any(m == r or m.startswith(r + ".") for r in RUNTIME)]
+    assert not bad, bad
+
+
+def test_the_schemas_import_nothing_of_the_project_but_themselves():
+    bad = []
+    for path in sorted((ROOT / "schemas").rglob("*.py")):
+        package = _package_of(path, ROOT, "schemas", "nodeshare.schemas")
+        bad += [f"{path.relative_to(ROOT)}: {m}" for m in _imported(path, package)
+                if m.startswith("nodeshare") and not m.startswith("nodeshare.schemas")]
+    assert not bad, bad
+
+
+def test_settings_load_nothing_of_the_domain_and_default_to_its_values():
+    code = ("import sys, nodeshare.config; "
+            "print(sorted(m for m in sys.modules if m.startswith(('nodeshare.streams', 'nodeshare.producers', "
+            "'nodeshare.sinks'))))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+    from nodeshare.config import Settings
+    from nodeshare.producers.batching import FlushPolicy
+    from nodeshare.streams.core.accounting import PricingPolicy
+    from nodeshare.streams.core.placement.sns import DEFAULT_AGE_LIMIT_S
+    from nodeshare.streams.core.power.ppartition import PowerPolicy
+
+    s = Settings(bootstrap="")
+    assert s.policy() == PricingPolicy() and s.flush_policy() == FlushPolicy() and s.power_policy() == PowerPolicy()
+    assert s.placement_age_limit_s == DEFAULT_AGE_LIMIT_S
+
+
+def test_a_module_over_500_lines_says_why_at_its_top():
+    long = []
+    for top in PACKAGES:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            text = path.read_text()
+            if text.count("\n") > 500 and "Longer than 500 lines because" not in text[:3000]:
+                long.append(str(path.relative_to(ROOT)))
+    assert not long, long

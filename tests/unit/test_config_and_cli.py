@@ -69,7 +69,7 @@ def test_audit_of_a_missing_ledger_is_a_clear_error(tmp_path):
 def test_configurable_rate_functions_are_exactly_the_implemented_ones():
     from typing import get_args
 
-    from nodeshare.streams.pricing import RATE_FUNCTIONS
+    from nodeshare.streams.core.pricing import RATE_FUNCTIONS
 
     assert set(get_args(Settings.model_fields["rate_function"].annotation)) == set(RATE_FUNCTIONS)
     assert Settings(rate_function="sop").policy().rate_function == "sop"

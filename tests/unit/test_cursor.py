@@ -8,8 +8,8 @@ import pytest
 
 from nodeshare.config import Settings
 from nodeshare.streams import cursor as cursor_module
-from nodeshare.streams.accounting import Message, Origin
-from nodeshare.streams.cursor import Cursor
+from nodeshare.streams.core.accounting import Message, Origin
+from nodeshare.streams.worker.cursor import Cursor
 
 TOPIC = "node.ipc"
 

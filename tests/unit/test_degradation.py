@@ -7,7 +7,7 @@ import pytest
 from factories import block
 
 from nodeshare.schemas import EstimateStatus
-from nodeshare.streams.degradation import (
+from nodeshare.streams.core.degradation import (
     DEFAULT_DELTA,
     POPPA_ALG4,
     REFILL_CORRECTED,

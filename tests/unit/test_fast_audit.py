@@ -40,7 +40,7 @@ def test_fast_path_equals_the_reference_on_a_larger_multi_node_run(tmp_path):
 def test_fast_path_equals_the_reference_under_every_estimator(tmp_path):
     from dataclasses import replace
 
-    from nodeshare.streams.degradation import ESTIMATORS, UNFILTERED
+    from nodeshare.streams.core.degradation import ESTIMATORS, UNFILTERED
 
     archive, _, n = build(tmp_path)
     seen = {}
@@ -378,8 +378,8 @@ def test_a_block_exactly_delta_apart_is_refused_by_every_path(tmp_path):
     """Alg. 4 line 3 is strict: |before - after| < delta. IPCs 0.10 and 0.05 are exactly delta = 0.05
     apart in float64, so that block is refused, and one 0.049 apart counts, in the scalar reference,
     the batch fold and the DuckDB fast path alike. (Mutation `<` -> `<=` in any of the three fails here.)"""
-    from nodeshare.streams.accounting import Origin, apply_message
-    from nodeshare.streams.degradation import DEFAULT_DELTA, filtered_degradation
+    from nodeshare.streams.core.accounting import Origin, apply_message
+    from nodeshare.streams.core.degradation import DEFAULT_DELTA, filtered_degradation
 
     assert DEFAULT_DELTA == 0.05 == 0.10 - 0.05  # exactly on the boundary
     edge, inside = block(0.10, 0.30, 0.05, job="edge", cycle=0), block(0.10, 0.30, 0.051, job="edge", cycle=1)

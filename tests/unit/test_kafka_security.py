@@ -8,7 +8,7 @@ from pathlib import Path
 import faust
 import pytest
 
-from nodeshare.streams.kafka_security import SecurityConfigError, faust_credentials
+from nodeshare.streams.worker.kafka_security import SecurityConfigError, faust_credentials
 
 
 def test_plain_text_needs_no_credentials():

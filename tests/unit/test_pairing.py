@@ -10,7 +10,7 @@ from cli_runs import run_json
 
 from nodeshare.producers.pairs import FEATURES, pair_degradation, solo_profiles
 from nodeshare.producers.workloads import BUILTIN
-from nodeshare.streams.pairing import (
+from nodeshare.streams.core.pairing import (
     DegradationModel,
     Task,
     blossom_pairs,
@@ -206,7 +206,7 @@ def test_whole_server_terms_by_hand():
 
 def test_paper_queues_hold_pairs_of_their_level_and_scoring_uses_server_times():
     from nodeshare.experiments.pairing import level_queue, library
-    from nodeshare.streams.pairing import PAIR_LEVELS
+    from nodeshare.streams.core.pairing import PAIR_LEVELS
 
     programs = library()
     half = pair_degradation(programs)

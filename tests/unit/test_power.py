@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeshare.streams.power.curves import Characterization, Curve, curve_from_points
-from nodeshare.streams.power.ppartition import JobRequest, Machine, PowerPolicy, check, dispatch, release
-from nodeshare.streams.power.ptune import distribute_power, ptune, uniform
+from nodeshare.streams.core.power.curves import Characterization, Curve, curve_from_points
+from nodeshare.streams.core.power.ppartition import JobRequest, Machine, PowerPolicy, check, dispatch, release
+from nodeshare.streams.core.power.ptune import distribute_power, ptune, uniform
 
 
 def line(name: str, lo_w: int, hi_w: int, ips_lo: float, ips_hi: float) -> Curve:
@@ -290,7 +290,7 @@ def test_power_manager_fold_is_deterministic_and_keeps_the_bound():
 
     from nodeshare.schemas.catalog import TOPIC_OF_RECORD
     from nodeshare.schemas.serde import encode
-    from nodeshare.streams.power.stream import PowerManager
+    from nodeshare.streams.core.power.stream import PowerManager
 
     log = [(TOPIC_OF_RECORD[type(r)].name, encode(r)) for r in scenario()]
     first = PowerManager(600.0)
@@ -327,7 +327,7 @@ def test_jobs_seen_before_the_inventory_start_when_processors_appear() -> None:
     from nodeshare.schemas.catalog import TOPIC_OF_RECORD
     from nodeshare.schemas.events import JobEvent
     from nodeshare.schemas.serde import encode
-    from nodeshare.streams.power.stream import PowerManager
+    from nodeshare.streams.core.power.stream import PowerManager
 
     records = scenario()
     jobs = [r for r in records if isinstance(r, JobEvent)]

@@ -16,7 +16,7 @@ from nodeshare.producers.agent.powercap import CapRefused, Powercap
 from nodeshare.producers.agent.watchdog import Watchdog
 from nodeshare.schemas import encode
 from nodeshare.schemas.events import PowerAction
-from nodeshare.streams.power.caps import NodeCaps
+from nodeshare.streams.core.power.caps import NodeCaps
 
 
 def test_the_caps_a_node_holds_by_hand():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nodeshare.streams.pricing import (
+from nodeshare.streams.core.pricing import (
     alone_time,
     fair_charge,
     job_degradation,
@@ -10,7 +10,7 @@ from nodeshare.streams.pricing import (
     solo_time,
     standard_price,
 )
-from nodeshare.streams.shutter_overhead import dilated_run_time, sleep_fraction
+from nodeshare.streams.core.shutter_overhead import dilated_run_time, sleep_fraction
 
 
 def test_eq1_standard_price():
@@ -69,7 +69,7 @@ def test_eq10_dilation_matches_the_papers_closed_form():
 
 def test_rate_functions_by_hand():
     # L = 2, C = 16, T_co = 3 h, D = 0.25: SOP 96, P_solo 72, POPPA 54
-    from nodeshare.streams.pricing import POPPA_EQ4, SOLO_BASELINE, STANDARD
+    from nodeshare.streams.core.pricing import POPPA_EQ4, SOLO_BASELINE, STANDARD
 
     assert fair_charge(2.0, 16, 10_800, 0.25, POPPA_EQ4).price == 54.0
     assert fair_charge(2.0, 16, 10_800, 0.25, SOLO_BASELINE).price == 72.0

@@ -1,4 +1,4 @@
-"""Rolling program profiles (streams.profiles) and the placement manager (streams.placement.stream)."""
+"""Rolling program profiles (streams.core.profiles) and the placement manager (streams.core.placement.stream)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from nodeshare.schemas.events import (
     ProgramProfile,
     Record,
 )
-from nodeshare.streams.accounting import JobAccount, Origin, PricingPolicy
-from nodeshare.streams.placement.stream import PlacementManager
-from nodeshare.streams.profiles import ProfileBook, degradation_pct, interpolate
+from nodeshare.streams.core.accounting import JobAccount, Origin, PricingPolicy
+from nodeshare.streams.core.placement.stream import PlacementManager
+from nodeshare.streams.core.profiles import ProfileBook, degradation_pct, interpolate
 
 
 def ev(job: str, state: JobState, program: str, nodes: tuple[str, ...], start_s: float = 0, end_s: float = 0,

@@ -12,7 +12,7 @@ from nodeshare.cli import app
 from nodeshare.schemas import JobState, ShutterWindow, encode
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.sinks.report import build_report, pair_degradation
-from nodeshare.streams.accounting import Origin, fold_messages
+from nodeshare.streams.core.accounting import Origin, fold_messages
 
 
 def _charge(job, program, d_block):

@@ -15,7 +15,7 @@ from nodeshare.producers.agent.processes import Proc
 from nodeshare.producers.agent.resctrl import Resctrl, ResctrlUnavailable
 from nodeshare.producers.agent.watchdog import Watchdog
 from nodeshare.schemas import encode
-from nodeshare.streams.placement.resctrl import NodeShares, Setting, Share, layout, mb_percent
+from nodeshare.streams.core.placement.resctrl import NodeShares, Setting, Share, layout, mb_percent
 
 
 def test_mba_percent_by_hand():

@@ -13,7 +13,7 @@ from nodeshare.schemas import SCHEMA_VERSION, Charge, DeadLetter, JobLeftNode, J
 from nodeshare.schemas.events import ADDED_IN, carried
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
-from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages, process_message
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages, process_message
 
 RUN = [block(1.0, 1.4, 1.02, job="old", cycle=0), block(0.9, 1.3, 0.92, job="old", cycle=1),
        left("old", "n1", 2, 1), job_event("old", JobState.ENDED)]

@@ -14,7 +14,7 @@ from nodeshare.schemas import (
     ShutterWindow,
     encode,
 )
-from nodeshare.streams.accounting import Origin, PricingPolicy, fold_messages
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
 
 CFG = SimConfig(nodes=5, jobs=10, seed=11)
 

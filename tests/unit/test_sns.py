@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nodeshare.experiments.sns import Machine, experiment_sns, read_swf, simulate
+from nodeshare.experiments.sns import Machine, simulate
+from nodeshare.experiments.sns_trace import experiment_sns, read_swf
 from nodeshare.producers.workloads import BUILTIN
 from nodeshare.schemas.events import ProgramClass
-from nodeshare.streams.placement.sns import (
+from nodeshare.streams.core.placement.sns import (
     CE,
     CS,
     SNS,
@@ -244,7 +245,7 @@ def test_experiment_reports_what_the_issue_asks(tmp_path: Path) -> None:
 def test_the_testbed_sequences_are_the_papers() -> None:
     """Seed 001 Section 6.2: 20 jobs of 16 or 28 processes, all submitted at once, a program's CE run
     time fixed by its input (the same program, the same time)."""
-    from nodeshare.experiments.sns import testbed_sequence
+    from nodeshare.experiments.sns_testbed import testbed_sequence
 
     programs = [w for n, w in BUILTIN.items() if n != "NULL"]
     seq, assignment = testbed_sequence(programs, 20, np.random.default_rng(1))
@@ -257,7 +258,7 @@ def test_the_testbed_sequences_are_the_papers() -> None:
 
 
 def test_the_testbed_experiment_reports_fig_14_from_its_own_runs() -> None:
-    from nodeshare.experiments.sns import experiment_sns_testbed
+    from nodeshare.experiments.sns_testbed import experiment_sns_testbed
 
     r = experiment_sns_testbed(sequences=3, jobs=8, seed=3)
     assert r["node"] == {"cores": 28, "llc_mb": 70.0, "bandwidth_gbps": 118.26} and r["nodes"] == 8
@@ -279,7 +280,7 @@ def test_the_testbed_experiment_reports_fig_14_from_its_own_runs() -> None:
 
 
 def test_testbed_sequences_draw_programs_by_the_papers_class_mix() -> None:
-    from nodeshare.experiments.sns import PAPER_CLASS_MIX, testbed_sequence
+    from nodeshare.experiments.sns_testbed import PAPER_CLASS_MIX, testbed_sequence
 
     programs = [w for n, w in BUILTIN.items() if n != "NULL"][:4]
     classes = [ProgramClass.SCALING, ProgramClass.NEUTRAL, ProgramClass.NEUTRAL, ProgramClass.UNKNOWN]

@@ -6,8 +6,8 @@ import asyncio
 from pathlib import Path
 
 from nodeshare.config import Settings
-from nodeshare.streams.app import make_app
-from nodeshare.streams.transport import FETCH_MAX_WAIT_MS, Transport
+from nodeshare.streams.worker.app import make_app
+from nodeshare.streams.worker.transport import FETCH_MAX_WAIT_MS, Transport
 
 
 def test_worker_consumer_waits_at_most_the_short_fetch_wait(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_worker_consumer_waits_at_most_the_short_fetch_wait(tmp_path: Path) -> N
 
 
 def test_the_count_only_yardstick_is_configured_as_the_worker_with_one_agent_on_node_ipc(tmp_path: Path) -> None:
-    from nodeshare.streams.app import make_counting_app
+    from nodeshare.streams.worker.app import make_counting_app
 
     settings = Settings.model_validate({"bootstrap": "127.0.0.1:1", "topic_prefix": "t."})
     app = make_counting_app(settings, datadir=tmp_path)

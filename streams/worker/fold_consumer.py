@@ -22,7 +22,7 @@ the worker (issue 24, item 6), with the same guarantees faust's agent had:
   estimates, which come with charges, go at once). Placement sees every job at most that late, and
   a busy worker builds and routes one estimate per job per interval instead of one per batch.
 * **Nothing skipped.** librdkafka delivers every offset of an assigned partition in order (faust
-  could drop messages around a rebalance, which ``streams.cursor`` repairs for its agents).
+  could drop messages around a rebalance, which ``streams.worker.cursor`` repairs for its agents).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.schemas.catalog import ESTIMATES_DEGRADATION, LEDGER_CHARGES
 from nodeshare.schemas.serde import encode
 
-from .accounting import JobAccount, Message, Origin, Outgoing, apply_message, fold_states
+from ..core.accounting import JobAccount, Message, Origin, Outgoing, apply_message, fold_states
 from .cursor import accounting_group, accounting_topics, read_range
 
 log = logging.getLogger(__name__)

@@ -37,8 +37,8 @@ from nodeshare.schemas.catalog import (
     POWER_LOG,
 )
 
-from .accounting import Message, Origin
-from .placement.stream import ROUTED
+from ..core.accounting import Message, Origin
+from ..core.placement.stream import ROUTED
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ as PPartition does, so the stream worker's ``placement-router`` forwards lifecyc
 CAT episodes and degradation estimates (running ones carry each job's IPC moments) to the single-partition
 ``placement.cluster`` log, and ``placement-manager`` folds it here:
 
-* ``ProfileBook`` (streams.profiles) turns the records into program profiles, published on
+* ``ProfileBook`` (streams.core.profiles) turns the records into program profiles, published on
   ``profiles.program`` whenever one changes;
 * a Spread-n-Share ``Scheduler`` (placement.sns) queues submitted jobs and places them; node
   allocations follow its decisions and the lifecycle (a job started elsewhere is booked where
   it really runs; an ended one frees its nodes);
-* a Random Forest pair model (streams.pairing, Seed 003) is trained from the measured pairwise
+* a Random Forest pair model (streams.core.pairing, Seed 003) is trained from the measured pairwise
   degradations in the profiles and retrained as they grow; it predicts a job's degradation next
   to the co-runners of its chosen nodes and refuses a placement predicted slower than alpha
   allows (the job is *serialized*: it waits for other nodes or for them to leave);
@@ -64,7 +64,7 @@ from .sns import (
     llc_demand,
 )
 
-SOURCE = "nodeshare.streams.placement"
+SOURCE = "nodeshare.streams.core.placement"
 #: The topics the router forwards to the placement log. Not node.ipc: every block crosses the
 #: worker once, in the charge fold, which sends each job's running estimate (with its IPC moments)
 #: per batch of blocks on estimates.degradation.

@@ -1,5 +1,9 @@
 """The per-job account: a pure reducer from a job's input events to its charge.
 
+Longer than 500 lines because the reducer, its message envelope and its outputs are one state
+machine that the worker, both audits and the experiments share; split, its invariants (below)
+would be spread over files.
+
 The stream worker folds events into a ``JobAccount`` as they arrive; the audit folds the
 archived events through the same function. The charge is emitted exactly when the job has
 ended *and* every node it ran on has closed its block stream (``JobLeftNode``), so its
@@ -57,7 +61,7 @@ from .degradation import (
 )
 from .pricing import POPPA_EQ4, alone_time, billed_time, fair_charge, job_degradation
 
-SOURCE = "nodeshare.streams.accounting"
+SOURCE = "nodeshare.streams.core.accounting"
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 One process runs two consumers:
 
-* the **charge fold** (streams.fold_consumer): ``node.ipc`` and ``jobs.lifecycle``, co-partitioned
-  by job id, folded into each job's ``JobAccount`` (streams.accounting) on confluent-kafka batches,
+* the **charge fold** (streams.worker.fold_consumer): ``node.ipc`` and ``jobs.lifecycle``, co-partitioned
+  by job id, folded into each job's ``JobAccount`` (streams.core.accounting) on confluent-kafka batches,
   held in memory and rebuilt from the input topics when a partition is assigned (no changelog);
   it publishes charges, degradation estimates and dead letters;
 * **faust agents** for the decision makers that need the whole cluster in one place: power
@@ -46,12 +46,12 @@ from nodeshare.schemas.catalog import (
 )
 from nodeshare.schemas.serde import encode
 
-from .accounting import Message, Origin
+from ..core.accounting import Message, Origin
+from ..core.placement.stream import ROUTED, PlacementManager
+from ..core.power.stream import PowerManager, envelope, open_envelope, screen
 from .cursor import Cursor, blocking, committed_offsets, read_range
 from .fold_consumer import FoldConsumer, FoldThread
 from .kafka_security import faust_credentials
-from .placement.stream import ROUTED, PlacementManager
-from .power.stream import PowerManager, envelope, open_envelope, screen
 from .transport import use_short_fetch_wait
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def faust_app(settings: Settings, datadir: Path | None = None, loglevel: str = "
         settings.app_id,
         broker=[f"kafka://{h.strip()}" for h in settings.bootstrap.split(",")],
         broker_credentials=faust_credentials(settings.kafka),  # TLS / SASL as every other client has them
-        store="memory://",  # no tables: state is rebuilt from the input topics (streams.cursor)
+        store="memory://",  # no tables: state is rebuilt from the input topics (streams.worker.cursor)
         processing_guarantee="at_least_once",
         topic_partitions=settings.partitions,
         broker_session_timeout=settings.session_timeout_ms / 1000,
@@ -73,7 +73,7 @@ def faust_app(settings: Settings, datadir: Path | None = None, loglevel: str = "
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
         web_enabled=False,
-        Worker="nodeshare.streams.transport:Worker",  # no spinner: it puts the root logger at DEBUG
+        Worker="nodeshare.streams.worker.transport:Worker",  # no spinner: it puts the root logger at DEBUG
         key_serializer="raw",  # every topic and table carries bytes (none says otherwise): our serde does JSON
         value_serializer="raw",
         datadir=str(datadir or Path.cwd() / ".nodeshare-worker"),
@@ -87,7 +87,7 @@ def faust_app(settings: Settings, datadir: Path | None = None, loglevel: str = "
 
 def make_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:
     """The worker's faust agents: the power and placement decision makers. The charge fold runs
-    beside them in the same process on confluent-kafka batches (streams.fold_consumer)."""
+    beside them in the same process on confluent-kafka batches (streams.worker.fold_consumer)."""
     app = faust_app(settings, datadir, loglevel)
     cursors: list[Cursor] = []
     add_power_agents(app, settings, cursors)
@@ -125,7 +125,7 @@ def follow(app: faust.App, cursor: Cursor, first: First) -> Callable[[Any], Awai
 
 
 def add_skip_repair(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:
-    """A timer that reads back messages faust skipped at the end of a partition (streams.cursor)."""
+    """A timer that reads back messages faust skipped at the end of a partition (streams.worker.cursor)."""
 
     @app.timer(interval=settings.skip_check_interval_s, name="skip-repair")
     async def repair() -> None:
@@ -204,7 +204,7 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
 
 def add_power_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:
     """PPartition needs the whole machine in one place: lifecycle, power and inventory records go
-    through the single-partition ``power.machine`` log to the PowerManager (streams.power.stream),
+    through the single-partition ``power.machine`` log to the PowerManager (streams.core.power.stream),
     which publishes ``decisions.power``."""
     inputs = app.topic(*[settings.topic(t.name) for t in (JOBS_LIFECYCLE, NODE_POWER, CLUSTER_INVENTORY)])
     decisions = app.topic(settings.topic(DECISIONS_POWER.name))
@@ -222,7 +222,7 @@ def add_power_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) 
 def add_placement_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:
     """Spread-n-Share and the pair model need the whole cluster in one place: lifecycle, inventory,
     CAT episodes and degradation estimates (with each job's IPC moments) go through the single-partition
-    ``placement.cluster`` log to the PlacementManager (streams.placement.stream), which publishes
+    ``placement.cluster`` log to the PlacementManager (streams.core.placement.stream), which publishes
     ``profiles.program`` and ``decisions.placement``."""
     inputs = app.topic(*[settings.topic(t.name) for t in ROUTED])
     outputs = {t.name: app.topic(settings.topic(t.name))
