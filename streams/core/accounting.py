@@ -61,7 +61,7 @@ from .degradation import (
 )
 from .pricing import POPPA_EQ4, alone_time, billed_time, fair_charge, job_degradation
 
-SOURCE = "nodeshare.streams.core.accounting"
+SOURCE = "nodeshare.streams.accounting"  # the producer named in every record: a contract, kept as first released
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from nodeshare.schemas.events import (
 from .degradation import ExactSum, Moments
 from .placement.sns import SCALE_FACTORS, classify
 
-SOURCE = "nodeshare.streams.core.profiles"
+SOURCE = "nodeshare.streams.profiles"  # the producer named in every record: a contract, kept as first released
 FEATURES = ("ipc_alone", "ipc_shared", "bandwidth_gbps")
 #: Ended jobs are forgotten this long after the newest event (their co-runners have ended too).
 JOB_MEMORY = timedelta(days=7)

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from nodeshare.config import Settings
-from nodeshare.streams import cursor as cursor_module
 from nodeshare.streams.core.accounting import Message, Origin
+from nodeshare.streams.worker import cursor as cursor_module
 from nodeshare.streams.worker.cursor import Cursor
 
 TOPIC = "node.ipc"

@@ -64,7 +64,7 @@ from .sns import (
     llc_demand,
 )
 
-SOURCE = "nodeshare.streams.core.placement"
+SOURCE = "nodeshare.streams.placement"  # the producer named in every record: a contract, kept as first released
 #: The topics the router forwards to the placement log. Not node.ipc: every block crosses the
 #: worker once, in the charge fold, which sends each job's running estimate (with its IPC moments)
 #: per batch of blocks on estimates.degradation.
