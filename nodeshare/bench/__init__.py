@@ -1,5 +1,6 @@
 """Benchmarks, one home: each runs real code on generated or simulated input, prints its numbers
-and writes them to a JSON file (``nodeshare bench ...``), stamped by ``machine``. Speed goals are
+and writes them to a JSON file (``nodeshare bench ...``) in one shape (``result``: name, date,
+machine, targets and whether each was met, then the figures). Speed goals are
 met here, never in timed unit tests.
 
 * ``audit``: the vectorized audit against a plain scan, and as Dask tasks per partition;

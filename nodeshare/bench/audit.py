@@ -10,14 +10,13 @@ and every element of the typed list columns) as the yardstick.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -232,5 +231,3 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
     )
 
 
-def as_json(bench: AuditBench) -> str:
-    return json.dumps(asdict(bench), indent=2)

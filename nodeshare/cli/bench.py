@@ -20,8 +20,13 @@ from .common import (
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print numbers and write them to a JSON file.")
 
 
-def write_bench(result: dict[str, Any], out_file: Path) -> None:
-    """A benchmark's numbers: printed, and written to its JSON file."""
+def write_bench(name: str, figures: dict[str, Any], out_file: Path,
+                targets: dict[str, tuple[str, float]] | None = None) -> None:
+    """A benchmark's numbers in the one result shape (nodeshare.bench.result): printed, and
+    written to its JSON file."""
+    from nodeshare.bench.result import bench_result
+
+    result = bench_result(name, figures, targets)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(result, indent=2) + "\n")
     out.print_json(json.dumps(result))
@@ -42,7 +47,9 @@ def bench_audit(
 ) -> None:
     """Samples per second the vectorized audit recomputes from a large archive made by the calibrated
     simulator, and its ratio to a plain DuckDB scan of the same files (medians over alternating rounds)."""
-    from nodeshare.bench.audit import as_json, run_audit_bench
+    from dataclasses import asdict
+
+    from nodeshare.bench.audit import run_audit_bench
 
     try:
         counts = [int(w) for w in workers.split(",") if w.strip()]
@@ -53,10 +60,8 @@ def bench_audit(
         task = bar.add_task("simulating the cluster", total=blocks)
         result = run_audit_bench(workdir, blocks, rounds, progress=lambda done: bar.update(
             task, completed=min(done, blocks)), workers=counts)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(as_json(result) + "\n")
-    out.print(as_json(result))
-    out.print(f"wrote {out_file}")
+    write_bench("audit", asdict(result), out_file, {"samples_per_s": (">=", 2_000_000), "ratio_to_scan": (">=", 0.3),
+                                                    "speedup_2_workers": (">=", 1.7)})
 
 
 @bench_app.command("ledger")
@@ -68,7 +73,7 @@ def bench_ledger(
     """Shutter windows per second the ledger sink decodes and counts into its co-runner table."""
     from nodeshare.bench.ledger import run_ledger_bench
 
-    write_bench(run_ledger_bench(windows=windows, nodes=nodes), out_file)
+    write_bench("ledger", run_ledger_bench(windows=windows, nodes=nodes), out_file)
 
 
 @bench_app.command("power")
@@ -80,7 +85,7 @@ def bench_power(
     from nodeshare.experiments.power import bench_power as run
 
     result = run(repeats=repeats)
-    write_bench(result, out_file)
+    write_bench("power", result, out_file, {"ptune_550_ms": ("<=", 20.0), "ppartition_100_ms": ("<=", 100.0)})
 
 
 @bench_app.command("stream")
@@ -106,7 +111,8 @@ def bench_stream(
     with progress_bar() as bar:
         result = run_stream_bench(settings, workdir, blocks=blocks, rate=rate, seconds=seconds,
                                   per_message=per_message, job_ends=job_ends, progress=staged_progress(bar))
-    write_bench(as_dict(result), out_file)
+    write_bench("stream", as_dict(result), out_file,
+                {"blocks_per_s": (">=", 100_000), "ratio_to_raw": (">=", 0.25), "latency_p99_s": ("<=", 2.0)})
 
 
 @bench_app.command("agent")
@@ -128,7 +134,7 @@ def bench_agent(
         env = {**settings.model_copy(update={"bootstrap": where}).as_env(), "NODESHARE_CONFIG": ""}
         result = measure(env, jobs=jobs, seconds=seconds, slots=slots,
                          progress=lambda done, total: bar.update(task, completed=done))
-    write_bench(result, out_file)
+    write_bench("agent", result, out_file, {"agent_cpu_pct_of_one_core": ("<=", 1.0)})
 
 
 @bench_app.command("placement")
@@ -147,7 +153,9 @@ def bench_placement(
 
     result = run(repeats=repeats, greedy_jobs=greedy_jobs, blossom_jobs=blossom_jobs, predict_jobs=predict_jobs,
                  exact=exact)
-    write_bench(result, out_file)
+    write_bench("placement", result, out_file, {f"greedy_{greedy_jobs}_ms": ("<=", 200.0),
+                                                f"blossom_{blossom_jobs}_ms": ("<=", 1000.0),
+                                                f"predict_{predict_jobs}_ms": ("<=", 100.0)})
 
 
 @bench_app.command("simulate")
@@ -165,4 +173,4 @@ def bench_simulate(
         task = bar.add_task("simulated seconds", total=round(hours * 3600))
         result = run(nodes=nodes, hours=hours, out_dir=keep,
                      progress=lambda t, _span: bar.update(task, completed=round(t)))
-    write_bench(result, out_file)
+    write_bench("simulate", result, out_file)
