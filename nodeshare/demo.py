@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nodeshare.config import Settings
+from nodeshare.consumer import run_in_thread
 from nodeshare.deploy.broker import broker_for
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
@@ -24,7 +25,6 @@ from nodeshare.schemas import Charge, Record, ShutterWindow
 from nodeshare.schemas.catalog import NODE_SHUTTER
 from nodeshare.sinks.archive import ArchiveSink
 from nodeshare.sinks.audit import AuditReport, audit
-from nodeshare.sinks.consumer import run_in_thread
 from nodeshare.sinks.ledger import Ledger, LedgerSink
 from nodeshare.streams.worker.cursor import unconsumed, worker_groups
 

@@ -30,12 +30,12 @@ from confluent_kafka import Message
 
 from nodeshare import metrics
 from nodeshare.config import Settings
+from nodeshare.consumer import BatchSink
 from nodeshare.logs import fields
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.schemas import DecodeError, NodeInventory, PlacementDecision, decode_model
 from nodeshare.schemas.catalog import DECISIONS_PLACEMENT
 from nodeshare.schemas.events import PlacementAction
-from nodeshare.sinks.consumer import BatchSink
 
 from .slurm import SlurmCommands
 

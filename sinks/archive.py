@@ -39,9 +39,8 @@ import pyarrow.parquet as pq
 from confluent_kafka import Message, TopicPartition
 
 from nodeshare.config import Settings
+from nodeshare.consumer import BatchSink, position
 from nodeshare.schemas import INPUT_TOPICS, spec_for_topic
-
-from .consumer import BatchSink, position
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,10 @@ from confluent_kafka import Message
 
 from nodeshare import metrics
 from nodeshare.config import Settings
+from nodeshare.consumer import BatchSink, position
 from nodeshare.schemas import Charge, DecodeError, ShutterWindow, decode, decode_model
 from nodeshare.schemas.catalog import LEDGER_CHARGES, NODE_SHUTTER
 from nodeshare.schemas.dead_letters import dead_letter
-
-from .consumer import BatchSink, position
 
 log = logging.getLogger(__name__)
 

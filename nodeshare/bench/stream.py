@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nodeshare.bench.machine import machine_stamp
 from nodeshare.config import Settings
+from nodeshare.consumer import run_in_thread
 from nodeshare.deploy.broker import broker_for, free_port
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
@@ -51,7 +52,6 @@ from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.schemas import SCHEMA_VERSION, JobLeftNode, ShutterBatch, encode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, key_of
 from nodeshare.sinks.archive import ArchiveSink
-from nodeshare.sinks.consumer import run_in_thread
 from nodeshare.sinks.ledger import LedgerSink
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)

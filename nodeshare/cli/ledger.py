@@ -27,7 +27,7 @@ def split_values(values: list[str] | None) -> list[str]:
 def print_machine_readable(header: Any, rows: list[Any], as_json: bool, parsable: bool,
                             noheader: bool = False) -> bool:
     """--json (a list of objects) or --parsable2 ('|'-separated, like sacct); False when neither."""
-    from nodeshare.sinks.usage import parsable2
+    from nodeshare.sinks.analysis.usage import parsable2
 
     if as_json:
         print(json.dumps([dict(zip(header, r, strict=True)) for r in rows], indent=2, default=str))
@@ -106,8 +106,8 @@ def charges(
     all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
 ) -> None:
     """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime."""
-    from nodeshare.sinks.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
-    from nodeshare.sinks.usage import charges as query
+    from nodeshare.sinks.analysis.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
+    from nodeshare.sinks.analysis.usage import charges as query
 
     try:
         header, rows = query(
@@ -136,7 +136,7 @@ def report_usage(
 ) -> None:
     """Standard price, charged and dividend by account and user, like
     `sreport cluster AccountUtilizationByUser` (an account's total first, then its users)."""
-    from nodeshare.sinks.usage import USAGE_COLUMNS, QueryError, parse_time, usage_by_account
+    from nodeshare.sinks.analysis.usage import USAGE_COLUMNS, QueryError, parse_time, usage_by_account
 
     try:
         rows = usage_by_account(ledger, parse_time(starttime) if starttime else None,
@@ -162,7 +162,7 @@ def report(
 ) -> None:
     """PNG plots and one HTML page: prices per program (with the oracle when truth exists),
     degradation by program pair, dividend per account over time, estimator confidence."""
-    from nodeshare.sinks.report import build_report
+    from nodeshare.sinks.analysis.report import build_report
 
     try:
         files = build_report(ledger, archive, out_dir, truth)

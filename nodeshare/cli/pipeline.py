@@ -185,7 +185,7 @@ def topics_create(bootstrap: Bootstrap = None) -> None:
 @topics_app.command("describe")
 def topics_describe(bootstrap: Bootstrap = None) -> None:
     """The catalog's topics as the broker has them: present, partitions, cleanup policy."""
-    from nodeshare.sinks.inspect import describe_topics
+    from nodeshare.sinks.analysis.inspect import describe_topics
 
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
@@ -211,7 +211,7 @@ def dlq_show(
     bootstrap: Bootstrap = None,
 ) -> None:
     """Dead letters by reason and origin, and the first records with their bytes."""
-    from nodeshare.sinks.inspect import preview, read_dead_letters
+    from nodeshare.sinks.analysis.inspect import preview, read_dead_letters
 
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
@@ -395,7 +395,7 @@ def decisions_tail(
     bootstrap: Bootstrap = None,
 ) -> None:
     """Print decisions as they arrive, the way a scheduler subscribes to them."""
-    from nodeshare.sinks.inspect import tail_decisions
+    from nodeshare.sinks.analysis.inspect import tail_decisions
 
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)

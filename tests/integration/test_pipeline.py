@@ -13,9 +13,9 @@ from nodeshare.config import Settings
 from nodeshare.demo import DemoResult, from_events, run_demo
 from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBatch, ShutterBlock, decode, decode_model
+from nodeshare.sinks.analysis.report import co_runner_counts
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
-from nodeshare.sinks.report import co_runner_counts
 from nodeshare.streams.core.degradation import filtered_degradation
 from nodeshare.streams.core.pricing import alone_time, billed_time, fair_charge, job_degradation
 
@@ -148,7 +148,7 @@ def test_replaying_the_archive_rebuilds_the_same_ledger(run: DemoResult, tmp_pat
 
 
 def test_operators_see_the_dead_letters_and_the_topics(run: DemoResult) -> None:
-    from nodeshare.sinks.inspect import describe_topics, read_dead_letters
+    from nodeshare.sinks.analysis.inspect import describe_topics, read_dead_letters
 
     summary = read_dead_letters(run.settings, first=2, idle_s=2.0)
     assert summary.total == len(BAD_INPUTS) and summary.undecodable == 0

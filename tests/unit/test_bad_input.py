@@ -340,7 +340,7 @@ def test_dead_letters_re_sent_after_a_worker_restart_are_counted_once():
     show` counts each refused input once and says how many copies it saw. (Mutation: counting
     every record in `total` fails here.)"""
     from nodeshare.schemas import DeadLetter, encode
-    from nodeshare.sinks.inspect import DeadLetterSummary
+    from nodeshare.sinks.analysis.inspect import DeadLetterSummary
 
     def dl(offset: int, reason: str) -> bytes:
         return encode(DeadLetter(event_id=f"dl-{offset}-{reason}", source="test", event_time=T0,

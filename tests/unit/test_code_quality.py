@@ -108,3 +108,20 @@ def test_a_module_over_500_lines_says_why_at_its_top():
             if text.count("\n") > 500 and "Longer than 500 lines because" not in text[:3000]:
                 long.append(str(path.relative_to(ROOT)))
     assert not long, long
+
+
+def test_every_package_directory_is_installed():
+    """A non-editable install (`pip install .`, the Dockerfile) ships only the packages pyproject
+    lists: a new package missing there works in the editable checkout and nowhere else."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    missing = []
+    for dotted, folder in tool["package-dir"].items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            rel = init.parent.relative_to(ROOT / folder)
+            name = ".".join([dotted, *rel.parts])
+            if name not in listed:
+                missing.append(name)
+    assert not missing, missing

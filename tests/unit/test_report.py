@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from nodeshare.cli import app
 from nodeshare.schemas import JobState, ShutterWindow, encode
+from nodeshare.sinks.analysis.report import build_report, pair_degradation
 from nodeshare.sinks.ledger import Ledger
-from nodeshare.sinks.report import build_report, pair_degradation
 from nodeshare.streams.core.accounting import Origin, fold_messages
 
 

@@ -7,8 +7,8 @@ from factories import build
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
+from nodeshare.sinks.analysis.usage import QueryError, charges, elapsed, parsable2, parse_time, usage_by_account
 from nodeshare.sinks.ledger import Ledger
-from nodeshare.sinks.usage import QueryError, charges, elapsed, parsable2, parse_time, usage_by_account
 
 runner = CliRunner()
 

@@ -27,10 +27,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from nodeshare.schemas import Charge
+from nodeshare.sinks.audit import current_revisions
+from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.pricing import fair_charge
-
-from .audit import current_revisions
-from .ledger import Ledger
 
 
 @dataclass(frozen=True)
