@@ -95,6 +95,7 @@ class Settings(BaseSettings):
         return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=path)
 
     def topic(self, name: str) -> str:
+        """The one way to name a topic on the bus: the catalog's name behind this deployment's prefix."""
         return f"{self.topic_prefix}{name}"
 
     def policy(self) -> PricingPolicy:

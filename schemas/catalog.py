@@ -51,9 +51,6 @@ class TopicSpec:
         union = args[0]  # Annotated[Union[...], Field(...)]
         return tuple(union.__args__)
 
-    def full_name(self, prefix: str = "") -> str:
-        return f"{prefix}{self.name}"
-
 
 NodeIpcValue = Annotated[ShutterBatch | ShutterBlock | JobLeftNode, Field(discriminator="kind")]
 
