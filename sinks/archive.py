@@ -205,6 +205,18 @@ class ParquetArchive:
         """The input partitions the archive holds files of, for these topics."""
         return sorted({r[0] for t in topics for f in self.files(t) if (r := file_range(f)) is not None})
 
+    def largest_partitions_first(self, topics: Iterable[str]) -> list[int]:
+        """The input partitions the archive holds, by the bytes of their files, largest first: the
+        order to hand them to workers in, so that the last task to start is a small one (longest
+        processing time first)."""
+        size: dict[int, int] = {}
+        for t in topics:
+            for f in self.files(t):
+                if (r := file_range(f)) is not None:
+                    n = self.fs.size(str(f)) if self.fs is not None else Path(f).stat().st_size
+                    size[r[0]] = size.get(r[0], 0) + int(n)
+        return sorted(size, key=lambda p: (-size[p], p))
+
     def keys(self, topics: Iterable[str]) -> list[str]:
         """The distinct message keys (job ids) of these topics' records, decoded."""
         sources = ", ".join(self.sources_sql(t) for t in topics if self.files(t))

@@ -202,7 +202,7 @@ def _distributed(client: Any, archive_root: Path | str, ledger_path: Path, beyon
     tasks' partitions (topics not co-partitioned): the caller then audits in one process."""
     from distributed import as_completed
 
-    partitions = ParquetArchive(archive_root).partitions_held([NODE_IPC.name, JOBS_LIFECYCLE.name])
+    partitions = ParquetArchive(archive_root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
     futures = [client.submit(audit_partitions, str(archive_root), str(ledger_path), (p,), beyond, default, fast,
                              key=f"nodeshare-audit-p{p}-{uuid.uuid4().hex[:8]}", pure=False) for p in partitions]
     parts: list[JobsAudit] = []

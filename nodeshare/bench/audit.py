@@ -57,6 +57,10 @@ class AuditBench:
     samples_per_s_by_workers: dict[str, int] = field(default_factory=dict)
     speedup_2_workers: float | None = None
     partitions: int = 0
+    # the machine's own yardstick: the same tasks on a plain pool of N processes, no Dask; what two
+    # processes gain here bounds what two Dask workers can
+    samples_per_s_by_processes: dict[str, int] = field(default_factory=dict)
+    speedup_2_processes: float | None = None
 
 
 #: A broker appends a record a few milliseconds after the agent stamped it (the archive keeps the
@@ -177,7 +181,7 @@ def _timed_workers(root: Path, workers: list[int], rounds: int) -> tuple[dict[in
     tasks checked, and the number of partitions."""
     from nodeshare.sinks.audit import dask_client
 
-    partitions = ParquetArchive(root).partitions_held([NODE_IPC.name, JOBS_LIFECYCLE.name])
+    partitions = ParquetArchive(root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
     seconds: dict[int, float] = {}
     samples = 0
     for n in workers:
@@ -193,10 +197,30 @@ def _timed_workers(root: Path, workers: list[int], rounds: int) -> tuple[dict[in
     return seconds, samples, len(partitions)
 
 
+def _timed_processes(root: Path, workers: list[int], rounds: int) -> dict[int, float]:
+    """Median seconds of the same per-partition tasks on a plain process pool of each size (no
+    scheduler, no serialization beyond the pool's): how far this machine itself scales."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    partitions = ParquetArchive(root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
+    seconds: dict[int, float] = {}
+    for n in workers:
+        with ProcessPoolExecutor(max_workers=n) as pool:
+            runs = []
+            for r in range(rounds + 1):
+                t = time.perf_counter()
+                list(pool.map(_partition_task, [str(root)] * len(partitions), partitions))
+                if r:
+                    runs.append(time.perf_counter() - t)
+        seconds[n] = float(np.median(runs))
+    return seconds
+
+
 def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
                     progress: Callable[[int], None] | None = None, workers: list[int] | None = None) -> AuditBench:
     root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
     by_workers: dict[int, float] = {}
+    by_processes: dict[int, float] = {}
     partitions = 0
     try:
         jobs = write_simulated_archive(root, blocks, progress=progress)
@@ -208,6 +232,7 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
             if spread_samples != result.samples:
                 raise RuntimeError(f"the partitions' tasks checked {spread_samples} samples, one process "
                                    f"{result.samples}")
+            by_processes = _timed_processes(root, workers, max(3, rounds // 2))
     finally:
         shutil.rmtree(root, ignore_errors=True)  # hundreds of MB at large sizes; the bench regenerates it
     if result.ineligible or len(result.charges) != jobs or result.parsed_rows:
@@ -228,6 +253,8 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
         samples_per_s_by_workers={str(n): round(samples / t) for n, t in by_workers.items()},
         speedup_2_workers=round(by_workers[1] / by_workers[2], 3) if {1, 2} <= by_workers.keys() else None,
         partitions=partitions,
+        samples_per_s_by_processes={str(n): round(samples / t) for n, t in by_processes.items()},
+        speedup_2_processes=round(by_processes[1] / by_processes[2], 3) if {1, 2} <= by_processes.keys() else None,
     )
 
 

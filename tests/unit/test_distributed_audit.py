@@ -96,3 +96,15 @@ def test_the_cli_audits_on_local_workers_with_the_same_json(tmp_path):
     assert json.loads(spread.stdout) == json.loads(single.stdout)
     both = CliRunner().invoke(app, [*args, "--workers", "2", "--scheduler", "tcp://127.0.0.1:1"])
     assert both.exit_code == 2 and "give one of them" in both.output
+
+
+def test_partitions_are_handed_out_largest_first(tmp_path):
+    """Longest processing time first: on 2 workers the last task to start is a small one."""
+    archive, _, _ = build(tmp_path, partitions=PARTITIONS, jobs=16)
+    view = ParquetArchive(archive)
+    topics = ["node.ipc", "jobs.lifecycle"]
+    size = {p: sum(f.stat().st_size for t in topics for f in ParquetArchive(archive, (p,)).files(t))
+            for p in view.partitions_held(topics)}
+    order = view.largest_partitions_first(topics)
+    assert sorted(order) == sorted(size) and [size[p] for p in order] == sorted(size.values(), reverse=True)
+    assert len(set(size.values())) > 1  # the sizes differ, so the order says something

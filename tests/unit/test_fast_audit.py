@@ -152,6 +152,9 @@ def test_bench_audit_runs_and_reports_its_figures(tmp_path):
     rates = body["samples_per_s_by_workers"]
     assert set(rates) == {"1", "2"} and body["partitions"] == 4
     assert body["speedup_2_workers"] == pytest.approx(rates["2"] / rates["1"], rel=1e-3)
+    plain = body["samples_per_s_by_processes"]  # the machine's yardstick: a plain pool, no Dask
+    assert set(plain) == {"1", "2"} and body["speedup_2_processes"] == pytest.approx(plain["2"] / plain["1"], rel=1e-3)
+    assert body["bench"] == "audit" and body["targets"]["speedup_2_workers"] == ">= 1.7"
 
 
 # ---------------------------------------------------------------- typed archive columns
