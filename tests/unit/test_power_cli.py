@@ -32,6 +32,10 @@ def test_bench_power_writes_its_json(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     r = json.loads(out.read_text())
     assert r["ptune_550_ms"] > 0 and r["ppartition_100_ms"] > 0 and r["ppartition_running_jobs"] == 100
+    # the headline is the slowest program's median, and the dispatch had to repartition to start the job
+    assert r["ptune_550_ms"] == max(r["ptune_550_ms_by_program"].values())
+    assert r["ppartition_action"] == "start" and r["ppartition_jobs_shrunk"] >= 1
+    assert r["bench"] == "power" and set(r["met"]) == {"ptune_550_ms", "ppartition_100_ms"}
 
 
 def test_ppartition_rejects_an_unknown_admission_policy(tmp_path: Path) -> None:

@@ -99,3 +99,6 @@ def test_bench_ledger_counts_every_window_and_reports_its_rate(tmp_path):
     body = json.loads((tmp_path / "ledger.json").read_text())
     assert body["windows"] == 2000 and body["nodes"] == 50 and body["windows_per_s"] > 0
     assert body["decode_us_per_window"] > 0 and body["count_us_per_window"] > 0
+    # the rate is one window per (decode + count) time, not another figure under its name
+    per_window_us = body["decode_us_per_window"] + body["count_us_per_window"]
+    assert body["windows_per_s"] == pytest.approx(1e6 / per_window_us, rel=0.02)
