@@ -132,3 +132,31 @@ def test_time_alone_on_every_node_is_bounded_from_below_by_hand():
     assert alone_time([3600.0], 2, 3600.0) == 0.0  # a node that reported nothing counts as never alone
     with pytest.raises(ValueError, match="at least one node"):
         alone_time([], 0, 10.0)
+
+
+def test_time_alone_on_three_nodes_and_at_the_edges_by_hand():
+    """(Mutations cosmic-ray left alive: (nodes - 1) -> (nodes >> 1), equal for 1 and 2 nodes; the
+    clamps at 0 read as 1 or -1.)"""
+    # three nodes, T = 1000: alone 900, 800 and 700 s overlap at least 2400 - 2 x 1000 = 400 s
+    assert alone_time([900.0, 800.0, 700.0], 3, 1000.0) == 400.0
+    assert alone_time([0.5], 1, 0.6) == 0.5  # under a second: no clamp at 1 s
+    assert alone_time([0.5], 1, -3.0) == 0.0  # a negative billed time counts as none
+    assert alone_time([-0.5, 1000.0], 2, 1000.0) == 0.0  # a negative report counts as never alone, not as -0.5
+
+
+def test_zero_or_negative_times_price_nothing_and_keep_the_shared_estimate():
+    """(Mutations: the guards `run_time_s <= 0` and `billed_time_s <= 0` as `== 0`, `< 0`, `<= 1`,
+    `<= -1`, and their `return 0.0` as +-1.)"""
+    assert poppa_price(1.0, 4, 0.0, 0.1) == 0.0 and poppa_price(1.0, 4, -0.5, 0.1) == 0.0
+    # half a second of 4 cores at 10%: (0.9 x 0.5)^2 / 0.5 x 4 / 3600
+    assert poppa_price(1.0, 4, 0.5, 0.1) == pytest.approx(0.9 * 0.9 * 0.5 * 4 / 3600, rel=1e-12)
+    assert job_degradation(0.3, 0.2, -0.5) == 0.3 and job_degradation(0.3, 0.2, 0.0) == 0.3
+    assert job_degradation(0.3, 0.25, 0.5) == pytest.approx(0.3 * 0.5, rel=1e-12)  # half of half a second alone
+
+
+def test_charge_amounts_are_immutable():
+    import dataclasses
+
+    amounts = fair_charge(1.0, 1, 700.0, 0.1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        amounts.price = 0.0  # type: ignore[misc]
