@@ -58,6 +58,8 @@ def test_eq9_sleep_fraction_by_hand():
     # n = 2, S = 3.2 ms, P = 200 ms: Z = 1 * 0.0032 / (2 * (0.0096 + 0.2)) = 0.0032 / 0.4192
     assert sleep_fraction(2, 0.0032, 0.2) == pytest.approx(0.0032 / 0.4192, rel=1e-12)
     assert sleep_fraction(1, 0.0032, 0.2) == 0.0  # a lone job is never paused
+    with pytest.raises(ValueError, match="at least 1"):  # no job: refused, not a division by zero
+        sleep_fraction(0, 0.0032, 0.2)
 
 
 def test_eq10_dilation_matches_the_papers_closed_form():
