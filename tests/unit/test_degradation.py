@@ -134,3 +134,50 @@ def test_estimate_is_a_function_of_the_block_set():
     forward = filtered_degradation(blocks)
     backward = filtered_degradation(list(reversed(blocks)))
     assert forward == backward
+
+
+def test_adding_a_matrix_of_rows_is_exact_at_every_magnitude_and_at_the_chunk_edges():
+    """add_rows (one numpy pass in three 40-bit chunks) gives each row's math.fsum, bit for bit, for
+    values inside the fixed-point window, at its edges (2**-30 in it, 2**30 out of it), beyond it,
+    and negative (added one by one). (Mutations caught: the chunk scalings, the top chunk's
+    weight. `<` -> `<=` at the window's top is equivalent: 2**30 is still exact in three chunks.)"""
+    import numpy as np
+
+    from nodeshare.streams.core.degradation import add_rows
+
+    rng = np.random.default_rng(5)
+    edges = [2.0**-30, 2.0**30, 2.0**30 - 2.0**-22, 2.0**-31, 3.0 * 2.0**29, -0.75, 0.0, 1.0 - 2.0**-53]
+    rows = [rng.uniform(0.0, 4.0, 50), rng.uniform(0.0, 1.0, 50) * 10.0 ** rng.integers(-9, 9, 50),
+            np.array(edges + [0.0] * 42), rng.uniform(-2.0, 2.0, 50)]
+    matrix = np.array(rows)
+    sums = [ExactSum() for _ in rows]
+    add_rows(sums, matrix)
+    assert [s.value for s in sums] == [math.fsum(r) for r in rows]
+    again = [ExactSum() for _ in rows]
+    add_rows(again, matrix)
+    add_rows(again, matrix)  # twice: each row's sum doubled, exactly
+    assert [s.value for s in again] == [math.fsum(list(r) * 2) for r in rows]
+
+
+def test_moments_by_hand():
+    """Count, sums, mean and standard deviation of 1, 2, 3, 4; merged and withdrawn exactly.
+    (Mutations: x * x -> x + x, mean * mean -> mean / mean, s1 / n -> s1 ** n, sign * sum -> sign - sum.)"""
+    from nodeshare.streams.core.degradation import Moments
+
+    m = Moments()
+    assert m.summary() is None
+    for x in (1.0, 2.0, 3.0, 4.0):
+        m.add(x)
+    s = m.summary()
+    assert s is not None and (s.n, s.sum, s.sum_sq, s.min, s.max) == (4, 10.0, 30.0, 1.0, 4.0)
+    f = m.feature()
+    assert f.mean == 2.5 and f.sd == pytest.approx(math.sqrt(30 / 4 - 2.5**2), rel=1e-15)
+    assert (f.min, f.max) == (1.0, 4.0)
+    other = Moments()
+    other.add(10.0)
+    m.merge(other)
+    assert m.summary() is not None and (m.n, m.s1.value, m.s2.value, m.hi) == (5, 20.0, 130.0, 10.0)
+    total = Moments()
+    total.add_summary(m.summary())
+    total.add_summary(other.summary(), sign=-1)  # withdrawn: back to 1, 2, 3, 4
+    assert (total.n, total.s1.value, total.s2.value) == (4, 10.0, 30.0)
