@@ -67,7 +67,11 @@ class Spool:
                     self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, json.dumps(value)))
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                else:  # a signal (SIGTERM's SystemExit) arrived just after the COMMIT: the rows are in
+                    self.rows += len(rows)
+                    self.bytes += size
                 raise
             self.rows += len(rows)
             self.bytes += size
@@ -84,13 +88,22 @@ class Spool:
             return
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
-            freed = 0
-            for seq in seqs:
-                row = self._db.execute("DELETE FROM events WHERE seq = ? RETURNING size", (seq,)).fetchone()
-                if row is not None:
-                    freed += row[0]
-                    self.rows -= 1
-            self._db.execute("COMMIT")
+            freed = deleted = 0
+            try:
+                for seq in seqs:
+                    row = self._db.execute("DELETE FROM events WHERE seq = ? RETURNING size", (seq,)).fetchone()
+                    if row is not None:
+                        freed += row[0]
+                        deleted += 1
+                self._db.execute("COMMIT")
+            except BaseException:  # counted only if the deletions committed (as in put)
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                else:
+                    self.rows -= deleted
+                    self.bytes -= freed
+                raise
+            self.rows -= deleted
             self.bytes -= freed
 
     def meta(self, name: str, default: Any = None) -> Any:
