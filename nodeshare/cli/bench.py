@@ -10,7 +10,7 @@ import typer
 
 from .common import (
     Bootstrap,
-    err,
+    comma_numbers,
     load_settings,
     out,
     progress_bar,
@@ -51,11 +51,7 @@ def bench_audit(
 
     from nodeshare.bench.audit import run_audit_bench
 
-    try:
-        counts = [int(w) for w in workers.split(",") if w.strip()]
-    except ValueError:
-        err.print(f"[red]bench audit[/red]: --workers takes numbers separated by commas, got {workers!r}")
-        raise typer.Exit(2) from None
+    counts = comma_numbers(workers, int, "--workers", allow_empty=True)
     with progress_bar() as bar:
         task = bar.add_task("simulating the cluster", total=blocks)
         result = run_audit_bench(workdir, blocks, rounds, progress=lambda done: bar.update(

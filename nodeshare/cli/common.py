@@ -73,6 +73,17 @@ def staged_progress(bar: Progress, label: str = "{}") -> Callable[[str, int, int
     return report
 
 
+def comma_numbers(text: str, kind: type, hint: str, allow_empty: bool = False) -> list[Any]:
+    """A comma-separated list of numbers from an option, or a clear error naming the option."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"takes numbers separated by commas, got {text!r}", param_hint=hint) from None
+    if not values and not allow_empty:
+        raise typer.BadParameter("needs at least one number", param_hint=hint)
+    return values
+
+
 def progress_bar() -> Progress:
     return Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=False)

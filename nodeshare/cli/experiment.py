@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
@@ -10,6 +11,7 @@ import typer
 
 from .common import (
     FullJson,
+    comma_numbers,
     err,
     out,
     progress_bar,
@@ -140,72 +142,65 @@ def experiment_ppartition(
         f"throughput: {gains}"])
 
 
-def _simulate_and_charge(run: Any, seed: int, iterations: int, profiles: Path | None, programs: str | None,
-                         sample_us: int, period_ms: int, estimator: str) -> dict[str, Any]:
-    """Seed 002's pairwise runs on the calibrated simulator, charged by the worker's fold (pairwise, pricing)."""
-    lib = program_library(profiles)
-    with progress_bar() as bar:
-        bar.add_task("simulating and charging", total=None)
-        result: dict[str, Any] = run(seed=seed, iterations=iterations, library=lib,
-                                     programs=chosen_programs(programs, lib, profiles), sample_us=sample_us,
-                                     period_ms=period_ms, estimator=checked_estimator(estimator))
-    return result
-
-
-@experiment_app.command("pairwise")
-def experiment_pairwise(
-    as_json: FullJson = False,
-    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pairwise.png"),
-    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
-    iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
-    profiles: LibraryProfiles = None,
-    programs: Programs = None,
-    sample_us: SampleUs = 3200,
-    period_ms: PeriodMs = 200,
-    estimator: EstimatorOpt = "refill_corrected",
-) -> None:
-    """Every pair co-located as in Seed 002 Section 7 on the calibrated simulator, charged by the
-    stream worker's fold: Fig. 10 (run-time prediction error % per estimator) and Fig. 11 (degradation %)."""
-    from nodeshare.experiments.poppa import experiment_pairwise as run
-    from nodeshare.experiments.poppa import plot_pairwise
-
-    r = _simulate_and_charge(run, seed, iterations, profiles, programs, sample_us, period_ms, estimator)
+def _pairwise_summary(r: dict[str, Any]) -> list[str]:
     est = r["estimators"]
-    experiment_out(r, as_json, png, plot_pairwise, [
+    return [
         f"{r['pairs']} pairs, {r['runs']} completed runs; mean true degradation {r['mean_degradation_pct']:.1f}%",
         *(f"{name:17s} MAE {s['mae_pct']:.2f}%  max |err| {s['max_abs_err_pct']:.2f}%  bias {s['bias_pct']:+.2f}%  "
           f"pairs above 6%: {s['pairs_above_6_pct']}  worst {s['worst'][0]['job']} next to "
           f"{s['worst'][0]['co_runner']}" for name, s in est.items()),
         f"worst ten ({r['estimator']}): " + ", ".join(f"{w['job']}/{w['co_runner']} {w['err_pct']:+.1f}"
                                                       for w in est[r['estimator']]['worst']),
-        f"applied estimator: {r['estimator']}"])
+        f"applied estimator: {r['estimator']}"]
 
 
-@experiment_app.command("pricing")
-def experiment_pricing(
-    as_json: FullJson = False,
-    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/pricing.png"),
-    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
-    iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")] = 5,
-    profiles: LibraryProfiles = None,
-    programs: Programs = None,
-    sample_us: SampleUs = 3200,
-    period_ms: PeriodMs = 200,
-    estimator: EstimatorOpt = "refill_corrected",
-) -> None:
-    """Seed 002 Fig. 12: prices relative to the solo baseline under SOP, POPPA (the ledger's
-    charge) and the oracle, for every (program, co-runner)."""
-    from nodeshare.experiments.poppa import experiment_pricing as run
-    from nodeshare.experiments.poppa import plot_pricing
-
-    r = _simulate_and_charge(run, seed, iterations, profiles, programs, sample_us, period_ms, estimator)
-    experiment_out(r, as_json, png, plot_pricing, [
+def _pricing_summary(r: dict[str, Any]) -> list[str]:
+    return [
         f"{r['jobs']} (program, co-runner) jobs from {r['runs']} runs; price / solo baseline:",
         f"SOP    mean {r['sop_mean']:.4f}  min {r['sop_min']:.4f}  max {r['sop_max']:.4f}",
         f"POPPA  mean {r['poppa_mean']:.4f}  min {r['poppa_min']:.4f}  max {r['poppa_max']:.4f}  ({r['estimator']})",
         f"Oracle mean {r['oracle_mean']:.4f}  min {r['oracle_min']:.4f}  max {r['oracle_max']:.4f}",
         f"POPPA - oracle: {r['poppa_minus_oracle_pp']:+.2f} pp; charged above the baseline: {r['overcharged_jobs']} "
-        f"jobs (mean surcharge {r['overcharge_mean_pct']:.2f}%), {r['overcharged_runs']} of {r['runs']} runs"])
+        f"jobs (mean surcharge {r['overcharge_mean_pct']:.2f}%), {r['overcharged_runs']} of {r['runs']} runs"]
+
+
+def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[str]],
+                           doc: str) -> Callable[..., None]:
+    """``experiment pairwise`` and ``experiment pricing``: the same runs and options (Seed 002's
+    pairs on the calibrated simulator, charged by the worker's fold), their own figure and summary."""
+
+    def command(
+        as_json: FullJson = False,
+        png: Annotated[Path, typer.Option(help="plot file")] = Path(f"experiments/{kind}.png"),
+        seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
+        iterations: Annotated[int, typer.Option(min=1, help="runs each program completes next to its co-runner")]
+        = 5,
+        profiles: LibraryProfiles = None,
+        programs: Programs = None,
+        sample_us: SampleUs = 3200,
+        period_ms: PeriodMs = 200,
+        estimator: EstimatorOpt = "refill_corrected",
+    ) -> None:
+        from nodeshare.experiments import poppa
+
+        lib = program_library(profiles)
+        with progress_bar() as bar:
+            bar.add_task("simulating and charging", total=None)
+            r: dict[str, Any] = getattr(poppa, f"experiment_{kind}")(
+                seed=seed, iterations=iterations, library=lib, programs=chosen_programs(programs, lib, profiles),
+                sample_us=sample_us, period_ms=period_ms, estimator=checked_estimator(estimator))
+        experiment_out(r, as_json, png, getattr(poppa, f"plot_{kind}"), summary(r))
+
+    command.__doc__ = doc
+    return command
+
+
+experiment_app.command("pairwise")(_charged_pairs_command("pairwise", _pairwise_summary, """Every pair co-located as
+    in Seed 002 Section 7 on the calibrated simulator, charged by the stream worker's fold: Fig. 10
+    (run-time prediction error % per estimator) and Fig. 11 (degradation %)."""))
+experiment_app.command("pricing")(_charged_pairs_command("pricing", _pricing_summary, """Seed 002 Fig. 12: prices
+    relative to the solo baseline under SOP, POPPA (the ledger's charge) and the oracle, for every
+    (program, co-runner)."""))
 
 
 @experiment_app.command("pairing")
@@ -314,17 +309,6 @@ def experiment_sns(
         "throughput vs CE: " + ", ".join(f"{p} {g:+.1f}%" for p, g in r["throughput_gain_vs_ce_pct"].items())])
 
 
-def _numbers(text: str, kind: type, hint: str) -> list:
-    """A comma-separated list of numbers from an option, or a clear error naming the option."""
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"takes numbers separated by commas, got {text!r}", param_hint=hint) from None
-    if not values:
-        raise typer.BadParameter("needs at least one number", param_hint=hint)
-    return values
-
-
 @experiment_app.command("sns-clusters")
 def experiment_sns_clusters(
     trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="job trace in Standard Workload Format")],
@@ -345,8 +329,8 @@ def experiment_sns_clusters(
     from nodeshare.experiments.sns_trace import experiment_sns_clusters as run
     from nodeshare.experiments.sns_trace import plot_sns_clusters
 
-    sizes = _numbers(nodes, int, "--nodes") if nodes else None
-    ratios = _numbers(scaling_ratios, float, "--scaling-ratios")
+    sizes = comma_numbers(nodes, int, "--nodes") if nodes else None
+    ratios = comma_numbers(scaling_ratios, float, "--scaling-ratios")
     if sizes and min(sizes) < 1:
         raise typer.BadParameter("cluster sizes are at least 1 node", param_hint="--nodes")
     if not all(0.0 < r < 1.0 for r in ratios):
@@ -428,7 +412,7 @@ def experiment_sns_sweep(
     from nodeshare.experiments.sns_testbed import experiment_sns_sweep as run
     from nodeshare.experiments.sns_testbed import plot_sns_sweep
 
-    values = _numbers(ratios, float, "--ratios")
+    values = comma_numbers(ratios, float, "--ratios")
     if not all(0.0 <= v <= 1.0 for v in values):
         raise typer.BadParameter("scaling ratios are within [0, 1]", param_hint="--ratios")
     with progress_bar() as bar:
