@@ -33,6 +33,7 @@ from nodeshare.streams.core.pairing import (
     pair_level,
     pair_weights,
     r2,
+    server_degradation,
     whole_server,
 )
 
@@ -48,17 +49,14 @@ def library(profiles: dict[str, Workload] | None = None) -> list[Workload]:
 SHARING = ("half-node", "whole-server")
 
 
-def server_degradation(truth: np.ndarray) -> np.ndarray:
-    """Deg of every program pair on Seed 003's terms (both on all cores of the server, against
-    the program alone on it), from the half-node truth; times do not enter it."""
-    return whole_server(np.ones(len(truth)), truth)[1]
-
-
 def train(programs: Sequence[Workload], seed: int, trees: int = 200, holdout: float = 0.25,
-          sharing: str = "half-node") -> tuple[DegradationModel, np.ndarray, np.ndarray, dict[str, Any]]:
+          sharing: str = "half-node", half: np.ndarray | None = None,
+          ) -> tuple[DegradationModel, np.ndarray, np.ndarray, dict[str, Any]]:
     """Fit on a random 1 - ``holdout`` of the ordered program pairs; R2 on the others. With
-    ``sharing="whole-server"`` the forest learns Deg on the whole server's terms, as Seed 003's did."""
-    feats, truth = solo_profiles(programs), pair_degradation(programs)
+    ``sharing="whole-server"`` the forest learns Deg on the whole server's terms, as Seed 003's did.
+    ``half``: the programs' half-node truth, when the caller has it already."""
+    feats = solo_profiles(programs)
+    truth = pair_degradation(programs) if half is None else half
     if sharing == "whole-server":
         truth = server_degradation(truth)
     n = len(programs)
@@ -153,8 +151,8 @@ def experiment_pairing_levels(seed: int = 7, queues: int = 5, jobs: int = 50, sh
     if sharing not in SHARING:
         raise ValueError(f"sharing must be one of {SHARING}, got {sharing!r}")
     programs = library(profiles)
-    model, feats, truth, fit = train(programs, seed, trees, sharing=sharing)
     half = pair_degradation(programs)
+    model, feats, truth, fit = train(programs, seed, trees, sharing=sharing, half=half)
     rng = np.random.default_rng(seed + 1)
     base = rng.lognormal(np.log(600.0), 0.8, len(programs))
     rel: dict[str, dict[str, list[float]]] = {k: {p: [] for p in POLICIES} for k in PAIR_LEVELS}
@@ -169,11 +167,9 @@ def experiment_pairing_levels(seed: int = 7, queues: int = 5, jobs: int = 50, sh
                 continue
             prog, t = drawn
             predicted = model.matrix(feats[prog])
-            if sharing == "whole-server":
-                alone, true = whole_server(t, half[np.ix_(prog, prog)])
-                times = alone
-            else:
-                alone, true, times = None, truth[np.ix_(prog, prog)], t
+            true = truth[np.ix_(prog, prog)]  # on the terms the forest learned
+            alone = exclusive_times(t, half[np.ix_(prog, prog)]) if sharing == "whole-server" else None
+            times = t if alone is None else alone
             plans = schedules(times, predicted, true, alone)
             ref = makespan(plans["fifo"], times, true, 1, alone)
             for p in POLICIES:

@@ -39,10 +39,13 @@ def whole_server(times: np.ndarray, deg: np.ndarray) -> tuple[np.ndarray, np.nda
     ``times_i (1 + Deg_ij)``. On the server's terms that is ``2 (1 + Deg_ij) / (1 + Deg_ii) - 1``:
     a program whose second half of cores buys little (a high Deg_ii: its own copies contend)
     loses little by sharing, which is what makes sharing a whole server pay in Seed 003."""
+    return exclusive_times(times, deg), server_degradation(deg)
+
+
+def server_degradation(deg: np.ndarray) -> np.ndarray:
+    """Deg on the whole server's terms (``whole_server``) from the half-node matrix; times do not enter it."""
     d = np.maximum(deg, 0.0) / 100.0
-    alone = exclusive_times(times, deg)
-    shared = 100.0 * (2.0 * (1.0 + d) / (1.0 + np.diag(d))[:, None] - 1.0)
-    return alone, np.maximum(shared, 0.0)
+    return np.maximum(100.0 * (2.0 * (1.0 + d) / (1.0 + np.diag(d))[:, None] - 1.0), 0.0)
 
 
 def pair_level(alone: np.ndarray, deg: np.ndarray, i: int, j: int) -> float:
