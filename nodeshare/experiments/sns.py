@@ -33,6 +33,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from nodeshare.streams.core.placement.sns import (
     NodeCapacity,
     PendingJob,
     Scheduler,
+    classify,
     llc_demand,
     spread,
 )
@@ -126,6 +128,15 @@ class Machine:
             _, c = spread(procs, self.cores, k)
             out[k] = self.stretch(prog, procs, k, self.exclusive_ipc(prog, c))
         return out
+
+    def classes(self) -> list[ProgramClass]:
+        """Each program's class from its exclusive run times on a full node's processes (Section 4.2)."""
+        return [classify(self.runtime_by_scale(i, self.cores)) for i in range(len(self.programs))]
+
+    def describe(self) -> dict[str, Any]:
+        """The node as the experiments' JSON reports it."""
+        return {"cores": self.cores, "llc_mb": self.node.ways * self.node.way_mb,
+                "bandwidth_gbps": round(self.node.bw_gbps * self.node.max_util, 2)}
 
     def _curves(self, prog: int, procs: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """IPC-LLC and BW-LLC curves of ``procs`` processes on a node, at 1 .. all its ways
@@ -229,6 +240,12 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
             changed.update(p.nodes)
         rerate(changed)
     return {"start": start, "end": end, "scale": scale}
+
+
+def run_policies(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machine, nodes: int,
+                 alpha: float, policies: Sequence[str] = ("CE", "CS", "SNS")) -> dict[str, dict[str, np.ndarray]]:
+    """The same jobs under each policy (``simulate``'s output per policy)."""
+    return {p: simulate(jobs, assignment, machine, p, nodes, alpha=alpha) for p in policies}
 
 
 def assign_programs(n: int, classes: Sequence[ProgramClass], scaling_ratio: float,

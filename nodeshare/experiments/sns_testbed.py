@@ -13,16 +13,14 @@ import numpy as np
 from nodeshare.experiments import pyplot, save
 from nodeshare.producers.workloads import Workload
 from nodeshare.schemas.events import ProgramClass
-from nodeshare.streams.core.placement.sns import classify
 
 from .sns import (
     COMM_GROWTH,
-    TESTBED_CORES,
     TESTBED_NODE,
     TESTBED_NODES,
     TraceJob,
     assign_programs,
-    simulate,
+    run_policies,
     testbed_machine,
 )
 
@@ -82,8 +80,7 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
     if programs_mix not in PROGRAM_MIXES:
         raise ValueError(f"programs mix must be one of {PROGRAM_MIXES}, got {programs_mix!r}")
     machine = testbed_machine(comm_growth, latency, loaded_latency_queue, mba)
-    programs, node = machine.programs, machine.node
-    classes = [classify(machine.runtime_by_scale(i, machine.cores)) for i in range(len(programs))]
+    programs, classes = machine.programs, machine.classes()
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
     promised: list[float] = []  # each SNS job's run time over its exclusive run time at its scale
@@ -92,14 +89,12 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
                                            classes=classes if programs_mix == "paper" else None)
         core_s = np.array([j.procs * j.run_s for j in seq])
         scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
-        turnaround: dict[str, float] = {}
-        wait: dict[str, float] = {}
-        for name in ("CE", "CS", "SNS"):
-            out = simulate(seq, assignment, machine, name, nodes, alpha=alpha)
-            turnaround[name] = float(out["end"].mean())  # every job was submitted at 0
-            wait[name] = float(out["start"].mean())
+        outs = run_policies(seq, assignment, machine, nodes, alpha)
+        turnaround = {p: float(o["end"].mean()) for p, o in outs.items()}  # every job was submitted at 0
+        wait = {p: float(o["start"].mean()) for p, o in outs.items()}
+        sns = outs["SNS"]
         promised += [float(end - start) / (machine.runtime_by_scale(prog, j.procs)[int(k)] * j.run_s)
-                     for j, prog, k, start, end in zip(seq, assignment, out["scale"], out["start"], out["end"],
+                     for j, prog, k, start, end in zip(seq, assignment, sns["scale"], sns["start"], sns["end"],
                                                        strict=True)]
         rows.append({
             "scaling_ratio": float(core_s[scaling].sum() / core_s.sum()),
@@ -112,8 +107,7 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
     gains = {p: [r["throughput_gain_vs_ce_pct"][p] for r in rows] for p in ("CS", "SNS")}
     return {
         "experiment": "sns-testbed", "sequences": sequences, "jobs_per_sequence": jobs, "nodes": nodes,
-        "node": {"cores": TESTBED_CORES, "llc_mb": node.ways * node.way_mb,
-                 "bandwidth_gbps": round(node.bw_gbps * node.max_util, 2)},
+        "node": machine.describe(),
         "alpha": alpha, "seed": seed, "comm_growth": comm_growth, "latency": latency, "mba": mba,
         "programs_mix": programs_mix,
         **({"loaded_latency_queue": loaded_latency_queue} if latency == "mm1" else {}),
@@ -145,7 +139,7 @@ def experiment_sns_sweep(ratios: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5
     with the chance ``ratio`` (0 .. 1); per ratio, the mean over sequences of SNS's and CS's mean
     run, wait and turnaround time, each relative to CE's."""
     machine = testbed_machine()
-    classes = [classify(machine.runtime_by_scale(i, machine.cores)) for i in range(len(machine.programs))]
+    classes = machine.classes()
     rng = np.random.default_rng(seed)
     rows = []
     total, done = len(ratios) * sequences, 0
@@ -153,11 +147,9 @@ def experiment_sns_sweep(ratios: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5
         rel: dict[str, dict[str, list[float]]] = {p: {"run": [], "wait": [], "turnaround": []} for p in ("CS", "SNS")}
         for _ in range(sequences):
             seq, assignment = testbed_sequence(machine.programs, jobs, rng, classes=classes, scaling_ratio=ratio)
-            means = {}
-            for name in ("CE", "CS", "SNS"):
-                out = simulate(seq, assignment, machine, name, TESTBED_NODES, alpha=alpha)
-                means[name] = {"run": float((out["end"] - out["start"]).mean()), "wait": float(out["start"].mean()),
-                               "turnaround": float(out["end"].mean())}
+            means = {p: {"run": float((o["end"] - o["start"]).mean()), "wait": float(o["start"].mean()),
+                         "turnaround": float(o["end"].mean())}
+                     for p, o in run_policies(seq, assignment, machine, TESTBED_NODES, alpha).items()}
             for p in ("CS", "SNS"):
                 for m in ("run", "wait", "turnaround"):
                     rel[p][m].append(means[p][m] / max(means["CE"][m], 1e-9))

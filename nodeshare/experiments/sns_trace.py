@@ -13,7 +13,7 @@ import numpy as np
 
 from nodeshare.experiments import pyplot, save
 from nodeshare.schemas.events import ProgramClass
-from nodeshare.streams.core.placement.sns import SCALE_FACTORS, classify
+from nodeshare.streams.core.placement.sns import SCALE_FACTORS
 
 from .sns import BANDWIDTH_BUDGET, NODE_CORES, Machine, TraceJob, assign_programs, simulate, testbed_machine
 
@@ -100,7 +100,7 @@ def experiment_sns(trace: Path, scaling_ratio: float = 0.5, nodes: int | None = 
     if not jobs:
         raise ValueError(f"{trace}: every kept job needs more than the {fits} simulated nodes")
     ref = {i: machine.runtime_by_scale(i, machine.cores) for i in range(len(machine.programs))}
-    classes = [classify(ref[i]) for i in range(len(machine.programs))]
+    classes = machine.classes()
     assignment = assign_programs(len(jobs), classes, scaling_ratio, np.random.default_rng(seed))
     ce_run = np.array([j.run_s for j in jobs])
     submit = np.array([j.submit_s for j in jobs])
@@ -129,9 +129,9 @@ def experiment_sns(trace: Path, scaling_ratio: float = 0.5, nodes: int | None = 
     scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
     return {
         "experiment": "sns", "trace": str(trace), "jobs": len(jobs), "skipped_too_big": len(too_big),
-        "nodes": nodes, "node": {"cores": machine.cores, "llc_mb": machine.node.ways * machine.node.way_mb,
-                                 "bandwidth_gbps": round(machine.node.bw_gbps * machine.node.max_util, 2),
-                                 "latency": "measured" if machine.node.latency_curve else "mm1", "mba": machine.mba},
+        "nodes": nodes,
+        "node": {**machine.describe(), "mba": machine.mba,
+                 "latency": "measured" if machine.node.latency_curve else "mm1"},
         "min_procs": min_procs, "alpha": alpha, "bandwidth_budget": bandwidth_budget, "age_limit_s": age_limit_s,
         "seed": seed,
         "scaling_ratio": scaling_ratio, "scaling_core_hours_share": float(core_s[scaling].sum() / core_s.sum()),
@@ -195,13 +195,15 @@ def experiment_sns_clusters(trace: Path, nodes: Sequence[int] | None = None,
     if nodes is None:
         trace_nodes = read_swf(trace, min_procs, limit, cores_per_node=cores_per_node)[1]["trace_nodes"]
         nodes = sorted({max(1, round(trace_nodes * m)) for m in CLUSTER_MULTIPLES})
+    machine = testbed_machine()  # one model for every run: its caches carry over
     runs = []
     for ratio in scaling_ratios:
         for n in nodes:
             report = None if progress is None else \
                 (lambda label: lambda pol, d, t: progress(f"{label} {pol}", d, t))(f"{n} nodes, ratio {ratio}")
             r = experiment_sns(trace, scaling_ratio=ratio, nodes=n, min_procs=min_procs, limit=limit, seed=seed,
-                               cores_per_node=cores_per_node, max_job_nodes=min(nodes), progress=report)
+                               cores_per_node=cores_per_node, machine=machine, max_job_nodes=min(nodes),
+                               progress=report)
             ce = r["policies"]["CE"]["mean_turnaround_s"]
             runs.append({
                 "nodes": n, "scaling_ratio": ratio, "jobs": r["jobs"], "skipped_too_big": r["skipped_too_big"],
