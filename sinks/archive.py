@@ -157,6 +157,7 @@ class ParquetArchive:
             self.root = Path(root)
         self.partitions = None if partitions is None else frozenset(partitions)
         self._listed: dict[str, list[PurePath]] = {}  # object storage: topic -> its files
+        self._sizes: dict[PurePath, int] = {}  # object storage: each listed file's bytes, from the same listing
 
     @property
     def location(self) -> Path | str:
@@ -192,8 +193,9 @@ class ParquetArchive:
         found: list[PurePath]
         if self.fs is not None:  # read only here: listed once, as the audit's snapshot (each listing is requests)
             if topic not in self._listed:
-                self._listed[topic] = sorted(
-                    PurePosixPath(p) for p in self.fs.glob(f"{self.root}/topic={topic}/date=*/p*.parquet"))
+                listing = self.fs.glob(f"{self.root}/topic={topic}/date=*/p*.parquet", detail=True)
+                self._sizes.update({PurePosixPath(p): int(info["size"]) for p, info in listing.items()})
+                self._listed[topic] = sorted(PurePosixPath(p) for p in listing)
             found = self._listed[topic]
         else:
             found = sorted(self.root.glob(f"topic={topic}/date=*/p*.parquet"))
@@ -213,8 +215,8 @@ class ParquetArchive:
         for t in topics:
             for f in self.files(t):
                 if (r := file_range(f)) is not None:
-                    n = self.fs.size(str(f)) if self.fs is not None else Path(f).stat().st_size
-                    size[r[0]] = size.get(r[0], 0) + int(n)
+                    n = self._sizes[f] if self.fs is not None else Path(f).stat().st_size
+                    size[r[0]] = size.get(r[0], 0) + n
         return sorted(size, key=lambda p: (-size[p], p))
 
     def keys(self, topics: Iterable[str]) -> list[str]:

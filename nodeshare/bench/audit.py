@@ -15,7 +15,9 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -175,45 +177,38 @@ def _partition_task(root: str, partition: int) -> int:
     return fast_recompute(Path(root), {}, PricingPolicy(), (partition,), threads=1).samples
 
 
-def _timed_workers(root: Path, workers: list[int], rounds: int) -> tuple[dict[int, float], int, int]:
-    """Median seconds of the recomputation as one task per partition on LocalClusters of each
-    number of workers (a first round warms every worker up and is not counted), the samples the
-    tasks checked, and the number of partitions."""
+@contextmanager
+def _dask_pool(workers: int) -> Iterator[Executor]:
+    """A LocalCluster of ``workers`` processes, as a concurrent.futures executor."""
     from nodeshare.sinks.audit import dask_client
 
+    with dask_client(workers=workers) as client:
+        yield client.get_executor(pure=False)
+
+
+def _plain_pool(workers: int) -> ProcessPoolExecutor:
+    """A plain process pool: no scheduler, no serialization beyond the pool's (the machine's own ceiling)."""
+    return ProcessPoolExecutor(max_workers=workers)
+
+
+def _timed_pools(root: Path, workers: list[int], rounds: int,
+                 pool: Callable[[int], AbstractContextManager[Executor]]) -> tuple[dict[int, float], int, int]:
+    """Median seconds of the recomputation as one task per partition (largest first) on a pool of
+    each number of workers (a first round warms every worker up and is not counted), the samples
+    the tasks checked, and the number of partitions."""
     partitions = ParquetArchive(root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
     seconds: dict[int, float] = {}
     samples = 0
     for n in workers:
-        with dask_client(workers=n) as client:
+        with pool(n) as executor:
             runs = []
             for r in range(rounds + 1):
                 t = time.perf_counter()
-                futures = [client.submit(_partition_task, str(root), p, pure=False) for p in partitions]
-                samples = sum(client.gather(futures))
+                samples = sum(executor.map(_partition_task, [str(root)] * len(partitions), partitions))
                 if r:
                     runs.append(time.perf_counter() - t)
         seconds[n] = float(np.median(runs))
     return seconds, samples, len(partitions)
-
-
-def _timed_processes(root: Path, workers: list[int], rounds: int) -> dict[int, float]:
-    """Median seconds of the same per-partition tasks on a plain process pool of each size (no
-    scheduler, no serialization beyond the pool's): how far this machine itself scales."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    partitions = ParquetArchive(root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
-    seconds: dict[int, float] = {}
-    for n in workers:
-        with ProcessPoolExecutor(max_workers=n) as pool:
-            runs = []
-            for r in range(rounds + 1):
-                t = time.perf_counter()
-                list(pool.map(_partition_task, [str(root)] * len(partitions), partitions))
-                if r:
-                    runs.append(time.perf_counter() - t)
-        seconds[n] = float(np.median(runs))
-    return seconds
 
 
 def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
@@ -228,11 +223,11 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
         archive_mb = round(sum(f.stat().st_size for f in files) / 1e6, 1)
         scan, runs, result = _timed_rounds(root, rounds)
         if workers:
-            by_workers, spread_samples, partitions = _timed_workers(root, workers, max(3, rounds // 2))
+            by_workers, spread_samples, partitions = _timed_pools(root, workers, max(3, rounds // 2), _dask_pool)
             if spread_samples != result.samples:
                 raise RuntimeError(f"the partitions' tasks checked {spread_samples} samples, one process "
                                    f"{result.samples}")
-            by_processes = _timed_processes(root, workers, max(3, rounds // 2))
+            by_processes = _timed_pools(root, workers, max(3, rounds // 2), _plain_pool)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)  # hundreds of MB at large sizes; the bench regenerates it
     if result.ineligible or len(result.charges) != jobs or result.parsed_rows:
