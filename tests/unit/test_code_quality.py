@@ -1,5 +1,6 @@
 """docs/architecture.md: ruff and mypy clean. Enforced here so CI keeps it so."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -84,20 +85,24 @@ def test_the_schemas_import_nothing_of_the_project_but_themselves():
 
 
 def test_settings_load_nothing_of_the_domain_and_default_to_its_values():
+    """In a fresh process: the CLI tests leave a --config path in this one's context."""
     code = ("import sys, nodeshare.config; "
             "print(sorted(m for m in sys.modules if m.startswith(('nodeshare.streams', 'nodeshare.producers', "
             "'nodeshare.sinks'))))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
-    from nodeshare.config import Settings
-    from nodeshare.producers.batching import FlushPolicy
-    from nodeshare.streams.core.accounting import PricingPolicy
-    from nodeshare.streams.core.placement.sns import DEFAULT_AGE_LIMIT_S
-    from nodeshare.streams.core.power.ppartition import PowerPolicy
-
-    s = Settings(bootstrap="")
-    assert s.policy() == PricingPolicy() and s.flush_policy() == FlushPolicy() and s.power_policy() == PowerPolicy()
-    assert s.placement_age_limit_s == DEFAULT_AGE_LIMIT_S
+    defaults = (
+        "from nodeshare.config import Settings\n"
+        "from nodeshare.producers.batching import FlushPolicy\n"
+        "from nodeshare.streams.core.accounting import PricingPolicy\n"
+        "from nodeshare.streams.core.placement.sns import DEFAULT_AGE_LIMIT_S\n"
+        "from nodeshare.streams.core.power.ppartition import PowerPolicy\n"
+        "s = Settings(bootstrap='')\n"
+        "print(s.policy() == PricingPolicy(), s.flush_policy() == FlushPolicy(), "
+        "s.power_policy() == PowerPolicy(), s.placement_age_limit_s == DEFAULT_AGE_LIMIT_S)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODESHARE_")}
+    assert subprocess.run([sys.executable, "-c", defaults], capture_output=True, text=True, check=True,
+                          env=env).stdout.split() == ["True"] * 4
 
 
 def test_a_module_over_500_lines_says_why_at_its_top():
