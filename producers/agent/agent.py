@@ -12,12 +12,14 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from nodeshare import metrics
@@ -41,12 +43,12 @@ from .llc_decisions import LlcFollower
 from .pausing import FREEZER_ROOT, Pauser, Target
 from .power_decisions import CapFollower
 from .powercap import Powercap
-from .processes import Guard, Refused
+from .processes import Guard, Proc
 from .progress import ApplicationCounter, Counter, HardwareCounter, hardware_counters_unavailable, sample_between
 from .resctrl import RESCTRL, Resctrl
 from .shutter import left_node, next_lone, shutter_window, triples
 from .spool import Forwarder, Spool, SpoolFull
-from .watchdog import Watchdog
+from .watchdog import Watchdog, WatchdogLost
 
 log = logging.getLogger("nodeshare.agent")
 
@@ -102,11 +104,42 @@ def _now() -> datetime:
 
 @contextmanager
 def _signals_held() -> Iterator[None]:
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    """SIGINT and SIGTERM take effect only once the region closes (after the resume).
+
+    Blocking them with pthread_sigmask here is not enough: the kernel gives a signal sent to the
+    process to any thread that does not block it (the metrics server's, a decision follower's), and
+    Python then runs the handler in the main thread at once, inside the region. So the region swaps
+    the handlers themselves, which every delivery goes through, whichever thread the kernel chose: the
+    stand-in notes the signal and the original handler gets it when the region closes (SIG_DFL: the
+    default action, then). A stand-in an exception left in place during the restore passes signals
+    straight on. Python runs handlers in the main thread only, where the shutter runs; in another
+    thread no handler can interrupt the region, and there is nothing to swap."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    holding = True
+    originals: dict[int, Any] = {}
+
+    def stand_in(signum: int, frame: FrameType | None) -> None:
+        if holding:
+            pending.append(signum)
+        else:  # the restore did not reach this signal: the original handler, now
+            signal.signal(signum, originals[signum])
+            signal.raise_signal(signum)
+
     try:
+        for sig in _HELD_SIGNALS:
+            handler = signal.getsignal(sig)
+            if handler is not None and handler != signal.SIG_IGN:  # None: not set from Python, cannot be put back
+                originals[sig] = signal.signal(sig, stand_in)
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        holding = False
+        for held, handler in originals.items():
+            signal.signal(held, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)  # its handler runs here, after the resume (SystemExit goes up from here)
 
 
 class Agent:
@@ -268,30 +301,35 @@ class Agent:
                 log.error("spool full (%d bytes unacknowledged): shutters stop until the broker drains it",
                           self.spool.bytes)
             return False
+        # Only what runs now is paused, so only what the agent stopped is resumed (pausing.Pauser).
+        # A job that does not run at all (suspended by Slurm, stopped by its user or a debugger) is
+        # neither paused nor credited a pause, nor measured alone: its block would hold no work and
+        # say nothing of its co-runners. With no other job running the node is as good as a node
+        # with one job, and is not shuttered either.
+        running = {j: self.pauser.running(self.pauser.checked(Target(j, job.procs, job.cgroup)))
+                   for j, job in sorted(self.jobs.items())}
+        measurable = [j for j in measurable if not running[j].empty]
+        if not measurable:
+            return False
         lone = next_lone(measurable, self.lone)
-        others = [self.pauser.checked(Target(j, job.procs, job.cgroup))
-                  for j, job in sorted(self.jobs.items()) if j != lone]
+        others = [t for j, t in running.items() if j != lone and not t.empty]
+        if not others:
+            return False
         counter, k = self.counters[lone], self.options.k
         before = self._windows(counter, k)
         with _signals_held():
-            self.watchdog.arm(others)
-            paused: list[Target] = []
+            # the intent before any act: the watchdog resumes a pause the agent dies in the middle of
+            self.watchdog.arm([*self.pauser.held(), *others])
             try:
                 start = _now()
                 t0 = time.monotonic_ns()
                 for target in others:
-                    self.pauser.pause(target)
-                    paused.append(target)
+                    self.pauser.pause(target)  # records each process and cgroup before it stops it
                 during = self._windows(counter, k)
             finally:
-                for target in paused:
-                    try:
-                        self.pauser.resume(target)
-                    except (OSError, Refused) as e:  # the watchdog will still try
-                        log.error("job %s: resume failed: %s", target.job_id, e, extra=fields(job_id=target.job_id))
+                self._resume()
                 t1 = time.monotonic_ns()
                 end = _now()
-                self.watchdog.disarm()
         after = self._windows(counter, k)
         paused_us = (t1 - t0) // 1000
         self.stats.shutter_total_s += (t1 - t0) / 1e9
@@ -318,6 +356,16 @@ class Agent:
             self.batcher.restore(self.spool.meta("batches", {}))  # as last written: without this block
             log.error("%s", e)
         return True
+
+    def _resume(self) -> None:
+        """Resume everything the pauser stopped, then tell the watchdog what stays stopped (nothing,
+        unless a resume failed: the watchdog tries it again, as does the next shutter or close)."""
+
+        def failed(what: Proc | Path, e: Exception) -> None:
+            log.error("resuming %s failed: %s", what, e)
+
+        self.pauser.resume_held(failed)
+        self.watchdog.arm(self.pauser.held())
 
     # ------------------------------------------------------------------ power
 
@@ -384,8 +432,12 @@ class Agent:
         return self.stats
 
     def close(self, drain_s: float = 10.0) -> None:
-        """Stop: nothing is paused here (each shutter resumes before it returns). Give the broker
-        ``drain_s`` to take what is spooled; what it does not take stays spooled for the next start."""
+        """Stop: nothing is paused here (each shutter resumes before it returns; what a failed
+        resume left is tried once more here, then by the watchdog). Give the broker ``drain_s`` to
+        take what is spooled; what it does not take stays spooled for the next start."""
+        if self.pauser.held():
+            with suppress(WatchdogLost):
+                self._resume()
         if not self._send(self.batcher.flush_all()):  # sent now rather than at the next start
             log.error("the spool is full: %d open batches stay in its meta until the next start",
                       len(self.batcher.open))

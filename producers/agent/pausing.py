@@ -2,6 +2,15 @@
 
 Every signal passes the ``Guard`` first; every cgroup must sit strictly below the freezer
 hierarchy's root and hold none of the agent's own processes.
+
+The agent resumes only what it stopped itself. A job someone else stopped (Slurm's suspend or gang
+scheduling, its user's Ctrl-Z or ``kill -STOP``, a debugger) is not paused by a shutter, so it is
+not continued after it either: ``Pauser.running`` leaves it out before the shutter, and the pause
+itself skips a process or cgroup that stopped in the moment between. And the ``Pauser`` records
+each process and cgroup it is about to stop *before* the signal or the write, so a pause that
+raises halfway (a FREEZING that never ends, a signal, a refused process) is undone all the same.
+What SIGSTOP and the freezer cannot tell apart, the agent cannot either: a job suspended by
+someone else *while* the agent has it paused is continued by the agent's resume.
 """
 
 from __future__ import annotations
@@ -9,10 +18,11 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from .processes import Guard, Proc, Refused, send
+from .processes import NOT_RUNNING, Guard, Proc, Refused, send, state
 
 FREEZER_ROOT = Path("/sys/fs/cgroup/freezer")  # cgroup v1 (docs/slurm.md: the test machine)
 FREEZE_DEADLINE_S = 0.5  # FREEZING that lasts longer is an error: the shutter is abandoned and all is thawed
@@ -25,6 +35,11 @@ class Target:
     job_id: str
     procs: frozenset[Proc]
     cgroup: Path | None = None
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to pause: the job does not run (stopped by someone else, or gone)."""
+        return self.cgroup is None and not self.procs
 
 
 def check_cgroup(cgroup: Path, guard: Guard, root: Path = FREEZER_ROOT) -> Path:
@@ -45,10 +60,14 @@ def _write_state(cgroup: Path, value: str) -> None:
     (cgroup / "freezer.state").write_text(value)
 
 
+def freezer_state(cgroup: Path) -> str:
+    return (cgroup / "freezer.state").read_text().strip()
+
+
 def freeze(cgroup: Path) -> None:
     _write_state(cgroup, "FROZEN")
     deadline = time.monotonic() + FREEZE_DEADLINE_S
-    while (cgroup / "freezer.state").read_text().strip() != "FROZEN":
+    while freezer_state(cgroup) != "FROZEN":
         if time.monotonic() > deadline:
             raise TimeoutError(f"cgroup {cgroup} still FREEZING after {FREEZE_DEADLINE_S} s")
         time.sleep(0.0002)
@@ -59,11 +78,16 @@ def thaw(cgroup: Path) -> None:
 
 
 class Pauser:
-    """Pauses and resumes jobs, refusing anything the guard forbids."""
+    """Pauses and resumes jobs, refusing anything the guard forbids, and resuming only what it stopped."""
 
     def __init__(self, guard: Guard, freezer_root: Path = FREEZER_ROOT) -> None:
         self.guard = guard
         self.freezer_root = freezer_root
+        # What this pauser stopped and has not resumed yet, each entry made before its SIGSTOP or
+        # FROZEN write: a process (with its job's processes, which the guard checks it against)
+        # and a cgroup
+        self.stopped: dict[Proc, frozenset[Proc]] = {}
+        self.frozen: set[Path] = set()
 
     def checked(self, target: Target) -> Target:
         """The target, after every check that pausing it would need (raises Refused)."""
@@ -73,19 +97,72 @@ class Pauser:
             self.guard.check(p, target.procs)
         return target
 
+    def running(self, target: Target) -> Target:
+        """What of a checked ``target`` runs now: the only part a shutter may pause, and so resume.
+        Processes stopped by someone else (T, t) or gone are left out; a cgroup frozen or freezing by
+        someone else, or whose processes are all stopped, leaves nothing. Empty: the job does not run."""
+        procs = frozenset(p for p in target.procs if state(p) not in NOT_RUNNING)
+        if target.cgroup is None or not procs:
+            return Target(target.job_id, procs)
+        try:
+            thawed = freezer_state(target.cgroup) == "THAWED"
+        except FileNotFoundError:  # the cgroup went with its job
+            thawed = False
+        return Target(target.job_id, procs, target.cgroup) if thawed else Target(target.job_id, frozenset())
+
     def pause(self, target: Target) -> None:
-        self._apply(target, freeze, signal.SIGSTOP)
-
-    def resume(self, target: Target) -> None:
-        self._apply(target, thaw, signal.SIGCONT)
-
-    def _apply(self, target: Target, on_cgroup: Callable[[Path], None], sig: signal.Signals) -> None:
         if target.cgroup is not None:
-            on_cgroup(target.cgroup)
+            cgroup = target.cgroup.resolve()
+            if freezer_state(cgroup) != "THAWED":  # frozen by someone else since running(): theirs to thaw
+                return
+            self.frozen.add(cgroup)  # before the write: a FREEZING that times out is thawed too
+            freeze(cgroup)
             return
         for p in sorted(target.procs):
             self.guard.check(p, target.procs)
-            send(p, sig)
+            self.stopped[p] = target.procs  # before the signal: a signal or error after it still resumes p
+            if not send(p, signal.SIGSTOP):  # gone, or already stopped by someone else: not ours
+                del self.stopped[p]
+
+    def resume(self, target: Target) -> None:
+        """Resume what this pauser stopped of ``target`` (nothing else)."""
+        if target.cgroup is not None:
+            cgroup = target.cgroup.resolve()
+            if cgroup in self.frozen:
+                self._thaw(cgroup)
+            return
+        for p in sorted(target.procs):
+            if p in self.stopped:
+                self._continue(p)
+
+    def held(self) -> list[Target]:
+        """Everything this pauser stopped and has not resumed, as targets (for the watchdog)."""
+        procs = [Target("", frozenset(self.stopped))] if self.stopped else []
+        return procs + [Target("", frozenset(), cgroup) for cgroup in sorted(self.frozen)]
+
+    def resume_held(self, on_error: Callable[[Proc | Path, Exception], None]) -> None:
+        """Resume everything this pauser stopped; what fails stays recorded (for the next attempt
+        and the watchdog) and goes to ``on_error``. Never raises an ``Exception``."""
+        for cgroup in sorted(self.frozen):
+            try:
+                self._thaw(cgroup)
+            except Exception as e:  # every other one must still be tried
+                on_error(cgroup, e)
+        for p in sorted(self.stopped):
+            try:
+                self._continue(p)
+            except Exception as e:
+                on_error(p, e)
+
+    def _thaw(self, cgroup: Path) -> None:
+        with suppress(FileNotFoundError):  # the cgroup went with its job: nothing is left frozen
+            thaw(cgroup)
+        self.frozen.discard(cgroup)
+
+    def _continue(self, p: Proc) -> None:
+        self.guard.check(p, self.stopped[p])
+        send(p, signal.SIGCONT)
+        del self.stopped[p]
 
 
 def resume_all(procs: Iterable[Proc], cgroups: Iterable[Path], guard: Guard,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
+STOPPED: frozenset[str | None] = frozenset("Tt")  # stopped by a signal (T) or at a tracer's stop (t)
+NOT_RUNNING = STOPPED | {"Z", "X", None}  # ... or gone (a zombie, dead, no such process)
 
 
 class Refused(RuntimeError):
@@ -105,14 +107,21 @@ class Guard:
 
 
 def send(p: Proc, sig: signal.Signals) -> bool:
-    """Signal exactly the process ``p`` names; False when it has gone (nothing was signalled)."""
+    """Signal exactly the process ``p`` names; False when it has gone (nothing was signalled).
+
+    SIGSTOP to a process already stopped (T, t) is not sent either, and False says so: that stop is
+    someone else's (a suspend, Ctrl-Z, a debugger), so the caller must not count it as its own and
+    continue the process later."""
     try:
         fd = os.pidfd_open(p.pid)
     except ProcessLookupError:
         return False
     try:
         # the pidfd pins the process; only now is comparing start times free of races
-        if identity(p.pid) != p:
+        fields = _stat_fields(p.pid)
+        if fields is None or int(fields[21]) != p.start_ticks:
+            return False
+        if sig == signal.SIGSTOP and fields[2] in STOPPED:
             return False
         signal.pidfd_send_signal(fd, sig)
         return True

@@ -2,7 +2,8 @@
 power limits it changed and removes the resctrl groups it made, if the agent dies.
 
 The agent holds the only write end of a pipe; the watchdog reads it. Before each pause the agent
-writes the set it is about to pause (one JSON line), after resuming it writes an empty set; before
+writes the set it is about to pause (one JSON line: only what runs, so never a job someone else
+stopped), after resuming it writes what stays paused (nothing, unless a resume failed); before
 it first changes a power limit it writes the limit's original value, and an empty map once it has
 restored them; before it makes a resctrl group, the groups it has. Each line states everything, so
 the last one read is what needs undoing. Bytes written to a pipe outlive their writer, so however

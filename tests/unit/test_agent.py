@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from nodeshare.producers.agent import rapl
 from nodeshare.producers.agent.agent import Agent, AgentOptions
 from nodeshare.producers.agent.jobs import JobFileError, JobSpec, LocalJob, load_job_file, parse_listpids
-from nodeshare.producers.agent.pausing import Pauser, Target, check_cgroup
+from nodeshare.producers.agent.pausing import FREEZER_ROOT, Pauser, Target, check_cgroup
 from nodeshare.producers.agent.processes import Guard, Proc, Refused, identity, state
 from nodeshare.producers.agent.progress import ApplicationCounter, ProgressFile, sample_between
 from nodeshare.producers.agent.shutter import next_lone, shutter_window
@@ -360,9 +360,10 @@ class NoBroker:
     def close(self, timeout: float) -> None: ...
 
 
-def agent_on(tmp_path: Path, source: FakeSource, max_bytes: int = 2**20, flush: FlushPolicy | None = None) -> Agent:
+def agent_on(tmp_path: Path, source: FakeSource, max_bytes: int = 2**20, flush: FlushPolicy | None = None,
+             freezer_root: Path = FREEZER_ROOT) -> Agent:
     options = AgentOptions(node="n1", spool=tmp_path / "spool.db", spool_max_bytes=max_bytes, sample_us=1000,
-                           hardware_counters=False, flush=flush or FlushPolicy())
+                           hardware_counters=False, flush=flush or FlushPolicy(), freezer_root=freezer_root)
     return Agent(options, source, NoBroker, lambda name: name)  # type: ignore[arg-type]
 
 
