@@ -8,7 +8,10 @@ network, always exit 0 (a failing PrologSlurmctld would hold the job). The sourc
 * ``prolog_ctld`` (PrologSlurmctld) -> started; the file name carries the time in nanoseconds;
 * ``jobcomp`` (JobCompType=jobcomp/script) -> ended / failed / cancelled, with Slurm's own
   SUBMIT, START and END;
-* ``epilog_ctld`` (EpilogSlurmctld) -> terminal only when jobcomp/script is not configured;
+* ``epilog_ctld`` (EpilogSlurmctld) -> terminal only when jobcomp/script is not configured; its
+  start time is the prolog's, kept in a state file in the events directory
+  (``.nodeshare-started.json``) that is durable before the prolog's file is deleted, so a job
+  that started before the source restarted still ends;
 * submissions: no hook sees them, so ``squeue`` is polled.
 
 Slurm versions with jobcomp/kafka (23.02+) send one JSON record per finished job; ``from_jobcomp_json``
@@ -18,7 +21,9 @@ source died between the ack and the delete) is de-duplicated downstream.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import subprocess
 import time
@@ -29,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeshare.logs import fields
-from nodeshare.schemas import JobEvent, JobState
+from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState
 
 log = logging.getLogger("nodeshare.slurm")
 
@@ -242,10 +247,24 @@ def submitted_event(row: Mapping[str, str], cluster: str) -> JobEvent:
                   program=row["program"], cores=row["cores"], nodes=(), submit=submit)
 
 
+#: The started map's file in the events directory: a dot name, which the source's scan skips and no
+#: hook writes (their temporaries are ``.<ns>-<hook>-<pid>``).
+STARTED_FILE = ".nodeshare-started.json"
+
+
 @dataclass
 class SlurmSource:
     """Turns hook files and squeue into lifecycle events; ``step()`` returns what to publish and
-    ``done()`` forgets it after the broker acknowledged it."""
+    ``done()`` forgets it after the broker acknowledged it.
+
+    With ``terminal_from_epilog`` an epilog's event needs its job's start, which only the prolog's
+    file carried, and that file is gone once its event was published. The started map is therefore
+    kept in ``state_file`` (default: ``STARTED_FILE`` in the events directory), written atomically
+    before a prolog's file is deleted, and loaded on start: a restarted source still ends every job
+    that started before it. Asking ``sacct``/``scontrol`` instead was not chosen: their start time
+    is not the prolog's (the started event already published carries the prolog's), the controller
+    forgets a job MinJobAge after it ends, and sacct needs slurmdbd, which a site with only
+    EpilogSlurmctld may lack."""
 
     events_dir: Path
     commands: SlurmCommands
@@ -253,6 +272,14 @@ class SlurmSource:
     terminal_from_epilog: bool = False
     seen_submitted: set[str] = field(default_factory=set)
     started: dict[str, datetime] = field(default_factory=dict)
+    state_file: Path | None = None
+    #: jobs whose terminal event is not yet acknowledged: they leave ``started`` in ``done()``
+    _ended: set[str] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.state_file is None:
+            self.state_file = self.events_dir / STARTED_FILE
+        self.started = {**load_started(self.state_file), **self.started}
 
     def step(self, poll_queue: bool = True) -> tuple[list[JobEvent], list[Path]]:
         events: list[JobEvent] = []
@@ -281,13 +308,51 @@ class SlurmSource:
                 events.append(event)
                 if event.state is JobState.STARTED and event.start_time is not None:
                     self.started[event.job_id] = event.start_time
+                elif event.state in TERMINAL_STATES:
+                    self._ended.add(event.job_id)
             files.append(path)
         return events, files
 
-    @staticmethod
-    def done(files: list[Path]) -> None:
+    def done(self, files: list[Path]) -> None:
+        """Delete the files whose events the broker acknowledged. The started map is durable first
+        (a crash after it re-reads a prolog, whose event is de-duplicated downstream); the ended
+        jobs leave it after the files are gone (a crash in between leaves a stale entry, never an
+        epilog without its start)."""
+        if self.terminal_from_epilog and self.state_file is not None:
+            save_started(self.state_file, self.started)
         for path in files:
             path.unlink(missing_ok=True)
+        if self._ended:
+            for job in self._ended:
+                self.started.pop(job, None)
+            self._ended.clear()
+            if self.terminal_from_epilog and self.state_file is not None:
+                save_started(self.state_file, self.started)
+
+
+def load_started(path: Path) -> dict[str, datetime]:
+    """The started map a previous source saved (none: empty). An unreadable file is moved aside
+    with an error: the jobs it named then end in ``bad/``, as before the map was kept."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    try:
+        return {job: datetime.fromisoformat(at) for job, at in json.loads(text).items()}
+    except (ValueError, AttributeError, TypeError) as exc:
+        aside = path.with_name(path.name + ".unreadable")
+        os.replace(path, aside)
+        log.error("%s is not a started map (%s): moved to %s; epilogs of jobs started before this "
+                  "source will go to bad/", path, exc, aside)
+        return {}
+
+
+def save_started(path: Path, started: Mapping[str, datetime]) -> None:
+    """Write the started map whole or not at all, durably (a temporary, fsynced, renamed over the
+    file, the directory fsynced): the archive's one way of doing it."""
+    from nodeshare.sinks.archive import atomic_write_bytes
+
+    atomic_write_bytes(json.dumps({job: at.isoformat() for job, at in sorted(started.items())}).encode(), path)
 
 
 def run_source(source: SlurmSource, publish: Callable[[list[JobEvent]], None], *, poll_s: float = 2.0,

@@ -1,11 +1,22 @@
 """The archive: every input event, verbatim, in Parquet, hive-partitioned by topic and date.
 
-Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offset>-<last offset>.parquet``
+Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>[-e<epoch>]-<first offset>-<last offset>.parquet``
 
 * each file is written to a temporary name, fsynced, then renamed: readers never see half a file;
   a sink killed mid-write leaves the temporary, which the partition's next owner removes;
-* a file's name states its offset range, so on start the sink resumes after the highest offset
-  it holds per partition, whatever Kafka's committed offset says: no duplicates, no gaps;
+* the sink writes one file per run of consecutive offsets of a partition in a batch (normally one
+  a batch), filed under the UTC date of its latest broker timestamp: a batch's offsets are durable
+  together or not at all, whatever their timestamps' order (two files by date were not: a crash
+  between them left a hole that "resume after the highest offset" never filled);
+* a file's name states its offset range; on start the sink resumes per partition at the end of the
+  contiguous prefix of the offsets actually held (files whose row count does not fill their range,
+  written before this layout, count by their offsets), whatever Kafka's committed offset says, and
+  drops every offset it already holds: each offset archived once, no gaps;
+* an *epoch* is one life of a topic partition: when the topic restarts at a lower offset (a broker
+  with memory storage restarted, the topic was recreated), an offset the archive holds arrives with
+  other bytes, or one below everything held arrives; the sink then starts the next epoch (recorded
+  in ``epochs/<topic>/p<partition>.json`` before anything of it is written) and reads the new log
+  from its beginning. Epoch 0 files keep the old names; (epoch, topic, partition, offset) is unique;
 * a row is (kafka_topic, partition, offset, timestamp_ms, key, value) with the value's bytes as
   they were received, so the audit decodes exactly what the stream worker decoded; rows are in
   offset order, but ``node.ipc`` rows are sorted by job, node and offset (readers that need the
@@ -21,6 +32,8 @@ Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>-<first offse
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
 import os
@@ -30,13 +43,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path, PurePath, PurePosixPath
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from confluent_kafka import Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
 from nodeshare.config import Settings
 from nodeshare.consumer import BatchSink, position
@@ -52,16 +65,89 @@ ARCHIVE_SCHEMA = pa.schema([
     ("key", pa.binary()),
     ("value", pa.binary()),
 ])
-_FILE = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
+_FILE = re.compile(r"^p(\d+)(?:-e(\d+))?-(\d+)-(\d+)\.parquet$")
 
 
 RETENTION_FILE = "retention.json"
+_EPOCH_IN_NAME = r"/p\d+-e(\d+)-\d+-\d+\.parquet$"  # for SQL over the files' names
+EPOCHS_DIR = "epochs"
+#: A position orders a partition's epochs one after the other: epoch * EPOCH_STRIDE + offset (epoch
+#: 0's positions are its offsets). 2**48 offsets is 9 years at a million messages a second.
+EPOCH_STRIDE = 1 << 48
+
+
+class FileSpan(NamedTuple):
+    partition: int
+    epoch: int
+    first: int  # offset
+    last: int
+
+
+def file_span(path: PurePath) -> FileSpan | None:
+    """(partition, epoch, first offset, last offset) from an archive file's name; None for other files."""
+    m = _FILE.match(path.name)
+    return FileSpan(int(m.group(1)), int(m.group(2) or 0), int(m.group(3)), int(m.group(4))) if m else None
 
 
 def file_range(path: PurePath) -> tuple[int, int, int] | None:
-    """(partition, first offset, last offset) from an archive file's name; None for other files."""
-    m = _FILE.match(path.name)
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+    """(partition, first position, last position) from an archive file's name (``EPOCH_STRIDE``: the
+    offsets themselves in epoch 0), so that files of two epochs never seem to overlap; None for
+    other files."""
+    span = file_span(path)
+    if span is None:
+        return None
+    base = span.epoch * EPOCH_STRIDE
+    return span.partition, base + span.first, base + span.last
+
+
+def file_name(partition: int, epoch: int, first: int, last: int) -> str:
+    tag = f"-e{epoch:04d}" if epoch else ""
+    return f"p{partition:04d}{tag}-{first:012d}-{last:012d}.parquet"
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Inclusive offset ranges, sorted, overlapping or adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for first, last in sorted(ranges):
+        if out and first <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return out
+
+
+def runs(offsets: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted offsets as inclusive ranges of consecutive ones."""
+    return merge_ranges((o, o) for o in offsets)
+
+
+@dataclass
+class PartitionLog:
+    """What the archive holds of one topic partition's latest epoch: its offset ranges (files, and
+    what retention removed of this epoch) and which of them only retention accounts for."""
+
+    epoch: int
+    ranges: list[tuple[int, int]]
+    pruned: tuple[int, int] | None = None
+
+    def holds(self, offset: int) -> bool:
+        i = bisect.bisect_right(self.ranges, (offset, 1 << 62)) - 1
+        return i >= 0 and self.ranges[i][0] <= offset <= self.ranges[i][1]
+
+    def in_files(self, offset: int) -> bool:
+        return self.holds(offset) and not (self.pruned and self.pruned[0] <= offset <= self.pruned[1])
+
+    def add(self, first: int, last: int) -> None:
+        self.ranges = merge_ranges([*self.ranges, (first, last)])
+
+    def resume_at(self) -> int | None:
+        """Where to read this partition from: the last offset of the contiguous prefix held, read
+        again to see that the topic did not restart (``ParquetArchive.append`` compares it), or the
+        one after it when retention removed it; None when nothing is held (the log's beginning)."""
+        if not self.ranges:
+            return None
+        last = self.ranges[0][1]
+        return last if self.in_files(last) else last + 1
 
 
 #: node.ipc typed columns: (column, Arrow type, JSON path in the value). Absent or mistyped: null.
@@ -158,6 +244,8 @@ class ParquetArchive:
         self.partitions = None if partitions is None else frozenset(partitions)
         self._listed: dict[str, list[PurePath]] = {}  # object storage: topic -> its files
         self._sizes: dict[PurePath, int] = {}  # object storage: each listed file's bytes, from the same listing
+        self._held: dict[PurePath, list[tuple[int, int]]] = {}  # file -> the offset ranges it holds
+        self._logs: dict[tuple[str, int], PartitionLog] = {}  # the sink's partitions, kept current by append
 
     @property
     def location(self) -> Path | str:
@@ -237,49 +325,188 @@ class ParquetArchive:
         return ", ".join("'" + self._uri(f).replace("'", "''") + "'" for f in self.files(topic))
 
     def high_water(self) -> dict[tuple[str, int], int]:
-        """(catalog topic, partition) -> the highest offset archived (pruned ones included: the
-        sink must not archive again what retention removed)."""
-        hw = self.retention()
-        for f in self.files():
-            r = file_range(f)
-            if r:
-                key = (f.parent.parent.name.removeprefix("topic="), r[0])
-                hw[key] = max(hw.get(key, -1), r[2])
-        return hw
+        """(catalog topic, partition) -> the highest offset archived of its latest epoch (pruned ones
+        included)."""
+        return {key: log.ranges[-1][1] for key, log in self.logs().items() if log.ranges}
+
+    def _epoch_marker(self, topic: str, partition: int) -> Path:
+        return self.root / EPOCHS_DIR / topic / f"p{partition:04d}.json"
+
+    def marked_epoch(self, topic: str, partition: int) -> int:
+        """The epoch the sink last started for this partition (0: none started)."""
+        body = self._read_json(self._epoch_marker(topic, partition))
+        return 0 if body is None else int(body["epoch"])
+
+    def held(self, files: Iterable[PurePath] | None = None) -> dict[tuple[str, int, int], list[tuple[int, int]]]:
+        """(catalog topic, partition, epoch) -> the offset ranges its files hold. A file whose row
+        count fills its name's range holds all of it (the sink writes runs of consecutive offsets);
+        another (written before that, by dates) holds the offsets its rows have."""
+        ranges: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
+        for f in self.files() if files is None else files:
+            span = file_span(f)
+            if span is None:
+                continue
+            key = (f.parent.parent.name.removeprefix("topic="), span.partition, span.epoch)
+            if f not in self._held:
+                rows = pq.ParquetFile(str(f), filesystem=self.fs).metadata.num_rows
+                self._held[f] = [(span.first, span.last)] if rows == span.last - span.first + 1 else runs(
+                    pq.read_table(str(f), columns=["offset"], filesystem=self.fs).column("offset").to_pylist())
+            ranges[key] += self._held[f]
+        return {k: merge_ranges(v) for k, v in ranges.items()}
+
+    def logs(self) -> dict[tuple[str, int], PartitionLog]:
+        """(catalog topic, partition) -> what is held of its latest epoch (files, retention, markers)."""
+        held = self.held()
+        latest: dict[tuple[str, int], int] = {}
+        for topic, partition, epoch in held:
+            latest[(topic, partition)] = max(latest.get((topic, partition), 0), epoch)
+        pruned = self.pruned_spans()
+        for key, (epoch, _, _) in pruned.items():
+            latest[key] = max(latest.get(key, 0), epoch)
+        markers: Iterable[PurePath] = (
+            self.root.glob(f"{EPOCHS_DIR}/*/p*.json") if self.fs is None
+            else (PurePosixPath(m) for m in self.fs.glob(f"{self.root}/{EPOCHS_DIR}/*/p*.json")))
+        for m in markers:
+            key = (m.parent.name, int(m.stem[1:]))
+            latest[key] = max(latest.get(key, 0), self.marked_epoch(*key))
+        return {key: self._log(key, epoch, held, pruned) for key, epoch in latest.items()}
+
+    @staticmethod
+    def _log(key: tuple[str, int], epoch: int, held: dict[tuple[str, int, int], list[tuple[int, int]]],
+             pruned: dict[tuple[str, int], tuple[int, int, int]]) -> PartitionLog:
+        ranges = list(held.get((*key, epoch), []))
+        cut = None
+        if key in pruned and pruned[key][0] == epoch:
+            cut = pruned[key][1:]
+            ranges.append(cut)
+        return PartitionLog(epoch, merge_ranges(ranges), cut)
+
+    def partition_log(self, topic: str, partition: int) -> PartitionLog:
+        """What is held of one partition's latest epoch, read from the files (cached by ``append``)."""
+        if (topic, partition) not in self._logs:
+            files = [f for f in self.files(topic) if (s := file_span(f)) is not None and s.partition == partition]
+            held = self.held(files)
+            pruned = self.pruned_spans()
+            epochs = [e for (_, _, e) in held] + [self.marked_epoch(topic, partition)]
+            if (topic, partition) in pruned:
+                epochs.append(pruned[(topic, partition)][0])
+            epoch = max(epochs)
+            self._logs[(topic, partition)] = self._log((topic, partition), epoch, held, pruned)
+        return self._logs[(topic, partition)]
+
+    def forget(self, topic: str, partition: int) -> None:
+        """Read this partition's log from the files again when next needed (its owner changed)."""
+        self._logs.pop((topic, partition), None)
 
     def glob_sql(self, topic: str = "*") -> str:
         """The files' glob (of one topic, or all) as a SQL string literal body (quotes doubled)."""
         return self._uri(self.root / f"topic={topic}" / "date=*" / "p*.parquet").replace("'", "''")
 
-    def write(self, topic: str, rows: list[ArchivedEvent]) -> list[Path]:
-        """Durably write rows of one catalog topic; one file per (date, partition)."""
+    def write(self, topic: str, rows: list[ArchivedEvent], epoch: int = 0) -> list[Path]:
+        """Durably write rows of one catalog topic: one file per run of consecutive offsets of a
+        partition, under the UTC date of the run's latest timestamp.
+
+        One file per run rather than one per (date, partition): timestamps are not in offset order
+        (producers' clocks differ), so a batch around midnight spans two dates in any order, and
+        with a file per date a crash between the two left a hole inside the held range. One file is
+        whole or absent (atomic rename), which needs no manifest or recovery step. The latest date
+        is chosen so that retention (``prune``, by date) never removes an event before its date."""
         self._local("writing")
-        groups: dict[tuple[str, int], list[ArchivedEvent]] = defaultdict(list)
+        by_partition: dict[int, dict[int, ArchivedEvent]] = defaultdict(dict)
         for r in rows:
-            day = datetime.fromtimestamp(r.timestamp_ms / 1000, UTC).strftime("%Y-%m-%d")
-            groups[(day, r.partition)].append(r)
+            by_partition[r.partition].setdefault(r.offset, r)  # a copy in one batch counts once
         written = []
-        for (day, partition), group in sorted(groups.items()):
-            group.sort(key=lambda r: r.offset)
-            d = self.root / f"topic={topic}" / f"date={day}"
-            d.mkdir(parents=True, exist_ok=True)
-            path = d / f"p{partition:04d}-{group[0].offset:012d}-{group[-1].offset:012d}.parquet"
-            table = pa.Table.from_pydict({
-                "kafka_topic": [r.kafka_topic for r in group],
-                "partition": [r.partition for r in group],
-                "offset": [r.offset for r in group],
-                "timestamp_ms": [r.timestamp_ms for r in group],
-                "key": [r.key for r in group],
-                "value": [r.value for r in group],
-            }, schema=ARCHIVE_SCHEMA)
-            _atomic_write(with_typed_columns(topic, table), path)
-            written.append(path)
+        for partition, got in sorted(by_partition.items()):
+            for first, last in runs(got):
+                group = [got[o] for o in range(first, last + 1)]
+                day = datetime.fromtimestamp(max(r.timestamp_ms for r in group) / 1000, UTC).strftime("%Y-%m-%d")
+                d = self.root / f"topic={topic}" / f"date={day}"
+                d.mkdir(parents=True, exist_ok=True)
+                path = d / file_name(partition, epoch, first, last)
+                table = pa.Table.from_pydict({
+                    "kafka_topic": [r.kafka_topic for r in group],
+                    "partition": [r.partition for r in group],
+                    "offset": [r.offset for r in group],
+                    "timestamp_ms": [r.timestamp_ms for r in group],
+                    "key": [r.key for r in group],
+                    "value": [r.value for r in group],
+                }, schema=ARCHIVE_SCHEMA)
+                _atomic_write(with_typed_columns(topic, table), path)
+                self._held[path] = [(first, last)]
+                if (topic, partition) in self._logs and self._logs[(topic, partition)].epoch == epoch:
+                    self._logs[(topic, partition)].add(first, last)
+                written.append(path)
         return written
+
+    def append(self, topic: str, rows: list[ArchivedEvent]) -> set[int]:
+        """What the sink received (each partition's rows in the order they arrived) into the
+        partition's latest epoch, every offset it already holds left out. Returns the partitions
+        whose topic restarted: their next epoch is recorded and nothing more of them is written;
+        the caller reads them again from their beginning.
+
+        A restart is seen where a run of rows begins (the first row, or one whose offset is not
+        above the row before it: the consumer's position was reset): at an offset held whose
+        archived copy has other bytes, key or timestamp, at one that only retention accounts for,
+        or below everything held. The sink resumes at the last offset held, so a topic that
+        restarted and has grown past it is seen too."""
+        restarted: set[int] = set()
+        by_partition: dict[int, list[ArchivedEvent]] = defaultdict(list)
+        for r in rows:
+            by_partition[r.partition].append(r)
+        for partition, got in sorted(by_partition.items()):
+            log = self.partition_log(topic, partition)
+            keep: dict[int, ArchivedEvent] = {}
+            previous: int | None = None
+            for r in got:
+                if (previous is None or r.offset <= previous) and self._restarted(topic, log, r, keep):
+                    self.write(topic, list(keep.values()), log.epoch)
+                    self._start_epoch(topic, partition, log.epoch + 1)
+                    restarted.add(partition)
+                    keep = {}
+                    break
+                previous = r.offset
+                if not log.holds(r.offset):
+                    keep.setdefault(r.offset, r)
+            if keep:
+                self.write(topic, list(keep.values()), log.epoch)
+        return restarted
+
+    def _restarted(self, topic: str, log: PartitionLog, row: ArchivedEvent, batch: dict[int, ArchivedEvent]) -> bool:
+        if not log.ranges and not batch:
+            return False
+        if row.offset in batch:
+            copy: ArchivedEvent | None = batch[row.offset]
+        elif log.holds(row.offset):
+            copy = self.row_at(topic, row.partition, log.epoch, row.offset) if log.in_files(row.offset) else None
+        else:
+            return bool(log.ranges) and row.offset < log.ranges[0][0]
+        return copy is None or (copy.key, copy.value, copy.timestamp_ms) != (row.key, row.value, row.timestamp_ms)
+
+    def row_at(self, topic: str, partition: int, epoch: int, offset: int) -> ArchivedEvent | None:
+        """The archived row at one offset of a partition's epoch (None: not in a file)."""
+        for f in self.files(topic):
+            span = file_span(f)
+            if span and (span.partition, span.epoch) == (partition, epoch) and span.first <= offset <= span.last:
+                found = pq.read_table(str(f), columns=ARCHIVE_SCHEMA.names, filters=[("offset", "=", offset)],
+                                      filesystem=self.fs).to_pylist()
+                if found:
+                    return ArchivedEvent(**found[0])
+        return None
+
+    def _start_epoch(self, topic: str, partition: int, epoch: int) -> None:
+        """Record the partition's next epoch before anything of it is written: a sink that restarts
+        before the first file of it reads the new log from its beginning."""
+        marker = self._epoch_marker(topic, partition)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(json.dumps({"epoch": epoch}).encode(), marker)
+        self._logs[(topic, partition)] = PartitionLog(epoch, [])
+        log.warning("%s[%d] restarted at a lower offset (broker restarted or topic recreated): archiving "
+                    "its new log as epoch %d", topic, partition, epoch)
 
     def events(self, topics: Iterable[str], keys: Iterable[bytes] | None = None,
                con: duckdb.DuckDBPyConnection | None = None) -> Iterator[tuple[str, ArchivedEvent]]:
         """Archived events of the given catalog topics (and message keys, when given), each once, in
-        (topic, partition, offset) order; read with ``con`` (a cursor of a database the caller
+        (topic, partition, epoch, offset) order; read with ``con`` (a cursor of a database the caller
         already opened: opening one costs 15-30 ms) or a fresh database."""
         wanted = [t for t in topics if self.files(t)]  # a glob that matches nothing is an error
         if not wanted:
@@ -292,11 +519,13 @@ class ParquetArchive:
         con = con if con is not None else self.connect()
         globs = ", ".join(self.sources_sql(t) for t in wanted)  # only these topics' files are opened
         rows = con.execute(
-            f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value
-                FROM read_parquet([{globs}], hive_partitioning = true, union_by_name = true)
-                {key_filter}
-                QUALIFY row_number() OVER (PARTITION BY topic, "partition", "offset") = 1
-                ORDER BY topic, "partition", "offset" """,
+            f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value FROM (
+                    SELECT *, coalesce(TRY_CAST(regexp_extract(filename, '{_EPOCH_IN_NAME}', 1) AS INTEGER), 0)
+                              AS epoch
+                    FROM read_parquet([{globs}], hive_partitioning = true, union_by_name = true, filename = true)
+                    {key_filter})
+                QUALIFY row_number() OVER (PARTITION BY topic, "partition", epoch, "offset") = 1
+                ORDER BY topic, "partition", epoch, "offset" """,
             params,
         ).fetchall()
         for topic, kt, p, o, ts, k, v in rows:
@@ -314,12 +543,12 @@ class ParquetArchive:
         for stale in self.root.glob(f"topic=*/date=*/p*.parquet{COMPACT_TMP}"):  # an interrupted compaction
             stale.unlink()
         before = self._local_files()
-        groups: dict[tuple[Path, int], list[tuple[int, int, Path]]] = defaultdict(list)
+        groups: dict[tuple[Path, int, int], list[tuple[int, int, Path]]] = defaultdict(list)
         for f in before:
-            r = file_range(f)
-            if r:
-                groups[(f.parent, r[0])].append((r[1], r[2], f))
-        for (directory, partition), files in sorted(groups.items()):
+            span = file_span(f)
+            if span:
+                groups[(f.parent, span.partition, span.epoch)].append((span.first, span.last, f))
+        for (directory, partition, epoch), files in sorted(groups.items()):
             files.sort()
             run: list[Path] = []
             rows = 0
@@ -327,12 +556,12 @@ class ParquetArchive:
                 run.append(f)
                 rows += pq.ParquetFile(f).metadata.num_rows
                 if rows >= min_rows:
-                    self._merge(directory, partition, run, row_group_rows)
+                    self._merge(directory, partition, epoch, run, row_group_rows)
                     run, rows = [], 0
-            self._merge(directory, partition, run, row_group_rows)  # the remainder
+            self._merge(directory, partition, epoch, run, row_group_rows)  # the remainder
         return len(before), len(self._local_files())
 
-    def _merge(self, directory: Path, partition: int, files: list[Path], row_group_rows: int) -> None:
+    def _merge(self, directory: Path, partition: int, epoch: int, files: list[Path], row_group_rows: int) -> None:
         if len(files) < 2:
             return
         # Files written before typed columns existed get them here; the value is read as it is.
@@ -344,7 +573,7 @@ class ParquetArchive:
         keep = order[np.r_[True, offsets[order][1:] != offsets[order][:-1]]]  # first copy of each offset
         table = with_typed_columns(topic, table.take(pa.array(keep)))
         first, last = int(offsets[keep[0]]), int(offsets[keep[-1]])
-        target = directory / f"p{partition:04d}-{first:012d}-{last:012d}.parquet"
+        target = directory / file_name(partition, epoch, first, last)
         _atomic_write(table, target, row_group_rows, COMPACT_TMP)
         for f in files:
             if f != target:
@@ -360,16 +589,28 @@ class ParquetArchive:
             f.unlink(missing_ok=True)
         return stale
 
+    def _read_json(self, path: PurePath) -> Any:
+        """A small JSON file of the archive (absent: None), on a file system or object storage."""
+        if self.fs is not None:
+            return json.loads(self.fs.cat(str(path))) if self.fs.exists(str(path)) else None
+        return json.loads(Path(path).read_text()) if Path(path).exists() else None
+
     def retention(self) -> dict[tuple[str, int], int]:
         """(catalog topic, partition) -> the highest offset retention removed (none: empty)."""
-        marker = self.root / RETENTION_FILE
-        if self.fs is not None:
-            if not self.fs.exists(str(marker)):
-                return {}
-            return self._pruned(json.loads(self.fs.cat(str(marker))))
-        if not marker.exists():
+        body = self._read_json(self.root / RETENTION_FILE)
+        return {} if body is None else self._pruned(body)
+
+    def pruned_spans(self) -> dict[tuple[str, int], tuple[int, int, int]]:
+        """(catalog topic, partition) -> (epoch, first offset, last offset) of what retention removed
+        of its latest epoch pruned (a marker from before epochs: epoch 0, from offset 0)."""
+        body = self._read_json(self.root / RETENTION_FILE)
+        if body is None:
             return {}
-        return self._pruned(json.loads(marker.read_text()))
+        spans = {key: (0, 0, offset) for key, offset in self._pruned(body).items()}
+        for name, (epoch, first, last) in body.get("pruned_epochs", {}).items():
+            topic, partition = name.rsplit(":", 1)
+            spans[(topic, int(partition))] = (int(epoch), int(first), int(last))
+        return spans
 
     @staticmethod
     def _pruned(marker: dict[str, Any]) -> dict[tuple[str, int], int]:
@@ -390,19 +631,27 @@ class ParquetArchive:
         self._local("pruning")
         doomed = [f for f in self._local_files() if f.parent.name.removeprefix("date=") < before.isoformat()]
         through = self.retention()
+        spans = self.pruned_spans()
         events = 0
         for f in doomed:
-            r = file_range(f)
-            if r:
-                key = (f.parent.parent.name.removeprefix("topic="), r[0])
-                through[key] = max(through.get(key, -1), r[2])
+            span = file_span(f)
+            if span:
+                key = (f.parent.parent.name.removeprefix("topic="), span.partition)
+                through[key] = max(through.get(key, -1), span.last)  # the audit's: any epoch's offset
+                e, first, last = spans.get(key, (-1, 0, -1))
+                if span.epoch > e:
+                    spans[key] = (span.epoch, span.first, span.last)
+                elif span.epoch == e:
+                    spans[key] = (e, min(first, span.first), max(last, span.last))
                 events += pq.ParquetFile(f).metadata.num_rows
         dates = sorted({f.parent.name.removeprefix("date=") for f in doomed})
         if dry_run or not doomed:
             return Pruned(dates, len(doomed), events)
         marker = {"pruned_before": before.isoformat(),
-                  "pruned_through": {f"{t}:{p}": o for (t, p), o in sorted(through.items())}}
-        _atomic_write_bytes(json.dumps(marker, indent=1).encode(), self.root / RETENTION_FILE)
+                  "pruned_through": {f"{t}:{p}": o for (t, p), o in sorted(through.items())},
+                  # the sink's: what is removed of each partition's latest epoch pruned, as held
+                  "pruned_epochs": {f"{t}:{p}": list(span) for (t, p), span in sorted(spans.items())}}
+        atomic_write_bytes(json.dumps(marker, indent=1).encode(), self.root / RETENTION_FILE)
         for f in doomed:
             f.unlink()
         for d in {f.parent for f in doomed}:
@@ -425,6 +674,83 @@ class Pruned:
     events: int
 
 
+@dataclass(frozen=True)
+class Gap:
+    """Offsets of a topic partition's epoch that the archive lacks: between two ranges it holds
+    (``hole``), or that the broker still has before the first held (``head``) or after the last
+    (``tail``: the sink is behind or stopped)."""
+
+    topic: str
+    partition: int
+    epoch: int
+    first: int
+    last: int
+    kind: str
+
+    @property
+    def count(self) -> int:
+        return self.last - self.first + 1
+
+
+def offset_gaps(held: list[tuple[int, int]], low: int | None = None, high: int | None = None
+                ) -> list[tuple[int, int, str]]:
+    """The (first, last, kind) offset ranges missing from ``held`` (sorted, merged inclusive ranges):
+    every hole between them, and with the broker's watermarks (``low``: its first offset, ``high``:
+    one after its last) the offsets in [low, high) before or after them. Nothing held and a broker
+    that has offsets: all of them are missing (``tail``)."""
+    missing = [(a[1] + 1, b[0] - 1, "hole") for a, b in itertools.pairwise(held) if b[0] > a[1] + 1]
+    if low is None or high is None or high <= low:
+        return missing
+    if not held:
+        return [(low, high - 1, "tail")]
+    if low < held[0][0]:
+        missing.insert(0, (low, min(held[0][0], high) - 1, "head"))
+    if high - 1 > held[-1][1]:
+        missing.append((max(held[-1][1] + 1, low), high - 1, "tail"))
+    return missing
+
+
+def archive_gaps(archive: ParquetArchive, watermarks: dict[tuple[str, int], tuple[int, int]] | None = None
+                 ) -> tuple[list[Gap], int]:
+    """Every gap of the archive (and, with the broker's watermarks per (catalog topic, partition),
+    against them: they concern each partition's latest epoch), and how many (topic, partition,
+    epoch) logs were checked. Retention's removals count as held."""
+    held = archive.held()
+    logs = archive.logs()
+    for (topic, partition), plog in logs.items():
+        held[(topic, partition, plog.epoch)] = plog.ranges  # with what retention removed of it
+    for key in watermarks or {}:
+        if key not in logs:  # a partition the broker has and the archive lacks entirely
+            held.setdefault((*key, 0), [])
+    gaps = []
+    for (topic, partition, epoch), ranges in sorted(held.items()):
+        latest = logs[(topic, partition)].epoch if (topic, partition) in logs else 0
+        low, high = (watermarks or {}).get((topic, partition), (None, None)) if epoch == latest else (None, None)
+        gaps += [Gap(topic, partition, epoch, *missing) for missing in offset_gaps(ranges, low, high)]
+    return gaps, len(held)
+
+
+def broker_watermarks(settings: Settings, topics: Iterable[str], timeout_s: float = 10.0
+                      ) -> dict[tuple[str, int], tuple[int, int]]:
+    """(catalog topic, partition) -> the broker's (low, high) watermarks, for the topics it has.
+    Raises KafkaException when the broker cannot be reached. On the bundled broker the high
+    watermark is the last batch's first offset + 1 (docs/broker.md): a tail can go unreported,
+    never be reported falsely."""
+    consumer = Consumer(settings.client_config(**{  # an unreachable broker is the caller's one line, not a log per try
+        "group.id": f"{settings.app_id}-archive-check", "enable.auto.commit": False, "log_level": 0}))
+    try:
+        meta = consumer.list_topics(timeout=timeout_s).topics
+        out = {}
+        for name in topics:
+            topic = settings.topic(name)
+            for partition in sorted(meta[topic].partitions) if topic in meta else []:
+                out[(name, partition)] = consumer.get_watermark_offsets(TopicPartition(topic, partition),
+                                                                        timeout=timeout_s)
+        return out
+    finally:
+        consumer.close()
+
+
 #: Temporary names (not matched by the *.parquet globs readers use): the sink's files, and compaction's
 #: (a sink restart removes its own partitions' leftovers, never a compaction's in progress).
 SINK_TMP, COMPACT_TMP = ".tmp", ".compact.tmp"
@@ -436,7 +762,8 @@ def _atomic_write(table: pa.Table, path: Path, row_group_rows: int | None = None
     _publish(tmp, path)
 
 
-def _atomic_write_bytes(data: bytes, path: Path) -> None:
+def atomic_write_bytes(data: bytes, path: Path) -> None:
+    """``data`` into ``path`` whole or not at all, durably (also the Slurm source's state file)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     _publish(tmp, path)
@@ -461,18 +788,28 @@ class ArchiveSink(BatchSink):
         names = list(topics) if topics is not None else [t.name for t in INPUT_TOPICS]
         super().__init__(settings, names, "archive")
         self.archive = ParquetArchive(root)
+        self._consumer: Consumer | None = None  # to read a restarted topic partition again from its start
+
+    def consumer(self) -> Consumer:
+        self._consumer = super().consumer()
+        return self._consumer
 
     def resume_offsets(self, partitions: list[TopicPartition]) -> None:
-        hw = self.archive.high_water()
+        """Each partition from the end of the contiguous prefix it holds (its last offset is read again
+        and compared, ``ParquetArchive.append``), or its beginning when its epoch holds nothing."""
         for p in partitions:
             name = spec_for_topic(p.topic, self.settings.topic_prefix).name
             stale = self.archive.remove_stale_temporaries(name, p.partition)
             if stale:
                 log.warning("removed %d half-written archive file(s) of %s[%d] left by a killed sink: %s",
                             len(stale), name, p.partition, ", ".join(f.name for f in stale))
-            last = hw.get((name, p.partition))
-            if last is not None:
-                p.offset = last + 1
+            self.archive.forget(name, p.partition)  # another owner may have written it meanwhile
+            plog = self.archive.partition_log(name, p.partition)
+            at = plog.resume_at()
+            if at is not None:
+                p.offset = at
+            elif plog.epoch > 0:  # a restarted topic's new epoch, nothing of it written yet
+                p.offset = OFFSET_BEGINNING
 
     def write(self, messages: list[Message]) -> None:
         by_topic: dict[str, list[ArchivedEvent]] = defaultdict(list)
@@ -482,4 +819,8 @@ class ArchiveSink(BatchSink):
             by_topic[spec_for_topic(topic, self.settings.topic_prefix).name].append(
                 ArchivedEvent(topic, partition, offset, ts, m.key(), m.value()))
         for topic, rows in by_topic.items():
-            self.archive.write(topic, rows)
+            restarted = self.archive.append(topic, rows)
+            if restarted and self._consumer is not None:
+                kafka_topic = rows[0].kafka_topic
+                for partition in sorted(restarted):
+                    self._consumer.seek(TopicPartition(kafka_topic, partition, OFFSET_BEGINNING))

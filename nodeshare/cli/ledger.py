@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from .common import (
+    Bootstrap,
     app,
     err,
     load_settings,
@@ -210,3 +211,44 @@ def archive_prune(
     span = f"{pruned.dates[0]} .. {pruned.dates[-1]}" if pruned.dates else "none"
     verb = "would remove" if dry_run else "removed"
     out.print(f"{verb} {pruned.events:,} events in {pruned.files} files (dates {span})")
+
+
+@archive_app.command("check")
+def archive_check(
+    archive: Annotated[Path, typer.Option(help="archive root directory")],
+    bootstrap: Bootstrap = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Gaps in each topic partition's archived offsets, and, with a broker (--bootstrap or
+    NODESHARE_BOOTSTRAP), offsets it still has that the archive lacks. Exit 1 on a gap, 2 when
+    the broker cannot be reached."""
+    from confluent_kafka import KafkaException
+
+    from nodeshare.schemas import INPUT_TOPICS
+    from nodeshare.sinks.archive import ParquetArchive, archive_gaps, broker_watermarks
+
+    if not archive.is_dir():
+        err.print(f"[red]no archive at[/red] {archive}")
+        raise typer.Exit(2)
+    settings = load_settings(bootstrap=bootstrap)
+    watermarks = None
+    if settings.bootstrap:
+        try:
+            watermarks = broker_watermarks(settings, [t.name for t in INPUT_TOPICS])
+        except KafkaException as exc:
+            err.print(f"[red]archive check[/red]: the broker at {settings.bootstrap} cannot be reached: "
+                      f"{exc.args[0].str() if exc.args and hasattr(exc.args[0], 'str') else exc}")
+            raise typer.Exit(2) from None
+    gaps, logs = archive_gaps(ParquetArchive(archive), watermarks)
+    against = f"the broker at {settings.bootstrap}" if watermarks is not None else "no broker (none configured)"
+    if as_json:
+        print(json.dumps({"logs_checked": logs, "broker": settings.bootstrap if watermarks is not None else None,
+                          "gaps": [{**g.__dict__, "count": g.count} for g in gaps]}, indent=2))
+    else:
+        for g in gaps:
+            out.print(f"{g.topic}[{g.partition}] epoch {g.epoch}: offsets {g.first}..{g.last} missing "
+                      f"({g.count:,}, {g.kind})")
+        out.print(f"{logs} topic partition logs checked against {against}: "
+                  + (f"{len(gaps)} gaps, {sum(g.count for g in gaps):,} offsets missing" if gaps else "no gap"))
+    if gaps:
+        raise typer.Exit(1)

@@ -131,7 +131,8 @@ def test_a_restarted_sink_removes_the_half_written_files_of_its_partitions_only(
     partitions = [TopicPartition(settings.topic("node.ipc"), 0)]
     sink.resume_offsets(partitions)
     assert not mine.exists() and other.exists() and compacting.exists()  # partition 1 is not ours; nor compaction's
-    assert partitions[0].offset == ParquetArchive(archive).high_water()[("node.ipc", 0)] + 1
+    # the last offset held is read again, to see that the topic did not restart (the copy is dropped)
+    assert partitions[0].offset == ParquetArchive(archive).high_water()[("node.ipc", 0)]
     ParquetArchive(archive).compact()
     assert not compacting.exists()  # the next compaction clears its own leftovers
 
