@@ -37,7 +37,13 @@ from pydantic import (
 #:   as a batch of one. ``DegradationEstimate`` is also published while a job runs (per batch) with
 #:   the job's IPC moments (``features``) for the placement manager; ``DeadLetter`` names the bad
 #:   rows of a batch whose other rows were counted (``rows``).
-SCHEMA_VERSION = 4
+#: * 4: ``JobLeftNode`` carries the time the job ran alone (``alone_us``), and ``Charge`` the
+#:   shared-time estimate and that time (``degradation_shared``, ``alone_s``).
+#: * 5: ``Charge`` says what evidence it set aside (``evidence_problems``: refused markers, blocks
+#:   that never arrived), and an estimate may be ``no_progress_alone``. Lifecycle events obey
+#:   stricter rules (an end only in a terminal event, no start in a submitted one, distinct nodes,
+#:   every job time under the clock rule): records version 4 accepted that break them are dead letters.
+SCHEMA_VERSION = 5
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -83,18 +89,27 @@ class Record(BaseModel):
 
 
 def clock_problem(record: Record, broker_timestamp_s: float) -> str | None:
-    """Why an input record's event_time cannot be right, or None: before EARLIEST_EVENT_TIME, or
-    too far ahead of its message's broker timestamp (<= 0: the broker gave none, nothing to
+    """Why an input record's event_time (or a job time it states) cannot be right, or None: before
+    EARLIEST_EVENT_TIME, or too far ahead of its message's broker timestamp (<= 0: the broker gave none, nothing to
     compare with). Consumers of input topics apply it; records nodeshare derives are not checked."""
-    if record.event_time < EARLIEST_EVENT_TIME:
-        return f"event_time {record.event_time.isoformat()} is before {EARLIEST_EVENT_TIME.date()}: a broken clock"
-    if broker_timestamp_s <= 0:
-        return None
-    ahead = record.event_time.timestamp() - broker_timestamp_s
-    if ahead > MAX_AHEAD_OF_BROKER_S:
-        return (f"event_time {record.event_time.isoformat()} is {ahead:.0f} s ahead of the broker's timestamp "
-                f"(at most {MAX_AHEAD_OF_BROKER_S:.0f} s of clock skew): a wrong clock")
+    for name in _CLOCKED_FIELDS:
+        when = getattr(record, name, None)
+        if when is None:
+            continue
+        if when < EARLIEST_EVENT_TIME:
+            return f"{name} {when.isoformat()} is before {EARLIEST_EVENT_TIME.date()}: a broken clock"
+        if broker_timestamp_s <= 0:
+            continue
+        ahead = when.timestamp() - broker_timestamp_s
+        if ahead > MAX_AHEAD_OF_BROKER_S:
+            return (f"{name} {when.isoformat()} is {ahead:.0f} s ahead of the broker's timestamp "
+                    f"(at most {MAX_AHEAD_OF_BROKER_S:.0f} s of clock skew): a wrong clock")
     return None
+
+
+#: The times a record states, each checked by ``clock_problem``: a lifecycle event's job times are
+#: billed (a start in 1970 or an end in 2099 would price decades), so they obey the same rule.
+_CLOCKED_FIELDS = ("event_time", "submit_time", "start_time", "end_time")
 
 
 # --------------------------------------------------------------------------- node.ipc
@@ -348,17 +363,22 @@ class JobEvent(Record):
             raise ValueError(f"start_time: required when state is {self.state.value}")
         if ran and not self.nodes:
             raise ValueError(f"nodes: required when state is {self.state.value}")
-        if self.state in TERMINAL_STATES and self.start_time is not None:
-            if self.end_time is None:
-                raise ValueError(f"end_time: required when state is {self.state.value}")
-            if self.end_time < self.start_time:
-                raise ValueError("end_time: precedes start_time")
+        if self.state is JobState.SUBMITTED and self.start_time is not None:
+            raise ValueError("start_time: a submitted job has not started")
+        if self.state not in TERMINAL_STATES and self.end_time is not None:
+            raise ValueError(f"end_time: a {self.state.value} job has not ended (only a terminal event has an end)")
+        if self.state in TERMINAL_STATES and self.start_time is not None and self.end_time is None:
+            raise ValueError(f"end_time: required when state is {self.state.value}")
+        if self.start_time is not None and self.end_time is not None and self.end_time < self.start_time:
+            raise ValueError("end_time: precedes start_time")
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ValueError("nodes: a node is listed twice")
         return self
 
     @property
     def ran(self) -> bool:
-        """True when the job occupied nodes (and so must be charged when it stops)."""
-        return self.start_time is not None and self.end_time is not None
+        """True when the job occupied nodes and has stopped (and so must be charged now)."""
+        return self.state in TERMINAL_STATES and self.start_time is not None and self.end_time is not None
 
 
 # --------------------------------------------------------------------------- cluster.inventory
@@ -397,6 +417,9 @@ class EstimateStatus(StrEnum):
     OK = "ok"  # the applied estimate has evidence (Alg. 4 and refill-corrected: a block passed the filter)
     NO_ACCEPTED_BLOCKS = "no_accepted_blocks"  # blocks arrived but Alg. 4 rejected them all
     NO_BLOCKS = "no_blocks"  # the job never shared a node with a shuttered co-runner
+    #: the blocks the estimate uses show no instruction retired while the job ran alone (it slept, or
+    #: waited on I/O or MPI): its solo speed is 0 and no slowdown is measurable (version 5)
+    NO_PROGRESS_ALONE = "no_progress_alone"
 
 
 class SampleMoments(BaseModel):
@@ -636,6 +659,10 @@ class Charge(Record):
     price: Annotated[float, Field(ge=0.0)]  # what the job is charged
     dividend: Annotated[float, Field(ge=0.0)]  # standard_price - price: the co-location discount
     event_range: tuple[OffsetRange, ...]
+    #: Why some of the evidence was set aside or is incomplete (version 5): a node's marker refused
+    #: for breaking a physical bound (its pause credit and time alone not applied), or blocks its
+    #: marker says were sent that never arrived. Empty: every marker held and every block arrived.
+    evidence_problems: tuple[str, ...] = ()
     code_version: Name
 
 
@@ -660,7 +687,8 @@ class DeadLetter(Record):
 #: Fields added after version 1, per model, with the version that added them: a record of an
 #: older version lacks them (reads their default), and an audit does not compare them.
 ADDED_IN: dict[type[Record], dict[str, int]] = {
-    Charge: {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4},
+    Charge: {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
+             "evidence_problems": 5},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

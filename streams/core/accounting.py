@@ -147,6 +147,9 @@ class NodeStream(_State):
     first_offset: int = -1  # node.ipc offsets of the stream's first event and of its close
     close_offset: int = -1
     closed: bool = False
+    refused: int = 0  # blocks that arrived with a bad value (dead-lettered, not counted)
+    close_event_id: str = ""  # the closing marker, to tell a re-sent copy from a new run's marker
+    close_event_time: datetime | None = None
     blocks_sent: int = 0
     paused_us: int = 0
     alone_us: int = 0
@@ -195,10 +198,13 @@ class JobAccount(_State):
     order the two topics are read in, so every revision is too."""
 
     job_id: str
-    nodes: dict[str, NodeStream] = {}
+    nodes: dict[str, NodeStream] = {}  # each node's latest stream
+    earlier: dict[str, list[NodeStream]] = {}  # a node's closed streams of the job's earlier runs, oldest first
     ends: list[TerminalEvent] = []
     revision: int = -1  # the last charge revision emitted; -1 before the first
-    triggers: list[str] = []  # per revision, the "topic:partition:offset" of the event that completed it
+    # per terminal event up to ``revision``, the "topic:partition:offset" of the event that completed its
+    # charge ("" for one superseded before its nodes closed, never charged)
+    triggers: list[str] = []
     applied: dict[str, int] = {}  # "topic:partition" -> highest offset applied
     ipc_partition: tuple[str, int] | None = None  # where this job's node.ipc events are read from
     latest_event_time: datetime | None = None  # event time of the newest event applied
@@ -240,20 +246,55 @@ class JobAccount(_State):
             ns = self.nodes[node] = NodeStream()
         return ns
 
+    def _next_run(self, node: str) -> NodeStream:
+        """Keep a node's closed stream as an earlier run's and open the next."""
+        self.earlier.setdefault(node, []).append(self.nodes[node])
+        ns = self.nodes[node] = NodeStream()
+        return ns
+
+    def _runs_of(self, node: str) -> list[NodeStream]:
+        """A node's streams, one per run of the job there, oldest first."""
+        return [*self.earlier.get(node, ()), *([self.nodes[node]] if node in self.nodes else [])]
+
+    def streams_for(self, revision: int) -> list[tuple[str, NodeStream]] | None:
+        """The block streams terminal event ``revision`` is priced from, sorted by node, or None while one
+        has not closed. A job requeued under its id runs again with a new start time: each distinct start
+        (in the order the terminal events name them) is a run, and a node's k-th stream belongs to the
+        k-th run that lists it; corrections of a run (same start) share its streams. Decided from the
+        terminal events up to ``revision`` only, so a revision's streams never change once it is priced."""
+        terminal = self.ends[revision].event
+        latest: dict[datetime | None, JobEvent] = {}  # run (its start) -> its latest terminal event so far
+        for t in self.ends[:revision + 1]:
+            latest[t.event.start_time] = t.event
+        before = list(latest)[:list(latest).index(terminal.start_time)]
+        out = []
+        for node in sorted(terminal.nodes):
+            k = sum(node in latest[run].nodes for run in before)
+            runs = self._runs_of(node)
+            if k >= len(runs) or not runs[k].closed:
+                return None
+            out.append((node, runs[k]))
+        return out
+
     def _apply_blocks(self, record: ShutterBatch | ShutterBlock, origin: Origin, policy: PricingPolicy,
                       running_estimates: bool = True) -> Step:
         """A batch (or one version-1/2 block): its valid blocks that extend the stream are counted,
         all at once; bad, duplicate and out-of-order blocks are refused, each with its index and reason."""
         ns = self._stream(record.node)
-        if ns.closed:
-            return Step(rejected="shutter block after the job left the node")
         rows = block_rows(record)
+        if ns.closed:
+            # Blocks past the closed stream's last cycle: the job runs on the node again (requeued under
+            # its id), a new stream. Anything else is a copy of what the closed stream counted.
+            if not (rows.valid & (rows.cycle > ns.last_cycle)).any():
+                return Step(rejected="shutter block after the job left the node")
+            ns = self._next_run(record.node)
         prior = prior_max(rows.cycle, rows.valid, ns.last_cycle)
         counted = rows.valid & (rows.cycle > prior)
         n = int(counted.sum())
         stale = [RowProblem(index=i, field="cycle", reason=f"cycle {rows.cycle[i]} out of order (last was {prior[i]})")
                  for i in np.flatnonzero(rows.valid & ~counted).tolist()]
         ns.ignored += len(stale)
+        ns.refused += len(rows.problems)
         accepted = 0
         if n:
             sums = ns.sums()
@@ -287,8 +328,11 @@ class JobAccount(_State):
     def _apply_left(self, left: JobLeftNode, origin: Origin, policy: PricingPolicy) -> Step:
         ns = self._stream(left.node)
         if ns.closed:
-            return Step(rejected="job already left this node")
+            if (left.event_id, left.event_time) == (ns.close_event_id, ns.close_event_time):
+                return Step(rejected="job already left this node (a copy of its marker)")
+            ns = self._next_run(left.node)  # a later run of the job on this node, with no block
         ns.closed = True
+        ns.close_event_id, ns.close_event_time = left.event_id, left.event_time
         ns.blocks_sent = left.blocks_sent
         ns.paused_us = left.paused_us
         ns.alone_us = left.alone_us
@@ -317,13 +361,9 @@ class JobAccount(_State):
 
     def degradation(self, nodes: tuple[str, ...] | None = None, estimator: str = DEFAULT_ESTIMATOR,
                     ) -> DegradationResult:
+        """The estimate over the latest stream of each of ``nodes`` (default: every node)."""
         named = [n for n in sorted(nodes if nodes is not None else self.nodes) if n in self.nodes]
-        if len(named) == 1:  # most jobs: one node, whose sums need no merging
-            return estimate(self.nodes[named[0]].sums(), estimator)
-        total = DegradationSums()
-        for node in named:
-            total.merge(self.nodes[node].sums())
-        return estimate(total, estimator)
+        return estimate_streams([self.nodes[n] for n in named], estimator)
 
     def running_estimate(self, policy: PricingPolicy) -> DegradationEstimate:
         """The job's degradation estimate as its account stands (what a batch would publish)."""
@@ -362,26 +402,36 @@ class JobAccount(_State):
         return out
 
     def _evidence_key(self) -> str:
-        streams = ",".join(f"{n}:{s.blocks}:{int(s.closed)}" for n, s in sorted(self.nodes.items()))
+        streams = ",".join(f"{n}:{len(self.earlier.get(n, ()))}:{s.blocks}:{int(s.closed)}"
+                           for n, s in sorted(self.nodes.items()))
         return f"{streams}/{len(self.ends)}"
 
     def _ready_charges(self, policy: PricingPolicy, origin: Origin) -> tuple[Charge, ...]:
-        """Every revision whose terminal event has arrived and whose nodes have all closed, in order."""
+        """Every revision whose terminal event has arrived and whose nodes have all closed, in order.
+        A revision still waiting for a node is skipped once a later correction of the same run is
+        ready (a correction that drops a wrongly listed node must not wait behind it for ever): it is
+        superseded, and never charged."""
         out = []
         while self.revision + 1 < len(self.ends):
-            terminal = self.ends[self.revision + 1]
-            if not all(n in self.nodes and self.nodes[n].closed for n in terminal.event.nodes):
-                break
-            self.revision += 1
+            r = self.revision + 1
+            if self.streams_for(r) is None:
+                start = self.ends[r].event.start_time
+                if not any(self.ends[later].event.start_time == start and self.streams_for(later) is not None
+                           for later in range(r + 1, len(self.ends))):
+                    break
+                self.revision = r
+                self.triggers.append("")
+                continue
+            self.revision = r
             self.triggers.append(f"{origin.topic}:{origin.partition}:{origin.offset}")
-            out.append(self._charge(self.revision, policy))
+            out.append(self._charge(r, policy))
         return tuple(out)
 
     def _charge(self, revision: int, policy: PricingPolicy) -> Charge:
-        terminal = self.ends[revision]
-        streams = [(n, self.nodes[n]) for n in sorted(terminal.event.nodes)]
-        estimate = self.degradation(terminal.event.nodes, policy.estimator)
-        return build_charge(self.job_id, revision, terminal, streams, estimate, policy, self.ipc_partition)
+        streams = self.streams_for(revision)
+        assert streams is not None  # only revisions whose streams have all closed are charged
+        estimate = estimate_streams([s for _, s in streams], policy.estimator)
+        return build_charge(self.job_id, revision, self.ends[revision], streams, estimate, policy, self.ipc_partition)
 
     # ------------------------------------------------------------------ persistence
 
@@ -393,6 +443,45 @@ class JobAccount(_State):
         return cls(job_id=job_id) if raw is None else cls.model_validate_json(raw)
 
 
+def estimate_streams(streams: list[NodeStream], estimator: str = DEFAULT_ESTIMATOR) -> DegradationResult:
+    """The degradation estimate over the blocks of some node streams (sorted by node)."""
+    if len(streams) == 1:  # most jobs: one node, whose sums need no merging
+        return estimate(streams[0].sums(), estimator)
+    total = DegradationSums()
+    for s in streams:
+        total.merge(s.sums())
+    return estimate(total, estimator)
+
+
+#: What a node's marker may claim beyond the job's run time (the agent's clock and rescan period
+#: against the resource manager's): paused + alone <= run time + MARKER_SLACK_S + MARKER_SLACK_SHARE * it.
+MARKER_SLACK_S = 10.0
+MARKER_SLACK_SHARE = 0.01
+
+
+def marker_problems(node: str, s: NodeStream, run_time_s: float) -> tuple[list[str], list[str]]:
+    """Physical bounds on what a node's closing marker claims, checked against the blocks that
+    arrived and the job's run time: (why the marker is refused, what evidence is missing).
+
+    Refused: more blocks counted than the marker says were sent, or more time paused and alone
+    than the job ran (a job is paused only while it shares its node, so the two are disjoint). A
+    refused marker's pause credit and time alone are not applied; its blocks, each checked on its
+    own, still count. Missing: fewer blocks arrived than were sent (a lost or refused batch); the
+    charge is priced from those that arrived, and says so."""
+    refused, missing = [], []
+    if s.blocks > s.blocks_sent:
+        refused.append(f"node {node}: {s.blocks} blocks counted but its marker says {s.blocks_sent} were sent")
+    claimed_s = (s.paused_us + s.alone_us) / 1e6
+    if claimed_s > run_time_s * (1.0 + MARKER_SLACK_SHARE) + MARKER_SLACK_S:
+        refused.append(f"node {node}: its marker claims {s.paused_us / 1e6:.3f} s paused and {s.alone_us / 1e6:.3f} s "
+                       f"alone, more than the job's run time of {run_time_s:.3f} s")
+    arrived = s.blocks + s.refused
+    if arrived < s.blocks_sent:
+        missing.append(f"node {node}: {s.blocks_sent - arrived} of the {s.blocks_sent} blocks its marker says were "
+                       f"sent never arrived")
+    return refused, missing
+
+
 def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: list[tuple[str, NodeStream]],
                  degradation: DegradationResult, policy: PricingPolicy,
                  ipc_partition: tuple[str, int] | None) -> Charge:
@@ -402,12 +491,19 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     end = terminal.event
     assert end.start_time is not None and end.end_time is not None  # guaranteed by JobEvent.ran
     run_time_s = (end.end_time - end.start_time).total_seconds()
+    problems: list[str] = []
+    trusted: list[NodeStream] = []  # the streams whose marker's claims hold
+    for node, s in streams:
+        refused, missing = marker_problems(node, s, run_time_s)
+        problems += refused + missing
+        if not refused:
+            trusted.append(s)
     # A job is held up while any of its nodes pauses it; the longest per-node total is a lower
     # bound of that union, so the credit never exceeds the time really lost.
-    credit_s = max((s.paused_us for _, s in streams), default=0) / 1e6
+    credit_s = max((s.paused_us for s in trusted), default=0) / 1e6
     # The blocks measure D while the job shared a node; its time alone (never shuttered) was undisturbed.
     billed_s = billed_time(run_time_s, credit_s)
-    alone_s = alone_time([s.alone_us / 1e6 for _, s in streams], len(end.nodes), billed_s)
+    alone_s = alone_time([s.alone_us / 1e6 for s in trusted], len(end.nodes), billed_s)
     applied = job_degradation(degradation.degradation, alone_s, billed_s)
     amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, applied, policy.rate_function, credit_s)
     ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
@@ -440,6 +536,7 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         standard_price=amounts.standard_price, solo_price=amounts.solo_price,
         price=amounts.price, dividend=amounts.dividend,
         event_range=tuple(sorted(ranges, key=lambda r: r.topic)),
+        evidence_problems=tuple(problems),
         code_version=__version__,
     )
 
@@ -496,7 +593,7 @@ def apply_message(
         return None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key", "key_mismatch"), None
     wrong_clock = clock_problem(record, timestamp_s)
     if wrong_clock:
-        return None, reject(wrong_clock, "event_time", "clock"), None
+        return None, reject(wrong_clock, wrong_clock.split()[0], "clock"), None
     if account is None:
         account = JobAccount(job_id=job_id)
     # Charges name catalog topics: a topic prefix is a deployment detail, and replay into another

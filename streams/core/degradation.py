@@ -86,8 +86,12 @@ def refill_corrected_solo(before: float, during: float, after: float) -> float:
     return math.fsum((during, after, -before))
 
 
-def degradation_from_sums(ipc_solo: float, ipc_co: float) -> float:
-    """Alg. 4, line 8: (IPC_solo - IPC_co) / IPC_solo, i.e. 1 - Perf_norm of Eq. 6."""
+def degradation_from_sums(ipc_solo: float, ipc_co: float) -> float | None:
+    """Alg. 4, line 8: (IPC_solo - IPC_co) / IPC_solo, i.e. 1 - Perf_norm of Eq. 6; None when the job
+    retired no instructions while it ran alone (sleeping, blocked on I/O or MPI): its solo speed is
+    0, so no slowdown can be measured against it."""
+    if not ipc_solo > 0.0:
+        return None
     return (ipc_solo - ipc_co) / ipc_solo
 
 
@@ -315,7 +319,12 @@ def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: flo
                                           before_filtered)
     chosen = {POPPA_ALG4: filtered, REFILL_CORRECTED: corrected, UNFILTERED: unfiltered}[estimator]
     if chosen is None:
-        status = EstimateStatus.NO_BLOCKS if n == 0 else EstimateStatus.NO_ACCEPTED_BLOCKS
+        if n == 0:
+            status = EstimateStatus.NO_BLOCKS
+        elif estimator == UNFILTERED:  # its blocks show no progress alone (the filtered ones cannot: during > before)
+            status = EstimateStatus.NO_PROGRESS_ALONE
+        else:
+            status = EstimateStatus.NO_ACCEPTED_BLOCKS
         return DegradationResult(status, 0.0, filtered, unfiltered, accepted, rejected, corrected, estimator)
     applied = min(1.0, max(0.0, chosen))  # Alg. 4's acceptance keeps the filtered one in (0, 1) already
     return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, accepted, rejected, corrected, estimator)

@@ -149,10 +149,14 @@ def test_corrected_end_event_produces_a_superseding_revision():
     assert first.event_id != second.event_id
 
 
-def test_block_after_the_job_left_the_node_is_dead_lettered():
-    msgs = as_messages([left("j1", "n1", 0, -1), block(1, 2, 1, cycle=9)], IPC)
-    _, outs = _run(msgs)
-    assert "left the node" in _dead_letters(outs)[0].reason
+def test_a_copy_of_a_block_after_the_job_left_the_node_is_dead_lettered():
+    """A block at or below the closed stream's last cycle is a copy of what it counted; one past it
+    is the job running on the node again (requeued), which opens the node's next stream."""
+    msgs = as_messages([block(1, 2, 1, cycle=9), left("j1", "n1", 1, 9), block(1, 2, 1, cycle=9)], IPC)
+    account, outs = _run(msgs)
+    assert "left the node" in _dead_letters(outs)[0].reason and not account.earlier
+    account, outs = _run(as_messages([block(1, 2, 1, cycle=9), left("j1", "n1", 1, 9), block(1, 2, 1, cycle=10)], IPC))
+    assert not _dead_letters(outs) and account.earlier["n1"][0].blocks == 1 and not account.nodes["n1"].closed
 
 
 def test_blocks_after_the_charge_do_not_change_it():

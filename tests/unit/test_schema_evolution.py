@@ -38,9 +38,10 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
     return json.dumps(d).encode()
 
 
-def test_this_build_writes_version_4_and_reads_1_to_4():
-    assert SCHEMA_VERSION == 4
-    assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4}
+def test_this_build_writes_version_5_and_reads_1_to_5():
+    assert SCHEMA_VERSION == 5
+    assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
+                                "evidence_problems": 5}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
 
