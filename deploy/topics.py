@@ -1,30 +1,69 @@
-"""Create the catalog's topics, idempotently."""
+"""Create the catalog's topics, idempotently, and keep the charge fold's inputs co-partitioned.
+
+``node.ipc`` and ``jobs.lifecycle`` must have the same partition count: the charge fold finds a
+job's events by partition number (streams/worker/fold_consumer.py). Topics that exist are not
+taken as they are: a missing input topic is created with the count of the one that exists, and
+input topics whose counts differ are refused, or grown to one count when asked
+(``grow_inputs_to``; the procedure around it is in deploy/SCALING.md, Adding partitions).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
 from nodeshare.config import Settings
 from nodeshare.schemas import TOPICS
 from nodeshare.schemas.catalog import INTERNAL_TOPICS
+from nodeshare.streams.worker.cursor import accounting_topics
+from nodeshare.streams.worker.fold_consumer import copartition_problem
 
 
-def create_topics(settings: Settings, timeout_s: float = 30.0) -> dict[str, str]:
-    """Create every catalog topic that does not exist yet; returns topic -> 'created' | 'exists'."""
+class TopicsError(RuntimeError):
+    """The topics on the broker cannot be made what the catalog needs without an operator's step."""
+
+
+def input_partition_count(existing: Mapping[str, int], default: int, grow_to: int | None = None) -> int:
+    """The partition count of the co-partitioned input topics, given the counts of those that exist
+    (topic -> count): theirs when they agree, ``default`` when none exists, ``grow_to`` when asked.
+    Raises TopicsError when they differ and no growth was asked, or when it would shrink one."""
+    if grow_to is not None:
+        if grow_to < max(existing.values(), default=0):
+            raise TopicsError(f"cannot grow the input topics to {grow_to} partitions: "
+                              + " and ".join(f"{t} has {n}" for t, n in existing.items())
+                              + ", and Kafka only adds partitions")
+        return grow_to
+    problem = copartition_problem(existing)
+    if problem is not None:
+        raise TopicsError(f"{problem}. Nothing was created or changed")
+    return next(iter(existing.values()), default)
+
+
+def create_topics(settings: Settings, timeout_s: float = 30.0, *,
+                  grow_inputs_to: int | None = None) -> dict[str, str]:
+    """Create every catalog topic that does not exist yet; returns topic -> 'created' | 'exists' |
+    'grown'. The input topics get one partition count (``input_partition_count``): with
+    ``grow_inputs_to`` both are grown to it, only after the steps of deploy/SCALING.md."""
     admin = AdminClient(settings.client_config())
-    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    metadata = admin.list_topics(timeout=timeout_s).topics
+    inputs = accounting_topics(settings)
+    counts = {name: len(metadata[name].partitions) for name in inputs if name in metadata}
+    n_inputs = input_partition_count(counts, settings.partitions, grow_inputs_to)  # refuses before any change
+    existing = set(metadata)
     wanted = [
-        NewTopic(settings.topic(t.name), num_partitions=t.partitions or settings.partitions,
+        NewTopic(name, num_partitions=n_inputs if name in inputs else t.partitions or settings.partitions,
                  replication_factor=-1,  # the broker's default (1 locally, 3 on a production cluster)
                  config={"cleanup.policy": t.cleanup_policy})
-        for t in TOPICS if settings.topic(t.name) not in existing
+        for t in TOPICS if (name := settings.topic(t.name)) not in existing
     ] + [
         NewTopic(settings.topic(name), num_partitions=n, replication_factor=-1, config={"cleanup.policy": "delete"})
         for name, n in INTERNAL_TOPICS.items() if settings.topic(name) not in existing
     ]
     names = [settings.topic(t.name) for t in TOPICS] + [settings.topic(n) for n in INTERNAL_TOPICS]
     result = {name: "exists" for name in names if name in existing}
+    result.update(_grow({name: n for name, n in counts.items() if n < n_inputs}, n_inputs, admin, timeout_s))
     if wanted:
         for name, fut in admin.create_topics(wanted, request_timeout=timeout_s).items():
             try:
@@ -35,3 +74,22 @@ def create_topics(settings: Settings, timeout_s: float = 30.0) -> dict[str, str]
                     raise
                 result[name] = "exists"
     return result
+
+
+def _grow(smaller: dict[str, int], partitions: int, admin: AdminClient, timeout_s: float) -> dict[str, str]:
+    """Add partitions to the given input topics (topic -> count now) up to ``partitions``."""
+    if not smaller:
+        return {}
+    futures = admin.create_partitions([NewPartitions(name, partitions) for name in smaller],
+                                      request_timeout=timeout_s)
+    for name, fut in futures.items():
+        try:
+            fut.result()
+        except KafkaException as exc:
+            unsupported = exc.args[0].code() == KafkaError._UNSUPPORTED_FEATURE
+            raise TopicsError(f"could not grow {name} from {smaller[name]} to {partitions} partitions: "
+                              f"{exc.args[0].str()}"
+                              + ("; this broker cannot add partitions (the bundled Tansu cannot): create the "
+                                 "topics anew with the count you need (deploy/SCALING.md)" if unsupported else "")
+                              ) from None
+    return {name: "grown" for name in smaller}

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import faust
+from confluent_kafka import KafkaException
 
 from nodeshare import logs, metrics
 from nodeshare.config import Settings
@@ -50,7 +51,7 @@ from ..core.accounting import Message, Origin
 from ..core.placement.stream import ROUTED, PlacementManager
 from ..core.power.stream import PowerManager, envelope, open_envelope, screen
 from .cursor import Cursor, blocking, committed_offsets, read_range
-from .fold_consumer import FoldConsumer, FoldThread
+from .fold_consumer import FoldConsumer, FoldThread, NotCoPartitioned, input_partitions
 from .kafka_security import faust_credentials
 from .transport import use_short_fetch_wait
 
@@ -256,7 +257,15 @@ def make_counting_app(settings: Settings, datadir: Path | None = None, loglevel:
 
 def run_worker(settings: Settings, datadir: Path | None = None, loglevel: str = "warning",
                count_only: bool = False) -> None:
-    """Run one stream worker in the foreground until SIGTERM/SIGINT."""
+    """Run one stream worker in the foreground until SIGTERM/SIGINT. Exits with a message, before
+    anything starts, when the charge fold's input topics are not co-partitioned."""
+    if not count_only:
+        try:
+            input_partitions(settings)
+        except NotCoPartitioned as exc:
+            raise SystemExit(f"nodeshare worker: refusing to start: {exc}") from None
+        except KafkaException as exc:  # the broker may come up later: the fold checks at its first assignment
+            log.warning("could not read the input topics' partition counts yet: %s", exc)
     app = (make_counting_app if count_only else make_app)(settings, datadir, loglevel)
     metrics.serve(settings.metrics_port, settings.metrics_addr)
     # The web server is off (the bundled broker's notes: it would bind 0.0.0.0:6066 otherwise).

@@ -23,6 +23,12 @@ the worker (issue 24, item 6), with the same guarantees faust's agent had:
   a busy worker builds and routes one estimate per job per interval instead of one per batch.
 * **Nothing skipped.** librdkafka delivers every offset of an assigned partition in order (faust
   could drop messages around a rebalance, which ``streams.worker.cursor`` repairs for its agents).
+* **Co-partitioned, checked** (issue 44). A job's account is found by partition number, so the fold
+  refuses to run when the two topics' partition counts differ (at start and at every assignment:
+  librdkafka rebalances when a count changes), and a record whose key does not hash to the
+  partition it was read from (murmur2, Kafka's default partitioner) goes to the dead-letter topic
+  as ``misrouted``, with its bytes, instead of into an account that can never complete. A rebuild
+  skips such records as the live fold did, so a restart charges exactly what the fold charged.
 """
 
 from __future__ import annotations
@@ -30,17 +36,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import lru_cache
 
+from aiokafka.partitioner import murmur2
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from nodeshare import logs, metrics
 from nodeshare.config import Settings
 from nodeshare.producers.kafka_producer import EventProducer
-from nodeshare.schemas.catalog import ESTIMATES_DEGRADATION, LEDGER_CHARGES
+from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES
+from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.serde import encode
 
-from ..core.accounting import JobAccount, Message, Origin, Outgoing, apply_message, fold_states
+from ..core.accounting import SOURCE, JobAccount, Message, Origin, Outgoing, apply_message, fold_states
 from .cursor import accounting_group, accounting_topics, read_range
 
 log = logging.getLogger(__name__)
@@ -50,6 +60,63 @@ MAX_MESSAGES = 500
 #: How often what was applied is made durable (producer flushed) and its offsets committed. Also
 #: how stale the group's committed offsets may be (the demo's progress check reads them).
 COMMIT_INTERVAL_S = 0.5
+
+
+#: Dead-letter kind (the ``nodeshare_dead_letters_total`` label) of a record on a partition its key
+#: does not hash to.
+MISROUTED = "misrouted"
+
+
+class NotCoPartitioned(RuntimeError):
+    """The charge fold's input topics have different partition counts."""
+
+
+def copartition_problem(counts: Mapping[str, int]) -> str | None:
+    """Why the charge fold cannot run on input topics with these partition counts (topic name ->
+    count, for the topics that exist), or None when they agree. The fold keeps a job's account
+    by partition number: with different counts a job's two topics put it on different numbers,
+    and it would never be charged."""
+    if len(set(counts.values())) < 2:
+        return None
+    most = max(counts.values())
+    said = " and ".join(f"{topic} has {n} partitions" for topic, n in counts.items())
+    grow = " and ".join(f"{topic} from {n}" for topic, n in counts.items() if n < most)
+    return (f"{said}: the charge fold needs them co-partitioned (the same count), or a job whose two topics "
+            f"put it on different partition numbers is never charged. Grow {grow} to {most} partitions "
+            f"(deploy/SCALING.md, Adding partitions), then start the worker again")
+
+
+@lru_cache(maxsize=1 << 16)
+def kafka_partition(key: bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner (Java's, librdkafka's ``murmur2_random``, faust's)
+    gives ``key`` among ``partitions``. Cached: a job's id comes back with each of its batches."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+def routing_problem(key: bytes | None, partition: int, partitions: int) -> str | None:
+    """Why a record read from ``partition`` (of ``partitions``) cannot be folded there, or None.
+    A record without a key is left to the reducer, which refuses it (its key is not its job id)."""
+    if key is None:
+        return None
+    expected = kafka_partition(key, partitions)
+    if expected == partition:
+        return None
+    return (f"misrouted: key {key[:64]!r} hashes (murmur2) to partition {expected} of {partitions}, "
+            f"read from partition {partition}; its producer does not partition as Kafka's default does: "
+            f"re-publish these bytes with a murmur2 partitioner")
+
+
+def input_partitions(settings: Settings, client: Consumer | AdminClient | None = None,
+                     timeout_s: float = 30.0) -> dict[str, int]:
+    """The partition count of each input topic of the charge fold that exists on the broker now;
+    raises NotCoPartitioned when they differ (KafkaException without metadata). Reads every topic's
+    metadata: asking for one by name may create it on a broker that creates topics on demand."""
+    topics = (client or AdminClient(settings.client_config())).list_topics(timeout=timeout_s).topics
+    counts = {t: len(topics[t].partitions) for t in accounting_topics(settings) if t in topics}
+    problem = copartition_problem(counts)
+    if problem is not None:
+        raise NotCoPartitioned(problem)
+    return counts
 
 
 def _job_id(key: bytes | None) -> str | None:
@@ -82,6 +149,8 @@ class FoldConsumer:
         self.rebuilds = 0
         #: Jobs whose blocks changed since their last published estimate, by partition and key.
         self._changed: dict[tuple[int, bytes | None], JobAccount] = {}
+        #: Partition count of each input topic, from the broker's metadata at start and at each assignment.
+        self._partitions: dict[str, int] = {}
 
     # ------------------------------------------------------------------ the loop
 
@@ -92,6 +161,13 @@ class FoldConsumer:
 
     def run(self, stop: threading.Event) -> None:
         consumer = self.consumer()
+        try:
+            self._partitions = input_partitions(self.settings, consumer)  # refuse before joining the group
+        except NotCoPartitioned:
+            consumer.close()
+            raise
+        except KafkaException as exc:  # no metadata yet: checked at the first assignment instead
+            log.warning("accounting: could not read the input topics' partition counts: %s", exc)
         consumer.subscribe(accounting_topics(self.settings), on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_lost)
         committed_at = time.monotonic()
@@ -122,9 +198,15 @@ class FoldConsumer:
         """One input message through the reducer; what it produced goes to the producer's queue."""
         origin, key, value, ts = message
         started = time.perf_counter()
-        jobs = self.states.setdefault(origin.partition, {})
-        account, out, blocks = apply_message(jobs.get(key), origin, key, value, ts, self.policy, self.prefix,
-                                             running_estimates=False)
+        misrouted = self.misrouted(origin, key)
+        if misrouted is not None:  # its job's account is on another partition: folding it here would lose it
+            dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, ts, misrouted, field="key",
+                             source=SOURCE)
+            account, out, blocks = None, [Outgoing(DLQ.name, origin.topic.encode(), encode(dl), MISROUTED)], None
+        else:
+            jobs = self.states.setdefault(origin.partition, {})
+            account, out, blocks = apply_message(jobs.get(key), origin, key, value, ts, self.policy, self.prefix,
+                                                 running_estimates=False)
         if account is not None:
             jobs[key] = account
             if any(o.topic == ESTIMATES_DEGRADATION.name for o in out):  # a fresher one goes now
@@ -138,6 +220,12 @@ class FoldConsumer:
             metrics.SHUTTER_BLOCKS.labels("refused").inc(blocks.refused)
         self._publish(out, origin, key)
         metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
+
+    def misrouted(self, origin: Origin, key: bytes | None) -> str | None:
+        """Why this input record is not on the partition its key hashes to, or None (also when the
+        topic's partition count is not known: no metadata read yet)."""
+        partitions = self._partitions.get(origin.topic)
+        return None if partitions is None else routing_problem(key, origin.partition, partitions)
 
     def _publish(self, out: list[Outgoing], origin: Origin, key: bytes | None) -> None:
         for o in out:
@@ -178,6 +266,7 @@ class FoldConsumer:
         """Rebuild each assigned partition's job states from the input topics up to the group's
         committed offsets, where consumption resumes, and re-send the charges they complete."""
         log.info("accounting: assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+        self._partitions = input_partitions(self.settings, consumer)  # a count may have changed (so a rebalance)
         committed = consumer.committed(partitions, timeout=30)
         stops = {(tp.topic, tp.partition): max(0, tp.offset) for tp in committed}
         parked, self._parked = self._parked, {}
@@ -189,8 +278,9 @@ class FoldConsumer:
                 continue
             messages: list[Message] = []
             for (topic, p), stop in sorted(stops.items()):
-                if p == partition:
-                    messages += read_range(self.settings, topic, p, 0, stop)
+                if p == partition:  # what the live fold dead-lettered as misrouted it skips here too
+                    messages += [m for m in read_range(self.settings, topic, p, 0, stop)
+                                 if self.misrouted(m[0], m[1]) is None]
             rebuilt, charges = fold_states(messages, self.policy, self.prefix)
             self.states[partition] = rebuilt
             self.rebuilds += 1
