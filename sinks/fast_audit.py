@@ -47,7 +47,8 @@ _EXACT_INT = 2**53  # int64 -> float64 is exact below this
 _SCALARS = [name for name, _, _ in IPC_FIELDS]
 _LISTS = [name for name, _, _ in IPC_LISTS]
 #: The blocks' list columns that the fold reads, unnested to one row per block, with their names there.
-_UNNESTED = {"l_cycle": "cycle", **{f"l_{r}_{n}": f"{r}_{n}" for r in "bda" for n in ("instructions", "cycles")}}
+_UNNESTED = {"l_cycle": "cycle",
+             **{f"l_{r}_{n}": f"{r}_{n}" for r in "bda" for n in ("instructions", "cycles", "threads")}}
 #: A block's position in its stream: its message's offset, then its index in the batch.
 _POSITION = f'("offset" * {2 * MAX_BATCH_BLOCKS} + idx)'
 
@@ -286,10 +287,16 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
     scale = f"{2.0**FIXED_POINT_BITS:.1f}"
     block = "kind IN ('shutter_block', 'shutter_batch')"
     when = "epoch(TRY_CAST(event_time AS TIMESTAMPTZ))"
+    # every check of streams.core.blocks.CHECKS, so the fast path counts exactly the blocks the reference does
     valid_block = (f"k = 1 AND single AND cycle >= 0 AND b_cycles > 0 AND d_cycles > 0 AND a_cycles > 0 "
-                   f"AND b_instructions >= 0 AND d_instructions >= 0 AND a_instructions >= 0 AND greatest("
-                   f"b_instructions, b_cycles, d_instructions, d_cycles, a_instructions, a_cycles) < {_EXACT_INT}")
-    in_range = " AND ".join(f"({x} = 0 OR ({x} >= {_IPC_MIN!r} AND {x} < {_IPC_MAX!r}))" for x in ("b", "d", "a"))
+                   f"AND b_instructions >= 0 AND d_instructions >= 0 AND a_instructions >= 0 "
+                   f"AND b_threads > 0 AND d_threads > 0 AND a_threads > 0 AND greatest("
+                   f"b_instructions, b_cycles, b_threads, d_instructions, d_cycles, d_threads, a_instructions, "
+                   f"a_cycles, a_threads) < {_EXACT_INT}")
+    # every value summed in fixed point fits it, the co-located IPC 0.5 (b + a) too (half of an IPC
+    # just above 2**-30 is not a multiple of 2**-82)
+    in_range = " AND ".join(f"({x} = 0 OR ({x} >= {_IPC_MIN!r} AND {x} < {_IPC_MAX!r}))"
+                            for x in ("b", "d", "a", "0.5 * (b + a)"))
     fixed = {"solo_filtered": "d", "co_filtered": "co", "solo_all": "d", "co_all": "co",
              "before_filtered": "b", "after_filtered": "a"}
     sums = ", ".join(

@@ -441,3 +441,49 @@ def test_the_time_a_job_ran_alone_comes_from_its_markers_in_both_paths(tmp_path)
     assert got["half"].degradation == shared * 0.5
     assert got["two"].degradation == shared * (1 - 400 / 3600)
     assert got["half"].price > got["never"].price  # less discount: half its run was undisturbed
+
+
+def _one_batch_job(tmp_path, before, during, after):
+    """An archive of one job: one batch of blocks with these (instructions, cycles, threads) per
+    region and block, closed, ended."""
+    from nodeshare.schemas import CounterSource, ShutterBatch
+
+    def cols(region):
+        return {f: tuple(b[i] for b in region) for i, f in enumerate(("instructions", "cycles", "threads"))}
+    b = ShutterBatch.model_validate({
+        "event_id": "bat", "source": "t", "event_time": T0, "job_id": "j1", "node": "n1", "seq": 0, "k": 1,
+        "sample_us": 3200, "counter": CounterSource.SIMULATED, "cycle": tuple(range(len(before))),
+        "before": cols(before), "during": cols(during), "after": cols(after)})
+    return archive_records(tmp_path, [b, left("j1", "n1", len(before), len(before) - 1),
+                                      job_event("j1", JobState.ENDED)])
+
+
+def test_a_block_without_threads_is_refused_by_both_paths_and_the_fast_audit_never_accepts_its_price(tmp_path):
+    """A block with threads = 0 is refused by the reference; the fast path counted it, so a ledger row
+    priced with it (9.09 where the reference says 15.36) passed `audit`. Both paths now refuse it."""
+    from nodeshare.schemas import encode
+    from nodeshare.sinks.ledger import Ledger
+
+    m = 10**6
+    archive, _, _ = _one_batch_job(tmp_path, [(m, m, 1), (m, m, 1)], [(1_250_000, m, 1), (2 * m, m, 0)],
+                                   [(m, m, 1), (m, m, 1)])
+    fast, reference = _both(archive)
+    ref = reference[("j1", 0)]
+    assert ref.blocks_used == 1 and ref.price == 15.360000000000003  # 24 * 0.8 * 0.8: D 0.2 from one block
+    assert fast.charges.get(("j1", 0), ref) == ref
+    wrong = ref.model_copy(update={"blocks_used": 2, "degradation": 1 - 1 / 1.625, "price": 9.088757396449704})
+    with Ledger(tmp_path / "forged.duckdb") as ledger:
+        ledger.append([(wrong, encode(wrong), 0, 0)])
+    for path in (True, False):
+        assert not audit(archive, tmp_path / "forged.duckdb", POLICY, fast=path).ok
+
+
+def test_a_co_located_ipc_below_the_fixed_point_is_left_to_the_reference(tmp_path):
+    """before 0 and after one instruction in 1,073,736,824 cycles: after is in the fixed point's range,
+    their mean (half of it) is not, and the fast path's cast rounded it (degradation ...635 where the
+    reference says ...634). It must decline the job, or equal the reference."""
+    c = 1_073_736_824
+    archive, _, _ = _one_batch_job(tmp_path, [(0, 10**6, 1)], [(1, c - 1, 1)], [(1, c, 1)])
+    fast, reference = _both(archive)
+    assert reference[("j1", 0)].degradation_filtered == 0.5000000004656634
+    assert "j1" in fast.ineligible and ("j1", 0) not in fast.charges
