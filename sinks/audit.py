@@ -21,7 +21,8 @@ from typing import Any
 from nodeshare.schemas import Charge
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.schemas.events import carried
-from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fold_messages
+from nodeshare.schemas.serde import decode_model
+from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fold_states
 
 from .archive import ParquetArchive
 from .fast_audit import fast_recompute
@@ -96,12 +97,22 @@ def archived_messages(archive: ParquetArchive, keys: set[bytes] | None = None) -
 
 
 def recompute(messages: dict[bytes | None, list[Message]], policies: dict[str, PricingPolicy],
-              default: PricingPolicy) -> dict[tuple[str, int], Charge]:
+              default: PricingPolicy, superseded: dict[tuple[str, int], Charge] | None = None,
+              ) -> dict[tuple[str, int], Charge]:
+    """Every charge the archived messages yield, per (job, revision). ``superseded``, when given,
+    receives the revisions a correction superseded before their nodes closed: a ledger row of one
+    is checked against it, and its absence is no finding."""
     out: dict[tuple[str, int], Charge] = {}
     for key, msgs in messages.items():
         job = key.decode(errors="replace") if key is not None else ""
-        for c in fold_messages(msgs, policies.get(job, default)):
-            out[(c.job_id, c.revision)] = c
+        policy = policies.get(job, default)
+        accounts, produced = fold_states(msgs, policy)
+        for o in produced:
+            c = decode_model(Charge, o.value)
+            out.setdefault((c.job_id, c.revision), c)
+        if superseded is not None:
+            for account in accounts.values():
+                superseded.update(((c.job_id, c.revision), c) for c in account.superseded_charges(policy))
     return out
 
 
@@ -149,11 +160,12 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
         reference_jobs -= beyond  # their partial events would only re-fold to a charge that is not compared
     messages = archived_messages(archive, None if reference_jobs is None else {j.encode() for j in reference_jobs})
     fast_jobs = {k[0] for k in recomputed}
-    recomputed.update(recompute(messages, policies, default))
+    superseded: dict[tuple[str, int], Charge] = {}
+    recomputed.update(recompute(messages, policies, default, superseded))
     part = JobsAudit(held={job for job, _ in ledger_rows}, fast_path_jobs=len(fast_jobs),
                      reference_path_jobs=len(messages), samples=samples)
     for key, row in ledger_rows.items():
-        again = recomputed.get(key)
+        again = recomputed.get(key, superseded.get(key))
         part.checked.append((key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")]
                              if again is None else diff_charges(row, again)))
     part.missing = [k for k in recomputed if k not in ledger_rows and k[0] not in beyond]

@@ -433,6 +433,13 @@ class JobAccount(_State):
         estimate = estimate_streams([s for _, s in streams], policy.estimator)
         return build_charge(self.job_id, revision, self.ends[revision], streams, estimate, policy, self.ipc_partition)
 
+    def superseded_charges(self, policy: PricingPolicy) -> tuple[Charge, ...]:
+        """The revisions skipped as superseded (``_ready_charges``) whose nodes have closed since: a
+        worker that read the closing markers earlier charged them, so an audit must be able to check
+        such a row, though it need not find one."""
+        return tuple(self._charge(r, policy) for r, t in enumerate(self.triggers)
+                     if not t and self.streams_for(r) is not None)
+
     # ------------------------------------------------------------------ persistence
 
     def dumps(self) -> bytes:
