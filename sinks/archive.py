@@ -1,5 +1,10 @@
 """The archive: every input event, verbatim, in Parquet, hive-partitioned by topic and date.
 
+Longer than 500 lines because the write protocol, the resume point, epochs, retention and the
+readers are one contract over one file layout: each reader relies on exactly what the writer
+guarantees (whole files, one copy of each offset per epoch, the names' ranges), and split across
+modules those guarantees would be stated in one place and relied on in another.
+
 Layout: ``ROOT/topic=<catalog topic>/date=<YYYY-MM-DD>/p<partition>[-e<epoch>]-<first offset>-<last offset>.parquet``
 
 * each file is written to a temporary name, fsynced, then renamed: readers never see half a file;

@@ -39,7 +39,7 @@ from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S,
 from nodeshare.streams.core.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
 from nodeshare.streams.core.degradation import estimate_from_totals
 
-from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_range, typed_columns_sql
+from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_range, file_span, typed_columns_sql
 
 _EXACT_INT = 2**53  # int64 -> float64 is exact below this
 
@@ -435,6 +435,12 @@ def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy],
     # The lifecycle events are decoded in Python while DuckDB (which releases the GIL) folds node.ipc.
     # One in-memory database for every query of the audit (opening one costs 15-30 ms), a cursor
     # per thread.
+    if any((span := file_span(f)) is not None and span.epoch for t in (NODE_IPC.name, JOBS_LIFECYCLE.name)
+           for f in archive.files(t)):
+        # A topic restarted (a new epoch reuses offsets): the queries here key rows by offset, so the
+        # reference path, which reads each epoch's offsets apart, recomputes every job.
+        ends, _ = terminal_events(archive)
+        return FastResult(ineligible=set(ends) | set(archive.keys([NODE_IPC.name])))
     con = archive.connect()
     with ThreadPoolExecutor(max_workers=1) as pool:
         terminals = pool.submit(terminal_events, archive, con.cursor())
