@@ -172,13 +172,25 @@ def broker(port: Annotated[int | None, typer.Option(help="port on 127.0.0.1 (def
 
 
 @topics_app.command("create")
-def topics_create(bootstrap: Bootstrap = None) -> None:
-    """Create every catalog topic that is missing (safe to run again)."""
-    from nodeshare.deploy.topics import create_topics
+def topics_create(
+    bootstrap: Bootstrap = None,
+    grow_inputs_to: Annotated[int | None, typer.Option(
+        "--grow-inputs-to", min=1,
+        help="grow node.ipc and jobs.lifecycle together to N partitions (only after the steps of "
+             "deploy/SCALING.md, 'Adding partitions')")] = None,
+) -> None:
+    """Create every catalog topic that is missing (safe to run again); refuses input topics that are
+    not co-partitioned."""
+    from nodeshare.deploy.topics import TopicsError, create_topics
 
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
-    for name, status in sorted(create_topics(settings).items()):
+    try:
+        created = create_topics(settings, grow_inputs_to=grow_inputs_to)
+    except TopicsError as exc:
+        err.print(f"nodeshare topics create: {exc}")
+        raise typer.Exit(1) from None
+    for name, status in sorted(created.items()):
         out.print(f"{status:8} {name}")
 
 
