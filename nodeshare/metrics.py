@@ -25,6 +25,8 @@ REFETCHED = Counter("nodeshare_messages_refetched_total",
 POWER_DECISIONS = Counter("nodeshare_power_decisions_total", "Power decisions published, by action", ["action"])
 SINK_ROWS = Counter("nodeshare_sink_rows_total", "Messages made durable by a sink", ["sink"])
 LEDGER_ROWS = Counter("nodeshare_ledger_rows_total", "New ledger rows (redelivered charges excluded)")
+DIVERGENT_CHARGES = Counter("nodeshare_ledger_divergent_charges_total",
+                            "Copies of a (job, revision) that differ from the ledger's row (dead-lettered, never kept)")
 # The node agent (producers/agent)
 SPOOL_EVENTS = Gauge("nodeshare_agent_spool_events", "Events in the agent's spool not yet acknowledged by the broker")
 SPOOL_BYTES = Gauge("nodeshare_agent_spool_bytes", "Bytes in the agent's spool not yet acknowledged by the broker")

@@ -166,8 +166,11 @@ class Ledger:
 
     def append(self, rows: list[tuple[Charge, bytes, int | None, int | None]]) -> int:
         """Append charges (with their raw bytes and origin) to the chain; a (job id, revision)
-        already in the ledger is skipped, so redelivery never makes a second row. Returns how
-        many rows were new."""
+        already in the ledger is skipped, so redelivery never makes a second row. A copy that
+        differs from the row held (beyond provenance) is not a redelivery: it is kept in
+        ``divergent`` (the charge, its bytes and origin, and the fields that differ) for the caller
+        to dead-letter. Returns how many rows were new."""
+        self.divergent: list[tuple[tuple[Charge, bytes, int | None, int | None], list[str]]] = []
         if not rows:  # most of the sink's batches are shutter windows only
             return 0
         self.con.execute("BEGIN TRANSACTION")
@@ -175,13 +178,19 @@ class Ledger:
             last = self.con.execute("SELECT seq, row_hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
             seq, prev = (int(last[0]) + 1, str(last[1])) if last else (0, GENESIS)
             jobs = sorted({c.job_id for c, *_ in rows})
-            present = set(self.con.execute(
-                "SELECT job_id, revision FROM charges WHERE job_id IN (SELECT unnest(?))", [jobs]).fetchall())
+            held = {(j, r): record for j, r, record in self.con.execute(
+                "SELECT job_id, revision, record FROM charges WHERE job_id IN (SELECT unnest(?))", [jobs]).fetchall()}
             params: list[list[Any]] = []
-            for charge, raw, partition, offset in rows:
-                if (charge.job_id, charge.revision) in present:
+            for row in rows:
+                charge, raw, partition, offset = row
+                key = (charge.job_id, charge.revision)
+                if key in held:
+                    if held[key] != raw.decode():
+                        fields = charge_differences(Charge.model_validate_json(held[key]), charge)
+                        if fields:
+                            self.divergent.append((row, fields))
                     continue
-                present.add((charge.job_id, charge.revision))
+                held[key] = raw.decode()
                 record = raw.decode()
                 row_hash = chain_hash(prev, record)
                 data = charge.model_dump()
@@ -298,6 +307,16 @@ class Ledger:
         self.close()
 
 
+#: What a charge says of where it was made, not of what it is: a copy differing only here is a redelivery.
+PROVENANCE = frozenset({"source", "schema_version", "code_version"})
+
+
+def charge_differences(held: Charge, copy: Charge) -> list[str]:
+    """The fields (provenance aside) in which a copy of a (job, revision) differs from the row held."""
+    a, b = held.model_dump(), copy.model_dump()
+    return [f for f in a if f not in PROVENANCE and a[f] != b.get(f)]
+
+
 def _sql_value(v: Any) -> Any:
     return v.value if hasattr(v, "value") else v  # enums as their string values
 
@@ -336,7 +355,21 @@ class LedgerSink(BatchSink):
                 self._reject(m, exc)
         with self._lock, self._open() as ledger:
             new = ledger.append(rows)
+            divergent = ledger.divergent
             ledger.count_shutters(windows)
+        for (charge, raw, partition, offset), fields in divergent:
+            # The worker re-sends a partition's charges at each rebuild: a copy that differs is a
+            # recomputation that disagrees with what was billed (or a forged row), never dropped.
+            metrics.DIVERGENT_CHARGES.inc()
+            log.error("charge %s#%d: a second, different row (%s differ); the ledger keeps the first",
+                      charge.job_id, charge.revision, ", ".join(fields))
+            if self.dead_letters is None:
+                raise DecodeError(f"a second, different row for {charge.job_id}#{charge.revision}", fields[0])
+            self.dead_letters.send(dead_letter(
+                LEDGER_CHARGES.name, partition, offset, charge.job_id.encode(), raw, time.time(),
+                f"a second, different row for {charge.job_id}#{charge.revision}: {', '.join(fields)} differ from "
+                f"the row the ledger holds (kept); an audit of the job says which is right",
+                field=fields[0], source=SINK_SOURCE))
         self.rows_inserted += new
         metrics.LEDGER_ROWS.inc(new)
         if self.dead_letters is not None:

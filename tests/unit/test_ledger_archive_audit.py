@@ -370,3 +370,62 @@ def test_a_ledger_written_before_schema_4_gains_its_columns_and_stays_clean(tmp_
         got = dict(ledger.con.execute("SELECT seq, alone_s FROM charges ORDER BY seq").fetchall())
     assert [got[i] for i in range(n // 2)] == [0.0] * (n // 2)
     assert [got[i] for i in range(n // 2, n)] == [c.alone_s for c in charges[n // 2:]]
+
+
+class _Msg:
+    """The few methods of a confluent-kafka Message the ledger sink reads."""
+
+    def __init__(self, topic: str, value: bytes, offset: int) -> None:
+        self._topic, self._value, self._offset = topic, value, offset
+
+    def topic(self) -> str:
+        return self._topic
+
+    def value(self) -> bytes:
+        return self._value
+
+    def key(self) -> bytes:
+        return b"j1"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 1_767_225_600_000)
+
+
+def test_a_second_different_row_for_a_job_revision_is_a_dead_letter_and_a_metric_never_silently_dropped(tmp_path):
+    """A re-sent copy of a charge is absorbed; a copy of the same (job, revision) with another price
+    (a recomputation that disagrees, or a forged row) is kept out of the ledger, counted and
+    dead-lettered with the fields that differ. A copy made by another code version is a copy."""
+    from nodeshare import metrics
+    from nodeshare.config import Settings
+    from nodeshare.schemas import DeadLetter
+    from nodeshare.sinks.ledger import LedgerSink
+
+    _, ledger_path, _ = build(tmp_path)
+    with Ledger(ledger_path, read_only=True) as ledger:
+        charge = ledger.charges()[0]
+    sent: list[DeadLetter] = []
+
+    class Letters:
+        def send(self, record: DeadLetter) -> None:
+            sent.append(record)
+
+        def flush(self) -> None:
+            pass
+
+    sink = LedgerSink(Settings.model_validate({}), tmp_path / "sink.duckdb", dead_letters=Letters())
+    other = charge.model_copy(update={"price": charge.price / 2, "dividend": charge.standard_price - charge.price / 2})
+    newer = charge.model_copy(update={"code_version": "9.9.9"})
+    before = metrics.DIVERGENT_CHARGES._value.get()
+    sink.write([_Msg("ledger.charges", encode(c), i) for i, c in enumerate([charge, charge, newer, other])])
+    assert sink.rows_inserted == 1 and metrics.DIVERGENT_CHARGES._value.get() == before + 1
+    (dl,) = sent
+    assert dl.origin_offset == 3 and "a second, different row" in dl.reason and "price" in dl.reason
+    assert dl.field == "price"
+    with Ledger(tmp_path / "sink.duckdb", read_only=True) as ledger:
+        assert [c.price for c in ledger.charges()] == [charge.price]
