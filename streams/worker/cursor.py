@@ -43,12 +43,32 @@ from ..core.placement.stream import ROUTED
 log = logging.getLogger(__name__)
 
 
+class LogHeadGone(RuntimeError):
+    """Offsets a read needs were deleted from the head of the log (retention, or records deleted):
+    what is left starts after them, and reading on would fold a truncated history."""
+
+    def __init__(self, topic: str, partition: int, start: int, low: int) -> None:
+        super().__init__(f"{topic}[{partition}] begins at offset {low} (its low watermark): offsets {start}..{low - 1} "
+                         f"were deleted before they could be read again (retention?); rebuild from the archive with "
+                         f"`nodeshare replay`, or keep the input topics' retention longer than the charge fold needs")
+        self.topic, self.partition, self.start, self.low = topic, partition, start, low
+
+
+def head_deleted(start: int, first_read: int, low_watermark: int | None) -> bool:
+    """Whether a read from ``start`` whose first offset (or position, when nothing came) is ``first_read``
+    lost its head: the log now begins past ``start``. A first offset past ``start`` alone is not
+    enough (on Apache Kafka a transaction marker takes an offset without a message); the low
+    watermark (None: not asked, because nothing was missing) decides."""
+    return first_read > start and low_watermark is not None and low_watermark > start
+
+
 def read_range(settings: Settings, topic: str, partition: int, start: int, stop: int,
                timeout_s: float = 60.0) -> list[Message]:
     """Messages [start, stop) of one topic partition, in offset order. Waits on content and on the
     consumer's position, never on end offsets (wrong on the bundled broker); offsets without a
-    message (transaction markers on Apache Kafka) are passed by the position. Raises if the range
-    cannot be read in time."""
+    message (transaction markers on Apache Kafka) are passed by the position. Raises LogHeadGone
+    when the log no longer begins at or before ``start`` (the consumer would silently jump to what
+    is left), RuntimeError if the range cannot be read in time."""
     if stop <= start:
         return []
     consumer = Consumer(settings.client_config(**{
@@ -67,8 +87,13 @@ def read_range(settings: Settings, topic: str, partition: int, start: int, stop:
                     position = max(position, offset + 1)
             [now] = consumer.position([TopicPartition(topic, partition)])
             position = max(position, now.offset)
+        first = out[0][0].offset if out else position
+        low = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[0] if first > start else None
     finally:
         consumer.close()
+    if head_deleted(start, first, low):
+        assert low is not None
+        raise LogHeadGone(topic, partition, start, low)
     if position < stop:
         raise RuntimeError(f"could not re-read {topic}[{partition}] offsets {start}..{stop - 1} within "
                            f"{timeout_s:.0f} s; rebuild from the archive with `nodeshare replay`")

@@ -8,9 +8,17 @@ the worker (issue 24, item 6), with the same guarantees faust's agent had:
 
 * **Co-partitioned.** One consumer group of its own (``<app_id>-accounting``: faust's group uses
   faust's assignor) with the range assignor, which gives a member partition p of both topics.
-* **Rebuilt on assignment.** Before consuming a partition, its job states are folded from offset 0
-  up to the group's committed offsets (in-memory state, no changelog), and the charges they
-  complete are sent again (the ledger's key absorbs copies).
+* **Rebuilt on assignment, resumed where the rebuild stopped** (issue 44). Before consuming a
+  partition, its job states are folded from offset 0 up to the group's committed offsets, read
+  once (in-memory state, no changelog), and the charges they complete are sent again (the ledger's
+  key absorbs copies). The partition is then assigned at those very offsets: a commit landing
+  during the rebuild (a member that lost the partition) cannot move where consumption starts, and
+  the next commit puts the group's offsets back where the state is. A log whose head was deleted
+  (retention) is never rebuilt from what is left: the partition is refused and kept paused, with
+  an error logged and ``nodeshare_fold_partitions_refused`` above 0 (docs/reliability.md).
+* **Commits only what it owns.** A commit carries explicit offsets of assigned partitions only;
+  what could not be committed on a revoke is dropped with the partitions (the next owner re-reads
+  it), never committed later over the next owner's progress.
 * **At least once, idempotent.** What a batch produced (charges, estimates, dead letters) is
   flushed to the broker before the batch's offsets are committed; a crash replays at most the
   uncommitted messages, which the reducer recognizes by offset. A consumed batch is applied whole
@@ -42,6 +50,7 @@ from functools import lru_cache
 from aiokafka.partitioner import murmur2
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
+from prometheus_client import Gauge
 
 from nodeshare import logs, metrics
 from nodeshare.config import Settings
@@ -51,7 +60,7 @@ from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.serde import encode
 
 from ..core.accounting import SOURCE, JobAccount, Message, Origin, Outgoing, apply_message, fold_states
-from .cursor import accounting_group, accounting_topics, read_range
+from .cursor import LogHeadGone, accounting_group, accounting_topics, read_range
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +69,24 @@ MAX_MESSAGES = 500
 #: How often what was applied is made durable (producer flushed) and its offsets committed. Also
 #: how stale the group's committed offsets may be (the demo's progress check reads them).
 COMMIT_INTERVAL_S = 0.5
+
+
+#: Input partitions (numbers) a worker's charge fold refuses: their log's head was deleted before a
+#: rebuild could read it. Above 0 means charges of those partitions wait for an operator.
+REFUSED = Gauge("nodeshare_fold_partitions_refused",
+                "Input partitions the charge fold holds paused: their log's head was deleted before the rebuild")
+
+
+def resume_offsets(committed: list[TopicPartition]) -> dict[tuple[str, int], int]:
+    """Where each partition's rebuild stops and its consumption starts: the committed offset, 0 when
+    none. Read once per assignment: the same offsets bound the rebuild and start the consumer."""
+    return {(tp.topic, tp.partition): max(0, tp.offset) for tp in committed}
+
+
+def owned_offsets(pending: Mapping[tuple[str, int], int], owned: set[tuple[str, int]]) -> list[TopicPartition]:
+    """The offsets to commit: those of partitions assigned to this member now. Another member owns
+    the rest (or will), and a commit of ours would move its offsets."""
+    return [TopicPartition(t, p, o) for (t, p), o in sorted(pending.items()) if (t, p) in owned]
 
 
 #: Dead-letter kind (the ``nodeshare_dead_letters_total`` label) of a record on a partition its key
@@ -146,6 +173,10 @@ class FoldConsumer:
         #: States of revoked partitions, with where they stopped: an eager rebalance revokes every
         #: partition, and one that comes back with the group's offsets still there needs no rebuild.
         self._parked: dict[int, tuple[dict[bytes | None, JobAccount], dict[str, int]]] = {}
+        #: Partitions assigned to this member and folded: the only ones it commits.
+        self._owned: set[tuple[str, int]] = set()
+        #: Partition numbers assigned but refused (their log's head is gone): paused, never committed.
+        self.refused: set[int] = set()
         self.rebuilds = 0
         #: Jobs whose blocks changed since their last published estimate, by partition and key.
         self._changed: dict[tuple[int, bytes | None], JobAccount] = {}
@@ -256,42 +287,65 @@ class FoldConsumer:
         if not self._pending:
             return
         self.producer.flush()  # raises DeliveryError if the broker did not take every output
-        offsets = [TopicPartition(t, p, o) for (t, p), o in self._pending.items()]
-        consumer.commit(offsets=offsets, asynchronous=False)
+        offsets = owned_offsets(self._pending, self._owned)
+        if len(offsets) < len(self._pending):  # forgotten with their partitions: never reached here
+            log.warning("accounting: not committing offsets of partitions not assigned here: %s",
+                        {k: o for k, o in self._pending.items() if k not in self._owned})
+        if offsets:
+            consumer.commit(offsets=offsets, asynchronous=False)
         self._pending.clear()
 
     # ------------------------------------------------------------------ rebalances
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Rebuild each assigned partition's job states from the input topics up to the group's
-        committed offsets, where consumption resumes, and re-send the charges they complete."""
+        committed offsets, re-send the charges they complete, and assign the partitions at those
+        same offsets (read once: a commit landing meanwhile changes nothing). A partition whose log
+        lost its head is refused: paused, and reported."""
         log.info("accounting: assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
         self._partitions = input_partitions(self.settings, consumer)  # a count may have changed (so a rebalance)
-        committed = consumer.committed(partitions, timeout=30)
-        stops = {(tp.topic, tp.partition): max(0, tp.offset) for tp in committed}
+        stops = resume_offsets(consumer.committed(partitions, timeout=30))
         parked, self._parked = self._parked, {}
         for partition in sorted({p for _, p in stops}):
             mine = {t: s for (t, p), s in stops.items() if p == partition}
-            self._position.update({(t, partition): s for t, s in mine.items()})
             if partition in parked and parked[partition][1] == mine:  # nobody consumed it meanwhile
                 self.states[partition] = parked[partition][0]
-                continue
-            messages: list[Message] = []
-            for (topic, p), stop in sorted(stops.items()):
-                if p == partition:  # what the live fold dead-lettered as misrouted it skips here too
-                    messages += [m for m in read_range(self.settings, topic, p, 0, stop)
-                                 if self.misrouted(m[0], m[1]) is None]
-            rebuilt, charges = fold_states(messages, self.policy, self.prefix)
-            self.states[partition] = rebuilt
-            self.rebuilds += 1
-            log.warning("accounting: rebuilt %d job states of partition %d from %d input messages (up to %s); "
-                        "re-sending %d charges", len(rebuilt), partition, len(messages),
-                        ", ".join(f"{t}@{s}" for (t, p), s in sorted(stops.items()) if p == partition),
-                        len(charges), extra=logs.fields(partition=partition))
-            for o in charges:
-                self.producer.send_raw(self.settings.topic(o.topic), o.key, o.value)
+            else:
+                try:
+                    self._rebuild(partition, mine)
+                except LogHeadGone as exc:
+                    self.refused.add(partition)
+                    log.error("accounting: refusing partition %d: %s. It stays paused (nothing folded, nothing "
+                              "committed) until the worker restarts with the history available",
+                              partition, exc, extra=logs.fields(partition=partition, topic=exc.topic))
+                    continue
+            self._position.update({(t, partition): s for t, s in mine.items()})
+            self._pending.update({(t, partition): s for t, s in mine.items()})  # undoes a stale commit of another
         self.producer.flush()
-        consumer.assign(partitions)
+        start = [TopicPartition(t, p, o) for (t, p), o in sorted(stops.items())]
+        consumer.assign(start)  # at the offsets the rebuild stopped at, not at what is committed by now
+        self._owned = {k for k in stops if k[1] not in self.refused}
+        if self.refused & {p for _, p in stops}:
+            consumer.pause([tp for tp in start if tp.partition in self.refused])
+        REFUSED.set(len(self.refused))
+
+    def _rebuild(self, partition: int, stops: dict[str, int]) -> None:
+        """The job states of ``partition`` folded from offset 0 up to ``stops`` (per topic); the
+        charges they complete go to the producer. Raises LogHeadGone when a topic's log no longer
+        starts at 0 (a truncated history would charge less than the fold did)."""
+        messages: list[Message] = []
+        for topic, stop in sorted(stops.items()):  # what the live fold dead-lettered as misrouted it skips here too
+            messages += [m for m in read_range(self.settings, topic, partition, 0, stop)
+                         if self.misrouted(m[0], m[1]) is None]
+        rebuilt, charges = fold_states(messages, self.policy, self.prefix)
+        self.states[partition] = rebuilt
+        self.rebuilds += 1
+        log.warning("accounting: rebuilt %d job states of partition %d from %d input messages (up to %s); "
+                    "re-sending %d charges", len(rebuilt), partition, len(messages),
+                    ", ".join(f"{t}@{s}" for t, s in sorted(stops.items())), len(charges),
+                    extra=logs.fields(partition=partition))
+        for o in charges:
+            self.producer.send_raw(self.settings.topic(o.topic), o.key, o.value)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Everything consumed was applied (callbacks run inside ``consume``): make it durable and
@@ -299,7 +353,9 @@ class FoldConsumer:
         try:
             self.commit(consumer)
         except KafkaException as exc:  # the group moved on: the next owner re-reads what was not committed
-            log.warning("accounting: could not commit on revoke: %s", exc)
+            log.warning("accounting: could not commit on revoke: %s; dropping the uncommitted offsets %s with "
+                        "the partitions (never committed later: the next owner resumes from the group's)",
+                        exc, self._pending)
             self._forget(partitions)
             return
         self._forget(partitions, park=True)
@@ -307,11 +363,16 @@ class FoldConsumer:
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions lost without a revoke (session timed out): another member owns them already."""
         self.producer.flush()
-        self._pending = {tp: o for tp, o in self._pending.items() if tp[1] not in {p.partition for p in partitions}}
         self._forget(partitions)
 
     def _forget(self, partitions: list[TopicPartition], park: bool = False) -> None:
+        """Drop what this member held of the partitions: states (parked if ``park``), positions, and
+        offsets not committed, which are no longer its to commit."""
         gone = {tp.partition for tp in partitions}
+        self._pending = {k: o for k, o in self._pending.items() if k[1] not in gone}
+        self._owned = {k for k in self._owned if k[1] not in gone}
+        self.refused -= gone
+        REFUSED.set(len(self.refused))
         self._changed = {k: a for k, a in self._changed.items() if k[0] not in gone}
         for p in gone:
             state = self.states.pop(p, None)
