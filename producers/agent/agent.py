@@ -4,7 +4,8 @@ One cycle (Seed 002, Alg. 1-3): measure the lone job for K windows of S, pause e
 the node, measure the lone job for K windows, resume them all, measure K windows again, then
 sleep until the next period P and rotate the lone job. SIGINT and SIGTERM are held back while
 jobs are paused (they take effect right after the resume), the watchdog knows what is paused at
-every moment, and a node with fewer than two jobs is never shuttered.
+every moment, and a node with fewer than two jobs is never shuttered. Every job the resource
+manager says ran on the node gets its stream closed, seen by a rescan or not (``lifecycle``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nodeshare.schemas import (
     TOPIC_OF_RECORD,
     IpcSample,
     JobEvent,
+    JobLeftNode,
     JobState,
     PowerReading,
     Record,
@@ -39,6 +41,7 @@ from nodeshare.schemas import (
 
 from . import rapl
 from .jobs import JobSource, JobSpec, LocalJob
+from .lifecycle import META_PREFIX, Closed, ClosedJobs, LifecycleFollower
 from .llc_decisions import LlcFollower
 from .pausing import FREEZER_ROOT, Pauser, Target
 from .power_decisions import CapFollower
@@ -146,7 +149,8 @@ class Agent:
     def __init__(self, options: AgentOptions, source: JobSource, forwarder_factory: Callable[[Spool], Forwarder],
                  topic: Callable[[str], str], *, sleep: Callable[[float], None] = time.sleep,
                  cap_follower: Callable[[Powercap], CapFollower] | None = None,
-                 llc_follower: Callable[[Resctrl], LlcFollower] | None = None) -> None:
+                 llc_follower: Callable[[Resctrl], LlcFollower] | None = None,
+                 lifecycle_follower: Callable[[Callable[[JobEvent], None]], LifecycleFollower] | None = None) -> None:
         self.options = options
         self.source = source
         self.topic = topic
@@ -158,6 +162,12 @@ class Agent:
         self.watchdog = Watchdog(options.freezer_root)
         self.pauser = Pauser(Guard.here(self.watchdog.pid), options.freezer_root)
         self.state = {j: PublishedJob(**s) for j, s in self.spool.meta("jobs", {}).items()}
+        # The markers sent, for the jobs the lifecycle follower closes (lifecycle.py). It runs in its
+        # own thread: ``_books`` makes its look at the open jobs and the rescan's changes to them one
+        # at a time, so a job is closed by one of the two paths only
+        self.closed = ClosedJobs(options.node, self.spool.metas(META_PREFIX))
+        self._books = threading.Lock()
+        self.lifecycle = lifecycle_follower(self.job_event) if lifecycle_follower is not None else None
         self.cycle: int = self.spool.meta("next_cycle", 0)
         # Blocks measured but not sent yet: kept in the spool's meta with every write, so a crash
         # loses none and a restart continues the open batches (schema 3, producers.batching)
@@ -192,11 +202,18 @@ class Agent:
 
     # ------------------------------------------------------------------ publishing
 
-    def _put(self, records: list[Record], reserve: bool = False) -> None:
-        events = [(self.topic(TOPIC_OF_RECORD[type(r)].name), key_of(r), encode(r)) for r in records]
-        meta = {"next_cycle": self.cycle, "jobs": {j: vars(s) for j, s in self.state.items()},
-                "batches": self.batcher.state()}
-        self.spool.put(events, meta, reserve=reserve)
+    def _events(self, records: list[Record]) -> list[tuple[str, bytes | None, bytes]]:
+        return [(self.topic(TOPIC_OF_RECORD[type(r)].name), key_of(r), encode(r)) for r in records]
+
+    def _put(self, records: list[Record], reserve: bool = False, left: JobLeftNode | None = None) -> None:
+        """Spool records with the agent's books (and, with ``left``, the record of that marker)."""
+        meta: dict[str, Any] = {"next_cycle": self.cycle, "jobs": {j: vars(s) for j, s in self.state.items()},
+                                "batches": self.batcher.state()}
+        forget: list[str] = []
+        if left is not None:
+            written, forget = self.closed.record(left.job_id, Closed(left.event_time, unseen=False), _now())
+            meta.update(written)
+        self.spool.put(self._events(records), meta, reserve=reserve, forget=forget)
 
     def _send(self, batches: list[ShutterBatch]) -> bool:
         """Spool batches the batcher closed. With the spool full they are open again, as its meta
@@ -232,24 +249,52 @@ class Agent:
         return None
 
     def rescan(self) -> None:
-        now = self.source.poll()
-        for job_id in sorted(set(self.state) - set(now)):
-            self._job_left(job_id)
-        for job_id, job in sorted(now.items()):
-            st = self.state.get(job_id)
-            if st is None:
-                st = self.state[job_id] = PublishedJob(start=_now().isoformat())
-                log.info("job %s: %d processes%s", job_id, len(job.procs),
-                         f", cgroup {job.cgroup}" if job.cgroup else "", extra=fields(job_id=job_id))
-            spec = self.source.spec(job_id)
-            if spec is not None and not st.started:
-                st.started = True
-                self._put([self._lifecycle(spec, JobState.STARTED, st.start, None)], reserve=True)
-            if job_id not in self.counters:
-                counter = self._open_counter(job)
-                if counter is not None:
-                    self.counters[job_id] = counter
-        self.jobs = now
+        polled = self.source.poll()
+        with self._books:
+            # a job whose run was closed from its terminal event is not taken up (lifecycle.py)
+            now = {j: job for j, job in polled.items() if j in self.state or not self.closed.shut(j)}
+            for job_id in sorted(set(self.state) - set(now)):
+                self._job_left(job_id)
+            for job_id, job in sorted(now.items()):
+                st = self.state.get(job_id)
+                if st is None:
+                    st = self.state[job_id] = PublishedJob(start=_now().isoformat())
+                    log.info("job %s: %d processes%s", job_id, len(job.procs),
+                             f", cgroup {job.cgroup}" if job.cgroup else "", extra=fields(job_id=job_id))
+                spec = self.source.spec(job_id)
+                if spec is not None and not st.started:
+                    st.started = True
+                    self._put([self._lifecycle(spec, JobState.STARTED, st.start, None)], reserve=True)
+                if job_id not in self.counters:
+                    counter = self._open_counter(job)
+                    if counter is not None:
+                        self.counters[job_id] = counter
+            self.jobs = now
+
+    def job_event(self, event: JobEvent) -> None:
+        """A lifecycle event naming this node (from the lifecycle follower's thread): close the stream
+        of a run that ended here unseen, or let the rescan take up a later run of a job so closed."""
+        with self._books:
+            if self.closed.reopens(event):
+                self.closed.jobs[event.job_id].unseen = False
+                self.spool.put([], {META_PREFIX + event.job_id: self.closed.jobs[event.job_id].dump()})
+                return
+            if not self.closed.to_close(event, self.state, _now()):
+                return
+            assert event.end_time is not None  # to_close: the run ended
+            marker = left_node(node=self.options.node, source=self.source_name, job_id=event.job_id, blocks_sent=0,
+                               last_cycle=-1, paused_us=0, alone_us=0, at=event.end_time)
+            before = self.closed.jobs.get(event.job_id)
+            meta, forget = self.closed.record(event.job_id, Closed(event.end_time, unseen=True), _now())
+            try:  # not ``_put``: the books it writes belong to the loop's thread
+                self.spool.put(self._events([marker]), meta, reserve=True, forget=forget)
+            except SpoolFull:  # not sent: the follower tries again
+                self.closed.jobs.pop(event.job_id)
+                if before is not None:
+                    self.closed.jobs[event.job_id] = before
+                raise
+        log.info("job %s %s here unseen: its stream closed with no block", event.job_id, event.state.value,
+                 extra=fields(job_id=event.job_id))
 
     def _job_left(self, job_id: str) -> None:
         st = self.state.pop(job_id)
@@ -258,9 +303,9 @@ class Agent:
             counter.close()
         last = self.batcher.close(job_id, self.options.node)  # the job's last blocks go before its marker
         records: list[Record] = [] if last is None else [last]
-        records.append(left_node(node=self.options.node, source=self.source_name, job_id=job_id,
-                                 blocks_sent=st.blocks, last_cycle=st.last_cycle, paused_us=st.paused_us,
-                                 alone_us=st.alone_us, at=_now()))
+        marker = left_node(node=self.options.node, source=self.source_name, job_id=job_id, blocks_sent=st.blocks,
+                           last_cycle=st.last_cycle, paused_us=st.paused_us, alone_us=st.alone_us, at=_now())
+        records.append(marker)
         spec = self.source.spec(job_id)  # also after a restart, when this agent never saw the job run
         if spec is not None:
             state = JobState.FAILED if self.source.exit_code(job_id) else JobState.ENDED
@@ -268,7 +313,7 @@ class Agent:
         log.info("job %s left: %d blocks, %.1f ms paused, %.1f s alone", job_id, st.blocks, st.paused_us / 1000,
                  st.alone_us / 1e6,
                  extra=fields(job_id=job_id))
-        self._put(records, reserve=True)
+        self._put(records, reserve=True, left=marker)
 
     def count_alone(self, now_ns: int) -> None:
         """Credit the time since the last call to the node's only job, if it had one then: a node
@@ -397,7 +442,7 @@ class Agent:
         next_rescan = next_power = 0.0
         period = self.options.period_ms / 1000
         try:
-            for follower in (self.caps, self.llc):
+            for follower in (self.caps, self.llc, self.lifecycle):
                 if follower is not None:
                     follower.start()
             readings = self.power()
@@ -444,7 +489,7 @@ class Agent:
         for counter in self.counters.values():
             counter.close()
         self.counters = {}
-        for follower in (self.caps, self.llc):
+        for follower in (self.caps, self.llc, self.lifecycle):
             if follower is not None:
                 follower.stop()
         restored = self.powercap.restore_all()  # what stays unrestored, the watchdog tries once more
@@ -484,4 +529,8 @@ def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm:
     def llc(resctrl: Resctrl) -> LlcFollower:
         return LlcFollower(settings, options.node, resctrl, options.mem_bandwidth_gbps)
 
-    return Agent(options, source, forwarder, settings.topic, cap_follower=caps, llc_follower=llc)
+    def lifecycle(on_event: Callable[[JobEvent], None]) -> LifecycleFollower:
+        return LifecycleFollower(settings, options.node, on_event)
+
+    return Agent(options, source, forwarder, settings.topic, cap_follower=caps, llc_follower=llc,
+                 lifecycle_follower=lifecycle)

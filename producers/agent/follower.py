@@ -1,4 +1,5 @@
-"""A node agent's reader of a decision topic, from its start, caught up before it acts.
+"""A node agent's reader of a topic: a decision topic from its start, caught up before it acts, or
+a topic of events to act on once each, from where its consumer group committed.
 
 The state a node must hold (power caps, cache shares) is a fold of every decision, and the agent
 undoes what it applied on exit, so each start folds the whole history again: every partition from
@@ -8,6 +9,12 @@ read to the end offset seen at start and a fetch then comes back empty, ``settle
 history ends with, and each later record is folded live. The end offset alone is not enough (the
 bundled broker reports a batch's first offset as the end: docs/broker.md), nor is quiet time
 alone (a consumer still joining reads nothing for a while).
+
+A follower with ``commits`` (the agent's follower of ``jobs.lifecycle``) acts on every record it
+reads instead, so ``handle`` must be idempotent: a start resumes after the offsets its group
+committed (each batch is committed once handled, so a crash reads at most that batch again), and
+a group with no committed offset starts at the topic's beginning; what is too old to act on,
+``handle`` decides.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+from nodeshare.consumer import _next_offsets as next_offsets
+
 log = logging.getLogger(__name__)
 
 
@@ -27,6 +36,9 @@ class Follower:
 
     topic_name = ""
     purpose = ""
+    #: False: a fold of the whole history, every start (nothing committed; the history is folded
+    #: without acting). True: events acted on once each, resumed after the committed offsets.
+    commits = False
 
     def __init__(self, settings: Any, node: str) -> None:
         self.settings = settings
@@ -44,19 +56,25 @@ class Follower:
     def run(self) -> None:
         topic = self.settings.topic(self.topic_name)
         consumer = Consumer(self.settings.client_config(**{
-            "group.id": f"{self.settings.app_id}-agent-{self.node}-{self.purpose}",  # never committed
+            "group.id": f"{self.settings.app_id}-agent-{self.node}-{self.purpose}",  # committed only if ``commits``
             "enable.auto.commit": False, "fetch.wait.max.ms": 100}))
         try:
             partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
             ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in partitions}
-            behind = {p: high for p, (low, high) in ends.items() if high > low}  # history still to fold
-            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+            starts = {p: OFFSET_BEGINNING for p in partitions}
+            if self.commits:  # resume after what the group committed (a negative offset: nothing committed)
+                starts.update({tp.partition: tp.offset for tp in consumer.committed(
+                    [TopicPartition(topic, p) for p in partitions], timeout=10) if tp.offset >= 0})
+            behind = {p: high for p, (low, high) in ends.items() if high > max(low, starts[p])}  # history still to read
+            consumer.assign([TopicPartition(topic, p, starts[p]) for p in partitions])
             while not self._stop.is_set():
                 batch = [m for m in consumer.consume(500, timeout=0.2) if m.error() is None]
                 for m in batch:
-                    self.handle(m.value(), write=self.caught_up.is_set())
+                    self.handle(m.value(), write=self.commits or self.caught_up.is_set())
                     if behind.get(m.partition(), 0) <= (m.offset() or 0) + 1:
                         behind.pop(m.partition(), None)
+                if self.commits and batch:
+                    consumer.commit(offsets=next_offsets(batch), asynchronous=False)
                 if not self.caught_up.is_set() and not behind and not batch:
                     self.settle()
                     self.caught_up.set()

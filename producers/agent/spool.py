@@ -49,9 +49,10 @@ class Spool:
         self.rows, self.bytes = self._db.execute("SELECT count(*), coalesce(sum(size), 0) FROM events").fetchone()
 
     def put(self, events: Iterable[tuple[str, bytes | None, bytes]], meta: dict[str, Any] | None = None, *,
-            reserve: bool = False) -> None:
-        """Append events (topic, key, value) and update meta, atomically. ``reserve`` lets the few
-        events that close a job's stream use the head-room kept for them."""
+            reserve: bool = False, forget: Iterable[str] = ()) -> None:
+        """Append events (topic, key, value), update meta and delete the meta names in ``forget``,
+        atomically. ``reserve`` lets the few events that close a job's stream use the head-room kept
+        for them."""
         rows = [(t, k, v, len(v) + len(k or b"")) for t, k, v in events]
         size = sum(r[3] for r in rows)
         bound = self.max_bytes * (1 + RESERVE_FRACTION) if reserve else self.max_bytes
@@ -65,6 +66,7 @@ class Spool:
                 self._db.executemany("INSERT INTO events (topic, key, value, size) VALUES (?, ?, ?, ?)", rows)
                 for name, value in (meta or {}).items():
                     self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, json.dumps(value)))
+                self._db.executemany("DELETE FROM meta WHERE name = ?", [(name,) for name in forget])
                 self._db.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:
@@ -110,6 +112,13 @@ class Spool:
         with self._lock:
             row = self._db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
         return default if row is None else json.loads(row[0])
+
+    def metas(self, prefix: str) -> dict[str, Any]:
+        """Every meta value whose name starts with ``prefix``, by the rest of its name."""
+        with self._lock:
+            rows = self._db.execute("SELECT name, value FROM meta WHERE substr(name, 1, ?) = ?",
+                                    (len(prefix), prefix)).fetchall()
+        return {name[len(prefix):]: json.loads(value) for name, value in rows}
 
     def close(self) -> None:
         with self._lock:
