@@ -48,6 +48,10 @@ _TERMINAL = {
     "NODE_FAIL": JobState.FAILED, "OUT_OF_MEMORY": JobState.FAILED, "BOOT_FAIL": JobState.FAILED,
 }
 
+#: squeue states of a job that has run and is over (or on its way out): no submission to publish
+#: for it. A restarted source finds them in ``squeue -t all`` (kept MinJobAge after the end).
+_OVER = frozenset(_TERMINAL) | {"COMPLETING", "REVOKED", "SPECIAL_EXIT", "STAGE_OUT"}
+
 HOOK_SCRIPT = """#!/bin/sh
 # Written by `nodeshare slurm install-hooks`: records one Slurm {hook} event for nodeshare.
 # Always exits 0: a failing controller hook would hold or requeue the job.
@@ -288,6 +292,8 @@ class SlurmSource:
             for row in self.commands.queue():
                 if row["job_id"] not in self.seen_submitted:
                     self.seen_submitted.add(row["job_id"])
+                    if row.get("state") in _OVER:
+                        continue  # ended already (a restarted source sees it again): its submission is history
                     try:
                         events.append(submitted_event(row, self.cluster))
                     except (HookFileError, ValueError) as exc:

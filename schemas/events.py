@@ -408,6 +408,9 @@ class NodeInventory(Record):
     llc_ways: PosInt
     mem_bandwidth_gbps: Annotated[float, Field(gt=0.0)]
     processors: tuple[ProcessorSpec, ...] = ()
+    #: False while the resource manager runs no new job there (Slurm: DOWN, DRAIN, FAIL, NOT_RESPONDING,
+    #: MAINT, RESERVED, ...): placement chooses it for no job until a record says it is usable again (version 5)
+    usable: bool = True
 
 
 # --------------------------------------------------------------------------- estimates.degradation
@@ -692,6 +695,7 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},
+    NodeInventory: {"usable": 5},
 }
 
 

@@ -4,11 +4,24 @@ held, or acting on a delay, fail here.)"""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from factories import T0
+from unit.test_ledger_archive_audit import _Msg  # the Message methods a sink reads
 
-from nodeshare.producers.slurm_scheduler import SlurmJob, inventory, parse_nodes, plan
-from nodeshare.schemas.events import PlacementAction, PlacementDecision
+from nodeshare.config import Settings
+from nodeshare.producers.slurm_scheduler import (
+    NodeWatch,
+    SlurmJob,
+    SlurmScheduler,
+    inventory,
+    parse_nodes,
+    plan,
+    usable,
+)
+from nodeshare.schemas import decode_model, encode
+from nodeshare.schemas.events import DeadLetter, PlacementAction, PlacementDecision
 
 
 def decision(job: str, action: PlacementAction, nodes: tuple[str, ...] = (), partner: str | None = None,
@@ -26,7 +39,7 @@ def test_a_placed_held_job_is_pinned_to_its_nodes_then_released():
     assert p.outcome == "applied"
     assert p.commands == (("scontrol", "update", "JobId=7", "NodeList=n1,n2", "NumNodes=2"),
                           ("scontrol", "release", "7"))
-    paired = plan(decision("7", PlacementAction.PAIR, ("n3",), partner="8"), SlurmJob("7", "PENDING", "JobHeldAdmin"))
+    paired = plan(decision("7", PlacementAction.PAIR, ("n3",), partner="8"), HELD)
     assert paired.commands[0][3:] == ("NodeList=n3", "NumNodes=1") and "next to 8" in paired.why
 
 
@@ -60,3 +73,79 @@ def test_slurm_nodes_become_inventory():
     # published again at the next start: the same ids, de-duplicated downstream
     assert [i.event_id for i in inventory(nodes, "hpc", 11, 40.0, T0)] == [i.event_id for i in inv]
     assert inv[0].event_id != inventory(nodes, "hpc", 12, 40.0, T0)[0].event_id  # a changed shape is news
+
+
+def test_an_operators_hold_is_never_released():
+    p = plan(decision("7", PlacementAction.PLACE, ("n1",)), SlurmJob("7", "PENDING", "JobHeldAdmin"))
+    assert p.commands == () and p.outcome == "kept_held" and "operator" in p.why
+
+
+NODES = ("NodeName=c1 CPUTot=16 Sockets=2 State=ALLOCATED\n"
+         "NodeName=c2 CPUTot=16 Sockets=2 State=DOWN+NOT_RESPONDING Reason=dead\n"
+         "NodeName=c3 CPUTot=16 Sockets=2 State=IDLE+DRAIN Reason=maint\n"
+         "NodeName=c4 CPUTot=16 Sockets=2 State=MIXED+RESERVED\n"
+         "NodeName=c5 CPUTot=16 Sockets=2 State=IDLE+POWERED_DOWN\n")
+
+
+def test_nodes_slurm_runs_no_job_on_are_published_unusable():
+    assert [(i.node, i.usable) for i in inventory(parse_nodes(NODES), "c", 11, 50.0, T0)] == [
+        ("c1", True), ("c2", False), ("c3", False), ("c4", False), ("c5", True)]
+    assert usable("IDLE") and usable("MIXED") and not usable("DOWN*") and not usable("") and not usable("drained")
+
+
+def test_the_inventory_follows_node_state_and_publishes_only_changes():
+    watch = NodeWatch()
+    first = watch.changes(inventory(parse_nodes(NODES), "c", 11, 50.0, T0), T0)
+    assert len(first) == 5 and watch.changes(inventory(parse_nodes(NODES), "c", 11, 50.0, T0), T0) == []
+    again = NODES.replace("State=IDLE+DRAIN", "State=IDLE").split("\n", 1)[1]  # c3 undrained, c1 gone
+    changed = watch.changes(inventory(parse_nodes(again), "c", 11, 50.0, T0), T0)
+    assert sorted((i.node, i.usable) for i in changed) == [("c1", False), ("c3", True)]  # c1: Slurm dropped it
+    assert len({i.event_id for i in first + changed}) == 7
+
+
+class Refusing:
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.ran: list[tuple[str, ...]] = []
+
+    def job(self, job_id: str) -> SlurmJob:
+        return SlurmJob(job_id, "PENDING", "JobHeldUser")
+
+    def run(self, command: tuple[str, ...]) -> None:
+        if "JobId=7" in command:
+            raise RuntimeError(f"scontrol update JobId=7 failed (1): {self.message}")
+        self.ran.append(command)
+
+
+class Letters:
+    def __init__(self) -> None:
+        self.sent: list[DeadLetter] = []
+        self.flushed = 0
+
+    def send(self, record: DeadLetter) -> None:
+        self.sent.append(record)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        self.flushed += 1
+
+
+def test_a_refused_command_is_a_dead_letter_with_slurms_message_and_the_adapter_goes_on():
+    commands, letters = Refusing("Requested node configuration is not available"), Letters()
+    sink = SlurmScheduler(Settings(), commands, dead_letters=letters)  # type: ignore[arg-type]
+    batch = [_Msg("decisions.placement", encode(decision("7", PlacementAction.PLACE, ("gpu1",))), 4),
+             _Msg("decisions.placement", encode(decision("8", PlacementAction.PLACE, ("c1",))), 5)]
+    sink.write(batch)  # type: ignore[arg-type]
+    assert [c[-1] for c in commands.ran] == ["NumNodes=1", "8"]  # job 8 placed after 7 was refused
+    assert sink.outcomes["refused"] == 1 and sink.outcomes["applied"] == 1
+    [dl] = letters.sent
+    assert isinstance(dl, DeadLetter) and letters.flushed == 1
+    assert "Requested node configuration is not available" in dl.reason and "job 7" in dl.reason
+    assert (dl.origin_topic, dl.origin_offset) == ("decisions.placement", 4)
+    assert decode_model(PlacementDecision, base64.b64decode(dl.value_b64)).job_id == "7"
+
+
+def test_a_slurm_it_cannot_reach_stops_the_batch_to_try_it_again():
+    commands = Refusing("slurm_update error: Unable to contact slurm controller (connect failure)")
+    sink = SlurmScheduler(Settings(), commands, dead_letters=Letters())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="Unable to contact"):
+        sink.write([_Msg("decisions.placement", encode(decision("7", PlacementAction.PLACE, ("c1",))), 0)])  # type: ignore[arg-type]

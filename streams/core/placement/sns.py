@@ -126,6 +126,7 @@ class NodeCapacity:
     cores: int
     llc_ways: int
     bandwidth_gbps: float
+    usable: bool = True  # False: the resource manager runs no new job there (down, drained, ...)
 
 
 @dataclass
@@ -158,6 +159,8 @@ class NodeLoad:
         return c / cap.cores + b / cap.bandwidth_gbps + beta * w / cap.llc_ways
 
     def fits(self, cores: int, ways: int, bandwidth: float, policy: Policy) -> bool:
+        if not self.capacity.usable:
+            return False
         if not policy.share_nodes:  # CE: a node runs one job
             return not self.jobs and cores <= self.capacity.cores
         c, w, b = self.used()
@@ -237,8 +240,10 @@ class Scheduler:
         self._sizes()
 
     def _sizes(self) -> None:
-        """The smallest node's size: processes are spread over nodes of this many cores."""
-        caps = [x.capacity for x in self.loads.values()]
+        """The smallest usable node's size (of every node when none is usable): processes are
+        spread over nodes of this many cores."""
+        caps = [x.capacity for x in self.loads.values() if x.capacity.usable] or \
+            [x.capacity for x in self.loads.values()]
         self.smallest = NodeCapacity(min(c.cores for c in caps), min(c.llc_ways for c in caps),
                                      min(c.bandwidth_gbps for c in caps))
 

@@ -49,6 +49,7 @@ from nodeshare.schemas.events import (
 )
 from nodeshare.schemas.serde import DecodeError, decode
 
+from ..lifecycle import JobPhases, Phase
 from ..pairing import PAIRINGS, DegradationModel, pair_queue
 from ..profiles import FEATURES, ProfileBook
 from .sns import (
@@ -173,6 +174,7 @@ class PlacementManager:
     pairs: PairModel = field(default_factory=PairModel)
     scheduler: Scheduler | None = None
     early: list[JobEvent] = field(default_factory=list)  # submissions before any node was known
+    phases: JobPhases = field(default_factory=JobPhases)  # duplicate and late lifecycle events change nothing
     skipped: int = 0
 
     def apply(self, topic: str, value: bytes | None) -> list[Record]:
@@ -190,11 +192,12 @@ class PlacementManager:
         if isinstance(record, DegradationEstimate) and record.final and changed:
             self.pairs.refresh(self.book)  # measured pairs change only here
         if isinstance(record, NodeInventory):
-            cap = NodeCapacity(record.cores, record.llc_ways, record.mem_bandwidth_gbps)
+            cap = NodeCapacity(record.cores, record.llc_ways, record.mem_bandwidth_gbps, record.usable)
             if self.scheduler is None:
                 self.scheduler = Scheduler({record.node: cap}, POLICIES[self.policy], self.age_limit_s, self._veto)
                 for ev in self.early:
-                    self._submit(ev)
+                    if self.phases.get(ev.job_id) is Phase.SUBMITTED:  # not started or ended meanwhile
+                        self._submit(ev)
                 self.early.clear()
             else:
                 self.scheduler.add_node(record.node, cap)
@@ -213,6 +216,8 @@ class PlacementManager:
         return notes.program if notes is not None and notes.program else "?"
 
     def _lifecycle(self, ev: JobEvent) -> list[Record]:
+        if not self.phases.advance(ev):
+            return []  # a duplicate, a submission of a job already started or ended, a second end
         if ev.state is JobState.SUBMITTED:
             if self.scheduler is None:
                 self.early.append(ev)
@@ -265,8 +270,10 @@ class PlacementManager:
     def _pair(self, now: float) -> list[Decision]:
         """Seed 003 on the waiting queue: the oldest PAIR_WINDOW jobs that fit half a node, paired
         on the predicted degradation graph; each pair the model deems worth it (``pair_queue``)
-        starts on one node when one holds both and the veto accepts both. An aged job that cannot
-        be paired stops the window, so pairs never take what it waits for."""
+        starts on one node when one holds both and the veto accepts both. Aged jobs block younger
+        ones here as in Spread-n-Share: one that does not fit half a node stops the window, pairs
+        with an aged job start first, and while an aged job of the window waits unpaired no pair of
+        younger jobs starts (Spread-n-Share then places it or stops at it)."""
         s = self.scheduler
         if self.pairing == "off" or self.pairs.model is None or s is None or not s.policy.share_nodes:
             return []
@@ -280,17 +287,24 @@ class PlacementManager:
                 break
         if len(window) < 2:
             return []
-        room = max(load.capacity.cores - load.used()[0] for load in s.loads.values())
+        room = max((load.capacity.cores - load.used()[0] for load in s.loads.values() if load.capacity.usable),
+                   default=0)
         if room < sum(sorted(j.procs for j in window)[:2]):
             return []  # no node holds even the two smallest: nothing worth predicting
         programs = [self._program(j.job_id) for j in window]
         deg, times = self._pair_inputs(programs)
+        aged = {x.job_id for x in window if now - x.submitted >= s.age_limit_s}
+        pairs = pair_queue(times, np.array([x.alpha for x in window]), deg, self.pairing)
+        pairs.sort(key=lambda ij: not ({window[ij[0]].job_id, window[ij[1]].job_id} & aged))  # stable
         out: list[Decision] = []
-        for i, j in pair_queue(times, np.array([x.alpha for x in window]), deg, self.pairing):
+        for i, j in pairs:
             a, b = window[i], window[j]
+            if aged and not {a.job_id, b.job_id} & aged:
+                break  # an aged job still waits: younger pairs must not take what it waits for
             placed = s.place_pair(a, b)
             if placed is None or self._veto(a, placed[0]) or self._veto(b, placed[1]):
                 continue
+            aged -= {a.job_id, b.job_id}
             for job, p, other in ((a, placed[0], b), (b, placed[1], a)):
                 s.allocate(job.job_id, p)
                 s.withdraw(job.job_id)
