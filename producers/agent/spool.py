@@ -126,7 +126,14 @@ class Spool:
 
 
 class Forwarder:
-    """Sends spooled events in spool order, at most ``in_flight`` unacknowledged at a time.
+    """Sends spooled events in spool order, at most ``in_flight`` unacknowledged at a time, and at
+    most one at a time per (topic, key): a job's records reach the broker in the order they were
+    spooled, whatever the client does with a failed one. (An idempotent librdkafka producer keeps
+    order across retries, but a message that fails for good, e.g. larger than a topic's
+    ``max.message.bytes``, is reported while later ones of its partition may be delivered:
+    librdkafka's ``enable.gapless.guarantee`` is off by default. Re-sent after them, a job's last
+    batch would land behind its JobLeftNode and the fold would count the job short.) One job's
+    records go one after another; the agent runs a few dozen jobs, so other jobs fill the pipe.
 
     The producer should retry without a deadline (``message.timeout.ms=0``): an idempotent
     producer whose messages time out bumps its epoch, which a broker may answer with
@@ -139,8 +146,8 @@ class Forwarder:
         self.producer = connect()
         self.in_flight = in_flight
         self._fatal = False
-        self._sent_up_to = 0  # highest seq handed to the producer
-        self._pending: set[int] = set()
+        self._sent_up_to = 0  # every seq up to this one was handed to the producer
+        self._pending: dict[int, tuple[str, bytes | None]] = {}  # seq in flight -> its (topic, key)
         self._acked: list[int] = []
         self._failed: list[int] = []
         self.last_error: str | None = None
@@ -148,7 +155,7 @@ class Forwarder:
 
     def _on_delivery(self, seq: int) -> Any:
         def done(err: KafkaError | None, msg: Message) -> None:
-            self._pending.discard(seq)
+            self._pending.pop(seq, None)
             if err is None:
                 self._acked.append(seq)
             else:
@@ -167,21 +174,29 @@ class Forwarder:
             log.error("producer failed for good (%s); reconnecting and re-sending from the spool", self.last_error)
             self.producer.release(0)
             self.producer = self.connect()
-            self._fatal, self._pending, self._failed, self._sent_up_to = False, set(), [], 0
+            self._fatal, self._pending, self._failed, self._sent_up_to = False, {}, [], 0
         if self._failed:
             self._sent_up_to = min(min(self._failed) - 1, self._sent_up_to)
             self._failed = []
         room = self.in_flight - len(self._pending)
         if room <= 0:
             return
-        for seq, topic, key, value in self.spool.after(self._sent_up_to, room):
-            if seq in self._pending:  # still in flight from before a failure: let it finish
+        busy = set(self._pending.values())  # streams with a record in flight: their next one waits
+        contiguous = True  # every row read so far was handed over: the watermark may follow
+        for seq, topic, key, value in self.spool.after(self._sent_up_to, room + len(self._pending)):
+            stream = (topic, key)
+            if seq not in self._pending:
+                if stream in busy or room <= 0:
+                    busy.add(stream)  # and every later record of it waits too
+                    contiguous = False
+                    continue
+                self._pending[seq] = stream
+                busy.add(stream)
+                self.producer.send_raw(topic, key, value, on_delivery=self._on_delivery(seq))
+                self.sent += 1
+                room -= 1
+            if contiguous:
                 self._sent_up_to = seq
-                continue
-            self._pending.add(seq)
-            self.producer.send_raw(topic, key, value, on_delivery=self._on_delivery(seq))
-            self._sent_up_to = seq
-            self.sent += 1
 
     def drain(self, timeout: float) -> bool:
         """Pump until the spool is empty or ``timeout`` seconds pass; True when empty."""
