@@ -25,7 +25,7 @@ from nodeshare.schemas.serde import decode_model
 from nodeshare.streams.core.accounting import Message, Origin, fold_messages
 from nodeshare.streams.worker import fold_consumer
 from nodeshare.streams.worker.cursor import accounting_group, committed_offsets
-from nodeshare.streams.worker.fold_consumer import FoldConsumer, kafka_partition
+from nodeshare.streams.worker.fold_consumer import FoldConsumer, FoldThread, kafka_partition
 
 pytestmark = pytest.mark.integration
 
@@ -51,23 +51,17 @@ class _Fold(FoldConsumer):
 
 @contextmanager
 def _running(fold: _Fold) -> Iterator[_Fold]:
+    """The fold in the worker's own thread class; stopped (and committed) on exit, its failure raised."""
     stop, failed = threading.Event(), []
     fold.first = {}
-
-    def run() -> None:
+    thread = FoldThread(fold, stop, failed.append)
+    with fold.producer:  # closed once the thread is done with it
+        thread.start()
         try:
-            fold.run(stop)
-        except BaseException as exc:  # reported below
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield fold
-    finally:
-        stop.set()
-        thread.join(30)
-        fold.producer.close()
+            yield fold
+        finally:
+            stop.set()
+            thread.join(timeout=30)
     assert not failed, failed
 
 
