@@ -40,7 +40,9 @@ from pydantic import (
 #: * 4: ``JobLeftNode`` carries the time the job ran alone (``alone_us``), and ``Charge`` the
 #:   shared-time estimate and that time (``degradation_shared``, ``alone_s``).
 #: * 5: ``Charge`` says what evidence it set aside (``evidence_problems``: refused markers, blocks
-#:   that never arrived), and an estimate may be ``no_progress_alone``. Lifecycle events obey
+#:   that never arrived), and an estimate may be ``no_progress_alone``. A charge of a job on more
+#:   than ``MAX_CHARGE_NODES`` nodes carries a ``node_summary`` (totals and a digest) instead of
+#:   ``nodes``, and at most ``MAX_CHARGE_PROBLEMS`` problems and a count of the rest. Lifecycle events obey
 #:   stricter rules (an end only in a terminal event, no start in a submitted one, distinct nodes,
 #:   every job time under the clock rule): records version 4 accepted that break them are dead letters.
 SCHEMA_VERSION = 5
@@ -620,6 +622,29 @@ class NodeBlocks(BaseModel):
     alone_s: Annotated[float, Field(ge=0.0)] = 0.0  # what the node agent said the job ran there with no co-runner
 
 
+#: A charge lists its nodes (``NodeBlocks``, about 111 bytes each) up to this many; a job on more
+#: (a capability job) gets a ``NodeSummary`` instead, so a charge stays far below a broker's
+#: 1,000,000-byte message limit whatever the job's size (version 5).
+MAX_CHARGE_NODES = 1000
+#: With a ``NodeSummary``, ``evidence_problems`` keeps this many lines and one that counts the rest.
+MAX_CHARGE_PROBLEMS = 100
+
+
+class NodeSummary(BaseModel):
+    """A charge's nodes in brief, for a job on more than ``MAX_CHARGE_NODES`` nodes (version 5):
+    totals, and the sha256 of the JSON its ``nodes`` list would have held (compact, sorted by node),
+    so recomputing the charge from the archive checks every node's numbers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    count: PosInt  # nodes
+    blocks: NonNegInt  # blocks counted, over all nodes
+    blocks_sent: NonNegInt  # what the markers said were sent, over all nodes
+    paused_s: Annotated[float, Field(ge=0.0)]  # the longest a node's marker says it paused the job
+    alone_s: Annotated[float, Field(ge=0.0)]  # the time alone the markers claim, summed (exactly)
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class Charge(Record):
     """One ledger row: a job's price and everything needed to recompute it."""
 
@@ -653,7 +678,9 @@ class Charge(Record):
     blocks_used: NonNegInt
     blocks_rejected: NonNegInt
     blocks_ignored: NonNegInt  # duplicates, out-of-order and foreign-node blocks not counted
-    nodes: tuple[NodeBlocks, ...]
+    nodes: tuple[NodeBlocks, ...]  # empty when ``node_summary`` is set
+    #: Instead of ``nodes`` for a job on more than MAX_CHARGE_NODES nodes (version 5).
+    node_summary: NodeSummary | None = None
     rate_function: Name
     rate_per_core_hour: Annotated[float, Field(gt=0.0)]  # L
     delta: Annotated[float, Field(gt=0.0)]
@@ -691,7 +718,7 @@ class DeadLetter(Record):
 #: older version lacks them (reads their default), and an audit does not compare them.
 ADDED_IN: dict[type[Record], dict[str, int]] = {
     Charge: {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
-             "evidence_problems": 5},
+             "evidence_problems": 5, "node_summary": 5},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

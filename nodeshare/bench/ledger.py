@@ -4,6 +4,7 @@ The ledger sink reads ``node.shutter`` next to the charges, to keep the analysts
 counts (``Ledger.count_shutters``). This times its two steps without a broker, on a synthetic
 cluster of nodes each sharing ``jobs_per_node`` jobs in turn: decoding each message (the same
 pydantic decode the sink does) and counting a batch in one transaction of the DuckDB file.
+It also reports the charges of capability jobs (``bigjob``: fold time and charge bytes).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nodeshare.schemas import ShutterWindow, decode, encode
 from nodeshare.schemas.catalog import NODE_SHUTTER
 from nodeshare.sinks.ledger import Ledger
 
+from .bigjob import run_bigjob_bench
 from .machine import machine_stamp
 
 _T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -56,6 +58,7 @@ def run_ledger_bench(windows: int = 100_000, nodes: int = 1_000, jobs_per_node: 
         "decode_us_per_window": round(decode_s / windows * 1e6, 2),
         "count_us_per_window": round(count_s / windows * 1e6, 2),
         "windows_per_s": round(1 / per_window),
+        **run_bigjob_bench(),  # the charges of capability jobs: fold time and bytes
         "machine": machine_stamp(),
         "date": datetime.now(UTC).date().isoformat(),
     }

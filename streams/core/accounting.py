@@ -20,6 +20,7 @@ highest offset already applied for its topic partition is skipped, so each event
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 from collections.abc import Iterable
@@ -28,17 +29,20 @@ from datetime import datetime
 from typing import Annotated, Any, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, PrivateAttr, TypeAdapter
 
 from nodeshare import __version__
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, spec_for_topic
 from nodeshare.schemas.dead_letters import NODESHARE_NAMESPACE, dead_letter
 from nodeshare.schemas.events import (
+    MAX_CHARGE_NODES,
+    MAX_CHARGE_PROBLEMS,
     Charge,
     DegradationEstimate,
     JobEvent,
     JobLeftNode,
     NodeBlocks,
+    NodeSummary,
     OffsetRange,
     Record,
     RowProblem,
@@ -184,6 +188,23 @@ class NodeStream(_State):
 _SUM_FIELDS = ("solo_filtered", "co_filtered", "solo_all", "co_all", "before_filtered", "after_filtered")
 
 
+class _OpenNodes:
+    """Derived, never persisted: per uncharged revision, the nodes whose stream it is priced from has
+    not closed yet, each with the run index k that ``streams_for`` gives it. Computed once per
+    revision, shrunk as markers arrive, so readiness costs O(1) per marker, not O(nodes). Equal to
+    any other (an account's identity is its persisted state; a cache rebuilt after loading is the same)."""
+
+    __slots__ = ("by_revision",)
+
+    def __init__(self) -> None:
+        self.by_revision: dict[int, dict[str, int]] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _OpenNodes)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class TerminalEvent(_State):
     event: JobEvent
     topic: str
@@ -208,6 +229,7 @@ class JobAccount(_State):
     applied: dict[str, int] = {}  # "topic:partition" -> highest offset applied
     ipc_partition: tuple[str, int] | None = None  # where this job's node.ipc events are read from
     latest_event_time: datetime | None = None  # event time of the newest event applied
+    _open: _OpenNodes = PrivateAttr(default_factory=_OpenNodes)
 
     @property
     def end(self) -> JobEvent | None:
@@ -256,25 +278,57 @@ class JobAccount(_State):
         """A node's streams, one per run of the job there, oldest first."""
         return [*self.earlier.get(node, ()), *([self.nodes[node]] if node in self.nodes else [])]
 
+    def _run_index(self, revision: int) -> tuple[JobEvent, list[set[str]]]:
+        """Terminal event ``revision`` and the node sets of the runs before its run (see ``streams_for``):
+        a node's stream for it is its k-th, k the number of those sets naming it."""
+        terminal = self.ends[revision].event
+        latest: dict[datetime | None, JobEvent] = {}  # run (its start) -> its latest terminal event so far
+        for t in self.ends[:revision + 1]:
+            latest[t.event.start_time] = t.event
+        before = list(latest)[:list(latest).index(terminal.start_time)]
+        return terminal, [set(latest[run].nodes) for run in before]
+
+    def _kth_closed(self, node: str, k: int) -> bool:
+        runs = self._runs_of(node)
+        return k < len(runs) and runs[k].closed
+
     def streams_for(self, revision: int) -> list[tuple[str, NodeStream]] | None:
         """The block streams terminal event ``revision`` is priced from, sorted by node, or None while one
         has not closed. A job requeued under its id runs again with a new start time: each distinct start
         (in the order the terminal events name them) is a run, and a node's k-th stream belongs to the
         k-th run that lists it; corrections of a run (same start) share its streams. Decided from the
         terminal events up to ``revision`` only, so a revision's streams never change once it is priced."""
-        terminal = self.ends[revision].event
-        latest: dict[datetime | None, JobEvent] = {}  # run (its start) -> its latest terminal event so far
-        for t in self.ends[:revision + 1]:
-            latest[t.event.start_time] = t.event
-        before = list(latest)[:list(latest).index(terminal.start_time)]
+        terminal, before = self._run_index(revision)
         out = []
         for node in sorted(terminal.nodes):
-            k = sum(node in latest[run].nodes for run in before)
+            k = sum(node in run for run in before)
             runs = self._runs_of(node)
             if k >= len(runs) or not runs[k].closed:
                 return None
             out.append((node, runs[k]))
         return out
+
+    def _ready(self, revision: int) -> bool:
+        """Whether ``streams_for(revision)`` is not None, from the cached set of its open nodes: a
+        stream, once closed, stays closed, and a node's runs are only ever appended, so the set only
+        shrinks (``_node_closed``)."""
+        open_nodes = self._open.by_revision.get(revision)
+        if open_nodes is None:
+            terminal, before = self._run_index(revision)
+            open_nodes = {}
+            for node in terminal.nodes:
+                k = sum(node in run for run in before)
+                if not self._kth_closed(node, k):
+                    open_nodes[node] = k
+            self._open.by_revision[revision] = open_nodes
+        return not open_nodes
+
+    def _node_closed(self, node: str) -> None:
+        """A stream of ``node`` closed: drop it from each uncharged revision waiting for it there."""
+        for open_nodes in self._open.by_revision.values():
+            k = open_nodes.get(node)
+            if k is not None and self._kth_closed(node, k):
+                del open_nodes[node]
 
     def _apply_blocks(self, record: ShutterBatch | ShutterBlock, origin: Origin, policy: PricingPolicy,
                       running_estimates: bool = True) -> Step:
@@ -339,8 +393,11 @@ class JobAccount(_State):
         ns.close_offset = origin.offset
         if ns.first_offset < 0:
             ns.first_offset = origin.offset
+        self._node_closed(left.node)
         charges = self._ready_charges(policy, origin)
-        return Step(charges=charges, estimate=self._estimate(policy, final=bool(charges)))
+        # No running estimate: a marker adds no block, and an estimate over every node per marker made
+        # a capability job's markers quadratic. The final one, with the charge, covers the whole job.
+        return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
 
     def _apply_lifecycle(self, event: JobEvent, origin: Origin, policy: PricingPolicy) -> Step:
         if not event.ran:  # submitted, started, or cancelled before it started: nothing to charge
@@ -414,15 +471,17 @@ class JobAccount(_State):
         out = []
         while self.revision + 1 < len(self.ends):
             r = self.revision + 1
-            if self.streams_for(r) is None:
+            if not self._ready(r):
                 start = self.ends[r].event.start_time
-                if not any(self.ends[later].event.start_time == start and self.streams_for(later) is not None
+                if not any(self.ends[later].event.start_time == start and self._ready(later)
                            for later in range(r + 1, len(self.ends))):
                     break
                 self.revision = r
+                self._open.by_revision.pop(r, None)
                 self.triggers.append("")
                 continue
             self.revision = r
+            self._open.by_revision.pop(r, None)
             self.triggers.append(f"{origin.topic}:{origin.partition}:{origin.offset}")
             out.append(self._charge(r, policy))
         return tuple(out)
@@ -489,6 +548,31 @@ def marker_problems(node: str, s: NodeStream, run_time_s: float) -> tuple[list[s
     return refused, missing
 
 
+def node_blocks(streams: list[tuple[str, NodeStream]]) -> tuple[NodeBlocks, ...]:
+    """What a charge says of each node's stream (sorted by node): all of it for a job on up to
+    ``MAX_CHARGE_NODES`` nodes; beyond, the charge carries their ``NodeSummary``, and this, from the
+    archive's fold (``JobAccount.streams_for``), is the detail its digest covers."""
+    return tuple(NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
+                            blocks_sent=s.blocks_sent, paused_s=s.paused_us / 1e6, alone_s=s.alone_us / 1e6)
+                 for n, s in streams)
+
+
+_NODE_LIST = TypeAdapter(tuple[NodeBlocks, ...])
+
+
+def node_detail(nodes: tuple[NodeBlocks, ...]) -> tuple[tuple[NodeBlocks, ...], NodeSummary | None]:
+    """``Charge.nodes`` and ``Charge.node_summary`` for these nodes: the list itself up to
+    ``MAX_CHARGE_NODES`` (so a charge stays far below a broker's 1 MB message limit), beyond it none
+    and a summary whose ``sha256`` is of the JSON the list would have encoded to, so an audit that
+    recomputes the charge still checks every node's numbers."""
+    if len(nodes) <= MAX_CHARGE_NODES:
+        return nodes, None
+    return (), NodeSummary(
+        count=len(nodes), blocks=sum(n.blocks for n in nodes), blocks_sent=sum(n.blocks_sent for n in nodes),
+        paused_s=max(n.paused_s for n in nodes), alone_s=math.fsum(n.alone_s for n in nodes),
+        sha256=hashlib.sha256(_NODE_LIST.dump_json(nodes)).hexdigest())
+
+
 def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: list[tuple[str, NodeStream]],
                  degradation: DegradationResult, policy: PricingPolicy,
                  ipc_partition: tuple[str, int] | None) -> Charge:
@@ -520,6 +604,11 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         ranges.append(OffsetRange(topic=topic, partition=partition,
                                   first_offset=min(s.first_offset for _, s in streams),
                                   last_offset=max(s.close_offset for _, s in streams)))
+    nodes, summary = node_detail(node_blocks(streams))
+    if summary is not None and len(problems) > MAX_CHARGE_PROBLEMS:
+        more = len(problems) - MAX_CHARGE_PROBLEMS
+        problems = [*problems[:MAX_CHARGE_PROBLEMS], f"... and {more} more (each follows from a node's numbers, "
+                                                     "which node_summary.sha256 covers)"]
     return Charge(
         event_id=str(uuid.uuid5(NODESHARE_NAMESPACE, f"charge:{job_id}:{revision}")),
         source=SOURCE,
@@ -535,9 +624,7 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         degradation_shared=degradation.degradation, alone_s=alone_s,
         blocks_used=degradation.blocks_used, blocks_rejected=degradation.blocks_rejected,
         blocks_ignored=sum(s.ignored for _, s in streams),
-        nodes=tuple(NodeBlocks(node=n, blocks=s.blocks, first_cycle=s.first_cycle, last_cycle=s.last_cycle,
-                               blocks_sent=s.blocks_sent, paused_s=s.paused_us / 1e6,
-                               alone_s=s.alone_us / 1e6) for n, s in streams),
+        nodes=nodes, node_summary=summary,
         rate_function=policy.rate_function, rate_per_core_hour=policy.rate_per_core_hour,
         delta=policy.delta,
         standard_price=amounts.standard_price, solo_price=amounts.solo_price,
@@ -637,7 +724,8 @@ def fold_states(messages: Iterable[Message], policy: PricingPolicy,
     accounts: dict[bytes | None, JobAccount] = {}
     charges: list[Outgoing] = []
     for origin, key, value, ts in messages:
-        new, out, _ = apply_message(accounts.get(key), origin, key, value, ts, policy, prefix)
+        # no running estimates: only charges are kept, and one per batch over all nodes is O(nodes)
+        new, out, _ = apply_message(accounts.get(key), origin, key, value, ts, policy, prefix, running_estimates=False)
         if new is not None:
             accounts[key] = new
         charges += [o for o in out if o.topic == LEDGER_CHARGES.name]

@@ -41,7 +41,7 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
 def test_this_build_writes_version_5_and_reads_1_to_5():
     assert SCHEMA_VERSION == 5
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
-                                "evidence_problems": 5}
+                                "evidence_problems": 5, "node_summary": 5}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
 
