@@ -457,7 +457,8 @@ def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy],
             result.ineligible.add(job)
         else:
             result.charges[(job, 0)] = charge
-            result.samples += 3 * int(sum(n.blocks for n in charge.nodes))
+            counted = charge.node_summary.blocks if charge.node_summary else sum(n.blocks for n in charge.nodes)
+            result.samples += 3 * int(counted)
     # Jobs with a terminal event but no node.ipc record at all: only the reference path can say.
     result.ineligible |= {j for j in ends if j not in by_job}
     return result
