@@ -6,6 +6,11 @@ sleep until the next period P and rotate the lone job. SIGINT and SIGTERM are he
 jobs are paused (they take effect right after the resume), the watchdog knows what is paused at
 every moment, and a node with fewer than two jobs is never shuttered. Every job the resource
 manager says ran on the node gets its stream closed, seen by a rescan or not (``lifecycle``).
+
+Longer than 500 lines because the loop, the shutter cycle's signal holding and the two paths that
+close a job's stream (rescan and lifecycle) share one lock and one spool transaction per step:
+what makes a node never leave a job frozen and never send a job two markers is their order,
+which split across modules would be a protocol between them instead of one reading.
 """
 
 from __future__ import annotations
