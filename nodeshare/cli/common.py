@@ -23,6 +23,7 @@ err = Console(stderr=True, soft_wrap=True)  # one line per message: greppable
 
 @app.callback()
 def _global_options(
+    ctx: typer.Context,
     config: Annotated[Path | None, typer.Option(
         "--config", help="TOML configuration file (default: NODESHARE_CONFIG); environment variables win over it",
         dir_okay=False)] = None,
@@ -30,6 +31,9 @@ def _global_options(
     from nodeshare.config import CONFIG_FILE
 
     CONFIG_FILE.set(config)  # None: fall back to NODESHARE_CONFIG
+    # The choice lasts for this command only: a process that runs several (tests, an embedding
+    # program) must not read one command's file in the next.
+    ctx.call_on_close(lambda: CONFIG_FILE.set(None))
 
 
 def load_settings(**overrides: Any) -> Any:
