@@ -60,6 +60,11 @@ from .watchdog import Watchdog, WatchdogLost
 
 log = logging.getLogger("nodeshare.agent")
 
+#: After a freezer stayed FREEZING past its deadline, how long the node is not shuttered: every
+#: cycle would pause the co-runners up to that deadline and measure nothing while a task of the
+#: stuck job sleeps uninterruptibly (I/O). Long enough to cost nothing, short enough to resume soon.
+FREEZE_BACKOFF_S = 30.0
+
 _HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
@@ -99,6 +104,7 @@ class PublishedJob:
 class Stats:
     cycles: int = 0
     skipped_spool_full: int = 0
+    skipped_freeze: int = 0  # cycles abandoned or skipped because a job's freezer stayed FREEZING
     shutter_total_s: float = 0.0  # a sum, not a list: an agent runs for months
 
     @property
@@ -181,6 +187,7 @@ class Agent:
         self.jobs: dict[str, LocalJob] = {}
         self.counters: dict[str, Counter] = {}
         self.lone: str | None = None
+        self._frozen_until = 0.0  # no shutter before this (monotonic s): a freezer was stuck
         self._tick_ns: int | None = None  # the loop's last turn, for the time a job was alone
         self.stats = Stats()
         self.source_name = f"agent/{options.node}"
@@ -344,6 +351,10 @@ class Agent:
         measurable = sorted(j for j in self.jobs if j in self.counters)
         if len(self.jobs) < 2 or not measurable:
             return False
+        if time.monotonic() < self._frozen_until:
+            self.stats.skipped_freeze += 1
+            metrics.SHUTTERS_SKIPPED.labels("freeze_timeout").inc()
+            return False
         if self.spool.bytes >= self.spool.max_bytes:
             self.stats.skipped_spool_full += 1
             metrics.SHUTTERS_SKIPPED.labels("spool_full").inc()
@@ -367,6 +378,7 @@ class Agent:
             return False
         counter, k = self.counters[lone], self.options.k
         before = self._windows(counter, k)
+        paused: list[Target] = []
         with _signals_held():
             # the intent before any act: the watchdog resumes a pause the agent dies in the middle of
             self.watchdog.arm([*self.pauser.held(), *others])
@@ -374,12 +386,28 @@ class Agent:
                 start = _now()
                 t0 = time.monotonic_ns()
                 for target in others:
+                    paused.append(target)
                     self.pauser.pause(target)  # records each process and cgroup before it stops it
                 during = self._windows(counter, k)
+            except TimeoutError as e:
+                during = None
+                stuck = e
             finally:
                 self._resume()
                 t1 = time.monotonic_ns()
                 end = _now()
+        if during is None:
+            # A freezer stuck in FREEZING (a task in uninterruptible I/O): everything is thawed, the
+            # cycle abandoned, and the node not shuttered for FREEZE_BACKOFF_S, since every cycle
+            # would pause its co-runners up to the freezer's deadline and measure nothing. The jobs
+            # paused meanwhile are credited the pause.
+            for target in paused:
+                self.state[target.job_id].paused_us += (t1 - t0) // 1000
+            self._frozen_until = time.monotonic() + FREEZE_BACKOFF_S
+            self.stats.skipped_freeze += 1
+            metrics.SHUTTERS_SKIPPED.labels("freeze_timeout").inc()
+            log.warning("shutter abandoned: %s; no shutter on this node for %.0f s", stuck, FREEZE_BACKOFF_S)
+            return False
         after = self._windows(counter, k)
         paused_us = (t1 - t0) // 1000
         self.stats.shutter_total_s += (t1 - t0) / 1e9
