@@ -482,6 +482,7 @@ class Agent:
             if not self._power:
                 self._put(list(readings), reserve=True)  # said once: no numbers follow
             while not stop():
+                CapFollower.check(self.caps, self.llc, self.lifecycle)  # one stopped on a failure ends the agent
                 self.count_alone(time.monotonic_ns())
                 tick = time.monotonic()
                 if duration_s is not None and tick - started >= duration_s:

@@ -15,6 +15,13 @@ reads instead, so ``handle`` must be idempotent: a start resumes after the offse
 committed (each batch is committed once handled, so a crash reads at most that batch again), and
 a group with no committed offset starts at the topic's beginning; what is too old to act on,
 ``handle`` decides.
+
+A follower never ends silently. A broker it cannot reach (``KafkaException``) is waited out: the
+follower starts again, as at a start. Anything else (``WatchdogLost``: nothing would undo a cap if
+the agent died now; a bug) stops it: ``failed`` undoes what it applied, the gauge
+``nodeshare_agent_follower_up{follower}`` drops to 0, the log says why, and the agent's loop
+(``check``) raises, so the agent exits non-zero after its usual restore, and its supervisor
+(systemd's ``Restart=on-failure``) starts it again with a new watchdog, which folds the history again.
 """
 
 from __future__ import annotations
@@ -23,11 +30,24 @@ import logging
 import threading
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from prometheus_client import Gauge
 
 from nodeshare.consumer import _next_offsets as next_offsets
 
+from .watchdog import WatchdogLost
+
 log = logging.getLogger(__name__)
+
+FOLLOWER_UP = Gauge("nodeshare_agent_follower_up",
+                    "1 while the agent's follower of a topic runs, 0 once a failure stopped it (the agent exits)",
+                    ["follower"])
+#: seconds between two attempts to reach a broker that is away
+RETRY_S = 5.0
+
+
+class FollowerStopped(RuntimeError):
+    """A follower of the agent stopped on a failure; the message says which and why."""
 
 
 class Follower:
@@ -46,6 +66,7 @@ class Follower:
         self.caught_up = threading.Event()  # the history is folded and settled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what stopped the follower, if anything did
 
     def handle(self, value: bytes | None, write: bool) -> None:
         raise NotImplementedError
@@ -53,7 +74,45 @@ class Follower:
     def settle(self) -> None:
         raise NotImplementedError
 
+    def idle(self) -> None:
+        """Called before each fetch (every 0.2 s at most): what a follower retries (by default nothing)."""
+
+    def failed(self, exc: BaseException) -> None:
+        """The follower stops on ``exc``: undo what it applied (by default nothing)."""
+
     def run(self) -> None:
+        FOLLOWER_UP.labels(self.purpose).set(1)
+        while not self._stop.is_set():
+            try:
+                self._follow()
+                return
+            except KafkaException as exc:  # the broker is away: wait, then start again
+                log.warning("%s: cannot read the topic (%s); trying again in %g s", self.topic_name, exc, RETRY_S)
+                self._stop.wait(RETRY_S)
+            except BaseException as exc:
+                self.failure = exc
+                FOLLOWER_UP.labels(self.purpose).set(0)
+                log.critical("%s: the follower stopped (%s); undoing what it applied, the agent exits",
+                             self.topic_name, exc, exc_info=exc)
+                try:
+                    self.failed(exc)
+                except BaseException:
+                    log.exception("%s: undoing what the follower applied failed; the agent's exit tries again",
+                                  self.topic_name)
+                return
+
+    @staticmethod
+    def check(*followers: Follower | None) -> None:
+        """Raise if a follower stopped on a failure (the agent's loop calls this every cycle):
+        ``WatchdogLost`` when that was the cause, else ``FollowerStopped``."""
+        for f in followers:
+            if f is not None and f.failure is not None:
+                what = f"the {f.topic_name} follower stopped: {f.failure}"
+                if isinstance(f.failure, WatchdogLost):
+                    raise WatchdogLost(what) from f.failure
+                raise FollowerStopped(what) from f.failure
+
+    def _follow(self) -> None:
         topic = self.settings.topic(self.topic_name)
         consumer = Consumer(self.settings.client_config(**{
             "group.id": f"{self.settings.app_id}-agent-{self.node}-{self.purpose}",  # committed only if ``commits``
@@ -68,6 +127,7 @@ class Follower:
             behind = {p: high for p, (low, high) in ends.items() if high > max(low, starts[p])}  # history still to read
             consumer.assign([TopicPartition(topic, p, starts[p]) for p in partitions])
             while not self._stop.is_set():
+                self.idle()
                 batch = [m for m in consumer.consume(500, timeout=0.2) if m.error() is None]
                 for m in batch:
                     self.handle(m.value(), write=self.commits or self.caught_up.is_set())
@@ -78,8 +138,6 @@ class Follower:
                 if not self.caught_up.is_set() and not behind and not batch:
                     self.settle()
                     self.caught_up.set()
-        except BaseException:
-            log.exception("%s: the follower stopped; what it applied is undone at exit", self.topic_name)
         finally:
             consumer.close()
 

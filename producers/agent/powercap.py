@@ -9,6 +9,12 @@ original comes back however the agent ends: ``restore_all`` on every exit path, 
 agent is killed, and the next start if both died (it restores what the state file still holds).
 As geopmd does: a cap is a lease, not a setting.
 
+The original of a package stays recorded (memory, state file, watchdog) until it is written back:
+a restore the kernel refuses (EBUSY, EIO) keeps it, so the next cap on the package never takes the
+old job's cap for the original, and the restore is tried again (``retry_restores``, at exit, by the
+watchdog, at the next start). If the original cannot be recorded (state file unwritable), the cap is
+refused and nothing is written.
+
 A cap is refused, with the reason, when the package has no powercap domain, when it is outside
 0 < cap <= the package's maximum, or when the limit cannot be written (the agent needs root or
 CAP_SYS_ADMIN and a writable /sys): it is logged and counted, and the package keeps its limit.
@@ -43,7 +49,8 @@ class Powercap:
         self.root = root
         self.state_file = state_file
         self.on_originals = on_originals  # the watchdog hears of every original before it is changed
-        self.originals: dict[str, int] = {}  # limit file -> its original value (µW)
+        self.originals: dict[str, int] = {}  # limit file -> its original value (µW), until written back
+        self.unrestored: set[str] = set()  # released packages whose write-back the kernel refused
         self._lock = threading.Lock()
 
     def _limit(self, processor: int) -> Path:
@@ -56,11 +63,10 @@ class Powercap:
         """Cap ``processor`` at ``watts``, or give it back its original limit (None)."""
         with self._lock:
             limit = self._limit(processor)
+            key = str(limit)
             if watts is None:
-                original = self.originals.pop(str(limit), None)
-                if original is not None:
-                    self._write(limit, original)
-                    self._remember()
+                if key in self.originals:
+                    self._write_back(key)
                 return
             uw = round(watts * 1e6)
             top = limit.with_name(MAX)
@@ -68,10 +74,44 @@ class Powercap:
             if uw <= 0 or (highest is not None and uw > highest):
                 bound = f"{highest / 1e6:g} W" if highest is not None else "its maximum"
                 raise CapRefused(f"cap {watts:g} W for processor {processor} is outside (0, {bound}]")
-            if str(limit) not in self.originals:
-                self.originals[str(limit)] = int(limit.read_text())
-                self._remember()  # recorded before the first write, never after
+            if key not in self.originals:
+                self.originals[key] = int(limit.read_text())
+                try:
+                    self._remember()  # recorded before the first write, never after
+                except BaseException:
+                    del self.originals[key]  # not written: nothing of this package to restore
+                    self._remember(tell=False, quiet=True)
+                    raise
+            self.unrestored.discard(key)  # a job holds it again: its original is still the one recorded
             self._write(limit, uw)
+
+    def _write_back(self, key: str) -> None:
+        """Write one original back; it is forgotten only once written (a refused write keeps it)."""
+        try:
+            self._write(Path(key), self.originals[key])
+        except CapRefused:
+            self.unrestored.add(key)
+            raise
+        del self.originals[key]
+        self.unrestored.discard(key)
+        self._remember()
+
+    def retry_restores(self) -> int:
+        """Write back again the originals a refused restore left (no job holds those packages);
+        how many were written. Costs nothing when none is left."""
+        if not self.unrestored:
+            return 0
+        done = 0
+        with self._lock:
+            for key in sorted(self.unrestored):
+                try:
+                    self._write_back(key)
+                    done += 1
+                except CapRefused as exc:
+                    log.debug("restore of %s refused again: %s", key, exc)
+        if done:
+            log.info("restored %d power limits a refused write had left capped", done)
+        return done
 
     def _write(self, limit: Path, uw: int) -> None:
         try:
@@ -80,24 +120,38 @@ class Powercap:
             raise CapRefused(f"cannot write {limit}: {exc.strerror or exc} (the agent needs root or "
                              f"CAP_SYS_ADMIN and /sys/class/powercap writable)") from exc
 
-    def _remember(self) -> None:
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.originals))
-        os.replace(tmp, self.state_file)
-        if self.on_originals is not None:
+    def _remember(self, tell: bool = True, quiet: bool = False) -> None:
+        """The originals into the state file (removed once empty), then to the watchdog. A state file
+        that cannot be written refuses the cap (``CapRefused``); ``quiet``: logged only."""
+        try:
+            if self.originals:
+                tmp = self.state_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.originals))
+                os.replace(tmp, self.state_file)
+            else:
+                self.state_file.unlink(missing_ok=True)
+        except OSError as exc:
+            if quiet:
+                log.error("could not write the power-cap state file %s: %s", self.state_file, exc)
+            else:
+                raise CapRefused(f"cannot record the original limits in {self.state_file}: {exc}") from exc
+        if tell and self.on_originals is not None:
             self.on_originals(dict(self.originals))
 
     def restore_all(self) -> int:
         """Every limit this agent changed back to its original; returns how many. A limit that
-        cannot be written back stays in the state file for the next start."""
+        cannot be written back stays in the state file for the next start. Works without a
+        watchdog (one that is gone is logged, not raised: this is the last thing the agent does)."""
         with self._lock:
             if not self.originals:
                 return 0
             restored = restore(self.originals)
             self.originals = {k: v for k, v in self.originals.items() if k not in restored}
-            self._remember()
-            if not self.originals:
-                self.state_file.unlink(missing_ok=True)
+            self.unrestored = set(self.originals)
+            try:
+                self._remember(quiet=True)
+            except Exception as exc:  # the watchdog is gone: the state file holds what is left
+                log.error("could not tell the watchdog the restored power limits: %s", exc)
             return len(restored)
 
     def recover(self) -> int:

@@ -9,6 +9,13 @@ back to the default group, i.e. the whole cache: that is the restore. The groups
 are said to the watchdog before they exist, so they are removed on every exit path, by the
 watchdog if the agent is killed, and at the next start (every ``nodeshare-*`` group left).
 
+The kernel's rules for a mask are read from ``info/L3``: ``cbm_mask`` (the ways) and
+``min_cbm_bits`` (the fewest ways a mask may hold; 1 when the file is absent). Processes without a
+share live in the default group (the mount's root): ``set_default`` narrows its ``L3`` line to the
+ways no job booked, so they stay out of the jobs' ways, and ``remove_all`` writes back the line it
+had when the agent started (every exit path the agent runs; after a SIGKILL, the next start finds
+the groups the dead run left and gives the default group every way again).
+
 Outside a resctrl mount (a test tree with the kernel's layout) a directory cannot be removed
 with files in it, so the files the kernel would drop with the group go first.
 """
@@ -81,6 +88,14 @@ class Resctrl:
         self.cache_ids = next((_ids(line) for line in lines if line.startswith("L3:")), [])
         self.mb_ids = next((_ids(line) for line in lines if line.startswith("MB:")), [])
         self.total_ways = int(mask.read_text().strip(), 16).bit_length()
+        min_bits = root / "info" / "L3" / "min_cbm_bits"
+        self.min_bits = int(min_bits.read_text().strip()) if min_bits.exists() else 1
+        left = any(p.is_dir() for p in root.glob(PREFIX + "*"))  # a dead run's groups: it narrowed the default
+        l3 = next((line for line in lines if line.startswith("L3:")), "")
+        whole = "L3:" + ";".join(f"{i}={(1 << self.total_ways) - 1:x}" for i in self.cache_ids)
+        self.default_l3 = whole if left else l3  # the default group's line to write back at exit
+        self.default_mask: int | None = None  # what set_default wrote last (None: the line above)
+        self.default_narrowed = left  # the default line differs from default_l3 (set_default wrote it)
         self.groups: dict[str, Path] = {}
         self.settings: dict[str, Setting] = {}
         self.members: dict[str, set[int]] = {}  # PIDs written to each group (their children join by fork)
@@ -124,8 +139,28 @@ class Resctrl:
     def jobs(self) -> list[str]:
         return sorted(self.groups)
 
+    def set_default(self, mask: int) -> None:
+        """Narrow the default group to ``mask`` on every cache domain (written only when it changed)."""
+        if mask != self.default_mask:
+            (self.root / "schemata").write_text("L3:" + ";".join(f"{i}={mask:x}" for i in self.cache_ids) + "\n")
+            self.default_mask = mask
+            self.default_narrowed = True
+
+    def restore_default(self) -> bool:
+        """The default group's ways as they were at start; False when the kernel refused (logged)."""
+        try:
+            (self.root / "schemata").write_text(self.default_l3 + "\n")
+        except OSError as exc:
+            log.error("could not give the default resctrl group its ways back (%s): %s", self.default_l3, exc)
+            return False
+        self.default_mask = None
+        self.default_narrowed = False
+        return True
+
     def remove_all(self) -> int:
         """Every group this agent made, and any ``nodeshare-*`` group a dead run left; how many."""
+        if self.default_narrowed and self.default_l3:
+            self.restore_default()  # first: the processes of the groups removed below get every way
         paths = set(self.groups.values()) | {p for p in self.root.glob(PREFIX + "*") if p.is_dir()}
         removed = sum(remove_group(p) for p in sorted(paths))
         self.groups = {j: p for j, p in self.groups.items() if p.exists()}

@@ -45,12 +45,12 @@ def test_layout_gives_each_job_its_own_contiguous_ways_by_hand():
     # c arrives while a and b run: they keep their ways, c takes the lowest free run (ways 7-10: 4 < 5)
     got = layout(shares, ["a", "b", "c"], 11, 100.0, previous=got)
     assert got["a"].mask == 0b1111 and got["b"].mask == 0b1110000
-    assert got["c"] == Setting(0b11111 << 6, 10, overlaps=True)  # no free run of 5: the highest 5, said
-    # a leaves: c finds a free run of 5? ways 0-3 and 7-10 are free, neither holds 5: still overlapping
+    assert "c" not in got  # 4 + 3 + 5 > 11: no room of its own, so no group (it runs in the default group)
+    # a leaves: 3 + 5 ways fit, but the free ways (0-3, 7-10) hold no run of 5: all are packed again
     got = layout(shares, ["b", "c"], 11, 100.0, previous=got)
-    assert got["c"].overlaps and got["b"].mask == 0b1110000
-    # b leaves too: c takes ways 0-4 of its own
-    assert layout(shares, ["c"], 11, 100.0, previous=got) == {"c": Setting(0b11111, 10)}
+    assert got == {"b": Setting(0b111, None), "c": Setting(0b11111000, 10)}
+    # b leaves: c keeps its ways
+    assert layout(shares, ["c"], 11, 100.0, previous=got) == {"c": Setting(0b11111000, 10)}
     with pytest.raises(ValueError, match="at least one LLC way"):
         layout(shares, ["a"], 0, 100.0)
 

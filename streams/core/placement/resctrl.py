@@ -3,11 +3,15 @@
 isolate them), and the resctrl ``schemata`` that enforce them.
 
 ``NodeShares`` keeps, per job placed on the node, the ways and bandwidth its decision booked.
-``layout`` turns the jobs running now into resctrl settings: each job a contiguous run of ways
-(CAT needs contiguous bits); a job keeps its ways while it runs, a newcomer takes the lowest free
-run, so no two jobs share a way while the booked ways fit; a job that finds no free run gets the
-highest ways it asked for and is said to overlap (the scheduler books no more ways than a node
-holds, so either a job started outside nodeshare's decisions or the free ways are fragmented).
+``layout`` turns the jobs running now into resctrl settings the kernel accepts: each job a
+contiguous run of ways (CAT needs contiguous bits) of at least ``min_cbm_bits`` (the kernel's
+``info/L3/min_cbm_bits``), within the node's ways, and no way in two jobs' masks. A job keeps its
+ways while it runs, a newcomer takes the lowest free run; when the free ways are fragmented (their
+sum fits, no run does) every job is laid out again, packed from way 0 (the kept ones move: a cold
+cache for a moment, never a shared way); a job that still finds no room (more ways booked than the
+node holds: a job started outside nodeshare's decisions) gets no setting and runs in the default
+group, said. ``default_mask`` is what the default group (every process without a share) keeps:
+the ways no job booked, so unmanaged processes stay out of the booked ways.
 Memory bandwidth is MBA's percentage of the node's bandwidth, rounded up
 to its granularity (10%: the throttle levels Intel's MBA offers). Pure: the agent's shell
 (``producers.agent.resctrl``) writes the groups and removes them.
@@ -32,12 +36,10 @@ class Share:
 
 @dataclass(frozen=True)
 class Setting:
-    """One job's resctrl group: its way mask, its MBA percentage (None: unthrottled) and whether
-    its ways overlap another job's."""
+    """One job's resctrl group: its way mask and its MBA percentage (None: unthrottled)."""
 
     mask: int
     mb_percent: int | None
-    overlaps: bool = False
 
     def schemata(self, cache_ids: Iterable[int], mb_ids: Iterable[int]) -> str:
         lines = ["L3:" + ";".join(f"{i}={self.mask:x}" for i in cache_ids)]
@@ -79,28 +81,67 @@ def _first_fit(free: int, ways: int, total_ways: int) -> int | None:
     return None
 
 
+def _pack(order: list[str], ways: dict[str, int], total_ways: int, kept: dict[str, int]) -> dict[str, int]:
+    """Masks for the jobs of ``order``: those in ``kept`` keep theirs, the others take the lowest free
+    run in turn; a job with no free run is left out."""
+    free = (1 << total_ways) - 1
+    masks: dict[str, int] = {}
+    for job, mask in kept.items():
+        masks[job] = mask
+        free &= ~mask
+    for job in order:
+        if job in masks:
+            continue
+        first = _first_fit(free, ways[job], total_ways)
+        if first is not None:
+            masks[job] = ((1 << ways[job]) - 1) << first
+            free &= ~masks[job]
+    return masks
+
+
 def layout(shares: dict[str, Share], jobs: Iterable[str], total_ways: int, node_gbps: float,
-           previous: dict[str, Setting] | None = None) -> dict[str, Setting]:
-    """The resctrl setting of each running job that has a share. A job keeps its ways from
-    ``previous`` while its share is unchanged (its cache stays warm); the others, in job order,
-    take the lowest free run of ways."""
+           previous: dict[str, Setting] | None = None, min_bits: int = 1) -> dict[str, Setting]:
+    """The resctrl setting of each running job that has a share and fits. A job keeps its ways
+    from ``previous`` while its share is unchanged (its cache stays warm); the others, in job
+    order, take the lowest free run of ways; if one finds none, all are packed again from way 0
+    (those that ran before first). No two masks share a way; each is a run of at least
+    ``min_bits`` ways within ``total_ways``."""
     if total_ways < 1:
         raise ValueError(f"a node has at least one LLC way, got {total_ways}")
-    ways = {job: min(max(1, shares[job].ways), total_ways) for job in sorted(set(jobs) & shares.keys())}
+    if not 1 <= min_bits <= total_ways:
+        raise ValueError(f"min_cbm_bits must be within 1..{total_ways}, got {min_bits}")
+    ways = {job: min(max(min_bits, shares[job].ways), total_ways) for job in sorted(set(jobs) & shares.keys())}
     mba = {job: mb_percent(shares[job].bandwidth_gbps, node_gbps) for job in ways}
-    out: dict[str, Setting] = {}
-    free = (1 << total_ways) - 1
+    kept: dict[str, int] = {}
+    taken = 0
     for job, n in ways.items():  # kept first, so a newcomer never moves them
         old = (previous or {}).get(job)
-        if old is not None and not old.overlaps and old.mask.bit_count() == n and old.mask & free == old.mask:
-            out[job] = Setting(old.mask, mba[job])
-            free &= ~old.mask
-    for job, n in ways.items():
-        if job in out:
+        if old is not None and old.mask.bit_count() == n and old.mask & taken == 0 \
+                and old.mask >> total_ways == 0:
+            kept[job] = old.mask
+            taken |= old.mask
+    masks = _pack(list(ways), ways, total_ways, kept)
+    if len(masks) < len(ways):  # fragmented free ways: pack everyone again, the jobs that ran before first
+        ran = sorted(ways, key=lambda j: (j not in (previous or {}), j))
+        repacked = _pack(ran, ways, total_ways, {})
+        if len(repacked) > len(masks):
+            masks = repacked
+    return {job: Setting(masks[job], mba[job]) for job in ways if job in masks}
+
+
+def default_mask(settings: dict[str, Setting], total_ways: int, min_bits: int = 1) -> int:
+    """The default group's ways: the longest run no job's mask holds (the highest such), or, when
+    fewer than ``min_bits`` ways are free, the highest ``min_bits`` ways (the kernel takes no
+    smaller mask; the jobs there share them with unmanaged processes)."""
+    free = (1 << total_ways) - 1
+    for s in settings.values():
+        free &= ~s.mask
+    best, first, length = 0, 0, 0
+    for way in range(total_ways + 1):
+        if way < total_ways and free >> way & 1:
+            length += 1
             continue
-        first = _first_fit(free, n, total_ways)
-        mask = ((1 << n) - 1) << (total_ways - n if first is None else first)
-        if first is not None:
-            free &= ~mask
-        out[job] = Setting(mask, mba[job], overlaps=first is None)
-    return out
+        if length >= min_bits and length >= best.bit_count():
+            best = ((1 << length) - 1) << first
+        first, length = way + 1, 0
+    return best or ((1 << min_bits) - 1) << (total_ways - min_bits)
