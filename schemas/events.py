@@ -514,6 +514,9 @@ class PowerAction(StrEnum):
     START = "start"
     DEFER = "defer"
     RELEASE = "release"
+    #: an inventory changed the limits of processors running jobs hold: ``running_updates`` carries
+    #: the re-fitted caps, ``plan`` is None (version 5)
+    RETUNE = "retune"
 
 
 class PowerInputs(BaseModel):

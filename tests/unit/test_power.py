@@ -298,9 +298,10 @@ def test_power_manager_fold_is_deterministic_and_keeps_the_bound():
     again = PowerManager(600.0)
     assert [d for topic, value in log for d in again.apply(topic, value)] == decisions
     assert first.machine.char.readings() == 8 * 2 * 15  # every reading folded into the characterization
-    # 8 processors: p1 (4), p2 (2) and p3 (3 asked, 2 left) fill them; p4 waits for p1 to end.
+    # Decided at `started`, on the jobs' nodes: p1 (2 nodes, 4 processors), p2 and p3 (one node
+    # each) fill the 8 processors; p4 starts on pnode0000 after p1 has ended. `submitted` decides nothing.
     assert [(d.job_id, d.action.value) for d in decisions] == [
-        ("p1", "start"), ("p2", "start"), ("p3", "start"), ("p4", "defer"), ("p1", "release"), ("p4", "start")]
+        ("p1", "start"), ("p2", "start"), ("p3", "start"), ("p1", "release"), ("p4", "start")]
     for d in decisions:
         assert d.machine_allocated_watts <= d.machine_budget_watts == 600.0
         for plan in (d.plan, *d.running_updates):
@@ -308,15 +309,16 @@ def test_power_manager_fold_is_deterministic_and_keeps_the_bound():
                 assert all(51.0 <= c.cap_watts <= 120.0 for c in plan.caps)
                 assert sum(c.cap_watts for c in plan.caps) <= plan.budget_watts + 1e-9
         assert d.inputs is not None and d.inputs.trigger_event_id
-    p1, p3, freed, p4 = decisions[0], decisions[2], decisions[4], decisions[5]
+    p1, p3, freed, p4 = decisions[0], decisions[2], decisions[3], decisions[4]
     assert p1.inputs is not None and p1.inputs.requested_processors == 4  # 48 cores / 12 per processor
-    assert p1.inputs.candidate_processors == 8 and p1.inputs.characterized_processors == 4
-    assert p3.plan is not None and len(p3.plan.caps) == 2  # min_share 0.5: 2 of the 3 asked
-    # The release hands p1's processors to p4 and its leftover power to p2 and p3; p4's start comes
-    # after it, with its final caps, so a scheduler applying decisions in order never double-books.
+    assert p1.inputs.candidate_processors == 4 and p1.inputs.characterized_processors == 4
+    assert p1.plan is not None and {(c.node, c.processor) for c in p1.plan.caps} == {
+        (n, i) for n in ("pnode0000", "pnode0001") for i in (0, 1)}  # the processors it runs on, all of them
+    assert p3.plan is not None and {(c.node, c.processor) for c in p3.plan.caps} == {("pnode0003", 0), ("pnode0003", 1)}
+    # The release frees p1's processors and gives its leftover power to p2 and p3; p4's start comes
+    # after it, so a scheduler applying decisions in order never double-books.
     assert freed.plan is not None and {u.job_id for u in freed.running_updates} == {"p2", "p3"}
-    assert p4.plan is not None and {(c.node, c.processor) for c in p4.plan.caps} <= {
-        (c.node, c.processor) for c in freed.plan.caps}
+    assert p4.plan is not None and {(c.node, c.processor) for c in p4.plan.caps} == {("pnode0000", 0), ("pnode0000", 1)}
     assert len({d.event_id for d in decisions}) == len(decisions)
     assert first.apply("jobs.lifecycle", b"{not json") == [] and first.skipped == 1
 
@@ -330,9 +332,11 @@ def test_jobs_seen_before_the_inventory_start_when_processors_appear() -> None:
     from nodeshare.streams.core.power.stream import PowerManager
 
     records = scenario()
-    jobs = [r for r in records if isinstance(r, JobEvent)]
-    jobs_first = jobs[:4] + [r for r in records if not isinstance(r, JobEvent)]
+    jobs_first = [r for r in records if isinstance(r, JobEvent)] + [r for r in records if not isinstance(r, JobEvent)]
     pm = PowerManager(600.0)
-    out = [(d.job_id, d.action.value) for r in jobs_first for d in pm.apply(TOPIC_OF_RECORD[type(r)].name, encode(r))]
-    assert out[:4] == [("p1", "defer"), ("p2", "defer"), ("p3", "defer"), ("p4", "defer")]
-    assert ("p1", "start") in out and ("p2", "start") in out and ("p3", "start") in out
+    out = [d for r in jobs_first for d in pm.apply(TOPIC_OF_RECORD[type(r)].name, encode(r))]
+    assert [(d.job_id, d.action.value) for d in out[:5]] == [
+        ("p1", "defer"), ("p2", "defer"), ("p3", "defer"), ("p1", "release"), ("p4", "defer")]
+    assert "no processor known on pnode0000, pnode0001" in out[0].reason and "min and max watts" in out[0].reason
+    started = {d.job_id for d in out if d.action.value == "start"}
+    assert started == {"p2", "p3", "p4"}  # p1 ended before its processors were known

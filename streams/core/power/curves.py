@@ -25,6 +25,10 @@ ProcessorId = tuple[str, int]  # (node, processor index on the node)
 #: Program key used when the running program has no characterization of its own.
 ANY_PROGRAM = "*"
 
+#: The lowest cap ever planned (1 W): an inventory's min_watts of 0 is read as this, since an agent
+#: refuses a cap of 0 W (powercap limits must be positive).
+MIN_CAP_MW = 1000
+
 
 def to_mw(watts: float) -> int:
     return round(watts * 1000)
@@ -86,7 +90,11 @@ def curve_from_points(processor: ProcessorId, min_mw: int, points: Iterable[tupl
     greedy stealing and shifting is optimal. The value at min power is interpolated, or, when every
     point lies above it, extrapolated along the first measured piece.
     """
-    pts = sorted((p, v) for p, v in points if p > 0 and math.isfinite(v) and v >= 0)
+    best: dict[int, float] = {}  # one point per power: two cap levels can measure the same draw
+    for p, v in points:
+        if p > 0 and math.isfinite(v) and v >= 0:
+            best[p] = max(v, best.get(p, v))
+    pts = sorted(best.items())
     if not pts:
         raise ValueError(f"no characterization points for {processor}")
     above = [(p, v) for p, v in pts if p > min_mw]
@@ -140,6 +148,7 @@ class Characterization:
     smoothing: float = 0.25  # weight of a new reading in the rolling mean
     points: dict[str, dict[ProcessorId, dict[int, tuple[float, float, int]]]] = field(default_factory=dict)
     _curves: dict[tuple[str, ProcessorId], Curve] = field(default_factory=dict, repr=False)
+    _bounds: dict[tuple[str, ProcessorId], tuple[int, int | None]] = field(default_factory=dict, repr=False)
 
     def add(self, program: str, processor: ProcessorId, cap_watts: float, ips: float, measured_watts: float) -> bool:
         """Fold one observation in; False (and nothing changes) when it carries no usable numbers."""
@@ -167,16 +176,20 @@ class Characterization:
         cap = reading.cap_watts if reading.cap_watts is not None else 0.0
         return self.add(prog, (reading.node, reading.processor), cap, ips, reading.watts)
 
-    def curve(self, program: str, processor: ProcessorId, min_mw: int) -> Curve | None:
-        """The processor's curve for the program (falling back to ``ANY_PROGRAM``), or None."""
+    def curve(self, program: str, processor: ProcessorId, min_mw: int, max_mw: int | None = None) -> Curve | None:
+        """The processor's curve for the program (falling back to ``ANY_PROGRAM``), or None; from
+        ``min_mw``, and cut at ``max_mw`` (the inventory's max: a draw measured above it is never a cap)."""
         for prog in (program, ANY_PROGRAM):
             by_level = self.points.get(prog, {}).get(processor)
             if not by_level:
                 continue
-            cached = self._curves.get((prog, processor))
-            if cached is None or cached.min_mw != min_mw:
+            key = (prog, processor)
+            cached = self._curves.get(key)
+            if cached is None or self._bounds.get(key) != (min_mw, max_mw):
                 cached = curve_from_points(processor, min_mw, ((to_mw(w), ips) for w, ips, _ in by_level.values()))
-                self._curves[(prog, processor)] = cached
+                if max_mw is not None:
+                    cached = cut(cached, max_mw)
+                self._curves[key], self._bounds[key] = cached, (min_mw, max_mw)
             return cached
         return None
 
@@ -189,6 +202,17 @@ class Characterization:
         for r in rows:
             char.add(r.program, (r.node, r.processor), r.cap_watts, r.ips, r.measured_watts)
         return char
+
+
+def cut(curve: Curve, max_mw: int) -> Curve:
+    """The curve up to ``max_mw`` (interpolated there); unchanged when it ends at or below it."""
+    if curve.max_mw <= max_mw:
+        return curve
+    keep = [i for i, p in enumerate(curve.power_mw) if p < max_mw]  # never empty: power_mw[0] is min <= max
+    if not keep:
+        return Curve(curve.processor, (curve.min_mw,), (curve.ips[0],))
+    return Curve(curve.processor, (*(curve.power_mw[i] for i in keep), max_mw),
+                 (*(curve.ips[i] for i in keep), curve.at(max_mw)))
 
 
 def linear_curve(processor: ProcessorId, min_mw: int, max_mw: int) -> Curve:
@@ -206,6 +230,6 @@ def curves_for(char: Characterization, program: str, processors: Sequence[Proces
     out = []
     for proc in processors:
         lo, hi = limits[proc]
-        c = char.curve(program, proc, lo)
+        c = char.curve(program, proc, lo, hi)
         out.append(c if c is not None else linear_curve(proc, lo, hi))
     return out

@@ -24,6 +24,14 @@ Beyond the paper, two rules a running system needs, both policies (``PowerPolicy
 A job's budget is what PTune actually assigns (the sum of its caps): power its processors cannot
 draw is not hoarded. Every function here is pure over ``Machine``; the stream shell only moves
 events in and decisions out.
+
+A job the resource manager has already placed (``JobRequest.per_node``: the stream dispatches a job
+at its ``started`` event, on its real nodes) is not the paper's job: it occupies all its processors
+whatever PTune would prefer, so every one of them is capped (n is fixed), power is stolen from
+running jobs down to their min power when that is what it takes, and it is deferred (uncapped, said
+why, retried at each release) only when even that cannot find its processors' min power. Inventory
+changes are reconciled (``set_node``, ``refit``): a processor a running job holds keeps its limits
+until the job ends, and caps are re-fitted into changed limits.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from .curves import Characterization, Curve, ProcessorId, curves_for
+from .curves import MIN_CAP_MW, Characterization, Curve, ProcessorId, curves_for
 from .ptune import by_efficiency, distribute_power, ptune
 
 
@@ -56,6 +64,9 @@ class JobRequest:
     n_req: int  # processors requested
     nodes: tuple[str, ...] = ()  # where the resource manager put it; empty: anywhere
     trigger: str = ""  # the event that dispatched it
+    #: placed by the resource manager: (node, processors it occupies there); None: the power manager
+    #: chooses its processors anywhere (the paper's setting, the experiments)
+    per_node: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,7 @@ class RunningJob(Plan):
 class Outcome:
     """What one dispatch or release decided, with the inputs that justify it."""
 
-    action: Literal["start", "defer", "release"]
+    action: Literal["start", "defer", "release", "retune"]
     request: JobRequest
     plan: Plan | None
     updates: tuple[Plan, ...]  # running jobs whose caps changed
@@ -108,6 +119,10 @@ class Machine:
     char: Characterization = field(default_factory=Characterization)
     running: dict[str, RunningJob] = field(default_factory=dict)  # in start order
     deferred: list[JobRequest] = field(default_factory=list)  # oldest first
+    #: processors gone from the inventory that a running job still holds (offered to no new job;
+    #: forgotten when the job ends)
+    retired: set[ProcessorId] = field(default_factory=set)
+    budget_from_limits: bool = False  # the budget is the sum of the known processors' max power
 
     @property
     def allocated_mw(self) -> int:
@@ -145,17 +160,76 @@ def _min_n(policy: PowerPolicy, n_req: int) -> int:
     return max(1, math.ceil(policy.min_share * n_req - 1e-9))
 
 
+def _floor(machine: Machine, job: RunningJob) -> int:
+    return sum(c.min_mw for c in machine.curves(job.request.program, job.processors))
+
+
+def _steal(machine: Machine, want: int, exhaust: bool) -> dict[str, int]:
+    """Power taken from running jobs: ``want`` in proportion to their budgets, none below its min
+    power; with ``exhaust``, what that leaves short is then taken from any job above its min power."""
+    stolen: dict[str, int] = {}
+    total_budgets = machine.allocated_mw
+    floors: dict[str, int] = {}
+    for job_id, job in machine.running.items():
+        if want == 0 or total_budgets == 0:
+            break
+        floors[job_id] = _floor(machine, job)
+        got = min(want * job.budget_mw // total_budgets, job.budget_mw - floors[job_id])
+        if got > 0:
+            stolen[job_id] = got
+    short = want - sum(stolen.values())
+    for job_id, job in machine.running.items():
+        if not exhaust or short <= 0:
+            break
+        floor = floors[job_id] if job_id in floors else _floor(machine, job)
+        more = min(short, job.budget_mw - floor - stolen.get(job_id, 0))
+        if more > 0:
+            stolen[job_id] = stolen.get(job_id, 0) + more
+            short -= more
+    return stolen
+
+
+def _occupied(machine: Machine, req: JobRequest, owner: Mapping[ProcessorId, str]) -> tuple[list[ProcessorId], str]:
+    """A placed job's processors: on each of its nodes, the first free ones it occupies; and why
+    it has none when so."""
+    out: list[ProcessorId] = []
+    unknown, held = [], []
+    for node, k in req.per_node or ():
+        on_node = sorted(p for p in machine.limits if p[0] == node and p not in machine.retired)
+        if not on_node:
+            unknown.append(node)
+            continue
+        free = [p for p in on_node if p not in owner][:k]
+        if len(free) < k:
+            held.append(node)
+        out += free
+    if out:
+        return out, ""
+    if unknown:
+        return out, (f"no processor known on {', '.join(unknown)}: cluster.inventory lists none (the site must "
+                     f"publish each package's min and max watts); the job runs uncapped")
+    return out, f"its processors on {', '.join(held)} are held by running jobs: it runs under their caps"
+
+
 def dispatch(machine: Machine, req: JobRequest) -> Outcome:
     """PPartition for one dispatched job: start it (possibly shrinking running jobs) or defer it.
     Mutates ``machine`` only when the job starts."""
     owner = machine.owner()
-    free = [p for p in machine.limits if p not in owner and (not req.nodes or p[0] in req.nodes)]
     unused = machine.unused_mw
-    need_n = _min_n(machine.policy, req.n_req)
-    if len(free) < need_n:
-        return Outcome("defer", req, None, (), f"{len(free)} free processors, at least {need_n} needed",
-                       unused_before_mw=unused, candidates=len(free))
-    ordered = by_efficiency(machine.curves(req.program, free))[: req.n_req]  # the most efficient n_req
+    placed = req.per_node is not None
+    if placed:  # every processor it occupies is capped: n is fixed
+        free, why = _occupied(machine, req, owner)
+        if not free:
+            return Outcome("defer", req, None, (), why, unused_before_mw=unused)
+        need_n = len(free)
+    else:
+        free = [p for p in machine.limits
+                if p not in owner and p not in machine.retired and (not req.nodes or p[0] in req.nodes)]
+        need_n = _min_n(machine.policy, req.n_req)
+        if len(free) < need_n:
+            return Outcome("defer", req, None, (), f"{len(free)} free processors, at least {need_n} needed",
+                           unused_before_mw=unused, candidates=len(free))
+    ordered = by_efficiency(machine.curves(req.program, free))[: len(free) if placed else req.n_req]
     characterized = sum(1 for c in ordered if machine.char.curve(req.program, c.processor, c.min_mw) is not None)
     n = len(ordered)
     # The proportional share, raised to what the fewest allowed processors need at min power.
@@ -167,22 +241,15 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
         reason = "unused power covers the proportional share n/Nmax * Pm/c"
     else:
         share = machine.budget_mw * n // (n + machine.n_alloc)  # Eq. 5
+        if placed:  # its processors run whatever: at least their min power
+            share = max(share, sum(c.min_mw for c in ordered))
         tuning = ptune(share, n, ordered, machine.policy.margin, need_n)
         while need_n <= tuning.n_opt < n:  # Fig. 10: to a fixed point of n
             n = tuning.n_opt
             share = machine.budget_mw * n // (n + machine.n_alloc)
             tuning = ptune(share, n, ordered, machine.policy.margin, need_n)
-        want = max(0, share - unused)
-        total_budgets = machine.allocated_mw
-        for job_id, job in machine.running.items():
-            if want == 0 or total_budgets == 0:
-                break
-            ask = want * job.budget_mw // total_budgets
-            floor = sum(c.min_mw for c in machine.curves(job.request.program, job.processors))
-            got = min(ask, job.budget_mw - floor)
-            if got > 0:
-                stolen[job_id] = got
-                shrunk[job_id] = _retune(machine, job, job.budget_mw - got)
+        stolen = _steal(machine, max(0, share - unused), exhaust=placed)
+        shrunk = {j: _retune(machine, machine.running[j], machine.running[j].budget_mw - s) for j, s in stolen.items()}
         found = min(share, unused + sum(stolen.values()))
         if found < share:
             share = found
@@ -190,6 +257,11 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
         reason = "repartitioned: fair share Pm/c * n / (n + N_alloc), stolen in proportion to budgets"
     inputs = Outcome("defer", req, None, (), "", fair_share_mw=share, unused_before_mw=unused, n_lo=tuning.n_lo,
                      n_hi=tuning.n_hi, candidates=len(free), characterized=characterized)
+    if tuning.n_opt < need_n and placed:
+        return replace(inputs, reason=f"over budget: its {need_n} processors need "
+                                      f"{sum(c.min_mw for c in ordered) / 1000:g} W at min power and only "
+                                      f"{share / 1000:g} W can be found (the budget is below the busy processors' "
+                                      "min power); it runs uncapped until power is freed")
     if tuning.n_opt < need_n:
         return replace(inputs, reason=f"power for {tuning.n_opt} processors, at least {need_n} needed")
     job = RunningJob(req.job_id, tuning.processors, tuning.caps_mw, tuning.ips, req)
@@ -221,6 +293,7 @@ def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
     were already running) followed by the start of each deferred job that now fits, with its final caps."""
     unused_before = machine.unused_mw
     job = machine.running.pop(job_id, None)
+    forget_retired(machine)
     if job is None:
         before = len(machine.deferred)
         machine.deferred = [r for r in machine.deferred if r.job_id != job_id]
@@ -282,22 +355,72 @@ def give_back(machine: Machine, power_mw: int) -> dict[str, Plan]:
     return out
 
 
-def set_node(machine: Machine, node: str, processors: Mapping[int, tuple[int, int]]) -> None:
-    """Inventory: the node's processors and their (min, max) power. Processors of running jobs keep
-    their caps; a processor removed from the inventory is no longer offered to new jobs."""
+def set_node(machine: Machine, node: str, processors: Mapping[int, tuple[int, int]]) -> set[ProcessorId]:
+    """Inventory: the node's processors and their (min, max) power; returns the processors whose
+    limits changed. A processor removed from the inventory is offered to no new job; one a running
+    job holds keeps its limits until the job ends (``refit`` fits running caps to changed limits).
+    Min power is at least ``MIN_CAP_MW`` (an agent refuses a 0 W cap), max power at least min."""
+    held = machine.owner()
     for p in [p for p in machine.limits if p[0] == node and p[1] not in processors]:
+        if p in held:
+            machine.retired.add(p)
+        else:
+            del machine.limits[p]
+    changed = set()
+    for idx, (lo, hi) in sorted(processors.items()):
+        lo = max(lo, MIN_CAP_MW)
+        lim, p = (lo, max(lo, hi)), (node, idx)
+        machine.retired.discard(p)
+        if machine.limits.get(p) != lim:
+            changed.add(p)
+            machine.limits[p] = lim
+    _rebudget(machine)
+    return changed
+
+
+def _rebudget(machine: Machine) -> None:
+    if machine.budget_from_limits:
+        machine.budget_mw = sum(hi for _, hi in machine.limits.values())
+
+
+def forget_retired(machine: Machine) -> None:
+    """Forget the retired processors no running job holds any more."""
+    held = machine.owner()
+    for p in [p for p in machine.retired if p not in held]:
+        machine.retired.discard(p)
         del machine.limits[p]
-    for idx, lim in sorted(processors.items()):
-        machine.limits[(node, idx)] = lim
+    _rebudget(machine)
+
+
+def refit(machine: Machine, processors: set[ProcessorId]) -> dict[str, Plan]:
+    """Running jobs on processors whose limits changed, re-tuned inside the new limits (their budget
+    kept where the new limits allow it); when that puts the machine over its budget, power is taken
+    from the other running jobs, down to their min power. Returns the plans that changed. Over the
+    budget only when the busy processors' min power alone exceeds it."""
+    before = {j: job.caps_mw for j, job in machine.running.items()}
+    for job_id, job in list(machine.running.items()):
+        if processors & set(job.processors):
+            curves = machine.curves(job.request.program, job.processors)
+            lo, hi = sum(c.min_mw for c in curves), sum(c.max_mw for c in curves)
+            machine.running[job_id] = _retune(machine, job, min(max(job.budget_mw, lo), hi))
+    over = machine.allocated_mw - machine.budget_mw
+    if over > 0:
+        for job_id, got in _steal(machine, over, exhaust=True).items():
+            machine.running[job_id] = _retune(machine, machine.running[job_id], machine.running[job_id].budget_mw - got)
+    return {j: _plan(j, job) for j, job in machine.running.items() if job.caps_mw != before.get(j)}
 
 
 def check(machine: Machine) -> None:
-    """The invariants every decision keeps (raises AssertionError naming the broken one)."""
+    """The invariants every decision keeps (raises AssertionError naming the broken one). A cap is
+    inside its processor's inventory limits; it may lie above the end of the processor's curve when
+    later readings lowered the measured draw (it then buys nothing; PTune never plans it so)."""
     assert machine.allocated_mw <= machine.budget_mw, f"machine {machine.allocated_mw} > {machine.budget_mw} mW"
     seen: set[ProcessorId] = set()
     for job_id, job in machine.running.items():
         for c, cap in zip(machine.curves(job.request.program, job.processors), job.caps_mw, strict=True):
-            assert c.min_mw <= cap <= c.max_mw, f"{job_id} {c.processor}: cap {cap} outside [{c.min_mw}, {c.max_mw}]"
+            assert c.min_mw <= cap, f"{job_id} {c.processor}: cap {cap} below min power {c.min_mw}"
+            lo, hi = machine.limits[c.processor]
+            assert max(lo, MIN_CAP_MW) <= cap <= hi, f"{job_id} {c.processor}: cap {cap} outside [{lo}, {hi}]"
         assert not seen & set(job.processors), f"{job_id}: a processor is given to two jobs"
         seen |= set(job.processors)
 

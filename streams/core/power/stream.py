@@ -4,14 +4,21 @@
 ``jobs.lifecycle`` (as bytes, in the order the single-partition ``power.machine`` log holds them)
 and returns the decisions it causes. The same log folded again gives the same decisions with the
 same event ids, which is how a restarted worker rebuilds its state and how duplicates are removed.
+
+A job is dispatched at its ``started`` event, on the nodes it really runs on: it occupies, on each,
+the processors its cores need there, and every one of them is capped (``submitted`` decides nothing:
+a job not yet placed has no processors, and a power decision cannot hold a job back). Lifecycle
+events that do not move a job forward change nothing (``streams.core.lifecycle``, the rule the
+placement manager follows). An inventory record without processors (the Slurm adapter's) says
+nothing about them: the processors known stay; one that changes limits re-fits running caps
+(a ``retune`` decision carries them).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE, NODE_POWER, TopicSpec, spec_for_topic
@@ -32,8 +39,20 @@ from nodeshare.schemas.events import (
 )
 from nodeshare.schemas.serde import DecodeError, decode
 
+from ..lifecycle import JobPhases, Phase
 from .curves import to_mw, to_w
-from .ppartition import JobRequest, Machine, Outcome, Plan, PowerPolicy, dispatch, release, retry_deferred, set_node
+from .ppartition import (
+    JobRequest,
+    Machine,
+    Outcome,
+    Plan,
+    PowerPolicy,
+    dispatch,
+    refit,
+    release,
+    retry_deferred,
+    set_node,
+)
 
 NAMESPACE = uuid.UUID("0d0e5a1c-9a8c-4772-62f0-02c6b0000004")
 SOURCE = "nodeshare/power"
@@ -76,13 +95,16 @@ class PowerManager:
     prefix: str = ""
     machine: Machine = field(init=False)
     cores_per_processor: dict[str, float] = field(default_factory=dict)
-    dispatched: set[str] = field(default_factory=set)
-    ended: set[str] = field(default_factory=set)
-    requests: dict[str, JobEvent] = field(default_factory=dict)  # the dispatching event of each job
+    phases: JobPhases = field(default_factory=JobPhases)  # duplicate and late lifecycle events change nothing
+    requests: dict[str, JobEvent] = field(default_factory=dict)  # the dispatching event of each running job
     skipped: int = 0  # records that could not be decoded (``screen`` dead-letters them before the log)
+    #: the latest decision's time: a decision is stamped with its trigger's time, or this when later,
+    #: so decisions' times never go back in log order (an agent orders a job's plans by them)
+    clock: datetime | None = None
 
     def __post_init__(self) -> None:
-        self.machine = Machine(budget_mw=to_mw(self.budget_watts or 0.0), policy=self.policy)
+        self.machine = Machine(budget_mw=to_mw(self.budget_watts or 0.0), policy=self.policy,
+                               budget_from_limits=self.budget_watts is None)
 
     def apply(self, topic: str, value: bytes | None) -> list[PowerDecision]:
         try:
@@ -92,11 +114,14 @@ class PowerManager:
             self.skipped += 1
             return []
         if spec is CLUSTER_INVENTORY and isinstance(record, NodeInventory):
-            self._inventory(record)
+            updates = self._inventory(record)
+            out = [] if not updates else [self._record(Outcome(
+                "retune", JobRequest(next(iter(updates)), "", 0, trigger=record.event_id), None,
+                tuple(updates.values()), f"{record.node}: processor limits changed, running caps re-fitted"),
+                record.event_time)]
             # New processors can take jobs that were waiting for them (sized by what is now known).
-            self.machine.deferred = [replace(r, n_req=self._requested(self.requests[r.job_id]))
-                                     for r in self.machine.deferred]
-            return [self._record(o, record.event_time) for o in retry_deferred(self.machine)]
+            self.machine.deferred = [self._request(self.requests[r.job_id]) for r in self.machine.deferred]
+            return out + [self._record(o, record.event_time) for o in retry_deferred(self.machine)]
         elif spec is NODE_POWER and isinstance(record, PowerReading):
             program = record.program or self._program_on((record.node, record.processor))
             self.machine.char.add_reading(record, program)
@@ -104,44 +129,50 @@ class PowerManager:
             return self._job(record)
         return []
 
-    def _inventory(self, inv: NodeInventory) -> None:
-        set_node(self.machine, inv.node, {p.processor: (to_mw(p.min_watts), to_mw(p.max_watts))
-                                          for p in inv.processors})
-        if inv.processors:
-            self.cores_per_processor[inv.node] = inv.cores / len(inv.processors)
-        if self.budget_watts is None:
-            self.machine.budget_mw = sum(hi for _, hi in self.machine.limits.values())
+    def _inventory(self, inv: NodeInventory) -> dict[str, Plan]:
+        """The node's shape and processors; running jobs whose processors' limits changed, re-fitted.
+        A record without processors (Slurm's) changes none: it does not know them."""
+        self.cores_per_processor[inv.node] = inv.cores / (len(inv.processors) or inv.sockets)
+        if not inv.processors:
+            return {}
+        changed = set_node(self.machine, inv.node, {p.processor: (to_mw(p.min_watts), to_mw(p.max_watts))
+                                                    for p in inv.processors})
+        return refit(self.machine, changed) if changed else {}
 
     def _program_on(self, processor: tuple[str, int]) -> str | None:
         """The program of the job running on a processor (for readings that do not name it)."""
         return next((j.request.program for j in self.machine.running.values() if processor in j.processors), None)
 
-    def _requested(self, job: JobEvent) -> int:
-        """Processors a job asks for: its cores over the cores per processor of its nodes (of the
-        machine's median node when it has none yet; 1 before any inventory)."""
-        per = [self.cores_per_processor[n] for n in job.nodes if n in self.cores_per_processor]
-        known = per or list(self.cores_per_processor.values())
-        cores_each = statistics.fmean(per) if per else statistics.median(known) if known else 1.0
-        return max(1, math.ceil(job.cores / cores_each))
+    def _request(self, job: JobEvent) -> JobRequest:
+        """A started job as PPartition sees it: on each of its nodes, the processors its cores there
+        need (its cores split evenly over its nodes, over the node's cores per processor; none on a
+        node whose processors are not known yet)."""
+        cores_here = math.ceil(job.cores / len(job.nodes))
+        known: dict[str, int] = {}
+        for node, _ in self.machine.limits.keys() - self.machine.retired:
+            known[node] = known.get(node, 0) + 1
+        per_node = tuple((n, min(known.get(n, 0), math.ceil(cores_here / self.cores_per_processor[n])))
+                         if n in self.cores_per_processor else (n, 0) for n in job.nodes)
+        return JobRequest(job.job_id, job.program, sum(k for _, k in per_node), tuple(job.nodes), job.event_id,
+                          per_node=per_node)
 
     def _job(self, job: JobEvent) -> list[PowerDecision]:
-        if job.state in (JobState.SUBMITTED, JobState.STARTED):
-            if job.job_id in self.dispatched or job.job_id in self.ended:
-                return []
-            self.dispatched.add(job.job_id)
+        before = self.phases.get(job.job_id)
+        if not self.phases.advance(job):
+            return []  # a duplicate or late event
+        if job.state is JobState.STARTED:
             self.requests[job.job_id] = job
-            req = JobRequest(job.job_id, job.program, self._requested(job), tuple(job.nodes), job.event_id)
+            req = self._request(job)
             out = dispatch(self.machine, req)
             if out.action == "defer":
                 self.machine.deferred.append(req)
             return [self._record(out, job.event_time)]
-        if job.state in TERMINAL_STATES and job.job_id not in self.ended:
-            self.ended.add(job.job_id)
+        if job.state in TERMINAL_STATES:
             self.requests.pop(job.job_id, None)
-            if job.job_id not in self.dispatched:
-                return []
+            if before is not Phase.STARTED:
+                return []  # never started: nothing was decided for it
             return [self._record(o, job.event_time) for o in release(self.machine, job.job_id, job.event_id)]
-        return []
+        return []  # submitted: not placed yet, no processors to cap
 
     def _plan(self, plan: Plan) -> JobPowerPlan:
         return JobPowerPlan(job_id=plan.job_id, budget_watts=to_w(plan.budget_mw), predicted_gips=round(plan.ips, 6),
@@ -150,6 +181,7 @@ class PowerManager:
 
     def _record(self, out: Outcome, at: datetime) -> PowerDecision:
         req, pol = out.request, self.machine.policy
+        at = self.clock = at if self.clock is None or at > self.clock else self.clock
         trigger = req.trigger
         return PowerDecision(
             event_id=str(uuid.uuid5(NAMESPACE, f"{trigger}/{req.job_id}/{out.action}")), source=SOURCE,
