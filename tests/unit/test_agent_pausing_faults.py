@@ -49,6 +49,15 @@ def on_sigterm() -> Iterator[Callable[[Callable[[int, Any], None]], None]]:
 
 
 @pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: an import elsewhere in the
+    suite (dask_jobqueue's runner) replaces it with one that exits."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
 def other_thread() -> Iterator[threading.Thread]:
     """A second Python thread, as the agent has (the metrics server's, the decision followers')."""
     done = threading.Event()
@@ -181,7 +190,7 @@ def test_a_freezer_stuck_in_freezing_is_thawed_by_the_agent(node: Node) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_is_never_acted_on_inside_the_held_region(
         on_sigterm: Callable[[Callable[[int, Any], None]], None], other_thread: threading.Thread,
-        sig: signal.Signals, to: str) -> None:
+        python_sigint: None, sig: signal.Signals, to: str) -> None:
     """pthread_sigmask held SIGTERM in the main thread only: the kernel gave it to the other thread,
     and Python raised SystemExit in the main thread at once, inside the held region."""
     on_sigterm(exit_on_sigterm)

@@ -99,7 +99,7 @@ def test_a_requeued_job_closed_unseen_is_taken_up_again_when_its_next_run_starts
     agent.job_event(lifecycle("r", JobState.ENDED, start_s=60, end_s=61))  # open: left to the rescan
     source.jobs.clear()
     agent.rescan()
-    agent.job_event(lifecycle("r", JobState.ENDED, start_s=900, end_s=900.5))  # run 3 (after now): unseen again
+    agent.job_event(lifecycle("r", JobState.ENDED, start_s=86_400, end_s=86_400.5))  # run 3 (after now): unseen again
     agent.close(0)
     times = [m[2] for m in markers(tmp_path)]
     assert [m[1] for m in markers(tmp_path)] == ["n1/left/r"] * 3 and len(set(times)) == 3
