@@ -69,6 +69,12 @@ MAX_MESSAGES = 500
 #: How often what was applied is made durable (producer flushed) and its offsets committed. Also
 #: how stale the group's committed offsets may be (the demo's progress check reads them).
 COMMIT_INTERVAL_S = 0.5
+#: How long making outputs durable may wait for the broker before the fold gives up (and the worker
+#: exits to be restarted): librdkafka's own delivery timeout (message.timeout.ms, 300 s), so a
+#: broker that is away for less than that stalls the fold instead of ending it. At 30 s, a commit
+#: that fell at the start of a 30 s outage could end the worker (the likely cause of one failure of the
+#: broker-stop fault test on a loaded machine; its log was not kept).
+FLUSH_TIMEOUT_S = 300.0
 
 
 #: Input partitions (numbers) a worker's charge fold refuses: their log's head was deleted before a
@@ -286,7 +292,7 @@ class FoldConsumer:
         self.publish_estimates()
         if not self._pending:
             return
-        self.producer.flush()  # raises DeliveryError if the broker did not take every output
+        self.producer.flush(FLUSH_TIMEOUT_S)  # raises DeliveryError if the broker did not take every output
         offsets = owned_offsets(self._pending, self._owned)
         if len(offsets) < len(self._pending):  # forgotten with their partitions: never reached here
             log.warning("accounting: not committing offsets of partitions not assigned here: %s",
@@ -321,7 +327,7 @@ class FoldConsumer:
                     continue
             self._position.update({(t, partition): s for t, s in mine.items()})
             self._pending.update({(t, partition): s for t, s in mine.items()})  # undoes a stale commit of another
-        self.producer.flush()
+        self.producer.flush(FLUSH_TIMEOUT_S)
         start = [TopicPartition(t, p, o) for (t, p), o in sorted(stops.items())]
         consumer.assign(start)  # at the offsets the rebuild stopped at, not at what is committed by now
         self._owned = {k for k in stops if k[1] not in self.refused}
@@ -362,7 +368,7 @@ class FoldConsumer:
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions lost without a revoke (session timed out): another member owns them already."""
-        self.producer.flush()
+        self.producer.flush(FLUSH_TIMEOUT_S)
         self._forget(partitions)
 
     def _forget(self, partitions: list[TopicPartition], park: bool = False) -> None:

@@ -23,7 +23,7 @@ class _Producer:
     def send_raw(self, topic: str, key: bytes, value: bytes) -> None:
         raise AssertionError("an empty rebuild completes no charge")
 
-    def flush(self) -> None:
+    def flush(self, timeout: float = 30.0) -> None:
         pass
 
 
