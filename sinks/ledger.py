@@ -32,6 +32,7 @@ from nodeshare.consumer import BatchSink, position
 from nodeshare.schemas import Charge, DecodeError, ShutterWindow, decode, decode_model
 from nodeshare.schemas.catalog import LEDGER_CHARGES, NODE_SHUTTER
 from nodeshare.schemas.dead_letters import dead_letter
+from nodeshare.schemas.events import carried
 
 log = logging.getLogger(__name__)
 
@@ -312,9 +313,10 @@ PROVENANCE = frozenset({"source", "schema_version", "code_version"})
 
 
 def charge_differences(held: Charge, copy: Charge) -> list[str]:
-    """The fields (provenance aside) in which a copy of a (job, revision) differs from the row held."""
+    """The fields (provenance aside) in which a copy of a (job, revision) differs from the row held,
+    among those the held row's schema version has (a copy re-sent after an upgrade may carry more)."""
     a, b = held.model_dump(), copy.model_dump()
-    return [f for f in a if f not in PROVENANCE and a[f] != b.get(f)]
+    return [f for f in a if f not in PROVENANCE and carried(held, f) and a[f] != b.get(f)]
 
 
 def _sql_value(v: Any) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 from confluent_kafka import KafkaError, Message
 
 from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.schemas.catalog import NODE_IPC
 
 log = logging.getLogger("nodeshare.agent.spool")
 
@@ -45,6 +46,9 @@ class Spool:
         self._db.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                          "topic TEXT NOT NULL, key BLOB, value BLOB NOT NULL, size INTEGER NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        # events the broker refused for good (Forwarder.MAX_ATTEMPTS), kept with the reason, never sent again
+        self._db.execute("CREATE TABLE IF NOT EXISTS refused (seq INTEGER PRIMARY KEY, topic TEXT NOT NULL, "
+                         "key BLOB, value BLOB NOT NULL, reason TEXT NOT NULL)")
         self._lock = threading.Lock()
         self.rows, self.bytes = self._db.execute("SELECT count(*), coalesce(sum(size), 0) FROM events").fetchone()
 
@@ -108,6 +112,29 @@ class Spool:
             self.rows -= deleted
             self.bytes -= freed
 
+    def set_aside(self, seq: int, reason: str) -> None:
+        """Move an event the broker refused for good out of the queue, with the reason: kept on disk
+        for an operator (``refused`` table), no longer holding back what follows it."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO refused SELECT seq, topic, key, value, ? FROM events "
+                                 "WHERE seq = ?", (reason, seq))
+                row = self._db.execute("DELETE FROM events WHERE seq = ? RETURNING size", (seq,)).fetchone()
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            if row is not None:
+                self.rows -= 1
+                self.bytes -= row[0]
+
+    def refused(self) -> list[tuple[int, str, str]]:
+        """The events set aside: (seq, topic, reason)."""
+        with self._lock:
+            return self._db.execute("SELECT seq, topic, reason FROM refused ORDER BY seq").fetchall()
+
     def meta(self, name: str, default: Any = None) -> Any:
         with self._lock:
             row = self._db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
@@ -126,19 +153,27 @@ class Spool:
 
 
 class Forwarder:
-    """Sends spooled events in spool order, at most ``in_flight`` unacknowledged at a time, and at
-    most one at a time per (topic, key): a job's records reach the broker in the order they were
+    """Sends spooled events in spool order, at most ``in_flight`` unacknowledged at a time, and a
+    job's ``node.ipc`` records one at a time (per key): they reach the broker in the order they were
     spooled, whatever the client does with a failed one. (An idempotent librdkafka producer keeps
     order across retries, but a message that fails for good, e.g. larger than a topic's
     ``max.message.bytes``, is reported while later ones of its partition may be delivered:
     librdkafka's ``enable.gapless.guarantee`` is off by default. Re-sent after them, a job's last
     batch would land behind its JobLeftNode and the fold would count the job short.) One job's
-    records go one after another; the agent runs a few dozen jobs, so other jobs fill the pipe.
+    batches go one after another (a few a second at most); the agent runs a few dozen jobs, so other
+    jobs fill the pipe. Other topics keep no per-key order the pipeline relies on and are not held:
+    the node's shutter windows, one a cycle under one key, would otherwise drain no faster than they
+    are made, and a backlog left by an outage would never clear. An event the broker refuses
+    ``MAX_ATTEMPTS`` times in a row (larger than a topic's max.message.bytes, say) is set aside in the
+    spool's ``refused`` table with the reason, so the job's later records, its marker among them, go
+    out; the fold then says which blocks never arrived.
 
     The producer should retry without a deadline (``message.timeout.ms=0``): an idempotent
     producer whose messages time out bumps its epoch, which a broker may answer with
     ProducerFenced for good (Tansu does, after a 30 s stop). Should a fatal error still come, a
     new producer from ``connect`` takes over and everything unacknowledged is sent again."""
+
+    MAX_ATTEMPTS = 10  # failed sends of one event, in a row, before it is set aside
 
     def __init__(self, spool: Spool, connect: Callable[[], EventProducer], in_flight: int = 5000) -> None:
         self.spool = spool
@@ -147,19 +182,22 @@ class Forwarder:
         self.in_flight = in_flight
         self._fatal = False
         self._sent_up_to = 0  # every seq up to this one was handed to the producer
-        self._pending: dict[int, tuple[str, bytes | None]] = {}  # seq in flight -> its (topic, key)
+        self._pending: dict[int, tuple[str, bytes | int | None]] = {}  # seq in flight -> its ordered stream
         self._acked: list[int] = []
         self._failed: list[int] = []
         self.last_error: str | None = None
         self.sent = 0
+        self._attempts: dict[int, int] = {}  # seq -> failed sends so far
 
     def _on_delivery(self, seq: int) -> Any:
         def done(err: KafkaError | None, msg: Message) -> None:
             self._pending.pop(seq, None)
             if err is None:
                 self._acked.append(seq)
+                self._attempts.pop(seq, None)
             else:
                 self._failed.append(seq)
+                self._attempts[seq] = self._attempts.get(seq, 0) + 1
                 self.last_error = err.str()
                 self._fatal = self._fatal or err.fatal()
         return done
@@ -176,6 +214,11 @@ class Forwarder:
             self.producer = self.connect()
             self._fatal, self._pending, self._failed, self._sent_up_to = False, {}, [], 0
         if self._failed:
+            for seq in self._failed:
+                if self._attempts.get(seq, 0) >= self.MAX_ATTEMPTS and not self._fatal:
+                    log.error("spooled event %d refused %d times (%s): set aside in the spool's refused table",
+                              seq, self._attempts.pop(seq), self.last_error)
+                    self.spool.set_aside(seq, self.last_error or "refused")
             self._sent_up_to = min(min(self._failed) - 1, self._sent_up_to)
             self._failed = []
         room = self.in_flight - len(self._pending)
@@ -184,7 +227,8 @@ class Forwarder:
         busy = set(self._pending.values())  # streams with a record in flight: their next one waits
         contiguous = True  # every row read so far was handed over: the watermark may follow
         for seq, topic, key, value in self.spool.after(self._sent_up_to, room + len(self._pending)):
-            stream = (topic, key)
+            # a job's node.ipc records in order (a topic prefix goes before the name); anything else alone
+            stream: tuple[str, bytes | int | None] = (topic, key) if topic.endswith(NODE_IPC.name) else (topic, seq)
             if seq not in self._pending:
                 if stream in busy or room <= 0:
                     busy.add(stream)  # and every later record of it waits too

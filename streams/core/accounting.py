@@ -278,15 +278,31 @@ class JobAccount(_State):
         """A node's streams, one per run of the job there, oldest first."""
         return [*self.earlier.get(node, ()), *([self.nodes[node]] if node in self.nodes else [])]
 
+    def _runs(self, revision: int) -> tuple[list[JobEvent], int]:
+        """The runs named by the terminal events up to ``revision`` (each as its latest terminal event
+        so far) and the index of ``revision``'s run. A terminal event whose [start, end] overlaps a
+        run's (or starts with it) corrects that run, whatever field it changes, the times included;
+        one that does not is a later run of a job requeued under its id (it starts after the other
+        ended)."""
+        runs: list[JobEvent] = []
+        mine = 0
+        for r, t in enumerate(self.ends[:revision + 1]):
+            e = t.event
+            at = next((i for i in range(len(runs) - 1, -1, -1) if _same_run(runs[i], e)), None)
+            if at is None:
+                runs.append(e)
+                at = len(runs) - 1
+            else:
+                runs[at] = e
+            if r == revision:
+                mine = at
+        return runs, mine
+
     def _run_index(self, revision: int) -> tuple[JobEvent, list[set[str]]]:
         """Terminal event ``revision`` and the node sets of the runs before its run (see ``streams_for``):
         a node's stream for it is its k-th, k the number of those sets naming it."""
-        terminal = self.ends[revision].event
-        latest: dict[datetime | None, JobEvent] = {}  # run (its start) -> its latest terminal event so far
-        for t in self.ends[:revision + 1]:
-            latest[t.event.start_time] = t.event
-        before = list(latest)[:list(latest).index(terminal.start_time)]
-        return terminal, [set(latest[run].nodes) for run in before]
+        runs, mine = self._runs(revision)
+        return self.ends[revision].event, [set(run.nodes) for run in runs[:mine]]
 
     def _kth_closed(self, node: str, k: int) -> bool:
         runs = self._runs_of(node)
@@ -294,9 +310,9 @@ class JobAccount(_State):
 
     def streams_for(self, revision: int) -> list[tuple[str, NodeStream]] | None:
         """The block streams terminal event ``revision`` is priced from, sorted by node, or None while one
-        has not closed. A job requeued under its id runs again with a new start time: each distinct start
-        (in the order the terminal events name them) is a run, and a node's k-th stream belongs to the
-        k-th run that lists it; corrections of a run (same start) share its streams. Decided from the
+        has not closed. A job requeued under its id runs again, after its earlier run ended: each run
+        (``_runs``, in the order the terminal events name them) has a node's k-th stream, k the number
+        of earlier runs that list the node; corrections of a run share its streams. Decided from the
         terminal events up to ``revision`` only, so a revision's streams never change once it is priced."""
         terminal, before = self._run_index(revision)
         out = []
@@ -472,8 +488,8 @@ class JobAccount(_State):
         while self.revision + 1 < len(self.ends):
             r = self.revision + 1
             if not self._ready(r):
-                start = self.ends[r].event.start_time
-                if not any(self.ends[later].event.start_time == start and self._ready(later)
+                run = self._runs(r)[1]
+                if not any(self._runs(later)[1] == run and self._ready(later)
                            for later in range(r + 1, len(self.ends))):
                     break
                 self.revision = r
@@ -509,6 +525,13 @@ class JobAccount(_State):
         return cls(job_id=job_id) if raw is None else cls.model_validate_json(raw)
 
 
+def _same_run(run: JobEvent, e: JobEvent) -> bool:
+    """Whether terminal event ``e`` describes the same run as ``run`` (see ``JobAccount._runs``)."""
+    assert run.start_time is not None and run.end_time is not None  # guaranteed by JobEvent.ran
+    assert e.start_time is not None and e.end_time is not None
+    return e.start_time == run.start_time or (e.start_time < run.end_time and run.start_time < e.end_time)
+
+
 def estimate_streams(streams: list[NodeStream], estimator: str = DEFAULT_ESTIMATOR) -> DegradationResult:
     """The degradation estimate over the blocks of some node streams (sorted by node)."""
     if len(streams) == 1:  # most jobs: one node, whose sums need no merging
@@ -522,25 +545,30 @@ def estimate_streams(streams: list[NodeStream], estimator: str = DEFAULT_ESTIMAT
 #: What a node's marker may claim beyond the job's run time (the agent's clock and rescan period
 #: against the resource manager's): paused + alone <= run time + MARKER_SLACK_S + MARKER_SLACK_SHARE * it.
 MARKER_SLACK_S = 10.0
-MARKER_SLACK_SHARE = 0.01
+#: The most of a job's run its shutters can have paused it on a node. A co-runner is paused for one
+#: sample window K S of each cycle of P + 3 K S (Eq. 9): 1.5% at the default S = 3.2 ms, P = 200 ms,
+#: and at S = 51.2 ms, P = 3.2 s; a claim above this share is no pause a shutter makes.
+MAX_PAUSE_SHARE = 0.05
 
 
 def marker_problems(node: str, s: NodeStream, run_time_s: float) -> tuple[list[str], list[str]]:
     """Physical bounds on what a node's closing marker claims, checked against the blocks that
     arrived and the job's run time: (why the marker is refused, what evidence is missing).
 
-    Refused: more blocks counted than the marker says were sent, or more time paused and alone
-    than the job ran (a job is paused only while it shares its node, so the two are disjoint). A
-    refused marker's pause credit and time alone are not applied; its blocks, each checked on its
-    own, still count. Missing: fewer blocks arrived than were sent (a lost or refused batch); the
-    charge is priced from those that arrived, and says so."""
+    Refused: more blocks counted than the marker says were sent, or more time paused than the
+    shutters can pause a job (``MAX_PAUSE_SHARE`` of its run, plus ``MARKER_SLACK_S`` for the agent's
+    clock against the resource manager's). A refused marker's pause credit is not applied: every
+    rule fails toward the higher price, since the credit is the only claim of a marker that lowers
+    it. Its time alone, which can only raise the price (it shrinks the discount, and is clamped to
+    the run), is kept, and its blocks, each checked on its own, still count. Missing: fewer blocks
+    arrived than were sent (a lost or refused batch); the charge is priced from those that arrived,
+    and says so."""
     refused, missing = [], []
     if s.blocks > s.blocks_sent:
         refused.append(f"node {node}: {s.blocks} blocks counted but its marker says {s.blocks_sent} were sent")
-    claimed_s = (s.paused_us + s.alone_us) / 1e6
-    if claimed_s > run_time_s * (1.0 + MARKER_SLACK_SHARE) + MARKER_SLACK_S:
-        refused.append(f"node {node}: its marker claims {s.paused_us / 1e6:.3f} s paused and {s.alone_us / 1e6:.3f} s "
-                       f"alone, more than the job's run time of {run_time_s:.3f} s")
+    if s.paused_us / 1e6 > run_time_s * MAX_PAUSE_SHARE + MARKER_SLACK_S:
+        refused.append(f"node {node}: its marker claims {s.paused_us / 1e6:.3f} s paused, more than shutters pause "
+                       f"a job in a run of {run_time_s:.3f} s ({MAX_PAUSE_SHARE:.0%} of it)")
     arrived = s.blocks + s.refused
     if arrived < s.blocks_sent:
         missing.append(f"node {node}: {s.blocks_sent - arrived} of the {s.blocks_sent} blocks its marker says were "
@@ -583,18 +611,18 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     assert end.start_time is not None and end.end_time is not None  # guaranteed by JobEvent.ran
     run_time_s = (end.end_time - end.start_time).total_seconds()
     problems: list[str] = []
-    trusted: list[NodeStream] = []  # the streams whose marker's claims hold
+    credited: list[NodeStream] = []  # the streams whose marker's pause credit holds
     for node, s in streams:
         refused, missing = marker_problems(node, s, run_time_s)
         problems += refused + missing
         if not refused:
-            trusted.append(s)
+            credited.append(s)
     # A job is held up while any of its nodes pauses it; the longest per-node total is a lower
     # bound of that union, so the credit never exceeds the time really lost.
-    credit_s = max((s.paused_us for s in trusted), default=0) / 1e6
+    credit_s = max((s.paused_us for s in credited), default=0) / 1e6
     # The blocks measure D while the job shared a node; its time alone (never shuttered) was undisturbed.
     billed_s = billed_time(run_time_s, credit_s)
-    alone_s = alone_time([s.alone_us / 1e6 for s in trusted], len(end.nodes), billed_s)
+    alone_s = alone_time([s.alone_us / 1e6 for _, s in streams], len(end.nodes), billed_s)
     applied = job_degradation(degradation.degradation, alone_s, billed_s)
     amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, applied, policy.rate_function, credit_s)
     ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,

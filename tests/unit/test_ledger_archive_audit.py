@@ -429,3 +429,17 @@ def test_a_second_different_row_for_a_job_revision_is_a_dead_letter_and_a_metric
     assert dl.field == "price"
     with Ledger(tmp_path / "sink.duckdb", read_only=True) as ledger:
         assert [c.price for c in ledger.charges()] == [charge.price]
+
+
+def test_a_copy_re_sent_after_an_upgrade_differs_only_in_fields_the_held_row_predates(tmp_path):
+    """A version-4 row and the worker's version-5 copy of it (same price, evidence_problems now said):
+    a redelivery, not a divergent row."""
+    from nodeshare.sinks.ledger import charge_differences
+
+    _, ledger_path, _ = build(tmp_path)
+    with Ledger(ledger_path, read_only=True) as ledger:
+        charge = ledger.charges()[0]
+    old = charge.model_copy(update={"schema_version": 4})
+    newer = charge.model_copy(update={"evidence_problems": ("node n1: 1 of the 5 blocks never arrived",)})
+    assert charge_differences(old, newer) == []
+    assert charge_differences(charge, newer) == ["evidence_problems"]

@@ -84,3 +84,19 @@ def test_every_record_arrives_once_and_each_job_in_spool_order(tmp_path_factory,
     for _, key, value in fake.delivered:
         got[key].append(value)
     assert got == sent
+
+
+def test_shutter_windows_under_one_key_are_not_held_one_at_a_time(tmp_path):
+    """A node's windows share one key and come one a cycle: held one in flight per key, a backlog
+    left by an outage drained no faster than it grew, for good. Only node.ipc keeps per-key order."""
+    events = [("node.shutter", b"n1", b"w%d" % i) for i in range(300)]
+    fake, spool = _forward(tmp_path, events, {}, pumps=2)
+    assert spool.rows == 0 and len(fake.delivered) == 300
+
+
+def test_a_record_refused_for_good_is_set_aside_and_the_jobs_marker_still_goes_out(tmp_path):
+    events = [("node.ipc", b"J", b"batch 0-3"), ("node.ipc", b"J", b"too big"), ("node.ipc", b"J", b"left J")]
+    fake, spool = _forward(tmp_path, events, {b"too big": 10**6})
+    assert [v for _, _, v in fake.delivered] == [b"batch 0-3", b"left J"] and spool.rows == 0
+    (_, topic, reason), = spool.refused()
+    assert topic == "node.ipc" and "too large" in reason.lower()

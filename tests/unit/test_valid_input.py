@@ -19,6 +19,7 @@ from nodeshare.schemas.events import EstimateStatus
 from nodeshare.schemas.serde import decode_model
 from nodeshare.streams.core.accounting import (
     MARKER_SLACK_S,
+    MAX_PAUSE_SHARE,
     Origin,
     PricingPolicy,
     apply_message,
@@ -152,17 +153,33 @@ def test_a_marker_that_counts_fewer_blocks_than_arrived_is_refused():
     assert "4 blocks counted but its marker says 0 were sent" in c.evidence_problems[0]
 
 
-@pytest.mark.parametrize(("paused_s", "alone_s"), [(1e6, 0.0), (0.0, 2 * 3600.0), (1800.0, 1900.0)])
-def test_a_marker_claiming_more_time_than_the_job_ran_is_refused(paused_s, alone_s):
-    c = priced(FOUR, marker(4, paused_s=paused_s, alone_s=alone_s))
-    assert c.pause_credit_s == 0.0 and c.alone_s == 0.0 and c.price == pytest.approx(1.5 * 16 * 0.8 * 0.8)
-    assert "more than the job's run time of 3600.000 s" in c.evidence_problems[0]
+@pytest.mark.parametrize("paused_s", [1e6, 3600.0, 1800.0])
+def test_a_marker_claiming_more_pause_than_shutters_make_is_refused_toward_the_higher_price(paused_s):
+    """A pause credit as long as the run made the job free; refused, the job pays as if not paused."""
+    c = priced(FOUR, marker(4, paused_s=paused_s))
+    assert c.pause_credit_s == 0.0 and c.price == pytest.approx(1.5 * 16 * 0.8 * 0.8)  # D 0.2, no credit
+    assert "more than shutters pause a job in a run of 3600.000 s (5% of it)" in c.evidence_problems[0]
 
 
-def test_the_marker_bound_allows_the_stated_slack_only():
-    limit = 3600 * 1.01 + MARKER_SLACK_S
-    assert priced(FOUR, marker(4, paused_s=10.0, alone_s=limit - 10.0)).evidence_problems == ()
-    assert priced(FOUR, marker(4, paused_s=10.0, alone_s=limit - 9.0)).evidence_problems != ()
+@pytest.mark.parametrize("alone_s", [3600.0, 3660.0, 2 * 3600.0])
+def test_time_alone_beyond_the_run_only_raises_the_price(alone_s):
+    """A claim of time alone shrinks the discount (D = D_shared (1 - A / T)) and is clamped to the run:
+    refusing it would have bought the largest discount (a claim 14 s past a bound gave 74% off)."""
+    c = priced(FOUR, marker(4, alone_s=alone_s))
+    assert c.evidence_problems == () and c.alone_s == 3600.0 and c.price == c.standard_price == 24.0
+
+
+def test_a_refused_marker_never_lowers_the_price():
+    honest = priced(FOUR, marker(4, paused_s=30.0, alone_s=1800.0))
+    undercounted = priced(FOUR, marker(0, paused_s=30.0, alone_s=1800.0, last_cycle=-1))  # its credit set aside
+    assert undercounted.evidence_problems and undercounted.price > honest.price
+    assert undercounted.alone_s == honest.alone_s == 1800.0
+
+
+def test_the_pause_bound_allows_the_stated_slack_only():
+    limit = 3600 * MAX_PAUSE_SHARE + MARKER_SLACK_S  # 190 s
+    assert priced(FOUR, marker(4, paused_s=limit)).evidence_problems == ()
+    assert priced(FOUR, marker(4, paused_s=limit + 1.0)).evidence_problems != ()
 
 
 # --------------------------------------------------------------------------- revisions and requeues (items 4, 6)
@@ -190,6 +207,18 @@ def test_a_revision_whose_nodes_closed_is_still_charged_before_its_correction():
     charges, _ = fold([FOUR, marker(4), ended(("n1",), eid="end"),
                        ended(("n1",), end_h=0.5, eid="fix")])
     assert [c.revision for c in charges] == [0, 1] and charges[1].run_time_s == 1800
+
+
+def test_a_correction_of_the_start_time_corrects_the_run_and_a_later_requeue_is_its_own_run():
+    """A correction that moves the start (same run: its times overlap) was read as a requeue and waited
+    for ever for a second stream; then a real requeue's blocks priced the corrected revision."""
+    first = batch(*[block(1.0, 1.5, 1.0, cycle=c) for c in range(3)])  # D 1/3
+    again = batch(*[block(1.0, 1.01, 1.0, cycle=c) for c in range(10, 13)])
+    end, fix = ended(("n1",), 0, 1, "end"), ended(("n1",), 5 / 60, 1, "fix")
+    charges, revision = fold([first, left("j1", "n1", 3, 2), end, fix,
+                              again, left("j1", "n1", 3, 12, at_s=3 * 3600), ended(("n1",), 2, 3, "run2")])
+    assert revision == 2 and [(c.revision, c.nodes[0].first_cycle) for c in charges] == [(0, 0), (1, 0), (2, 10)]
+    assert charges[1].run_time_s == 3300 and "start_time" in charges[1].revision_reason
 
 
 def test_a_requeued_run_is_priced_from_its_own_blocks():
