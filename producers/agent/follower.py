@@ -44,6 +44,7 @@ FOLLOWER_UP = Gauge("nodeshare_agent_follower_up",
                     ["follower"])
 #: seconds between two attempts to reach a broker that is away
 RETRY_S = 5.0
+ASK_S = 2.0  # how long one metadata or offsets request may wait for the broker
 
 
 class FollowerStopped(RuntimeError):
@@ -118,12 +119,14 @@ class Follower:
             "group.id": f"{self.settings.app_id}-agent-{self.node}-{self.purpose}",  # committed only if ``commits``
             "enable.auto.commit": False, "fetch.wait.max.ms": 100}))
         try:
-            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in partitions}
+            # short waits: the loop retries every RETRY_S, and the agent's exit waits for this thread
+            # (10 s each kept an agent without a broker 10 s longer at every exit)
+            partitions = consumer.list_topics(topic, timeout=ASK_S).topics[topic].partitions
+            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=ASK_S) for p in partitions}
             starts = {p: OFFSET_BEGINNING for p in partitions}
             if self.commits:  # resume after what the group committed (a negative offset: nothing committed)
                 starts.update({tp.partition: tp.offset for tp in consumer.committed(
-                    [TopicPartition(topic, p) for p in partitions], timeout=10) if tp.offset >= 0})
+                    [TopicPartition(topic, p) for p in partitions], timeout=ASK_S) if tp.offset >= 0})
             behind = {p: high for p, (low, high) in ends.items() if high > max(low, starts[p])}  # history still to read
             consumer.assign([TopicPartition(topic, p, starts[p]) for p in partitions])
             while not self._stop.is_set():
