@@ -147,6 +147,30 @@ def test_replaying_the_archive_rebuilds_the_same_ledger(run: DemoResult, tmp_pat
     assert all(again[k] == original[k] for k in original)  # offsets included: replay kept them
 
 
+def test_replaying_into_topics_with_more_partitions_charges_every_job_the_same(run: DemoResult,
+                                                                            tmp_path: Path) -> None:
+    """A cluster that grew its topics: replayed records go where murmur2 puts their key among the new
+    partitions (kept on their old numbers, every job off its key's partition was a 'misrouted' dead
+    letter and uncharged); each charge is the same but for its offset ranges."""
+    import uuid
+
+    from nodeshare.demo import running_pipeline
+    from nodeshare.producers.replay import replay
+
+    tag = uuid.uuid4().hex[:8]
+    fresh = run.settings.model_copy(update={"topic_prefix": f"g{tag}.", "app_id": f"nodeshare-g{tag}",
+                                            "partitions": 2 * run.settings.partitions})
+    with running_pipeline(fresh, tmp_path) as pipeline:
+        report = replay(run.archive, fresh)
+        pipeline.wait(len(run.charges), report.events, 120, lambda *_: None)
+    with Ledger(pipeline.ledger_path, read_only=True) as rebuilt:
+        again = {(c.job_id, c.revision): c for c in rebuilt.charges()}
+    original = {(c.job_id, c.revision): c for c in run.charges}
+    assert again.keys() == original.keys()
+    assert all(again[k].model_dump(exclude={"event_range"}) == original[k].model_dump(exclude={"event_range"})
+               for k in original)
+
+
 def test_operators_see_the_dead_letters_and_the_topics(run: DemoResult) -> None:
     from nodeshare.sinks.analysis.inspect import describe_topics, read_dead_letters
 
