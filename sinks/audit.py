@@ -20,13 +20,12 @@ from typing import Any
 
 from nodeshare.schemas import Charge
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.schemas.events import carried
 from nodeshare.schemas.serde import decode_model
 from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fold_states
 
 from .archive import ParquetArchive
 from .fast_audit import fast_recompute
-from .ledger import Ledger
+from .ledger import Ledger, charge_differences
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +304,5 @@ def conservation_violations(charges: list[Charge], rel_tol: float = 1e-9) -> lis
 def diff_charges(ledger: Charge, recomputed: Charge) -> list[Mismatch]:
     """Differences in every field the ledger row's schema version has (a row written by an older
     version is compared on what it carries; which version wrote it is provenance)."""
-    a, b = ledger.model_dump(), recomputed.model_dump()
-    return [Mismatch(ledger.job_id, ledger.revision, f, a[f], b[f])
-            for f in a if f not in _PROVENANCE and carried(ledger, f) and a[f] != b[f]]
+    return [Mismatch(ledger.job_id, ledger.revision, f, a, b)
+            for f, a, b in charge_differences(ledger, recomputed, _PROVENANCE)]

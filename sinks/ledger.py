@@ -187,12 +187,11 @@ class Ledger:
                 key = (charge.job_id, charge.revision)
                 if key in held:
                     if held[key] != raw.decode():
-                        fields = charge_differences(Charge.model_validate_json(held[key]), charge)
+                        fields = [f for f, _, _ in charge_differences(Charge.model_validate_json(held[key]), charge)]
                         if fields:
                             self.divergent.append((row, fields))
                     continue
-                held[key] = raw.decode()
-                record = raw.decode()
+                record = held[key] = raw.decode()
                 row_hash = chain_hash(prev, record)
                 data = charge.model_dump()
                 params.append([_sql_value(data[c]) for c in _COLUMNS]
@@ -312,11 +311,13 @@ class Ledger:
 PROVENANCE = frozenset({"source", "schema_version", "code_version"})
 
 
-def charge_differences(held: Charge, copy: Charge) -> list[str]:
-    """The fields (provenance aside) in which a copy of a (job, revision) differs from the row held,
-    among those the held row's schema version has (a copy re-sent after an upgrade may carry more)."""
+def charge_differences(held: Charge, copy: Charge, provenance: frozenset[str] = PROVENANCE,
+                       ) -> list[tuple[str, Any, Any]]:
+    """(field, held value, copy value) for each field (``provenance`` aside) in which ``copy`` differs
+    from ``held``, among those ``held``'s schema version has (a later copy may carry more). The
+    ledger's redelivery check and the audit's comparison, one rule."""
     a, b = held.model_dump(), copy.model_dump()
-    return [f for f in a if f not in PROVENANCE and carried(held, f) and a[f] != b.get(f)]
+    return [(f, a[f], b.get(f)) for f in a if f not in provenance and carried(held, f) and a[f] != b.get(f)]
 
 
 def _sql_value(v: Any) -> Any:

@@ -298,11 +298,12 @@ class JobAccount(_State):
                 mine = at
         return runs, mine
 
-    def _run_index(self, revision: int) -> tuple[JobEvent, list[set[str]]]:
-        """Terminal event ``revision`` and the node sets of the runs before its run (see ``streams_for``):
-        a node's stream for it is its k-th, k the number of those sets naming it."""
+    def _needs(self, revision: int) -> list[tuple[str, int]]:
+        """Each node terminal event ``revision`` names (sorted), with the index k of the node's stream
+        its run is priced from: the number of earlier runs that list the node (see ``streams_for``)."""
         runs, mine = self._runs(revision)
-        return self.ends[revision].event, [set(run.nodes) for run in runs[:mine]]
+        before = [set(run.nodes) for run in runs[:mine]]
+        return [(node, sum(node in run for run in before)) for node in sorted(self.ends[revision].event.nodes)]
 
     def _kth_closed(self, node: str, k: int) -> bool:
         runs = self._runs_of(node)
@@ -314,14 +315,11 @@ class JobAccount(_State):
         (``_runs``, in the order the terminal events name them) has a node's k-th stream, k the number
         of earlier runs that list the node; corrections of a run share its streams. Decided from the
         terminal events up to ``revision`` only, so a revision's streams never change once it is priced."""
-        terminal, before = self._run_index(revision)
         out = []
-        for node in sorted(terminal.nodes):
-            k = sum(node in run for run in before)
-            runs = self._runs_of(node)
-            if k >= len(runs) or not runs[k].closed:
+        for node, k in self._needs(revision):
+            if not self._kth_closed(node, k):
                 return None
-            out.append((node, runs[k]))
+            out.append((node, self._runs_of(node)[k]))
         return out
 
     def _ready(self, revision: int) -> bool:
@@ -330,12 +328,7 @@ class JobAccount(_State):
         shrinks (``_node_closed``)."""
         open_nodes = self._open.by_revision.get(revision)
         if open_nodes is None:
-            terminal, before = self._run_index(revision)
-            open_nodes = {}
-            for node in terminal.nodes:
-                k = sum(node in run for run in before)
-                if not self._kth_closed(node, k):
-                    open_nodes[node] = k
+            open_nodes = {node: k for node, k in self._needs(revision) if not self._kth_closed(node, k)}
             self._open.by_revision[revision] = open_nodes
         return not open_nodes
 
@@ -542,8 +535,8 @@ def estimate_streams(streams: list[NodeStream], estimator: str = DEFAULT_ESTIMAT
     return estimate(total, estimator)
 
 
-#: What a node's marker may claim beyond the job's run time (the agent's clock and rescan period
-#: against the resource manager's): paused + alone <= run time + MARKER_SLACK_S + MARKER_SLACK_SHARE * it.
+#: What a node's pause claim may exceed its bound by (the agent's clock and rescan period against the
+#: resource manager's): paused <= MAX_PAUSE_SHARE * run time + MARKER_SLACK_S.
 MARKER_SLACK_S = 10.0
 #: The most of a job's run its shutters can have paused it on a node. A co-runner is paused for one
 #: sample window K S of each cycle of P + 3 K S (Eq. 9): 1.5% at the default S = 3.2 ms, P = 200 ms,
