@@ -61,10 +61,7 @@ def replay(archive_root: Path, settings: Settings, *, topics: list[str] | None =
 
 def _check_partitions(archive: ParquetArchive, settings: Settings, names: list[str]) -> None:
     metadata = AdminClient(settings.client_config()).list_topics(timeout=30)
-    needed: dict[str, int] = {}
-    for (topic, partition), _ in archive.high_water().items():  # what a keyless event may need
-        if topic in names:
-            needed[topic] = max(needed.get(topic, 0), partition + 1)
+    needed = {topic: max(held) + 1 for topic in names if (held := archive.partitions_held([topic]))}  # file names only
     for topic, count in sorted(needed.items()):
         meta = metadata.topics.get(settings.topic(topic))
         if meta is None:

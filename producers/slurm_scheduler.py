@@ -197,6 +197,7 @@ class SlurmScheduler(BatchSink):
         self.commands = commands
         self.on_plan = on_plan
         self.dead_letters = dead_letters  # an EventProducer; None: a refusal is only logged and counted
+        self._letters = 0  # dead letters sent since the last flush
         self.outcomes: dict[str, int] = {"applied": 0, "kept_held": 0, "skipped": 0, "refused": 0, "undecodable": 0}
 
     def write(self, messages: list[Message]) -> None:
@@ -225,8 +226,9 @@ class SlurmScheduler(BatchSink):
             level(p.why, extra=fields(job_id=decision.job_id))
             if self.on_plan is not None:
                 self.on_plan(decision, p)
-        if self.dead_letters is not None:
-            self.dead_letters.flush(30)
+        if self.dead_letters is not None and self._letters:
+            self.dead_letters.flush(30)  # a broker round trip only when this batch refused something
+            self._letters = 0
 
     def _refused(self, m: Message, why: str) -> None:
         metrics.DEAD_LETTERS.labels(metrics.REJECTED).inc()
@@ -236,6 +238,7 @@ class SlurmScheduler(BatchSink):
         _, ts = m.timestamp()
         self.dead_letters.send(dead_letter(topic, partition, offset, m.key(), m.value(), ts / 1000, why,
                                            field="nodes", source=SOURCE))
+        self._letters += 1
 
 
 def publish_inventory(producer: EventProducer, commands: SchedulerCommands, watch: NodeWatch, *, cluster: str,

@@ -230,7 +230,10 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
             return Outcome("defer", req, None, (), f"{len(free)} free processors, at least {need_n} needed",
                            unused_before_mw=unused, candidates=len(free))
     ordered = by_efficiency(machine.curves(req.program, free))[: len(free) if placed else req.n_req]
-    characterized = sum(1 for c in ordered if machine.char.curve(req.program, c.processor, c.min_mw) is not None)
+    # with the inventory max, as ``curves`` asks: a curve is cached by its bounds, and another max rebuilt it
+    characterized = sum(1 for c in ordered
+                        if machine.char.curve(req.program, c.processor, c.min_mw, machine.limits[c.processor][1])
+                        is not None)
     n = len(ordered)
     # The proportional share, raised to what the fewest allowed processors need at min power.
     share = max(machine.budget_mw * n // max(machine.n_max, 1), sum(c.min_mw for c in ordered[:need_n]))
@@ -293,7 +296,8 @@ def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
     were already running) followed by the start of each deferred job that now fits, with its final caps."""
     unused_before = machine.unused_mw
     job = machine.running.pop(job_id, None)
-    forget_retired(machine)
+    if machine.retired:
+        forget_retired(machine)
     if job is None:
         before = len(machine.deferred)
         machine.deferred = [r for r in machine.deferred if r.job_id != job_id]
