@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = "poppa_eq4"  # streams.core.pricing.RATE_FUNCTIONS
     # streams.core.degradation.ESTIMATORS
     estimator: Literal["refill_corrected", "poppa_alg4", "unfiltered"] = "refill_corrected"
+    # How sure a charge is (streams.core.confidence): the interval's confidence, whether the price
+    # uses its upper end (true) or the point estimate, and the prior's upper end for too few blocks
+    confidence: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.95
+    price_at_bound: bool = True
+    prior_high: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
@@ -102,7 +107,9 @@ class Settings(BaseSettings):
         from nodeshare.streams.core.accounting import PricingPolicy
 
         return PricingPolicy(rate_per_core_hour=self.rate_per_core_hour, delta=self.delta,
-                             rate_function=self.rate_function, estimator=self.estimator)
+                             rate_function=self.rate_function, estimator=self.estimator,
+                             confidence=self.confidence, price_at_bound=self.price_at_bound,
+                             prior_high=self.prior_high)
 
     def flush_policy(self) -> FlushPolicy:
         from nodeshare.producers.batching import FlushPolicy

@@ -45,7 +45,7 @@ from pydantic import (
 #:   ``nodes``, and at most ``MAX_CHARGE_PROBLEMS`` problems and a count of the rest. Lifecycle events obey
 #:   stricter rules (an end only in a terminal event, no start in a submitted one, distinct nodes,
 #:   every job time under the clock rule): records version 4 accepted that break them are dead letters.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -696,6 +696,20 @@ class Charge(Record):
     #: for breaking a physical bound (its pause credit and time alone not applied), or blocks its
     #: marker says were sent that never arrived. Empty: every marker held and every block arrived.
     evidence_problems: tuple[str, ...] = ()
+    #: How sure the charge is (version 6; streams.core.confidence). The point estimate of D applied
+    #: and its interval at ``confidence`` (both over the whole billed time, as ``degradation``), the
+    #: method (t_ratio | prior | none) and the blocks behind it; ``priced_at`` says which of the
+    #: point estimate and the interval's upper end ``degradation`` is; ``prior_degradation_high``
+    #: is the prior interval's upper end the policy states. A charge of an earlier version was
+    #: priced at the point estimate and carries no interval.
+    degradation_point: Fraction01 | None = None
+    degradation_low: Fraction01 | None = None
+    degradation_high: Fraction01 | None = None
+    interval_method: Name | None = None
+    interval_blocks: NonNegInt = 0
+    confidence: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    priced_at: Literal["estimate", "upper_bound"] = "estimate"
+    prior_degradation_high: Fraction01 | None = None
     code_version: Name
 
 
@@ -721,7 +735,9 @@ class DeadLetter(Record):
 #: older version lacks them (reads their default), and an audit does not compare them.
 ADDED_IN: dict[type[Record], dict[str, int]] = {
     Charge: {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
-             "evidence_problems": 5, "node_summary": 5},
+             "evidence_problems": 5, "node_summary": 5, "degradation_point": 6, "degradation_low": 6,
+             "degradation_high": 6, "interval_method": 6, "interval_blocks": 6, "confidence": 6,
+             "priced_at": 6, "prior_degradation_high": 6},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

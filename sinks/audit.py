@@ -22,6 +22,7 @@ from nodeshare.schemas import Charge
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.schemas.serde import decode_model
 from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fold_states
+from nodeshare.streams.core.confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH
 
 from .archive import ParquetArchive
 from .fast_audit import fast_recompute
@@ -116,8 +117,14 @@ def recompute(messages: dict[bytes | None, list[Message]], policies: dict[str, P
 
 
 def policy_of(charge: Charge) -> PricingPolicy:
+    """The policy a charge was priced under, from what it records (a charge before version 6 was
+    priced at its point estimate)."""
+    bound = charge.priced_at == "upper_bound"
     return PricingPolicy(rate_per_core_hour=charge.rate_per_core_hour, delta=charge.delta,
-                         rate_function=charge.rate_function, estimator=charge.estimator)
+                         rate_function=charge.rate_function, estimator=charge.estimator,
+                         confidence=charge.confidence or DEFAULT_CONFIDENCE, price_at_bound=bound,
+                         prior_high=DEFAULT_PRIOR_HIGH if charge.prior_degradation_high is None
+                         else charge.prior_degradation_high)
 
 
 @dataclass

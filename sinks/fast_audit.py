@@ -37,7 +37,7 @@ from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, clock_prob
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S, MAX_BATCH_BLOCKS
 from nodeshare.streams.core.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
-from nodeshare.streams.core.degradation import estimate_from_totals
+from nodeshare.streams.core.degradation import SECOND_MOMENTS, estimate_from_totals
 
 from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_range, file_span, typed_columns_sql
 
@@ -130,7 +130,7 @@ class StreamRow:
     last_cycle: int | None
     accepted: int
     rejected: int
-    sums: tuple[int, ...]  # _SUMS, fixed point
+    sums: tuple[int, ...]  # _SUMS then SECOND_MOMENTS, fixed point
 
 
 @dataclass
@@ -295,14 +295,18 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
                    f"a_cycles, a_threads) < {_EXACT_INT}")
     # every value summed in fixed point fits it, the co-located IPC 0.5 (b + a) too (half of an IPC
     # just above 2**-30 is not a multiple of 2**-82)
-    in_range = " AND ".join(f"({x} = 0 OR ({x} >= {_IPC_MIN!r} AND {x} < {_IPC_MAX!r}))"
-                            for x in ("b", "d", "a", "0.5 * (b + a)"))
-    fixed = {"solo_filtered": "d", "co_filtered": "co", "solo_all": "d", "co_all": "co",
-             "before_filtered": "b", "after_filtered": "a"}
+    # ... and every product the second moments sum (SECOND_MOMENTS, in order); (sum, value, over which blocks)
+    products = ("b * b", "d * d", "a * a", "b * d", "b * a", "d * a", "d * d", "co * co", "d * co")
+    in_range = " AND ".join(f"({x} = 0 OR ({x} >= {_IPC_MIN!r} AND {x} < {_IPC_MAX!r}))" for x in (
+        "b", "d", "a", "0.5 * (b + a)", *(p.replace("co", "(0.5 * (b + a))") for p in products)))
+    fixed = [*zip(_SUMS, ("d", "co", "d", "co", "b", "a"), ("keep", "keep", "exact", "exact", "keep", "keep"),
+                  strict=True),
+             *((n, x, "exact" if n.endswith("_all") else "keep") for n, x in zip(SECOND_MOMENTS, products,
+                                                                                  strict=True))]
     sums = ", ".join(
         # CASE, not FILTER: the cast must never see an IPC that does not fit (DuckDB casts before filtering)
-        f"coalesce(sum(CASE WHEN {'keep' if 'filtered' in n else 'exact'} THEN CAST({x} * {scale} AS HUGEINT) END), 0)"
-        f" AS {n}" for n, x in fixed.items())
+        f"coalesce(sum(CASE WHEN {when_} THEN CAST({x} * {scale} AS HUGEINT) END), 0) AS {n}"
+        for n, x, when_ in fixed)
     rows = con.execute(f"""
         WITH r AS ({rows_sql}),
         m0 AS (
@@ -347,7 +351,8 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
         GROUP BY job_id, node
     """).fetchall()
     names = [f.name for f in fields(StreamRow)][:-1]  # every field but the sums, in the query's order
-    streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[18:24])) for r in rows]
+    streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[18:18 + len(fixed)]))
+               for r in rows]
     return streams, sum(int(r[-2]) for r in rows), sum(int(r[-1]) for r in rows)
 
 
@@ -474,7 +479,7 @@ def _job_charge(job: str, nodes: dict[str | None, StreamRow], terminals: list[Te
         return None
     terminal = terminals[0]
     streams: list[tuple[str, NodeStream]] = []
-    sums = [0] * len(_SUMS)
+    sums = [0] * (len(_SUMS) + len(SECOND_MOMENTS))
     accepted = rejected = 0
     for name in sorted(terminal.event.nodes):
         row = nodes.get(name)
@@ -491,5 +496,5 @@ def _job_charge(job: str, nodes: dict[str | None, StreamRow], terminals: list[Te
             alone_us=int(row.alone_us or 0),
         )))
     totals = [math.ldexp(float(x), -FIXED_POINT_BITS) for x in sums]  # one rounding of each exact sum
-    est = estimate_from_totals(*totals[:4], accepted, rejected, *totals[4:], policy.estimator)
+    est = estimate_from_totals(*totals[:4], accepted, rejected, *totals[4:6], policy.estimator, totals[6:])
     return build_charge(job, 0, terminal, streams, est, policy, (NODE_IPC.name, partitions.pop()))

@@ -62,6 +62,12 @@ _COLUMNS: dict[str, str] = {
     "estimator": "VARCHAR NOT NULL",
     "degradation_shared": "DOUBLE NOT NULL DEFAULT 0",  # schema 4; a record before it reads 0
     "alone_s": "DOUBLE NOT NULL DEFAULT 0",  # schema 4
+    "degradation_point": "DOUBLE",  # schema 6: the interval (NULL in a record before it)
+    "degradation_low": "DOUBLE",
+    "degradation_high": "DOUBLE",
+    "interval_method": "VARCHAR",
+    "confidence": "DOUBLE",
+    "priced_at": "VARCHAR NOT NULL DEFAULT 'estimate'",
     "blocks_used": "INTEGER NOT NULL",
     "blocks_rejected": "INTEGER NOT NULL",
     "blocks_ignored": "INTEGER NOT NULL",
@@ -76,7 +82,8 @@ _COLUMNS: dict[str, str] = {
 }
 #: Columns added after the first ledgers were written: an older file gets them on open, filled with
 #: the value the older records read as (the model's default), so ``column_drift`` stays clean.
-_ADDED_COLUMNS = ("degradation_shared", "alone_s")
+_ADDED_COLUMNS = ("degradation_shared", "alone_s", "degradation_point", "degradation_low", "degradation_high",
+                  "interval_method", "confidence", "priced_at")
 _CHAIN_COLUMNS = ("record", "kafka_partition", "kafka_offset", "seq", "prev_hash", "row_hash")
 _DDL = (
     "CREATE TABLE IF NOT EXISTS charges ("

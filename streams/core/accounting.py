@@ -54,9 +54,11 @@ from nodeshare.schemas.events import (
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
 
 from .blocks import block_rows, prior_max
+from .confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH, degradation_interval
 from .degradation import (
     DEFAULT_DELTA,
     DEFAULT_ESTIMATOR,
+    SECOND_MOMENTS,
     DegradationResult,
     DegradationSums,
     ExactSum,
@@ -74,6 +76,11 @@ class PricingPolicy:
     delta: float = DEFAULT_DELTA
     rate_function: str = POPPA_EQ4
     estimator: str = DEFAULT_ESTIMATOR  # degradation.ESTIMATORS
+    #: Every charge carries D's interval at ``confidence`` (streams.core.confidence); with
+    #: ``price_at_bound`` it is priced at the interval's upper end, else at the point estimate.
+    confidence: float = DEFAULT_CONFIDENCE
+    price_at_bound: bool = True
+    prior_high: float = DEFAULT_PRIOR_HIGH
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,8 @@ class NodeStream(_State):
     rejected: int = 0
     before_filtered: ExactState = Field(default_factory=ExactSum)
     after_filtered: ExactState = Field(default_factory=ExactSum)
+    #: ``degradation.SECOND_MOMENTS``, in that order: the estimates' standard errors.
+    second: tuple[ExactState, ...] = Field(default_factory=lambda: tuple(ExactSum() for _ in SECOND_MOMENTS))
     # The counted blocks' sample IPCs, alone (during) and shared (before and after): the job's
     # features for the profiles, sent with each running estimate.
     ipc_alone: MomentState = Field(default_factory=MomentState)
@@ -176,7 +185,8 @@ class NodeStream(_State):
         """The stream's sums, sharing this state's ``ExactSum``s: adding to them adds to the stream
         (``store`` writes back the counts). Merge them into a fresh ``DegradationSums`` to combine nodes."""
         return DegradationSums(self.solo_filtered, self.co_filtered, self.solo_all, self.co_all,
-                               self.accepted, self.rejected, self.before_filtered, self.after_filtered)
+                               self.accepted, self.rejected, self.before_filtered, self.after_filtered,
+                               self.second)
 
     def store(self, s: DegradationSums) -> None:
         for name in _SUM_FIELDS:
@@ -185,7 +195,7 @@ class NodeStream(_State):
         self.accepted, self.rejected = s.accepted, s.rejected
 
 
-_SUM_FIELDS = ("solo_filtered", "co_filtered", "solo_all", "co_all", "before_filtered", "after_filtered")
+_SUM_FIELDS = ("solo_filtered", "co_filtered", "solo_all", "co_all", "before_filtered", "after_filtered", "second")
 
 
 class _OpenNodes:
@@ -616,7 +626,10 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     # The blocks measure D while the job shared a node; its time alone (never shuttered) was undisturbed.
     billed_s = billed_time(run_time_s, credit_s)
     alone_s = alone_time([s.alone_us / 1e6 for _, s in streams], len(end.nodes), billed_s)
-    applied = job_degradation(degradation.degradation, alone_s, billed_s)
+    interval = degradation_interval(degradation, policy.confidence, policy.prior_high)
+    point, low, high = (job_degradation(d, alone_s, billed_s)
+                        for d in (degradation.degradation, interval.low, interval.high))
+    applied = high if policy.price_at_bound else point
     amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, applied, policy.rate_function, credit_s)
     ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
                           first_offset=terminal.offset, last_offset=terminal.offset)]
@@ -652,6 +665,9 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         price=amounts.price, dividend=amounts.dividend,
         event_range=tuple(sorted(ranges, key=lambda r: r.topic)),
         evidence_problems=tuple(problems),
+        degradation_point=point, degradation_low=low, degradation_high=high,
+        interval_method=interval.method, interval_blocks=interval.blocks, confidence=policy.confidence,
+        priced_at="upper_bound" if policy.price_at_bound else "estimate", prior_degradation_high=policy.prior_high,
         code_version=__version__,
     )
 

@@ -205,6 +205,13 @@ def _float_parts(total: int) -> list[float]:
     return parts
 
 
+#: The products ``DegradationSums.second`` sums, in order: six over the blocks Alg. 4 accepts (their
+#: before b, during d and after a), three over every block (d and the co-located c = (b + a) / 2).
+#: Every estimate is a ratio R = sum(y) / sum(x) over its blocks, D = 1 - R, with x and y linear
+#: in b, d, a (or d, c), so these nine sums give each estimate's sum(x^2), sum(xy) and sum(y^2).
+SECOND_MOMENTS = ("bb", "dd", "aa", "bd", "ba", "da", "dd_all", "cc_all", "dc_all")
+
+
 @dataclass
 class DegradationSums:
     """The accumulated evidence of one job (or one job on one node)."""
@@ -217,18 +224,27 @@ class DegradationSums:
     rejected: int = 0
     before_filtered: ExactSum = field(default_factory=ExactSum)  # the accepted blocks' before and after means
     after_filtered: ExactSum = field(default_factory=ExactSum)
+    #: Exact sums of products, for each estimate's standard error (``SECOND_MOMENTS``, version 6):
+    #: of the accepted blocks' before b, during d and after a, and of every block's d and co-located c.
+    second: tuple[ExactSum, ...] = field(default_factory=lambda: tuple(ExactSum() for _ in SECOND_MOMENTS))
 
     def add(self, block: ShutterBlock, delta: float = DEFAULT_DELTA) -> bool:
         """Add one block; returns whether Alg. 4 accepted it."""
         m = block_means(block)
         co = co_located_ipc(m)
-        self.solo_all.add(m.during)
+        b, d, a = m.before, m.during, m.after
+        self.solo_all.add(d)
         self.co_all.add(co)
+        second = self.second
+        for s, x in zip(second[6:], (d * d, co * co, d * co), strict=True):
+            s.add(x)
         if passes_filter(m, delta):
-            self.solo_filtered.add(m.during)
+            self.solo_filtered.add(d)
             self.co_filtered.add(co)
-            self.before_filtered.add(m.before)
-            self.after_filtered.add(m.after)
+            self.before_filtered.add(b)
+            self.after_filtered.add(a)
+            for s, x in zip(second[:6], (b * b, d * d, a * a, b * d, b * a, d * a), strict=True):
+                s.add(x)
             self.accepted += 1
             return True
         self.rejected += 1
@@ -244,17 +260,19 @@ class DegradationSums:
         n = len(b)
         keep = (np.abs(b - a) < delta) & (b < d) & (a < d)
         width = n if features is None else n * rows.sample_ipc.shape[2]
-        matrix = np.zeros((6 if features is None else 12, width))  # a zero adds nothing, exactly
+        matrix = np.zeros((15 if features is None else 21, width))  # a zero adds nothing, exactly
         co = 0.5 * (b + a)
         matrix[0, :n], matrix[1, :n] = d, co
         matrix[2:6, :n] = np.where(keep, (d, co, b, a), 0.0)  # Alg. 4's sums, and before and after of its blocks
+        matrix[6:12, :n] = np.where(keep, (b * b, d * d, a * a, b * d, b * a, d * a), 0.0)  # SECOND_MOMENTS
+        matrix[12:15, :n] = d * d, co * co, d * co
         targets = [self.solo_all, self.co_all, self.solo_filtered, self.co_filtered, self.before_filtered,
-                   self.after_filtered]
+                   self.after_filtered, *self.second]
         if features is not None:
             alone, shared = features
             samples = rows.sample_ipc[:, counted].reshape(3, -1)  # before, during, after: every sample
-            matrix[6:9] = samples
-            np.multiply(samples, samples, out=matrix[9:12])
+            matrix[15:18] = samples
+            np.multiply(samples, samples, out=matrix[18:21])
             targets += [shared.s1, alone.s1, shared.s1, shared.s2, alone.s2, shared.s2]
             lows, highs = samples.min(axis=1).tolist(), samples.max(axis=1).tolist()
             for m, lo, hi, count in ((alone, lows[1], highs[1], width), (shared, min(lows[0], lows[2]),
@@ -274,6 +292,8 @@ class DegradationSums:
         self.co_all.merge(other.co_all)
         self.before_filtered.merge(other.before_filtered)
         self.after_filtered.merge(other.after_filtered)
+        for mine, theirs in zip(self.second, other.second, strict=True):
+            mine.merge(theirs)
         self.accepted += other.accepted
         self.rejected += other.rejected
 
@@ -288,18 +308,50 @@ class DegradationResult:
     blocks_rejected: int
     corrected: float | None = None  # refill-corrected, over the blocks Alg. 4 accepts
     estimator: str = POPPA_ALG4  # which of the two ``degradation`` applies
+    #: The applied estimate's standard error (``ratio_standard_error``) and the blocks behind it (the
+    #: accepted ones, or every block for ``unfiltered``); None without an estimate or second moments.
+    standard_error: float | None = None
+    interval_blocks: int = 0
+
+
+def ratio_standard_error(n: int, sx: float, sy: float, sxx: float, sxy: float, syy: float) -> float | None:
+    """The standard error of the ratio R = sy / sx of n blocks' sums (the linearized, or delta-method,
+    variance of a ratio estimator, as in survey sampling):
+
+        Var(R) = n / (n - 1) * sum((y - R x)^2) / sx^2,   sum((y - R x)^2) = syy - 2 R sxy + R^2 sxx
+
+    D = 1 - R has the same error. The blocks are taken as independent samples of the job's run:
+    a phase that lasts many blocks raises the spread of y - R x and so widens the interval. None
+    with fewer than two blocks or no progress alone (sx = 0)."""
+    if n < 2 or not sx > 0.0:
+        return None
+    r = sy / sx
+    residual = max(0.0, syy - 2.0 * r * sxy + r * r * sxx)
+    return math.sqrt(n / (n - 1) * residual) / sx
+
+
+def _moments_of(estimator: str, m: Sequence[float]) -> tuple[float, float, float]:
+    """(sum x^2, sum xy, sum y^2) of an estimator's ratio from the ``SECOND_MOMENTS`` totals ``m``."""
+    bb, dd, aa, bd, ba, da, dd_all, cc_all, dc_all = m
+    if estimator == REFILL_CORRECTED:  # x = d + a - b, y = b
+        return (math.fsum((dd, aa, bb, 2.0 * da, -2.0 * bd, -2.0 * ba)), math.fsum((bd, ba, -bb)), bb)
+    if estimator == POPPA_ALG4:  # x = d, y = (b + a) / 2
+        return dd, 0.5 * (bd + da), 0.25 * math.fsum((bb, 2.0 * ba, aa))
+    return dd_all, dc_all, cc_all  # unfiltered: x = d, y = c over every block
 
 
 def estimate(sums: DegradationSums, estimator: str = DEFAULT_ESTIMATOR) -> DegradationResult:
     return estimate_from_totals(sums.solo_filtered.value, sums.co_filtered.value, sums.solo_all.value,
                                 sums.co_all.value, sums.accepted, sums.rejected, sums.before_filtered.value,
-                                sums.after_filtered.value, estimator)
+                                sums.after_filtered.value, estimator, tuple(s.value for s in sums.second))
 
 
 def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: float, co_all: float,
                          accepted: int, rejected: int, before_filtered: float = 0.0, after_filtered: float = 0.0,
-                         estimator: str = DEFAULT_ESTIMATOR) -> DegradationResult:
-    """The applied estimate with its fallback rule, from correctly rounded exact sums.
+                         estimator: str = DEFAULT_ESTIMATOR, second: Sequence[float] | None = None,
+                         ) -> DegradationResult:
+    """The applied estimate with its fallback rule, from correctly rounded exact sums; with the
+    ``SECOND_MOMENTS`` totals ``second``, also its standard error.
 
     When the chosen estimate has no evidence (no block at all, or for Alg. 4 and the refill-
     corrected estimate no block that passed the filter), the job is charged as if undisturbed
@@ -327,7 +379,14 @@ def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: flo
             status = EstimateStatus.NO_ACCEPTED_BLOCKS
         return DegradationResult(status, 0.0, filtered, unfiltered, accepted, rejected, corrected, estimator)
     applied = min(1.0, max(0.0, chosen))  # Alg. 4's acceptance keeps the filtered one in (0, 1) already
-    return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, accepted, rejected, corrected, estimator)
+    se, blocks = None, (n if estimator == UNFILTERED else accepted)
+    if second is not None:
+        sx, sy = {POPPA_ALG4: (solo_filtered, co_filtered), UNFILTERED: (solo_all, co_all),
+                  REFILL_CORRECTED: (refill_corrected_solo(before_filtered, solo_filtered, after_filtered),
+                                     before_filtered)}[estimator]
+        se = ratio_standard_error(blocks, sx, sy, *_moments_of(estimator, second))
+    return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, accepted, rejected, corrected,
+                             estimator, se, blocks)
 
 
 def filtered_degradation(blocks: Iterable[ShutterBlock | ShutterBatch], delta: float = DEFAULT_DELTA,

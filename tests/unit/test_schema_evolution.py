@@ -31,17 +31,21 @@ def messages(version: int) -> list[tuple]:
 
 
 def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> bytes:
+    """The record as a writer of ``version`` wrote it: without ``drop`` and every field added later."""
     d = json.loads(encode(record))  # type: ignore[arg-type]
     d["schema_version"] = version
-    for f in drop:
-        d.pop(f)
+    later = {f for f, v in ADDED_IN.get(type(record), {}).items() if v > version}  # type: ignore[call-overload]
+    for f in set(drop) | later:
+        d.pop(f, None)
     return json.dumps(d).encode()
 
 
-def test_this_build_writes_version_5_and_reads_1_to_5():
-    assert SCHEMA_VERSION == 5
+def test_this_build_writes_version_6_and_reads_1_to_6():
+    assert SCHEMA_VERSION == 6
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
-                                "evidence_problems": 5, "node_summary": 5}
+                                "evidence_problems": 5, "node_summary": 5, "degradation_point": 6,
+                                "degradation_low": 6, "degradation_high": 6, "interval_method": 6,
+                                "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
 
@@ -93,7 +97,7 @@ def test_a_version_1_ledger_still_audits(tmp_path: Path):
     They read as POPPA's Alg. 4 (the only estimator then), and the audit recomputes them so."""
     archive, _, _ = archive_records(tmp_path, RUN)
     [made_then] = fold_messages(messages(1), PricingPolicy(rate_per_core_hour=POLICY.rate_per_core_hour,
-                                                           estimator="poppa_alg4"))
+                                                           estimator="poppa_alg4", price_at_bound=False))
     v1 = as_version(made_then, 1, drop=("degradation_corrected", "estimator"))
     row = decode_model(Charge, v1)
     assert (row.schema_version, row.estimator, row.degradation_corrected) == (1, "poppa_alg4", None)

@@ -1,0 +1,227 @@
+"""A charge that knows how sure it is: the degradation's interval, and the price at its bound."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from factories import archive_records, batch, block, job_event, left
+
+from nodeshare.schemas import Charge, JobState, decode_model, encode
+from nodeshare.schemas.events import EstimateStatus
+from nodeshare.sinks.audit import audit, policy_of
+from nodeshare.sinks.ledger import Ledger
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
+from nodeshare.streams.core.confidence import (
+    MIN_INTERVAL_BLOCKS,
+    NO_INTERVAL,
+    PRIOR,
+    T_RATIO,
+    degradation_interval,
+    t_quantile,
+)
+from nodeshare.streams.core.degradation import (
+    ESTIMATORS,
+    POPPA_ALG4,
+    REFILL_CORRECTED,
+    DegradationSums,
+    estimate,
+    filtered_degradation,
+    ratio_standard_error,
+)
+
+IPC, LIFE = "node.ipc", "jobs.lifecycle"
+
+
+def as_messages(records: list, topic: str) -> list[tuple]:
+    return [(Origin(topic, 0, i), r.job_id.encode(), encode(r), 0.0) for i, r in enumerate(records)]
+
+BOUND = PricingPolicy(rate_per_core_hour=1.0)  # the default: priced at the 95% interval's upper end
+POINT = PricingPolicy(rate_per_core_hour=1.0, price_at_bound=False)
+
+
+@pytest.mark.parametrize(("p", "dof", "exact"), [
+    (0.975, 7, 2.364624), (0.975, 10, 2.228139), (0.975, 30, 2.042272), (0.95, 10, 1.812461),
+    (0.995, 20, 2.845340), (0.975, 10**6, 1.959966)])
+def test_t_quantiles_match_the_tables(p, dof, exact):
+    assert t_quantile(p, dof) == pytest.approx(exact, abs=2e-3)
+
+
+def test_t_quantile_refuses_what_it_cannot_give():
+    with pytest.raises(ValueError, match=r"0\.5 <= p < 1"):
+        t_quantile(0.4, 10)
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t_quantile(0.975, 0)
+
+
+def test_the_ratio_standard_error_by_hand():
+    """Blocks (x, y) = (2, 1) and (4, 3): R = 4 / 6, residuals -1/3 and +1/3, sum of squares 2/9;
+    Var(R) = 2 / 1 * (2/9) / 6^2 = 1/81, so SE = 1/9."""
+    se = ratio_standard_error(2, 6.0, 4.0, 20.0, 14.0, 10.0)
+    assert se == pytest.approx(1 / 9, rel=1e-12)
+    assert ratio_standard_error(1, 2.0, 1.0, 4.0, 2.0, 1.0) is None  # one block: no spread
+    assert ratio_standard_error(5, 0.0, 1.0, 0.0, 0.0, 1.0) is None  # no progress alone
+
+
+def _blocks(rng: np.random.Generator, n: int, d_true: float, noise: float, job: str = "j1") -> list:
+    """n blocks of a job whose co-located IPC is (1 - d_true) of its solo IPC, with noise."""
+    out = []
+    for i in range(n):
+        solo = round(1.2 * (1 + noise * rng.standard_normal()), 6)
+        co = round(solo * (1 - d_true) * (1 + noise * rng.standard_normal()), 6)
+        out.append(block(co, solo + 0.06, round(co + 0.001, 6), job=job, cycle=i))
+    return out
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_the_folds_standard_error_is_the_ratio_estimators_over_its_blocks(estimator):
+    """The fold's nine product sums give, for each estimator, the standard error computed directly
+    from its blocks' x and y; block by block and batch by batch, the same bits."""
+    rng = np.random.default_rng(3)
+    blocks = _blocks(rng, 40, 0.1, 0.02)
+    one = filtered_degradation(blocks, estimator=estimator)
+    batched = filtered_degradation([batch(*blocks[:25]), batch(*blocks[25:], seq=1)], estimator=estimator)
+    assert one == batched and one.standard_error is not None
+    b, d, a = (np.array([sum(s.instructions / s.cycles for s in getattr(bl, r)) for bl in blocks])
+               for r in ("before", "during", "after"))
+    keep = (abs(b - a) < 0.05) & (b < d) & (a < d)
+    if estimator == REFILL_CORRECTED:
+        x, y = (d + a - b)[keep], b[keep]
+    elif estimator == POPPA_ALG4:
+        x, y = d[keep], (0.5 * (b + a))[keep]
+    else:
+        x, y = d, 0.5 * (b + a)
+    r = y.sum() / x.sum()
+    direct = math.sqrt(len(x) / (len(x) - 1) * ((y - r * x) ** 2).sum()) / x.sum()
+    assert one.standard_error == pytest.approx(direct, rel=1e-9) and one.interval_blocks == len(x)
+
+
+def test_merged_node_sums_give_the_same_standard_error_as_one_stream():
+    rng = np.random.default_rng(5)
+    blocks = _blocks(rng, 30, 0.2, 0.03)
+    whole, half1, half2 = DegradationSums(), DegradationSums(), DegradationSums()
+    for i, bl in enumerate(blocks):
+        whole.add(bl)
+        (half1 if i % 2 else half2).add(bl)
+    half1.merge(half2)
+    assert estimate(half1) == estimate(whole)
+
+
+def test_the_interval_covers_the_true_degradation_at_its_confidence():
+    """500 jobs of 20-200 blocks with independent noise around a known D: the 95% interval holds
+    the true D for 95% of them (a fixed seed, so the count is a fact, not a chance)."""
+    rng = np.random.default_rng(11)
+    inside = 0
+    for _ in range(500):
+        d_true = float(rng.uniform(0.02, 0.3))
+        blocks = _blocks(rng, int(rng.integers(20, 200)), d_true, 0.02)
+        sums = DegradationSums()
+        for bl in blocks:
+            sums.add(bl)
+        result = estimate(sums, "unfiltered")  # the blocks' during is solo + 0.06: unfiltered is d_true's own
+        # what unfiltered measures here: 1 - co / (solo + 0.06) on average
+        target = 1 - (1 - d_true) * 1.2 / 1.26
+        iv = degradation_interval(result, 0.95)
+        assert iv.method == T_RATIO
+        inside += iv.low <= target <= iv.high
+    assert 0.93 <= inside / 500 <= 0.97, inside
+
+
+def _charge(blocks: list, policy: PricingPolicy, alone_us: int = 0, run_s: float = 3600) -> Charge:
+    [c] = fold_messages(as_messages([batch(*blocks), left("j1", "n1", len(blocks), len(blocks) - 1, run_s, alone_us)],
+                                    IPC) + as_messages([job_event("j1", JobState.ENDED, cores=4, run_s=run_s)], LIFE),
+                        policy)
+    return c
+
+
+def test_a_charge_carries_its_interval_and_is_priced_at_its_upper_end():
+    rng = np.random.default_rng(7)
+    blocks = _blocks(rng, 60, 0.15, 0.02)
+    bound, point = _charge(blocks, BOUND), _charge(blocks, POINT)
+    assert bound.interval_method == T_RATIO and bound.interval_blocks == bound.blocks_used == 60
+    assert bound.degradation_low < bound.degradation_point < bound.degradation_high
+    assert bound.degradation == bound.degradation_high and point.degradation == point.degradation_point
+    assert (bound.priced_at, point.priced_at, bound.confidence) == ("upper_bound", "estimate", 0.95)
+    # Eq. 4 at the bound, by hand: L * C * T * (1 - D)^2 with L = 1, C = 4, T = 1 h
+    assert bound.price == pytest.approx(4 * (1 - bound.degradation_high) ** 2, rel=1e-12)
+    assert bound.price < point.price and bound.price + bound.dividend == pytest.approx(bound.standard_price)
+    # the half-width is t(0.975, 59) standard errors of the estimate
+    result = filtered_degradation(blocks, estimator=BOUND.estimator)
+    half = t_quantile(0.975, 59) * result.standard_error
+    assert bound.degradation_high - bound.degradation_point == pytest.approx(half, rel=1e-9)
+
+
+def test_time_alone_scales_the_interval_as_it_scales_the_estimate():
+    rng = np.random.default_rng(8)
+    blocks = _blocks(rng, 40, 0.2, 0.02)
+    shared, half_alone = _charge(blocks, BOUND), _charge(blocks, BOUND, alone_us=1_800_000_000)
+    for f in ("degradation_point", "degradation_low", "degradation_high"):
+        assert getattr(half_alone, f) == pytest.approx(getattr(shared, f) * 0.5, rel=1e-12)
+
+
+def test_too_few_blocks_price_at_the_stated_prior_never_silently_at_the_standard_price():
+    rng = np.random.default_rng(9)
+    few = _charge(_blocks(rng, MIN_INTERVAL_BLOCKS - 1, 0.05, 0.01), BOUND)
+    assert few.interval_method == PRIOR and few.estimate_status is EstimateStatus.OK
+    assert (few.degradation_low, few.degradation_high) == (0.0, 0.25) and few.degradation == 0.25
+    assert few.price == pytest.approx(4 * 0.75**2) and few.prior_degradation_high == 0.25
+    enough = _charge(_blocks(rng, MIN_INTERVAL_BLOCKS, 0.05, 0.01), BOUND)
+    assert enough.interval_method == T_RATIO and enough.degradation_high < 0.25
+
+
+def test_a_job_that_shared_without_any_block_gets_the_prior_over_its_shared_time_only():
+    end = job_event("j1", JobState.ENDED, cores=4, run_s=3600)
+    [shared] = fold_messages(as_messages([left("j1", "n1", 0, -1, alone_us=2_700_000_000)], IPC)
+                             + as_messages([end], LIFE), BOUND)
+    assert shared.estimate_status is EstimateStatus.NO_BLOCKS and shared.interval_method == PRIOR
+    assert shared.degradation == pytest.approx(0.25 * 0.25)  # the prior over the quarter it shared
+    [alone] = fold_messages(as_messages([left("j1", "n1", 0, -1, alone_us=3_600_000_000)], IPC)
+                            + as_messages([end], LIFE), BOUND)
+    assert alone.degradation == 0.0 and alone.price == alone.standard_price == 4.0
+
+
+def test_a_job_that_made_no_progress_alone_pays_the_standard_price():
+    idle = [block(0.0, 0.0, 0.0, cycle=i) for i in range(12)]
+    c = _charge(idle, BOUND)
+    assert c.interval_method == NO_INTERVAL and c.degradation == 0.0 and c.price == c.standard_price
+
+
+def test_the_audit_recomputes_the_interval_and_refuses_an_edited_one(tmp_path):
+    rng = np.random.default_rng(4)
+    records = [batch(*_blocks(rng, 30, 0.1, 0.02)), left("j1", "n1", 30, 29),
+               job_event("j1", JobState.ENDED, cores=4)]
+    archive, _, _ = archive_records(tmp_path, records)
+    [c] = fold_messages(as_messages(records[:2], IPC) + as_messages(records[2:], LIFE), BOUND)
+    assert policy_of(c) == BOUND
+    for name, update in (("good", {}), ("edited", {"degradation_high": c.degradation_high + 0.01}),
+                         ("claimed", {"confidence": 0.99})):  # the numbers are not the 99% interval
+        path = tmp_path / f"{name}.duckdb"
+        row = c.model_copy(update=update)
+        with Ledger(path) as ledger:
+            ledger.append([(row, encode(row), 0, 0)])
+        for fast in (True, False):
+            assert audit(archive, path, BOUND, fast=fast).ok is (name == "good"), (name, fast)
+
+
+def test_a_charge_made_before_intervals_is_audited_at_its_point_estimate(tmp_path):
+    """A version-5 row carries no interval and was priced at its estimate: the audit prices it so."""
+    rng = np.random.default_rng(6)
+    records = [batch(*_blocks(rng, 30, 0.1, 0.02)), left("j1", "n1", 30, 29),
+               job_event("j1", JobState.ENDED, cores=4)]
+    archive, _, _ = archive_records(tmp_path, records)
+    [then] = fold_messages(as_messages(records[:2], IPC) + as_messages(records[2:], LIFE), POINT)
+    d = json.loads(encode(then))
+    for f in ("degradation_point", "degradation_low", "degradation_high", "interval_method", "interval_blocks",
+              "confidence", "priced_at", "prior_degradation_high"):
+        d.pop(f)
+    d["schema_version"] = 5
+    v5 = json.dumps(d).encode()
+    row = decode_model(Charge, v5)
+    assert row.priced_at == "estimate" and row.degradation_high is None
+    path = tmp_path / "v5.duckdb"
+    with Ledger(path) as ledger:
+        ledger.append([(row, v5, 0, 0)])
+    for fast in (True, False):
+        assert audit(archive, path, BOUND, fast=fast).ok
