@@ -71,15 +71,25 @@ def cluster_choice(settings: Any, **choice: Any) -> Any:
         raise typer.Exit(2) from None
 
 
+def interval_text(c: Any) -> str:
+    """A charge's interval as printed: [low, high] at its confidence, and the method when not t."""
+    if c.degradation_low is None:
+        return "-"  # a charge made before intervals (schema < 6)
+    method = "" if c.interval_method == "t_ratio" else f" {c.interval_method}"
+    return f"[{c.degradation_low:.3f}, {c.degradation_high:.3f}] {c.confidence:.0%}{method}"
+
+
 def print_charges(charges: list[Any]) -> None:
     table = Table(title="Charges (service units; L = rate per core-hour)")
-    for col in ("job", "user", "account", "program", "cores", "T_co s", "paused s", "D", "blocks used/all",
-                "SOP", "price", "dividend"):
+    for col in ("job", "user", "account", "program", "cores", "T_co s", "paused s", "D", "interval", "priced D",
+                "blocks used/all", "SOP", "price", "dividend"):
         table.add_column(col, justify="left" if col in ("job", "user", "account", "program") else "right")
     for c in sorted(charges, key=lambda c: (c.job_id, c.revision)):
-        d = f"{c.degradation:.3f}" if c.estimate_status.value == "ok" else f"0 ({c.estimate_status.value})"
+        d = f"{c.degradation_point if c.degradation_point is not None else c.degradation:.3f}"
+        if c.estimate_status.value != "ok":
+            d = f"0 ({c.estimate_status.value})"
         table.add_row(c.job_id, c.user, c.account, c.program, str(c.cores), f"{c.run_time_s:.1f}",
-                      f"{c.pause_credit_s:.2f}", d,
+                      f"{c.pause_credit_s:.2f}", d, interval_text(c), f"{c.degradation:.3f}",
                       f"{c.blocks_used}/{c.blocks_used + c.blocks_rejected}",
                       f"{c.standard_price:.4f}", f"{c.price:.4f}", f"{c.dividend:.4f}")
     out.print(table)

@@ -201,7 +201,21 @@ def _html(charges: list[Charge], truth: dict[str, float], pngs: list[Path]) -> s
     price = math.fsum(c.price for c in charges)
     rows = [("jobs", f"{len(charges)}"), ("standard price (SU)", f"{sop:.4f}"), ("charged (SU)", f"{price:.4f}"),
             ("dividend (SU)", f"{sop - price:.4f}"), ("mean discount", f"{100 * (1 - price / sop):.2f}%")]
+    sure = [c for c in charges if c.degradation_point is not None]  # schema 6: an interval
+    if sure:
+        at_point = math.fsum(fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, c.degradation_point,
+                                         c.rate_function, c.pause_credit_s).price for c in sure)
+        bound = [c for c in sure if c.priced_at == "upper_bound"]
+        rows += [("priced at the interval's upper end", f"{len(bound)} of {len(sure)} jobs with an interval "
+                  f"(confidence {', '.join(sorted({f'{c.confidence:.0%}' for c in sure}))})"),
+                 ("charged at the point estimates (SU)", f"{at_point:.4f}"),
+                 ("given up for the confidence (SU)", f"{at_point - math.fsum(c.price for c in sure):.4f}"),
+                 ("jobs priced by the prior (too few blocks)", f"{sum(c.interval_method == 'prior' for c in sure)}")]
     if truth:
+        inside = [c for c in sure if c.job_id in truth]
+        if inside:
+            held = sum(c.degradation_low <= truth[c.job_id] <= c.degradation_high for c in inside)
+            rows.append(("true degradation inside the interval", f"{held} of {len(inside)} jobs"))
         oracle = math.fsum(oracle_price(c, truth[c.job_id]) for c in charges if c.job_id in truth)
         rows.append(("oracle charge (SU)", f"{oracle:.4f}"))
         over = sum(c.price > oracle_price(c, truth[c.job_id]) + 1e-12 for c in charges if c.job_id in truth)

@@ -28,7 +28,12 @@ CHARGE_COLUMNS: dict[str, str] = {
     "End": "end_time",
     "Elapsed": "run_time_s",
     "Paused": "pause_credit_s",  # seconds
-    "Degradation": "degradation",
+    "Degradation": "degradation",  # what the price applies (the interval's upper end by default)
+    "DegradationEstimate": "coalesce(degradation_point, degradation)",
+    "DegradationLow": "degradation_low",
+    "DegradationHigh": "degradation_high",
+    "Confidence": "confidence",
+    "PricedAt": "priced_at",
     "EstimateStatus": "estimate_status",
     "BlocksUsed": "blocks_used",
     "BlocksRejected": "blocks_rejected",
@@ -37,7 +42,8 @@ CHARGE_COLUMNS: dict[str, str] = {
     "Charged": "price",
     "Dividend": "dividend",
 }
-DEFAULT_FORMAT = "JobID,User,Account,Program,NCPUS,Start,End,Elapsed,Degradation,SOP,Charged,Dividend"
+DEFAULT_FORMAT = ("JobID,User,Account,Program,NCPUS,Start,End,Elapsed,DegradationEstimate,DegradationLow,"
+                  "DegradationHigh,Degradation,SOP,Charged,Dividend")
 USAGE_COLUMNS = ("Account", "Login", "Jobs", "CoreHours", "SOP", "Charged", "Dividend")
 
 
@@ -130,7 +136,7 @@ def render_value(column: str, value: Any) -> str:
     if column == "Paused":  # shutter pauses are sub-second: seconds with decimals
         return f"{float(value):.3f}"
     if isinstance(value, float):
-        return f"{value:.6f}" if column == "Degradation" else f"{value:.4f}"
+        return f"{value:.6f}" if column.startswith("Degradation") else f"{value:.4f}"
     return str(value)
 
 
