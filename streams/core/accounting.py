@@ -340,6 +340,12 @@ class JobAccount(_State):
             out.append((node, s.late if node in late and s.late is not None else s))
         return out
 
+    def awaiting_since(self) -> datetime | None:
+        """When the job ended, if its next charge waits for a node's stream to close (its terminal event
+        arrived, a listed node's marker or node-down record did not); None when nothing waits."""
+        r = self.revision + 1  # ``_ready_charges`` stops at the first revision not ready
+        return self.ends[r].event.end_time if r < len(self.ends) else None
+
     def _ready(self, revision: int) -> bool:
         """Whether ``streams_for(revision)`` is not None, from the cached set of its open nodes: a
         stream, once closed, stays closed, and a node's runs are only ever appended, so the set only
