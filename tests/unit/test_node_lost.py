@@ -120,3 +120,19 @@ def test_the_audit_recomputes_the_charges_of_a_job_that_lost_a_node(tmp_path: Pa
     report = audit(archive, ledger, POLICY)
     assert report.ok and report.matches == 3, report.as_dict()
     assert report.fast_path_jobs == 0  # the vectorized path leaves jobs with a node.down record to the reference
+
+
+def test_an_operator_lists_the_charges_of_jobs_that_lost_a_node(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from nodeshare.cli import app
+
+    ipc, life = lost_node_job(late=True)  # its current revision has every block
+    other_ipc, other_life = lost_node_job("j2")  # still lost
+    _, ledger, _ = archive_records(tmp_path, [*ipc, *other_ipc, *life, *other_life])
+    result = CliRunner().invoke(app, ["charges", "--ledger", str(ledger), "--incomplete", "-P", "-n",
+                                      "-o", "JobID,Revision,EstimateStatus"])
+    assert result.exit_code == 0 and result.output.split() == ["j2|0|node_lost"], result.output
+    result = CliRunner().invoke(app, ["charges", "--ledger", str(ledger), "--incomplete", "--all-revisions",
+                                      "-P", "-n", "-o", "JobID,Revision"])
+    assert result.output.split() == ["j1|0", "j2|0"], result.output
