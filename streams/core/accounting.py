@@ -438,9 +438,9 @@ class JobAccount(_State):
 
     def _apply_down(self, down: NodeDown, origin: Origin, policy: PricingPolicy) -> Step:
         """A node lost for good (``NodeDown``): its open stream of this job closes as it stands, priced
-        from the blocks before this record, with no marker's claims (no pause credit, no time alone:
-        every rule fails toward the higher price). A stream already closed is left alone: its node
-        closed it before it went, or an earlier record did."""
+        from the blocks before this record, with no marker's claims (no pause credit, which only
+        lowers a price; time alone 0, as for any node that reports none). A stream already closed is
+        left alone: its node closed it before it went, or an earlier record did."""
         ns = self._stream(down.node)
         if ns.closed:
             return Step()
