@@ -201,6 +201,10 @@ def _html(charges: list[Charge], truth: dict[str, float], pngs: list[Path]) -> s
     price = math.fsum(c.price for c in charges)
     rows = [("jobs", f"{len(charges)}"), ("standard price (SU)", f"{sop:.4f}"), ("charged (SU)", f"{price:.4f}"),
             ("dividend (SU)", f"{sop - price:.4f}"), ("mean discount", f"{100 * (1 - price / sop):.2f}%")]
+    # priced without a lost node's marker (``NodeDown``): the operator's list (``nodeshare charges --incomplete``)
+    lost = sorted(c.job_id for c in charges if c.estimate_status.value == "node_lost")
+    rows.append(("jobs charged with a node lost (node_lost)",
+                 f"{len(lost)}" + (f": {', '.join(lost[:20])}{' ...' if len(lost) > 20 else ''}" if lost else "")))
     if truth:
         oracle = math.fsum(oracle_price(c, truth[c.job_id]) for c in charges if c.job_id in truth)
         rows.append(("oracle charge (SU)", f"{oracle:.4f}"))

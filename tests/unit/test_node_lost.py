@@ -136,3 +136,13 @@ def test_an_operator_lists_the_charges_of_jobs_that_lost_a_node(tmp_path: Path):
     result = CliRunner().invoke(app, ["charges", "--ledger", str(ledger), "--incomplete", "--all-revisions",
                                       "-P", "-n", "-o", "JobID,Revision"])
     assert result.output.split() == ["j1|0", "j2|0"], result.output
+
+
+def test_the_report_names_the_jobs_charged_with_a_node_lost(tmp_path: Path):
+    from nodeshare.sinks.analysis.report import build_report
+
+    ipc, life = lost_node_job(late=True)  # current revision complete: not listed
+    other_ipc, other_life = lost_node_job("j2")
+    archive, ledger, _ = archive_records(tmp_path, [*ipc, *other_ipc, *life, *other_life])
+    page = build_report(ledger, archive, tmp_path / "report").html.read_text()
+    assert "<tr><th>jobs charged with a node lost (node_lost)</th><td>1: j2</td></tr>" in page
