@@ -517,9 +517,10 @@ class JobAccount(_State):
                 return Step(rejected=f"job already {self.ends[-1].event.state.value}; duplicate terminal event")
             # The resource manager corrected the job's record: a new revision supersedes the last.
             reason = f"lifecycle correction ({', '.join(changed)}) at {origin.topic}:{origin.partition}:{origin.offset}"
-        # A lost node's late data already priced by a revision of the previous run stays in; late
-        # data not yet priced (it closed before this first terminal event) is priced next, after it.
-        prior = set(self.ends[-1].late) if self.ends else set()
+        # A lost node's late data already priced by a revision of this run stays in; late data not
+        # yet priced (it closed before this run's first terminal event) is priced next, after it.
+        same = next((t for t in reversed(self.ends) if _same_run(t.event, event)), None)
+        prior = set(same.late) if same is not None else set()
         self.ends.append(TerminalEvent(event=event, topic=origin.topic, partition=origin.partition,
                                        offset=origin.offset, reason=reason))
         r = len(self.ends) - 1

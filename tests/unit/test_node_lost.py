@@ -146,3 +146,22 @@ def test_the_report_names_the_jobs_charged_with_a_node_lost(tmp_path: Path):
     archive, ledger, _ = archive_records(tmp_path, [*ipc, *other_ipc, *life, *other_life])
     page = build_report(ledger, archive, tmp_path / "report").html.read_text()
     assert "<tr><th>jobs charged with a node lost (node_lost)</th><td>1: j2</td></tr>" in page
+
+
+def test_a_correction_and_late_data_price_the_same_current_charge_in_either_order():
+    """The corner docs/charges.md names: a lifecycle correction and the lost node's late marker,
+    both after the first charge. The intermediate revision depends on which came first; the
+    current one prices the same evidence (the corrected event, every block) either way."""
+    ipc, life = lost_node_job(late=True)
+    fix = job_event("j1", JobState.FAILED, nodes=("n1", "n2"), cores=64, run_s=7200).model_copy(
+        update={"event_id": "fix"})
+    ipc_msgs, life_msgs = as_messages(ipc, IPC), as_messages([*life, fix], LIFE)
+    late_first = fold_messages(ipc_msgs + life_msgs, POLICY)  # the late marker, then the correction
+    fix_first = fold_messages(ipc_msgs[:6] + life_msgs + ipc_msgs[6:], POLICY)
+    assert [c.revision for c in late_first] == [c.revision for c in fix_first] == [0, 1, 2]
+    assert late_first[0] == fix_first[0] and late_first[0].estimate_status is EstimateStatus.NODE_LOST
+    assert (late_first[1].cores, late_first[1].estimate_status) == (32, EstimateStatus.OK)  # late data, old event
+    assert (fix_first[1].cores, fix_first[1].estimate_status) == (64, EstimateStatus.NODE_LOST)  # corrected, lost
+    same = {"revision_reason", "event_range"}
+    assert late_first[2].model_dump(exclude=same) == fix_first[2].model_dump(exclude=same)
+    assert late_first[2].cores == 64 and {n.node: n.blocks for n in late_first[2].nodes} == {"n1": 2, "n2": 3}
