@@ -60,14 +60,17 @@ def wait_for_metadata(bootstrap: str, timeout_s: float = 20.0, config: dict[str,
 
 
 class BundledBroker:
-    """Tansu with in-memory storage on 127.0.0.1. Use as a context manager."""
+    """Tansu with in-memory storage on 127.0.0.1 (or ``host``). Use as a context manager."""
 
     def __init__(self, *, port: int | None = None, log_path: Path | str | None = None,
-                 cert: Path | None = None, key: Path | None = None, advertised: str | None = None) -> None:
+                 cert: Path | None = None, key: Path | None = None, advertised: str | None = None,
+                 host: str = "127.0.0.1") -> None:
         """``advertised`` (host:port) is the address clients are told to use, when it is not the
-        listener's own (e.g. a TLS-terminating proxy in front of it)."""
+        listener's own (e.g. a TLS-terminating proxy in front of it); ``host`` the address it listens
+        on (another than loopback: nodes in network namespaces, ``deploy/netns.py``)."""
+        self.host = host
         self.port = port or free_port()
-        self.bootstrap = advertised or f"127.0.0.1:{self.port}"
+        self.bootstrap = advertised or f"{host}:{self.port}"
         self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"nodeshare-tansu-{self.port}.log"
         self._tls = (cert, key) if cert and key else None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -78,7 +81,7 @@ class BundledBroker:
         return self._proc.pid if self._proc else None
 
     def start(self, timeout_s: float = 20.0) -> BundledBroker:
-        url = f"tcp://127.0.0.1:{self.port}"
+        url = f"tcp://{self.host}:{self.port}"
         cmd = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", f"tcp://{self.bootstrap}",
                "--storage-engine", "memory://tansu/"]
         if self._tls:
@@ -89,7 +92,7 @@ class BundledBroker:
                                       stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         try:
             if self._tls or self.bootstrap != f"127.0.0.1:{self.port}":
-                _wait_for_port(self.port, timeout_s)
+                _wait_for_port(self.port, timeout_s, self.host)
             else:
                 wait_for_metadata(self.bootstrap, timeout_s)
             if self._proc.poll() is not None:
@@ -115,14 +118,14 @@ class BundledBroker:
         self.stop()
 
 
-def _wait_for_port(port: int, timeout_s: float) -> None:
+def _wait_for_port(port: int, timeout_s: float, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.05)
-    raise BrokerError(f"nothing listens on 127.0.0.1:{port} after {timeout_s:.0f} s")
+    raise BrokerError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
 
 
 @contextmanager

@@ -40,6 +40,15 @@ RESCTRL = Counter("nodeshare_agent_resctrl_total",
 SLURM_PLACEMENTS = Counter("nodeshare_slurm_placements_total",
                            "Placement decisions the Slurm adapter handled, by outcome (applied, kept_held, skipped, "
                            "undecodable)", ["outcome"])
+# Charges held up by a node (issue 39): jobs that ended whose charge waits for a node's block stream
+# to close (its agent's JobLeftNode, or a NodeDown record for a node lost for good)
+JOBS_AWAITING_NODES = Gauge("nodeshare_jobs_awaiting_nodes",
+                            "Ended jobs whose charge waits for a node to close its block stream (JobLeftNode or "
+                            "NodeDown), in the partitions this worker folds")
+OLDEST_AWAITING_NODE_SECONDS = Gauge("nodeshare_oldest_awaiting_node_seconds",
+                                     "Seconds since the oldest of those jobs ended (its end time against this "
+                                     "host's clock); 0 when none waits. Hours: a node is likely lost, see "
+                                     "`nodeshare nodes down`")
 SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters not taken, by reason", ["reason"])
 
 #: Dead-letter kinds: the label values of DEAD_LETTERS.

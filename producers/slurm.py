@@ -12,7 +12,10 @@ network, always exit 0 (a failing PrologSlurmctld would hold the job). The sourc
   start time is the prolog's, kept in a state file in the events directory
   (``.nodeshare-started.json``) that is durable before the prolog's file is deleted, so a job
   that started before the source restarted still ends;
-* submissions: no hook sees them, so ``squeue`` is polled.
+* submissions: no hook sees them, so ``squeue`` is polled;
+* a job Slurm ended with NODE_FAIL: besides its terminal event, a ``NodeDown`` on node.ipc for each
+  of its nodes that ``sinfo`` reports down, failed or not responding, so the job is charged from
+  what that node sent before it went (``streams.core.accounting``) rather than never.
 
 Slurm versions with jobcomp/kafka (23.02+) send one JSON record per finished job; ``from_jobcomp_json``
 reads those. Event ids are ``slurm/<cluster>/<job id>/<state>``, so a file processed twice (the
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeshare.logs import fields
-from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState
+from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState, NodeDown
 
 log = logging.getLogger("nodeshare.slurm")
 
@@ -238,11 +241,39 @@ class SlurmCommands:
                 return _name(value.strip(), "slurm")
         return "slurm"
 
+    def node_states(self, nodes: tuple[str, ...]) -> dict[str, str]:
+        """Slurm's state of each of these nodes (sinfo's %T, lower case: ``idle``, ``down*``, ...)."""
+        if not nodes:
+            return {}
+        text = self._run("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%T")
+        return dict(line.split("|", 1) for line in text.splitlines() if line.count("|") == 1)
+
     def queue(self) -> list[dict[str, str]]:
         """Every job the controller still knows, with submit details."""
         keys = ("job_id", "user", "account", "program", "cores", "submit", "state")
         text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%j|%C|%V|%T")
         return [dict(zip(keys, line.split("|", 6), strict=True)) for line in text.splitlines() if line.count("|") == 6]
+
+
+#: sinfo states of a node that is gone: Slurm took it down or failed it, or it stopped answering
+#: (the trailing ``*``). A job Slurm ended with NODE_FAIL lost these of its nodes.
+_LOST_NODE_STATES = frozenset({"down", "fail", "failing"})
+
+
+def node_lost(state: str) -> bool:
+    """Whether a node in this sinfo state (%T) is down, failed or not responding."""
+    return state.endswith("*") or state.rstrip("*~#!%$@^-").split("+")[0] in _LOST_NODE_STATES
+
+
+def nodes_down(event: JobEvent, states: Mapping[str, str]) -> list[NodeDown]:
+    """For a job Slurm ended with NODE_FAIL, a ``NodeDown`` per node of it in a lost state (sorted).
+    Its id names the job and node, so a hook file processed twice sends a copy that changes nothing."""
+    assert event.end_time is not None  # a terminal event of a job that ran
+    cluster = event.source.removeprefix("slurm/")
+    return [NodeDown(event_id=f"slurm/{cluster}/{event.job_id}/node_down/{node}", source=event.source,
+                     event_time=event.end_time, job_id=event.job_id, node=node,
+                     reason=f"Slurm ended the job with NODE_FAIL; node state {states[node]}")
+            for node in sorted(event.nodes) if node_lost(states.get(node, ""))]
 
 
 def submitted_event(row: Mapping[str, str], cluster: str) -> JobEvent:
@@ -285,8 +316,8 @@ class SlurmSource:
             self.state_file = self.events_dir / STARTED_FILE
         self.started = {**load_started(self.state_file), **self.started}
 
-    def step(self, poll_queue: bool = True) -> tuple[list[JobEvent], list[Path]]:
-        events: list[JobEvent] = []
+    def step(self, poll_queue: bool = True) -> tuple[list[JobEvent | NodeDown], list[Path]]:
+        events: list[JobEvent | NodeDown] = []
         files: list[Path] = []
         if poll_queue:
             for row in self.commands.queue():
@@ -301,7 +332,8 @@ class SlurmSource:
                                   extra=fields(job_id=str(row["job_id"])))
         for path in sorted(p for p in self.events_dir.iterdir() if p.is_file() and not p.name.startswith(".")):
             try:
-                event = event_from_hook(read_hook_file(path), self.commands.hostnames,
+                hook = read_hook_file(path)
+                event = event_from_hook(hook, self.commands.hostnames,
                                         terminal_from_epilog=self.terminal_from_epilog, started=self.started)
             except (HookFileError, ValueError, RuntimeError) as exc:
                 bad = self.events_dir / "bad"
@@ -310,14 +342,31 @@ class SlurmSource:
                 (bad / f"{path.name}.reason").write_text(f"{exc}\n")
                 log.error("%s: moved to %s: %s", path.name, bad, exc)
                 continue
+            try:
+                lost = self._lost(hook, event)
+            except RuntimeError as exc:  # sinfo failed: the file stays, and is read again next time
+                log.error("%s: which nodes failed is not known yet (%s): read again at the next poll", path.name, exc)
+                continue
             if event is not None:
                 events.append(event)
+                events += lost
                 if event.state is JobState.STARTED and event.start_time is not None:
                     self.started[event.job_id] = event.start_time
                 elif event.state in TERMINAL_STATES:
                     self._ended.add(event.job_id)
             files.append(path)
         return events, files
+
+    def _lost(self, hook: HookEvent, event: JobEvent | None) -> list[NodeDown]:
+        """The node-down records of a job Slurm ended with NODE_FAIL (none for any other)."""
+        if event is None or hook.hook != "jobcomp" or not hook.env.get("JOBSTATE", "").startswith("NODE_FAIL"):
+            return []
+        lost = nodes_down(event, self.commands.node_states(event.nodes))
+        if not lost:
+            log.error("job %s ended with NODE_FAIL but Slurm reports none of its nodes %s down: its charge waits "
+                      "for their markers, or for `nodeshare nodes down`", event.job_id, ",".join(event.nodes),
+                      extra=fields(job_id=event.job_id))
+        return lost
 
     def done(self, files: list[Path]) -> None:
         """Delete the files whose events the broker acknowledged. The started map is durable first
@@ -361,7 +410,7 @@ def save_started(path: Path, started: Mapping[str, datetime]) -> None:
     atomic_write_bytes(json.dumps({job: at.isoformat() for job, at in sorted(started.items())}).encode(), path)
 
 
-def run_source(source: SlurmSource, publish: Callable[[list[JobEvent]], None], *, poll_s: float = 2.0,
+def run_source(source: SlurmSource, publish: Callable[[list[JobEvent | NodeDown]], None], *, poll_s: float = 2.0,
                stop: Callable[[], bool] = lambda: False, sleep: Callable[[float], None] | None = None) -> int:
     """Publish lifecycle events until ``stop()``; ``publish`` must raise unless the broker acknowledged
     every event. Returns how many were published. Files stay until their events are acknowledged."""
@@ -373,7 +422,8 @@ def run_source(source: SlurmSource, publish: Callable[[list[JobEvent]], None], *
             try:
                 publish(events)
             except Exception as exc:  # broker unreachable: keep the files, ask squeue again next time
-                source.seen_submitted -= {e.job_id for e in events if e.state is JobState.SUBMITTED}
+                source.seen_submitted -= {e.job_id for e in events
+                                          if isinstance(e, JobEvent) and e.state is JobState.SUBMITTED}
                 log.error("lifecycle events not delivered, retrying: %s", exc)
                 pause(poll_s)
                 continue

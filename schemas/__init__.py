@@ -24,6 +24,7 @@ from .events import (
     JobState,
     LlcSample,
     NodeBlocks,
+    NodeDown,
     NodeInventory,
     OffsetRange,
     PlacementDecision,
@@ -43,7 +44,8 @@ from .serde import DecodeError, decode, decode_model, encode
 __all__ = [
     "BY_NAME", "INPUT_TOPICS", "SCHEMA_VERSION", "TERMINAL_STATES", "TOPICS", "TOPIC_OF_RECORD",
     "Charge", "CounterSource", "DeadLetter", "DecodeError", "DegradationEstimate", "EstimateStatus",
-    "IpcSample", "JobEvent", "JobLeftNode", "JobState", "LlcSample", "NodeBlocks", "NodeInventory", "OffsetRange",
+    "IpcSample", "JobEvent", "JobLeftNode", "JobState", "LlcSample", "NodeBlocks", "NodeDown", "NodeInventory",
+    "OffsetRange",
     "PlacementDecision", "PowerDecision", "PowerReading", "ProgramProfile", "Record", "Role",
     "RowProblem", "SampleMoments", "ShutterBatch", "ShutterBlock", "ShutterWindow",
     "TopicSpec", "clock_problem", "decode", "decode_model", "encode",

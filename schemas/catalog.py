@@ -15,6 +15,7 @@ from .events import (
     JobEvent,
     JobLeftNode,
     LlcSample,
+    NodeDown,
     NodeInventory,
     PlacementDecision,
     PowerDecision,
@@ -52,11 +53,12 @@ class TopicSpec:
         return tuple(union.__args__)
 
 
-NodeIpcValue = Annotated[ShutterBatch | ShutterBlock | JobLeftNode, Field(discriminator="kind")]
+NodeIpcValue = Annotated[ShutterBatch | ShutterBlock | JobLeftNode | NodeDown, Field(discriminator="kind")]
 
 NODE_IPC = TopicSpec(
     "node.ipc", "job_id", NodeIpcValue, Role.INPUT, "delete",
-    "batches of shutter blocks (K samples before/during/after, columnar) and end-of-stream markers, per job per node",
+    "batches of shutter blocks (K samples before/during/after, columnar) and end-of-stream markers, per job per "
+    "node; node-down records for a node lost before its agent closed the stream",
 )
 NODE_SHUTTER = TopicSpec(
     "node.shutter", "node", ShutterWindow, Role.INPUT, "delete",

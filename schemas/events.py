@@ -45,6 +45,10 @@ from pydantic import (
 #:   ``nodes``, and at most ``MAX_CHARGE_PROBLEMS`` problems and a count of the rest. Lifecycle events obey
 #:   stricter rules (an end only in a terminal event, no start in a submitted one, distinct nodes,
 #:   every job time under the clock rule): records version 4 accepted that break them are dead letters.
+#: * 6: ``node.ipc`` carries ``NodeDown``: a node lost for good closes the (job, node) stream its
+#:   agent never will, and a charge priced without that node's marker is ``node_lost``. A charge
+#:   carries its degradation's interval and says whether it was priced at its upper end
+#:   (streams.core.confidence).
 SCHEMA_VERSION = 6
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
@@ -242,6 +246,21 @@ class JobLeftNode(Record):
     alone_us: NonNegInt = 0
 
 
+class NodeDown(Record):
+    """A node is lost for good: its agent will close none of this job's block stream there (version 6).
+
+    Sent by whoever knows, never by the node: the Slurm source for a job Slurm ended with NODE_FAIL
+    (one per failed node), or an operator (``nodeshare nodes down``). Keyed by job on ``node.ipc``,
+    so its place among the node's blocks is fixed: the stream is priced from the blocks before it,
+    whatever order the worker or an audit reads the two input topics in. A marker from the node
+    after it (the node came back) is late data: a new revision priced from every block."""
+
+    kind: Literal["node_down"] = "node_down"
+    job_id: JobId
+    node: NodeName
+    reason: Name  # why the node is taken as lost, as its sender knows it (Slurm's state, an operator's words)
+
+
 # --------------------------------------------------------------------------- node.shutter
 
 
@@ -425,6 +444,10 @@ class EstimateStatus(StrEnum):
     #: the blocks the estimate uses show no instruction retired while the job ran alone (it slept, or
     #: waited on I/O or MPI): its solo speed is 0 and no slowdown is measurable (version 5)
     NO_PROGRESS_ALONE = "no_progress_alone"
+    #: a node of the job was lost (``NodeDown``) before it closed its stream: the charge is priced
+    #: from the blocks it sent before, without its marker's claims; ``evidence_problems`` says which
+    #: and why (version 6)
+    NODE_LOST = "node_lost"
 
 
 class SampleMoments(BaseModel):

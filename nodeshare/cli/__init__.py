@@ -22,6 +22,7 @@ app.add_typer(experiment.experiment_app, name="experiment")
 app.add_typer(pipeline.decisions_app, name="decisions")
 app.add_typer(pipeline.dlq_app, name="dlq")
 app.add_typer(nodes.slurm_app, name="slurm")
+app.add_typer(nodes.nodes_app, name="nodes")
 
 __all__ = ["app", "main"]
 

@@ -105,6 +105,8 @@ def charges(
     noheader: Annotated[bool, typer.Option("--noheader", "-n", help="no header line")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
     all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
+    incomplete: Annotated[bool, typer.Option(
+        help="only charges priced without a lost node's marker (estimate status node_lost)")] = False,
 ) -> None:
     """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime."""
     from nodeshare.sinks.analysis.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
@@ -114,7 +116,7 @@ def charges(
         header, rows = query(
             ledger, users=split_values(user), accounts=split_values(account),
             start=parse_time(starttime) if starttime else None, end=parse_time(endtime) if endtime else None,
-            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions)
+            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions, incomplete=incomplete)
     except (QueryError, FileNotFoundError) as exc:
         err.print(f"[red]charges[/red]: {exc}  (columns: {', '.join(CHARGE_COLUMNS)})")
         raise typer.Exit(2) from None

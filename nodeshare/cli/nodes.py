@@ -92,6 +92,42 @@ def agent(
 
 
 slurm_app = typer.Typer(no_args_is_help=True, help="Job lifecycle from a real Slurm.")
+nodes_app = typer.Typer(no_args_is_help=True, help="What an operator says of the cluster's nodes.")
+
+
+@nodes_app.command("down")
+def nodes_down(
+    node: Annotated[str, typer.Argument(help="the node lost for good (as the jobs' node lists name it)")],
+    job: Annotated[list[str], typer.Option("--job", "-j", help="a job whose stream on the node stays open (repeat)")],
+    reason: Annotated[str, typer.Option(help="why the node is taken as lost (kept in the charge)")]
+    = "declared down by an operator",
+    bootstrap: Bootstrap = None,
+) -> None:
+    """Close the streams NODE never will: a NodeDown record per job on node.ipc. Each job is then
+    charged from what the node sent before it went (estimate status node_lost); data the node
+    sends later, if it comes back, makes a new revision."""
+    import getpass
+    import uuid
+    from datetime import UTC, datetime
+
+    from pydantic import ValidationError
+
+    from nodeshare.producers.kafka_producer import EventProducer
+    from nodeshare.schemas import NodeDown
+
+    settings = load_settings(bootstrap=bootstrap)
+    require_bootstrap(settings)
+    now = datetime.now(UTC)
+    try:
+        records = [NodeDown(event_id=f"operator/{uuid.uuid4()}", source=f"operator/{getpass.getuser()}",
+                            event_time=now, job_id=j, node=node, reason=reason) for j in dict.fromkeys(job)]
+    except ValidationError as exc:
+        err.print(f"[red]nodes down[/red]: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}")
+        raise typer.Exit(2) from None
+    with EventProducer(settings, client_id="nodeshare-operator") as producer:
+        producer.send_all(records)
+        producer.flush(30)
+    out.print(f"{node}: {len(records)} node-down records published ({', '.join(r.job_id for r in records)})")
 
 
 @slurm_app.command("install-hooks")

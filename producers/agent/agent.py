@@ -195,7 +195,9 @@ class Agent:
         if self._hw_reason:
             log.info("hardware counters unavailable (%s): application progress counters only", self._hw_reason)
         self._power = rapl.package_domains()
-        self.source.start()
+        # Jobs of the books before a restart are taken up as they are now, never started again: a job
+        # a reboot took reads as gone, and the first rescan closes its stream (issue 39)
+        self.source.start(known={*self.state, *self.closed.jobs})
         self._power_last: dict[int, tuple[int, float]] = {}
         # Power caps from decisions.power: every limit changed is restored at exit, by the watchdog
         # if the agent is killed, or at the next start if both died (the state file beside the spool)

@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tomllib
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -23,6 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .pausing import FREEZER_ROOT
 from .processes import Proc, alive, children, descendants, identities, identity
+
+#: Beside a static job's log in the progress directory: the identities (PID and start time) of the
+#: processes the agent first took for the job, so that a restarted agent finds the same processes,
+#: or none (a reboot took them, or a PID was reused), and never launches the job a second time.
+ROOTS_SUFFIX = ".procs.json"
 
 PROGRESS_ENV = "NODESHARE_PROGRESS_FILE"  # where a launched job finds its application counter
 
@@ -67,7 +74,10 @@ class LocalJob:
 
 
 class JobSource(Protocol):
-    def start(self) -> None: ...
+    def start(self, known: Container[str] = frozenset()) -> None:
+        """Begin; ``known``: the jobs a previous run of the agent had in its books (its spool), open
+        or closed. A restarted agent takes those up as they are now, and never starts one again."""
+        ...
 
     def poll(self) -> dict[str, LocalJob]:
         """The jobs on this node now, by job id (ended jobs are absent)."""
@@ -113,9 +123,15 @@ class StaticJobs:
     _roots: dict[str, frozenset[Proc]] = field(default_factory=dict)
     _known: dict[str, frozenset[Proc]] = field(default_factory=dict)
 
-    def start(self) -> None:
-        """Identify listed processes and launch commands (each in its own session)."""
+    def start(self, known: Container[str] = frozenset()) -> None:
+        """Identify listed processes and launch commands (each in its own session). A job in
+        ``known`` (the agent's books before a restart) is neither launched nor identified again: its
+        processes are those recorded at its first start that still run, so a job a reboot took (or
+        one that ended) reads as gone, and its stream is closed by the first rescan."""
         for spec in self.specs:
+            if spec.id in known:
+                self._roots[spec.id] = self._recorded_roots(spec.id)
+                continue
             progress = spec.progress or self.progress_dir / spec.id
             if spec.command:
                 env = {**os.environ, PROGRESS_ENV: str(progress)}
@@ -131,6 +147,26 @@ class StaticJobs:
                     gone = sorted(set(spec.pids) - {p.pid for p in roots})
                     raise JobFileError(f"job {spec.id}: no process with PID {gone}")
             self._roots[spec.id] = roots
+            self._record_roots(spec.id, roots)
+
+    def _roots_file(self, job_id: str) -> Path:
+        return self.progress_dir / f"{job_id}{ROOTS_SUFFIX}"
+
+    def _record_roots(self, job_id: str, roots: frozenset[Proc]) -> None:
+        self.progress_dir.mkdir(parents=True, exist_ok=True)
+        path = self._roots_file(job_id)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(sorted(p.encode() for p in roots)))
+        os.replace(tmp, path)
+
+    def _recorded_roots(self, job_id: str) -> frozenset[Proc]:
+        """The processes recorded at the job's first start that are still those processes (an
+        unreadable or missing record: none, so the job reads as gone rather than as someone else's)."""
+        try:
+            recorded = [Proc(int(pid), int(start)) for pid, start in json.loads(self._roots_file(job_id).read_text())]
+        except (OSError, ValueError, TypeError):
+            return frozenset()
+        return frozenset(p for p in recorded if alive(p))
 
     def poll(self) -> dict[str, LocalJob]:
         jobs = {}
@@ -182,8 +218,8 @@ class SlurmJobs:
     env: dict[str, str] | None = None
     _first_seen: dict[str, frozenset[Proc]] = field(default_factory=dict)
 
-    def start(self) -> None:
-        pass
+    def start(self, known: Container[str] = frozenset()) -> None:
+        pass  # ``scontrol listpids`` says what runs now: a job a reboot took is not listed
 
     def _cgroup(self, job_id: str) -> Path | None:
         found = sorted((self.freezer_root / "slurm").glob(f"uid_*/job_{job_id}"))

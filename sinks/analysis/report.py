@@ -211,6 +211,10 @@ def _html(charges: list[Charge], truth: dict[str, float], pngs: list[Path]) -> s
                  ("charged at the point estimates (SU)", f"{at_point:.4f}"),
                  ("given up for the confidence (SU)", f"{at_point - math.fsum(c.price for c in sure):.4f}"),
                  ("jobs priced by the prior (too few blocks)", f"{sum(c.interval_method == 'prior' for c in sure)}")]
+    # priced without a lost node's marker (``NodeDown``): the operator's list (``nodeshare charges --incomplete``)
+    lost = sorted(c.job_id for c in charges if c.estimate_status.value == "node_lost")
+    rows.append(("jobs charged with a node lost (node_lost)",
+                 f"{len(lost)}" + (f": {', '.join(lost[:20])}{' ...' if len(lost) > 20 else ''}" if lost else "")))
     if truth:
         inside = [c for c in sure if c.job_id in truth]
         if inside:

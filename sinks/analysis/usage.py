@@ -81,11 +81,14 @@ def _connect(ledger: Path) -> duckdb.DuckDBPyConnection:
 
 def charges(ledger: Path, *, users: Sequence[str] = (), accounts: Sequence[str] = (),
             start: datetime | None = None, end: datetime | None = None, fmt: str = DEFAULT_FORMAT,
-            all_revisions: bool = False) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """(column names, rows) of the jobs that ran at any moment of [start, end)."""
+            all_revisions: bool = False, incomplete: bool = False) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """(column names, rows) of the jobs that ran at any moment of [start, end); with ``incomplete``,
+    only charges priced without a lost node's marker (estimate status ``node_lost``)."""
     cols = columns(fmt)
     where: list[str] = ["TRUE"]
     params: list[Any] = []
+    if incomplete:
+        where.append("estimate_status = 'node_lost'")
     if users:
         where.append('"user" IN (SELECT unnest(?))')
         params.append(list(users))

@@ -14,6 +14,10 @@ content depends only on the set of events, never on how the two input topics int
 * the end event carries the job's node list, start and end, so it is self-sufficient;
 * blocks from nodes the end event does not list are ignored, whenever they arrive.
 
+A node lost for good never sends its marker: a ``NodeDown`` record, keyed and ordered with the
+node's blocks on node.ipc, closes its stream instead (so the blocks it closes over are a fixed set
+too), and the node's late marker, if it comes back, makes a new revision from all it sent.
+
 Redelivery (faust is at-least-once) is recognized by offset: an event at or below the
 highest offset already applied for its topic partition is skipped, so each event counts once.
 """
@@ -39,9 +43,11 @@ from nodeshare.schemas.events import (
     MAX_CHARGE_PROBLEMS,
     Charge,
     DegradationEstimate,
+    EstimateStatus,
     JobEvent,
     JobLeftNode,
     NodeBlocks,
+    NodeDown,
     NodeSummary,
     OffsetRange,
     Record,
@@ -180,6 +186,11 @@ class NodeStream(_State):
     # features for the profiles, sent with each running estimate.
     ipc_alone: MomentState = Field(default_factory=MomentState)
     ipc_shared: MomentState = Field(default_factory=MomentState)
+    # Closed by a ``NodeDown`` record, not by the node's marker: why, and where that record is. The
+    # stream stays as it was then (what the revisions that priced it used); blocks and a marker the
+    # node sends after it go to ``late``, a copy that continues it, priced by a new revision.
+    lost: str = ""
+    late: NodeStream | None = None
 
     def sums(self) -> DegradationSums:
         """The stream's sums, sharing this state's ``ExactSum``s: adding to them adds to the stream
@@ -221,6 +232,9 @@ class TerminalEvent(_State):
     partition: int
     offset: int
     reason: str  # why this terminal event supersedes the previous one; empty for the first
+    #: nodes whose stream was lost (``NodeDown``) and which this revision prices from their late data
+    #: (blocks and marker sent after the record); the others' lost streams as they closed
+    late: list[str] = []
 
 
 class JobAccount(_State):
@@ -262,7 +276,7 @@ class JobAccount(_State):
         self.applied[position] = origin.offset
         if self.latest_event_time is None or record.event_time > self.latest_event_time:
             self.latest_event_time = record.event_time
-        if isinstance(record, ShutterBatch | ShutterBlock | JobLeftNode):
+        if isinstance(record, ShutterBatch | ShutterBlock | JobLeftNode | NodeDown):
             self.ipc_partition = (origin.topic, origin.partition)
         if isinstance(record, ShutterBatch | ShutterBlock):
             return self._apply_blocks(record, origin, policy, running_estimates)
@@ -270,6 +284,8 @@ class JobAccount(_State):
             return self._apply_left(record, origin, policy)
         if isinstance(record, JobEvent):
             return self._apply_lifecycle(record, origin, policy)
+        if isinstance(record, NodeDown):
+            return self._apply_down(record, origin, policy)
         return Step(rejected=f"{type(record).__name__} is not a job accounting event")
 
     def _stream(self, node: str) -> NodeStream:
@@ -326,11 +342,19 @@ class JobAccount(_State):
         of earlier runs that list the node; corrections of a run share its streams. Decided from the
         terminal events up to ``revision`` only, so a revision's streams never change once it is priced."""
         out = []
+        late = self.ends[revision].late
         for node, k in self._needs(revision):
             if not self._kth_closed(node, k):
                 return None
-            out.append((node, self._runs_of(node)[k]))
+            s = self._runs_of(node)[k]
+            out.append((node, s.late if node in late and s.late is not None else s))
         return out
+
+    def awaiting_since(self) -> datetime | None:
+        """When the job ended, if its next charge waits for a node's stream to close (its terminal event
+        arrived, a listed node's marker or node-down record did not); None when nothing waits."""
+        r = self.revision + 1  # ``_ready_charges`` stops at the first revision not ready
+        return self.ends[r].event.end_time if r < len(self.ends) else None
 
     def _ready(self, revision: int) -> bool:
         """Whether ``streams_for(revision)`` is not None, from the cached set of its open nodes: a
@@ -355,10 +379,12 @@ class JobAccount(_State):
         all at once; bad, duplicate and out-of-order blocks are refused, each with its index and reason."""
         ns = self._stream(record.node)
         rows = block_rows(record)
-        if ns.closed:
+        if ns.lost and (ns.late is None or not ns.late.closed):
+            ns = self._late(ns)  # the lost node's data, arriving after the record that closed its stream
+        elif ns.closed:
             # Blocks past the closed stream's last cycle: the job runs on the node again (requeued under
             # its id), a new stream. Anything else is a copy of what the closed stream counted.
-            if not (rows.valid & (rows.cycle > ns.last_cycle)).any():
+            if not (rows.valid & (rows.cycle > _latest(ns).last_cycle)).any():
                 return Step(rejected="shutter block after the job left the node")
             ns = self._next_run(record.node)
         prior = prior_max(rows.cycle, rows.valid, ns.last_cycle)
@@ -400,8 +426,10 @@ class JobAccount(_State):
 
     def _apply_left(self, left: JobLeftNode, origin: Origin, policy: PricingPolicy) -> Step:
         ns = self._stream(left.node)
+        if ns.lost and (ns.late is None or not ns.late.closed):
+            return self._late_left(ns, left, origin, policy)
         if ns.closed:
-            if (left.event_id, left.event_time) == (ns.close_event_id, ns.close_event_time):
+            if (left.event_id, left.event_time) == (_latest(ns).close_event_id, _latest(ns).close_event_time):
                 return Step(rejected="job already left this node (a copy of its marker)")
             ns = self._next_run(left.node)  # a later run of the job on this node, with no block
         ns.closed = True
@@ -418,6 +446,77 @@ class JobAccount(_State):
         # a capability job's markers quadratic. The final one, with the charge, covers the whole job.
         return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
 
+    def _apply_down(self, down: NodeDown, origin: Origin, policy: PricingPolicy) -> Step:
+        """A node lost for good (``NodeDown``): its open stream of this job closes as it stands, priced
+        from the blocks before this record, with no marker's claims (no pause credit, which only
+        lowers a price; time alone 0, as for any node that reports none). A stream already closed is
+        left alone: its node closed it before it went, or an earlier record did."""
+        ns = self._stream(down.node)
+        if ns.closed:
+            return Step()
+        ns.closed = True
+        where = f"{origin.topic}:{origin.partition}:{origin.offset}"
+        ns.lost = f"{down.reason} ({down.source}, node.down record at {where})"
+        ns.close_event_id, ns.close_event_time = down.event_id, down.event_time
+        ns.close_offset = origin.offset
+        if ns.first_offset < 0:
+            ns.first_offset = origin.offset
+        self._node_closed(down.node)
+        charges = self._ready_charges(policy, origin)
+        return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
+
+    def _late(self, ns: NodeStream) -> NodeStream:
+        """The continuation of a lost stream: a copy of it as it closed, open again (a copy through
+        the persisted form, so it shares no sum with the stream the earlier revisions priced)."""
+        if ns.late is None:
+            ns.late = NodeStream.model_validate_json(ns.model_dump_json(exclude={"late"}))
+            ns.late.closed, ns.late.lost = False, ""
+            ns.late.close_event_id, ns.late.close_event_time, ns.late.close_offset = "", None, -1
+        return ns.late
+
+    def _late_left(self, ns: NodeStream, left: JobLeftNode, origin: Origin, policy: PricingPolicy) -> Step:
+        """The lost node's own marker, after the record that closed its stream: late data. Its stream
+        (every block it sent) closes, and a new revision of the job's latest terminal event is priced
+        from it; before any terminal event, the first one gets that revision next to its own."""
+        late = self._late(ns)
+        late.closed = True
+        late.close_event_id, late.close_event_time = left.event_id, left.event_time
+        late.blocks_sent, late.paused_us, late.alone_us = left.blocks_sent, left.paused_us, left.alone_us
+        late.close_offset = origin.offset
+        if not self.ends:
+            return Step()
+        self._append_late(left.node, self.ends[-1], f"{origin.topic}:{origin.partition}:{origin.offset}")
+        charges = self._ready_charges(policy, origin)
+        return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
+
+    def _late_nodes(self, revision: int) -> set[str]:
+        """Nodes of terminal event ``revision`` whose k-th stream was lost and whose late data has closed."""
+        out = set()
+        for node, k in self._needs(revision):
+            runs = self._runs_of(node)
+            late = runs[k].late if k < len(runs) and runs[k].lost else None
+            if late is not None and late.closed:
+                out.add(node)
+        return out
+
+    def _pending_late(self, revision: int) -> list[str]:
+        """Lost nodes of ``revision`` whose late data closed and that no revision of its run priced yet,
+        in the order their markers were read (node.ipc offsets: the same in every fold)."""
+        k_of = dict(self._needs(revision))
+        todo = self._late_nodes(revision) - set(self.ends[revision].late)
+        return sorted(todo, key=lambda n: self._runs_of(n)[k_of[n]].late.close_offset)  # type: ignore[union-attr]
+
+    def _append_late(self, node: str, last: TerminalEvent, where: str) -> None:
+        """A revision of ``last``'s run priced from ``node``'s late data (and every late stream an
+        earlier revision of it took), if that run's stream of the node is the one that closed."""
+        r = len(self.ends) - 1
+        if node not in self._late_nodes(r) or node in last.late:
+            return
+        self.ends.append(TerminalEvent(
+            event=last.event, topic=last.topic, partition=last.partition, offset=last.offset,
+            reason=f"late data: node {node}, declared lost, closed its stream with its marker at {where}",
+            late=sorted({*last.late, node})))
+
     def _apply_lifecycle(self, event: JobEvent, origin: Origin, policy: PricingPolicy) -> Step:
         if not event.ran:  # submitted, started, or cancelled before it started: nothing to charge
             return Step()
@@ -428,8 +527,19 @@ class JobAccount(_State):
                 return Step(rejected=f"job already {self.ends[-1].event.state.value}; duplicate terminal event")
             # The resource manager corrected the job's record: a new revision supersedes the last.
             reason = f"lifecycle correction ({', '.join(changed)}) at {origin.topic}:{origin.partition}:{origin.offset}"
+        # A lost node's late data already priced by a revision of this run stays in; late data not
+        # yet priced (it closed before this run's first terminal event) is priced next, after it.
+        same = next((t for t in reversed(self.ends) if _same_run(t.event, event)), None)
+        prior = set(same.late) if same is not None else set()
         self.ends.append(TerminalEvent(event=event, topic=origin.topic, partition=origin.partition,
                                        offset=origin.offset, reason=reason))
+        r = len(self.ends) - 1
+        self.ends[r].late = sorted(prior & self._late_nodes(r))
+        for node in self._pending_late(r):
+            late = self._runs_of(node)[dict(self._needs(r))[node]].late
+            assert late is not None and self.ipc_partition is not None  # _late_nodes: its late data closed
+            topic, partition = self.ipc_partition
+            self._append_late(node, self.ends[-1], f"{topic}:{partition}:{late.close_offset}")
         charges = self._ready_charges(policy, origin)
         return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
 
@@ -528,6 +638,11 @@ class JobAccount(_State):
         return cls(job_id=job_id) if raw is None else cls.model_validate_json(raw)
 
 
+def _latest(ns: NodeStream) -> NodeStream:
+    """A stream as its node last left it: a lost stream's late data, when the node sent some."""
+    return ns.late if ns.late is not None else ns
+
+
 def _same_run(run: JobEvent, e: JobEvent) -> bool:
     """Whether terminal event ``e`` describes the same run as ``run`` (see ``JobAccount._runs``)."""
     assert run.start_time is not None and run.end_time is not None  # guaranteed by JobEvent.ran
@@ -567,6 +682,9 @@ def marker_problems(node: str, s: NodeStream, run_time_s: float) -> tuple[list[s
     arrived than were sent (a lost or refused batch); the charge is priced from those that arrived,
     and says so."""
     refused, missing = [], []
+    if s.lost:  # no marker: nothing it claims to check, and its node's unsent blocks are not counted
+        return [], [f"node {node}: lost before it closed its stream: {s.lost}; priced from the {s.blocks} blocks "
+                    f"it sent before, with no pause credit or time alone from it"]
     if s.blocks > s.blocks_sent:
         refused.append(f"node {node}: {s.blocks} blocks counted but its marker says {s.blocks_sent} were sent")
     if s.paused_us / 1e6 > run_time_s * MAX_PAUSE_SHARE + MARKER_SLACK_S:
@@ -652,7 +770,8 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         start_time=end.start_time, end_time=end.end_time,
         run_time_s=run_time_s, pause_credit_s=credit_s, billed_time_s=amounts.billed_time_s,
         solo_time_s=amounts.solo_time_s,
-        degradation=applied, estimate_status=degradation.status,
+        degradation=applied,
+        estimate_status=EstimateStatus.NODE_LOST if any(s.lost for _, s in streams) else degradation.status,
         degradation_filtered=degradation.filtered, degradation_unfiltered=degradation.unfiltered,
         degradation_corrected=degradation.corrected, estimator=degradation.estimator,
         degradation_shared=degradation.degradation, alone_s=alone_s,

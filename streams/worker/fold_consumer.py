@@ -45,6 +45,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from functools import lru_cache
 
 from aiokafka.partitioner import murmur2
@@ -188,6 +189,12 @@ class FoldConsumer:
         self._changed: dict[tuple[int, bytes | None], JobAccount] = {}
         #: Partition count of each input topic, from the broker's metadata at start and at each assignment.
         self._partitions: dict[str, int] = {}
+        #: Jobs whose charge waits for a node's stream, with their end time (``JobAccount.awaiting_since``),
+        #: kept as accounts change; read by the metrics thread, hence the lock.
+        self._awaiting: dict[tuple[int, bytes | None], datetime] = {}
+        self._awaiting_lock = threading.Lock()
+        metrics.JOBS_AWAITING_NODES.set_function(lambda: self.awaiting()[0])
+        metrics.OLDEST_AWAITING_NODE_SECONDS.set_function(lambda: self.awaiting()[1])
 
     # ------------------------------------------------------------------ the loop
 
@@ -246,6 +253,7 @@ class FoldConsumer:
                                                  running_estimates=False)
         if account is not None:
             jobs[key] = account
+            self._note_awaiting(origin.partition, key, account)
             if any(o.topic == ESTIMATES_DEGRADATION.name for o in out):  # a fresher one goes now
                 self._changed.pop((origin.partition, key), None)
             elif blocks is not None and blocks.accepted + blocks.rejected:
@@ -257,6 +265,24 @@ class FoldConsumer:
             metrics.SHUTTER_BLOCKS.labels("refused").inc(blocks.refused)
         self._publish(out, origin, key)
         metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
+
+    def _note_awaiting(self, partition: int, key: bytes | None, account: JobAccount) -> None:
+        since = account.awaiting_since()
+        with self._awaiting_lock:
+            if since is None:
+                self._awaiting.pop((partition, key), None)
+            else:
+                self._awaiting[(partition, key)] = since
+
+    def awaiting(self, now: datetime | None = None) -> tuple[int, float]:
+        """Jobs whose charge waits for a node's stream, and seconds since the oldest of them ended (0:
+        none). Wall clock against event time: a metric for operators, never an input of a charge."""
+        with self._awaiting_lock:
+            if not self._awaiting:
+                return 0, 0.0
+            oldest = min(self._awaiting.values())
+            count = len(self._awaiting)
+        return count, max(0.0, ((now or datetime.now(UTC)) - oldest).total_seconds())
 
     def misrouted(self, origin: Origin, key: bytes | None) -> str | None:
         """Why this input record is not on the partition its key hashes to, or None (also when the
@@ -316,6 +342,8 @@ class FoldConsumer:
             mine = {t: s for (t, p), s in stops.items() if p == partition}
             if partition in parked and parked[partition][1] == mine:  # nobody consumed it meanwhile
                 self.states[partition] = parked[partition][0]
+                for key, account in self.states[partition].items():
+                    self._note_awaiting(partition, key, account)
             else:
                 try:
                     self._rebuild(partition, mine)
@@ -345,6 +373,8 @@ class FoldConsumer:
                          if self.misrouted(m[0], m[1]) is None]
         rebuilt, charges = fold_states(messages, self.policy, self.prefix)
         self.states[partition] = rebuilt
+        for key, account in rebuilt.items():
+            self._note_awaiting(partition, key, account)
         self.rebuilds += 1
         log.warning("accounting: rebuilt %d job states of partition %d from %d input messages (up to %s); "
                     "re-sending %d charges", len(rebuilt), partition, len(messages),
@@ -380,6 +410,8 @@ class FoldConsumer:
         self.refused -= gone
         REFUSED.set(len(self.refused))
         self._changed = {k: a for k, a in self._changed.items() if k[0] not in gone}
+        with self._awaiting_lock:
+            self._awaiting = {k: t for k, t in self._awaiting.items() if k[0] not in gone}
         for p in gone:
             state = self.states.pop(p, None)
             here = {t: o for (t, q), o in self._position.items() if q == p}

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -333,7 +333,7 @@ class FakeSource:
     def __init__(self, jobs: dict[str, LocalJob], specs: dict[str, JobSpec]) -> None:
         self.jobs, self.specs = jobs, specs
 
-    def start(self) -> None: ...
+    def start(self, known: Container[str] = frozenset()) -> None: ...
 
     def poll(self) -> dict[str, LocalJob]:
         return dict(self.jobs)

@@ -115,3 +115,26 @@ def test_a_version_1_ledger_still_audits(tmp_path: Path):
         ledger.append([(decode_model(Charge, edited), edited, 0, 0)])
     bad = audit(archive, tampered, POLICY)
     assert not bad.ok and any(m.field == "price" for m in bad.mismatches)
+
+
+def test_version_6_adds_the_node_down_record_and_a_version_5_run_is_charged_as_then(tmp_path: Path):
+    """Version 6 adds a record (``NodeDown`` on node.ipc), an estimate status (``node_lost``) and a
+    charge's interval (test_confidence.py):
+    a version-5 run, which has neither, folds to the charge it made then, and its version-5 ledger
+    row audits clean; a node-down record of this build reads back as itself."""
+    from nodeshare.schemas import EstimateStatus, NodeDown
+    from nodeshare.schemas.catalog import NODE_IPC, adapter
+
+    [then], [now] = fold_messages(messages(5), POLICY), fold_messages(messages(SCHEMA_VERSION), POLICY)
+    assert then == now and now.estimate_status is not EstimateStatus.NODE_LOST
+    archive, _, _ = archive_records(tmp_path, [(("node.ipc" if r.kind != "job_event" else "jobs.lifecycle"),
+                                                b"old", as_version(r, 5)) for r in RUN])
+    row = as_version(then, 5)
+    old = tmp_path / "v5.duckdb"
+    with Ledger(old) as ledger:
+        ledger.append([(decode_model(Charge, row), row, 0, 0)])
+    report = audit(archive, old, POLICY)
+    assert report.ok and report.matches == 1, report.as_dict()
+    down = NodeDown(event_id="d", source="slurm/c", event_time=RUN[-1].event_time, job_id="old", node="n1",
+                    reason="NODE_FAIL")
+    assert adapter(NODE_IPC).validate_json(encode(down)) == down and down.schema_version == 6

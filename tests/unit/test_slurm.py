@@ -19,7 +19,7 @@ from nodeshare.producers.slurm import (
     read_hook_file,
     total_cpus,
 )
-from nodeshare.schemas import JobState
+from nodeshare.schemas import JobEvent, JobState
 
 DATA = Path(__file__).parent.parent / "data"
 AT = datetime(2026, 11, 22, 1, 0, tzinfo=UTC)
@@ -119,3 +119,68 @@ def test_bad_hook_files_are_moved_aside_with_their_reason(tmp_path: Path) -> Non
     assert "not a final state" in (events / "bad" / "123-jobcomp-9.reason").read_text()
     source.done(files)
     assert sorted(p.name for p in events.iterdir()) == [".125-jobcomp-9", "bad"]
+
+
+class FailedNodes:
+    """Slurm's client commands for a job on n1 and n2 that Slurm ended with NODE_FAIL."""
+
+    def __init__(self, states: dict[str, str] | None = None, fails: bool = False) -> None:
+        self.states, self.fails, self.asked = states or {}, fails, 0
+
+    def hostnames(self, expr: str) -> tuple[str, ...]:
+        return ("n1", "n2") if expr == "n[1-2]" else one_node(expr)
+
+    def queue(self) -> list[dict[str, str]]:
+        return []
+
+    def node_states(self, nodes: tuple[str, ...]) -> dict[str, str]:
+        self.asked += 1
+        if self.fails:
+            raise RuntimeError("sinfo failed (1): slurm_load_partitions: Unable to contact slurm controller")
+        return {n: self.states.get(n, "idle") for n in nodes}
+
+
+def node_fail_file(events: Path) -> None:
+    env = {**recorded("jobcomp").env, "JOBSTATE": "NODE_FAIL", "NODES": "n[1-2]", "PROCS": "2"}
+    events.mkdir(exist_ok=True)
+    (events / "123-jobcomp-9").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()))
+
+
+def test_a_node_fail_end_sends_a_node_down_record_for_each_node_slurm_reports_lost(tmp_path: Path) -> None:
+    """Issue 39: the rule that lets a job that lost a node be charged is a record in the log."""
+    from nodeshare.schemas import NodeDown
+    from nodeshare.schemas.catalog import TOPIC_OF_RECORD
+
+    events = tmp_path / "events"
+    node_fail_file(events)
+    source = SlurmSource(events, FailedNodes({"n2": "down*"}))  # type: ignore[arg-type]
+    published, files = source.step()
+    end, lost = published
+    assert isinstance(end, JobEvent) and end.state is JobState.FAILED and end.nodes == ("n1", "n2")
+    assert isinstance(lost, NodeDown) and (lost.job_id, lost.node) == ("1", "n2")
+    assert lost.event_id == "slurm/slurm/1/node_down/n2" and lost.event_time == end.end_time
+    assert lost.reason == "Slurm ended the job with NODE_FAIL; node state down*"
+    assert TOPIC_OF_RECORD[NodeDown].name == "node.ipc" and len(files) == 1
+
+
+@pytest.mark.parametrize(("state", "lost"), [("down", True), ("down*", True), ("idle*", True), ("fail", True),
+                                             ("down+drain", True), ("idle", False), ("mixed", False),
+                                             ("drained", False), ("allocated", False)])
+def test_which_sinfo_states_are_a_lost_node(state: str, lost: bool) -> None:
+    from nodeshare.producers.slurm import node_lost
+
+    assert node_lost(state) is lost
+
+
+def test_a_node_fail_end_with_no_node_down_sends_no_record_and_one_sinfo_failure_is_retried(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    node_fail_file(events)
+    healthy = SlurmSource(events, FailedNodes())  # type: ignore[arg-type]
+    published, _ = healthy.step()
+    assert [type(e).__name__ for e in published] == ["JobEvent"]  # an operator decides (nodeshare nodes down)
+    broken = FailedNodes(fails=True)
+    source = SlurmSource(events, broken)  # type: ignore[arg-type]
+    assert source.step() == ([], [])  # the file stays, not moved aside
+    broken.fails, broken.states = False, {"n1": "down"}
+    published, files = source.step()
+    assert [getattr(e, "node", None) for e in published] == [None, "n1"] and broken.asked == 2 and len(files) == 1

@@ -1,0 +1,94 @@
+"""Issue 39, item 1 (a start): three nodes on this machine, each a network namespace with its own
+address and host name, each running its own `nodeshare agent` on a real job; the broker, the worker
+and the sinks on the host. Every job is charged on the node that ran it, and the audit agrees. A
+node's link cut and joined again takes it off the broker and back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+import zlib
+from pathlib import Path
+
+import pytest
+
+from nodeshare.config import Settings
+from nodeshare.demo import running_pipeline
+from nodeshare.deploy.broker import BundledBroker
+from nodeshare.deploy.netns import NetnsCluster
+from nodeshare.sinks.audit import audit
+from nodeshare.sinks.ledger import Ledger
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _netns_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
+        return False
+    probe = f"nsp{uuid.uuid4().hex[:6]}"
+    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ok
+
+
+@pytest.fixture
+def cluster() -> NetnsCluster:
+    if not _netns_works():
+        pytest.skip("needs root and network namespaces (ip netns)")
+    name = f"t{uuid.uuid4().hex[:6]}"
+    with NetnsCluster(nodes=3, name=name, net=100 + zlib.crc32(name.encode()) % 150) as c:
+        yield c  # type: ignore[misc]
+
+
+def reaches(cluster: NetnsCluster, node: str, host: str, port: int) -> bool:
+    probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=1).close()"
+    return subprocess.run(cluster.command(node, [sys.executable, "-c", probe]), capture_output=True,
+                          timeout=30).returncode == 0
+
+
+def test_three_nodes_each_with_its_agent_and_address_are_charged(cluster: NetnsCluster, tmp_path: Path) -> None:
+    nodes = cluster.node_names()
+    for node in nodes:
+        named = subprocess.run(cluster.command(node, ["hostname"]), capture_output=True, text=True, timeout=30)
+        assert named.stdout.strip() == node
+        shown = subprocess.run(["ip", "netns", "exec", cluster.namespace(node), "ip", "-4", "-o", "addr"],
+                               capture_output=True, text=True, timeout=30).stdout
+        assert f"{cluster.address(node)}/24" in shown
+    with BundledBroker(host=cluster.host_address, log_path=tmp_path / "tansu.log") as broker:
+        settings = Settings(bootstrap=broker.bootstrap, topic_prefix="netns.", partitions=2)
+        cluster.cut(nodes[0])
+        assert not reaches(cluster, nodes[0], cluster.host_address, broker.port)
+        cluster.join(nodes[0])
+        assert reaches(cluster, nodes[0], cluster.host_address, broker.port)
+
+        job = [sys.executable, "-m", "nodeshare", "workload", "--kind", "compute", "--seconds", "3"]
+        env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100"}
+        agents = []
+        with running_pipeline(settings, tmp_path / "run") as pipeline:
+            for node in nodes:
+                home = tmp_path / node
+                home.mkdir()
+                (home / "jobs.toml").write_text(f'[[jobs]]\nid = "job-{node}"\ncommand = {job!r}\n'.replace("'", '"'))
+                # no --node: the agent names its node by its host name, as on a real node
+                agents.append(subprocess.Popen(cluster.command(node, [
+                    sys.executable, "-m", "nodeshare", "agent", "--jobs", str(home / "jobs.toml"),
+                    "--spool", str(home / "spool.db"), "--progress-dir", str(home / "progress"), "--until-idle",
+                    "--drain-timeout", "30"]), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            try:
+                for agent in agents:
+                    _, errors = agent.communicate(timeout=120)
+                    assert agent.returncode == 0, errors
+            finally:
+                for agent in agents:
+                    if agent.poll() is None:
+                        agent.kill()
+                        agent.wait()
+            pipeline.wait(charges=len(nodes), archived=0, timeout_s=90, report=lambda *_: None)
+        with Ledger(pipeline.ledger_path, read_only=True) as ledger:
+            charges = {c.job_id: c for c in ledger.charges()}
+        assert {j: [n.node for n in c.nodes] for j, c in charges.items()} == {f"job-{n}": [n] for n in nodes}
+        report = audit(pipeline.archive_path, pipeline.ledger_path, settings.policy())
+        assert report.ok and report.matches == len(nodes), report.as_dict()
