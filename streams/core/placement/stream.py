@@ -177,6 +177,10 @@ class PlacementManager:
     phases: JobPhases = field(default_factory=JobPhases)  # duplicate and late lifecycle events change nothing
     skipped: int = 0
 
+    def config(self) -> tuple[object, ...]:
+        """What the manager was configured with (a snapshot under another is not used)."""
+        return (self.policy, self.age_limit_s, self.pairing, self.prefix)
+
     def apply(self, topic: str, value: bytes | None) -> list[Record]:
         try:
             record = decode(spec_for_topic(topic, self.prefix), value)

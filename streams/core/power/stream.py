@@ -112,6 +112,10 @@ class PowerManager:
         self.machine = Machine(budget_mw=to_mw(self.budget_watts or 0.0), policy=self.policy,
                                budget_from_limits=self.budget_watts is None)
 
+    def config(self) -> tuple[object, ...]:
+        """What the manager was configured with (a snapshot under another is not used)."""
+        return (self.budget_watts, self.policy, self.prefix)
+
     def apply(self, topic: str, value: bytes | None) -> list[PowerDecision]:
         try:
             spec = spec_for_topic(topic, self.prefix)
