@@ -142,5 +142,7 @@ def spec_for_topic(topic: str, prefix: str = "") -> TopicSpec:
 
 
 def key_of(record: Record) -> bytes:
-    """The message key of a record: the value of its topic's key field."""
-    return str(getattr(record, TOPIC_OF_RECORD[type(record)].key_field)).encode()
+    """The message key of a record: the value of its topic's key field (an agent's processors-only
+    inventory: ``<node>/processors``, so compaction keeps it beside the resource manager's record)."""
+    key = str(getattr(record, TOPIC_OF_RECORD[type(record)].key_field))
+    return f"{key}/processors".encode() if getattr(record, "processors_only", False) else key.encode()

@@ -417,6 +417,10 @@ class NodeInventory(Record):
     #: False while the resource manager runs no new job there (Slurm: DOWN, DRAIN, FAIL, NOT_RESPONDING,
     #: MAINT, RESERVED, ...): placement chooses it for no job until a record says it is usable again (version 5)
     usable: bool = True
+    #: the node's processor packages only, as its node agent found them in powercap (version 6): the
+    #: power manager takes the processors (and cores), the placement manager ignores the record (the
+    #: resource manager's record says the node's state and shape). Keyed ``<node>/processors``.
+    processors_only: bool = False
 
 
 # --------------------------------------------------------------------------- estimates.degradation
@@ -759,7 +763,7 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},
-    NodeInventory: {"usable": 5},
+    NodeInventory: {"usable": 5, "processors_only": 6},
     PowerDecision: {"node_caps": 6, "resumes": 6},
 }
 

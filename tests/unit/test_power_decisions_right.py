@@ -8,6 +8,7 @@ and, for generated event sequences, the budget holds at every step.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import HealthCheck, given, settings
@@ -329,6 +330,57 @@ def test_a_real_deployment_gets_caps_once_the_site_publishes_processors_or_is_to
     [d] = site.feed(inv("A", 2, 40.0, 150.0, at=6, cores_per=16))
     assert d.action is PowerAction.START and caps_of(d) == {("A", 0), ("A", 1)}
     assert d.plan is not None and len({c.cap_watts for c in d.plan.caps}) == 1
+
+
+def test_a_real_deployment_gets_caps_from_the_agents_own_powercap_discovery(tmp_path):
+    """(p4: before, the only inventory was Slurm's, without processors: every job was deferred and no
+    cap was ever written.) The node agent with --power-caps --power-min-watts publishes its packages
+    (max from constraint_0_max_power_uw) as a processors-only record keyed <node>/processors; the
+    power manager caps the job on them; the placement manager ignores the record (Slurm's says the
+    node is DOWN, and stays so)."""
+    from factories import powercap_tree
+    from unit.test_agent import FakeSource, NoBroker
+
+    from nodeshare.producers.agent.spool import Spool
+
+    def spooled(at, name):
+        spool = Spool(at / name)
+        try:
+            return [json.loads(r[3]) for r in spool.after(0, 1000)]
+        finally:
+            spool.close()
+
+    from nodeshare.producers.agent.agent import Agent, AgentOptions
+    from nodeshare.schemas.catalog import key_of
+
+    root = powercap_tree(tmp_path / "powercap", packages=2, max_uw=150_000_000)
+    (root / "intel-rapl:2").mkdir()  # a package without a readable max: left out
+    agents = {}
+    for min_w in (None, 40.0):
+        options = AgentOptions(node="A", spool=tmp_path / f"spool{min_w}.db", hardware_counters=False,
+                               power_caps=True, powercap_root=root, power_min_watts=min_w)
+        agent = Agent(options, FakeSource({}, {}), NoBroker, lambda name: name)  # type: ignore[arg-type]
+        agents[min_w] = agent.processors()
+        agent.run(duration_s=0.0, drain_s=0.0)  # what it spools at its start
+    published = [e for e in spooled(tmp_path, "spool40.0.db") if e["kind"] == "node_inventory"]
+    assert [(e["node"], e["processors_only"], len(e["processors"])) for e in published] == [("A", True, 2)]
+    assert agents[None] is None  # no floor given: nothing published (and logged why)
+    packages = agents[40.0]
+    assert packages is not None and packages.processors_only and key_of(packages) == b"A/processors"
+    assert [(p.processor, p.min_watts, p.max_watts) for p in packages.processors] == [(0, 40.0, 150.0),
+                                                                                   (1, 40.0, 150.0)]
+    site = Site(1000.0)
+    nodes = parse_nodes("NodeName=A CPUTot=32 Sockets=2 State=IDLE\nNodeName=B CPUTot=32 Sockets=2 State=DOWN\n")
+    slurm = slurm_inventory(nodes, "c", 11, 50.0, T0)
+    site.feed(*slurm, packages)
+    [d] = site.feed(job("j1", JobState.STARTED, 32, ("A",), at=5))
+    assert d.action is PowerAction.START and caps_of(d) == {("A", 0), ("A", 1)}
+    assert all(40.0 <= c.cap_watts <= 150.0 for c in d.plan.caps)  # type: ignore[union-attr]
+    placement = PlacementManager()
+    for r in (*slurm, packages.model_copy(update={"node": "B"})):
+        placement.apply(TOPIC_OF_RECORD[type(r)].name, encode(r))
+    assert placement.scheduler is not None
+    assert placement.scheduler.loads["B"].capacity.usable is False  # the agent's record did not make B usable
 
 
 # ------------------------------------------------------------------ the budget holds at every step

@@ -15,6 +15,7 @@ from nodeshare.schemas import (
     DeadLetter,
     JobLeftNode,
     JobState,
+    NodeInventory,
     PowerDecision,
     decode_model,
     encode,
@@ -50,6 +51,7 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
 def test_this_build_writes_version_6_and_reads_1_to_6():
     assert SCHEMA_VERSION == 6
     assert ADDED_IN[PowerDecision] == {"node_caps": 6, "resumes": 6}
+    assert ADDED_IN[NodeInventory] == {"usable": 5, "processors_only": 6}
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
                                 "evidence_problems": 5, "node_summary": 5}
     assert ADDED_IN[DeadLetter] == {"rows": 3}

@@ -195,6 +195,8 @@ class PlacementManager:
         out: list[Record] = [self.book.profile(p) for p in sorted(changed)]
         if isinstance(record, DegradationEstimate) and record.final and changed:
             self.pairs.refresh(self.book)  # measured pairs change only here
+        if isinstance(record, NodeInventory) and record.processors_only:
+            return out  # a node agent's packages: power's business; Slurm's record says the node
         if isinstance(record, NodeInventory):
             cap = NodeCapacity(record.cores, record.llc_ways, record.mem_bandwidth_gbps, record.usable)
             if self.scheduler is None:
