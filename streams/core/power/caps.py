@@ -9,9 +9,11 @@ redelivery, and a log whose head retention deleted) ends at the manager's caps, 
 prefix the node holds caps the manager decided for it at some point (never a mix of two states).
 A job that no longer holds a cap on the node is forgotten with its state.
 
-A decision of version 5 or earlier carries no state: it is applied as it arrives (its plan, its
-release, the re-tuned plans of running jobs), exact only in the manager's order. Once a node has
-a sequenced state, such decisions are older than it and change nothing.
+A decision without states (version 5 or earlier, or one written by hand) is applied as it
+arrives (its plan, its release, the re-tuned plans of running jobs), exact only in the manager's
+order. Once a node has a sequenced state, such decisions change nothing there. (The manager's own
+decisions without a state for a node are ones that did not change its caps, or whose caps another
+decision of the same input already stated: applying them before that state arrives is replaced by it.)
 
 ``apply`` returns only what changed, processor by processor: a new cap, or None when no job holds
 the processor any more and its original limit comes back. Pure: the agent's shell
