@@ -62,12 +62,14 @@ def load(raw: bytes) -> tuple[int, str, Any]:
         raise SnapshotError(f"snapshot unreadable: {exc}") from exc
 
 
-def usable(raw: bytes | None, fresh: Any, before: int) -> tuple[int, Any]:
+def usable(raw: bytes | None, fresh: Any) -> tuple[int, Any]:
     """Where to fold the log from, and the manager to fold into: the snapshot's when it is one of
-    this format and configuration taken at or before offset ``before``; else 0 and ``fresh``."""
+    this format and configuration; else 0 and ``fresh``. (A snapshot is taken only between records,
+    after a record's decisions were sent: one past where consumption would resume holds those
+    records already, and consumption resumes after it.)"""
     if raw is None:
         return 0, fresh
     offset, config, manager = load(raw)
-    if config != config_of(fresh) or offset > before or type(manager) is not type(fresh):
+    if config != config_of(fresh) or type(manager) is not type(fresh):
         return 0, fresh
     return offset, manager

@@ -194,10 +194,10 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
             await snapshots.send(key=b"snapshot", value=snapshot.dump(held.fold, held.after))
             held.unsaved = 0
 
-    async def manage(message: Message) -> None:
+    async def manage(message: Message) -> None:  # under the cursor's lock, as a snapshot is taken
         for record in held.fold.apply(*open_envelope(message[2] or b"")):
             await publish(record)
-        held.after = message[0].offset + 1
+        held.after = message[0].offset + 1  # folded and its decisions sent: a snapshot may include it
         if not held.unsaved:
             held.since = time.monotonic()
         held.unsaved += 1
@@ -206,22 +206,26 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
 
     @app.timer(interval=min(settings.snapshot_every_s, 60.0), name=f"{name}-snapshot")
     async def save_in_time() -> None:  # records not yet in a snapshot, before retention can delete them
-        if held.unsaved and time.monotonic() - held.since >= settings.snapshot_every_s:
-            await save()
+        async with manager.lock:  # never between a record's fold and its decisions
+            if held.unsaved and time.monotonic() - held.since >= settings.snapshot_every_s:
+                await save()
 
     manager = Cursor(settings, f"{name}-manager", manage)
 
     async def refold(topic: str, partition: int, offset: int) -> None:
         """The manager's latest snapshot (or a fresh manager) folds the log after it up to where
-        consumption resumes, without publishing."""
+        consumption resumes, without publishing. A snapshot past that point (taken after records
+        whose offsets were not committed yet) already holds them and their decisions were sent:
+        consumption resumes after it."""
         raw = await blocking(f"{name}-manager: reading its snapshot", latest_snapshot, settings, snapshots_name)
         try:
-            start, m = snapshot.usable(raw, fresh(), offset)
+            start, m = snapshot.usable(raw, fresh())
         except snapshot.SnapshotError as exc:
             log.warning("%s-manager: snapshot not used, folding the log from its start: %s", name, exc)
             start, m = 0, fresh()
         history = await blocking(f"{name}-manager: re-folding {topic}", read_range, settings, topic, partition,
                                  start, offset)
+        offset = max(offset, start)
         for _origin, _key, value, _ts in history:
             m.apply(*open_envelope(value or b""))
         if history or start:
