@@ -191,6 +191,7 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
     async def save() -> None:
         """The manager's state after the records folded so far, on its compacted snapshot topic."""
         if held.unsaved and held.after is not None:
+            await app.producer.flush()  # the decisions of the records it holds acknowledged first
             await snapshots.send(key=b"snapshot", value=snapshot.dump(held.fold, held.after))
             held.unsaved = 0
 
