@@ -31,8 +31,8 @@ whatever PTune would prefer, so every one of them is capped (n is fixed), power 
 running jobs down to their min power when that is what it takes, and it is deferred (uncapped, said
 why, retried at each release) when its processors are unknown or all held already; when even
 that cannot find its processors' min power it is suspended (a power-gated start: ``suspend``, the
-Slurm adapter suspends it until its ``start``): uncapped it would take the machine over its budget. Inventory
-changes are reconciled (``set_node``, ``refit``): a processor a running job holds keeps its limits
+Slurm adapter suspends it until its ``start``): uncapped, it would take the machine over its
+budget. Inventory changes are reconciled (``set_node``, ``refit``): a processor a running job holds keeps its limits
 until the job ends, and caps are re-fitted into changed limits.
 """
 

@@ -7,7 +7,10 @@ same event ids, which is how a restarted worker rebuilds its state and how dupli
 
 A job is dispatched at its ``started`` event, on the nodes it really runs on: it occupies, on each,
 the processors its cores need there, and every one of them is capped (``submitted`` decides nothing:
-a job not yet placed has no processors, and a power decision cannot hold a job back). Lifecycle
+a job not yet placed has no processors; a job the budget cannot hold is suspended, ``suspend``,
+and later started with ``resumes``). Each decision states every node whose caps it changed, with
+the node's sequence number (``node_caps``: the agents' fold needs no order across partitions).
+``config`` names what a snapshot must share to be used (``streams.core.snapshot``). Lifecycle
 events that do not move a job forward change nothing (``streams.core.lifecycle``, the rule the
 placement manager follows). An inventory record without processors (the Slurm adapter's) says
 nothing about them: the processors known stay; one that changes limits re-fits running caps
