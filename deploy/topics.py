@@ -16,7 +16,7 @@ from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
 from nodeshare.config import Settings
 from nodeshare.schemas import TOPICS
-from nodeshare.schemas.catalog import INTERNAL_TOPICS
+from nodeshare.schemas.catalog import INTERNAL_CLEANUP, INTERNAL_TOPICS
 from nodeshare.streams.worker.cursor import accounting_topics
 from nodeshare.streams.worker.fold_consumer import copartition_problem
 
@@ -58,7 +58,8 @@ def create_topics(settings: Settings, timeout_s: float = 30.0, *,
                  config={"cleanup.policy": t.cleanup_policy})
         for t in TOPICS if (name := settings.topic(t.name)) not in existing
     ] + [
-        NewTopic(settings.topic(name), num_partitions=n, replication_factor=-1, config={"cleanup.policy": "delete"})
+        NewTopic(settings.topic(name), num_partitions=n, replication_factor=-1,
+                 config={"cleanup.policy": INTERNAL_CLEANUP.get(name, "delete")})
         for name, n in INTERNAL_TOPICS.items() if settings.topic(name) not in existing
     ]
     names = [settings.topic(t.name) for t in TOPICS] + [settings.topic(n) for n in INTERNAL_TOPICS]

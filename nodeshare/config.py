@@ -56,6 +56,11 @@ class Settings(BaseSettings):
     session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000  # docs/broker.md: ~3 s to join at 6 s
     # How often the stream worker looks for messages faust skipped at a partition's end (streams.worker.cursor)
     skip_check_interval_s: Annotated[float, Field(gt=0.0)] = 5.0
+    # How often the power and placement managers snapshot their state (streams.core.snapshot): after
+    # this many log records, or this many seconds after a record not yet in a snapshot. Both far
+    # below the logs' retention (7 days by default): a rebuild needs the log after the snapshot.
+    snapshot_every_records: Annotated[int, Field(ge=1)] = 10_000
+    snapshot_every_s: Annotated[float, Field(gt=0.0)] = 600.0
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
     delta: Annotated[float, Field(gt=0.0)] = 0.05  # streams.core.degradation.DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = "poppa_eq4"  # streams.core.pricing.RATE_FUNCTIONS

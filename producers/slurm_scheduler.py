@@ -19,7 +19,17 @@ then follows ``decisions.placement``:
   letter with Slurm's message, and the adapter goes on with the next decision; only a Slurm it
   cannot reach stops the batch (nothing committed, the batch comes again).
 
-``plan`` is pure: the commands a decision turns into, given the job as Slurm reports it. The
+It also follows ``decisions.power`` for the power-gated start (Seed 004 under a budget the busy
+processors' min power can exceed):
+
+* ``suspend``: the job runs on processors whose min power the budget cannot cover: it is suspended
+  (``scontrol suspend``), so its processors draw no job power and hold no cap;
+* ``start`` with ``resumes``: the power manager found its power (a job ended, or limits changed) and
+  its caps are on their way to the node agents: it is resumed (``scontrol resume``), only if Slurm
+  shows it SUSPENDED (an operator's ``scontrol resume`` before it is left alone);
+* every other power decision is the node agents' business and runs nothing here.
+
+``plan`` and ``power_plan`` are pure: the commands a decision turns into, given the job as Slurm reports it. The
 adapter commits its consumer offsets only after Slurm accepted the commands (the sinks' rule), so
 while it is down jobs simply stay held and no decision is lost.
 """
@@ -41,10 +51,10 @@ from nodeshare.config import Settings
 from nodeshare.consumer import BatchSink, position
 from nodeshare.logs import fields
 from nodeshare.producers.kafka_producer import EventProducer
-from nodeshare.schemas import DecodeError, NodeInventory, PlacementDecision, decode_model
-from nodeshare.schemas.catalog import DECISIONS_PLACEMENT
+from nodeshare.schemas import DecodeError, NodeInventory, PlacementDecision, PowerDecision, decode_model
+from nodeshare.schemas.catalog import DECISIONS_PLACEMENT, DECISIONS_POWER
 from nodeshare.schemas.dead_letters import dead_letter
-from nodeshare.schemas.events import PlacementAction
+from nodeshare.schemas.events import PlacementAction, PowerAction
 
 from .slurm import SlurmCommands
 
@@ -94,6 +104,10 @@ class Plan:
     why: str
 
 
+#: told of each decision the adapter acted on, and how
+OnPlan = Callable[[PlacementDecision | PowerDecision, Plan], None]
+
+
 def plan(decision: PlacementDecision, job: SlurmJob | None) -> Plan:
     """The scontrol commands that apply ``decision`` to ``job`` (None: Slurm does not know it)."""
     jid = decision.job_id
@@ -114,6 +128,25 @@ def plan(decision: PlacementDecision, job: SlurmJob | None) -> Plan:
     partner = f" next to {decision.paired_with}" if decision.paired_with else ""
     return Plan((update, ("scontrol", "release", jid)), "applied",
                 f"job {jid}: {decision.action} on {nodes}{partner}, released")
+
+
+def gates(decision: PowerDecision) -> bool:
+    """Whether a power decision is the scheduler's business (a suspend, or the start that ends one)."""
+    return decision.action is PowerAction.SUSPEND or (decision.action is PowerAction.START and decision.resumes)
+
+
+def power_plan(decision: PowerDecision, job: SlurmJob | None) -> Plan:
+    """The scontrol command a gating power decision (``gates``) turns into."""
+    jid = decision.job_id
+    if decision.action is PowerAction.SUSPEND:
+        command, state, did = ("scontrol", "suspend", jid), "RUNNING", "power-gated, suspended"
+    else:
+        command, state, did = ("scontrol", "resume", jid), "SUSPENDED", "power found, resumed"
+    if job is None:
+        return Plan((), "skipped", f"job {jid}: Slurm no longer has it ({decision.action} not applied)")
+    if job.state != state:
+        return Plan((), "skipped", f"job {jid} is {job.state}, not {state}: {decision.action} skipped")
+    return Plan((command,), "applied", f"job {jid}: {did} ({decision.reason})")
 
 
 def parse_nodes(text: str) -> list[dict[str, str]]:
@@ -188,12 +221,14 @@ class SchedulerCommands(SlurmCommands):
 
 
 class SlurmScheduler(BatchSink):
-    """Follows ``decisions.placement`` and applies each decision to Slurm; offsets are committed
-    after Slurm accepted the batch's commands."""
+    """Follows ``decisions.placement`` (and the gating decisions of ``decisions.power``) and applies
+    each decision to Slurm; offsets are committed after Slurm accepted the batch's commands."""
 
-    def __init__(self, settings: Settings, commands: SchedulerCommands,
-                 on_plan: Callable[[PlacementDecision, Plan], None] | None = None, dead_letters: Any = None) -> None:
-        super().__init__(settings, [DECISIONS_PLACEMENT.name], "slurm-scheduler", max_batch=100, max_delay_s=0.1)
+    def __init__(self, settings: Settings, commands: SchedulerCommands, on_plan: OnPlan | None = None,
+                 dead_letters: Any = None) -> None:
+        super().__init__(settings, [DECISIONS_PLACEMENT.name, DECISIONS_POWER.name], "slurm-scheduler",
+                         max_batch=100, max_delay_s=0.1)
+        self.power_topic = settings.topic(DECISIONS_POWER.name)
         self.commands = commands
         self.on_plan = on_plan
         self.dead_letters = dead_letters  # an EventProducer; None: a refusal is only logged and counted
@@ -202,14 +237,21 @@ class SlurmScheduler(BatchSink):
 
     def write(self, messages: list[Message]) -> None:
         for m in messages:
+            power = m.topic() == self.power_topic
+            model: type[PlacementDecision] | type[PowerDecision] = PowerDecision if power else PlacementDecision
             try:
-                decision = decode_model(PlacementDecision, m.value())
+                decision = decode_model(model, m.value())
             except DecodeError as exc:  # the worker wrote it; a record that does not decode is not ours to act on
                 self.outcomes["undecodable"] += 1
                 metrics.SLURM_PLACEMENTS.labels("undecodable").inc()
-                log.error("decisions.placement: skipped a record that does not decode: %s", exc.reason)
+                log.error("%s: skipped a record that does not decode: %s", m.topic(), exc.reason)
                 continue
-            p = plan(decision, self.commands.job(decision.job_id))
+            if isinstance(decision, PowerDecision):
+                if not gates(decision):
+                    continue  # caps: the node agents' business
+                p = power_plan(decision, self.commands.job(decision.job_id))
+            else:
+                p = plan(decision, self.commands.job(decision.job_id))
             for command in p.commands:
                 try:
                     self.commands.run(command)
@@ -266,7 +308,7 @@ def watch_nodes(producer: EventProducer, commands: SchedulerCommands, watch: Nod
 
 
 def run_scheduler(settings: Settings, commands: SchedulerCommands, stop: threading.Event, *, llc_ways: int,
-                  mem_bandwidth_gbps: float, on_plan: Callable[[PlacementDecision, Plan], None] | None = None,
+                  mem_bandwidth_gbps: float, on_plan: OnPlan | None = None,
                   nodes_every_s: float = 30.0) -> SlurmScheduler:
     """Publish the inventory, then apply decisions until ``stop`` is set, publishing node state
     changes every ``nodes_every_s``."""

@@ -120,7 +120,12 @@ TOPIC_OF_RECORD: dict[type[Record], TopicSpec] = {rt: t for t in TOPICS for rt i
 #: progress reader all take them from one place. Name -> partitions.
 POWER_LOG = "power.machine"
 PLACEMENT_LOG = "placement.cluster"
-INTERNAL_TOPICS: dict[str, int] = {POWER_LOG: 1, PLACEMENT_LOG: 1}
+#: Each manager's latest state and the log offset it is after (streams.core.snapshot), compacted:
+#: a rebuild folds only the log after it, so the logs' retention loses nothing.
+SNAPSHOTS: dict[str, str] = {POWER_LOG: "power.machine.snapshots", PLACEMENT_LOG: "placement.cluster.snapshots"}
+INTERNAL_TOPICS: dict[str, int] = {POWER_LOG: 1, PLACEMENT_LOG: 1, **dict.fromkeys(SNAPSHOTS.values(), 1)}
+#: cleanup.policy of the internal topics (delete unless named)
+INTERNAL_CLEANUP: dict[str, str] = dict.fromkeys(SNAPSHOTS.values(), "compact")
 
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {t.name: TypeAdapter(t.value) for t in TOPICS}
 
@@ -139,5 +144,7 @@ def spec_for_topic(topic: str, prefix: str = "") -> TopicSpec:
 
 
 def key_of(record: Record) -> bytes:
-    """The message key of a record: the value of its topic's key field."""
-    return str(getattr(record, TOPIC_OF_RECORD[type(record)].key_field)).encode()
+    """The message key of a record: the value of its topic's key field (an agent's processors-only
+    inventory: ``<node>/processors``, so compaction keeps it beside the resource manager's record)."""
+    key = str(getattr(record, TOPIC_OF_RECORD[type(record)].key_field))
+    return f"{key}/processors".encode() if getattr(record, "processors_only", False) else key.encode()

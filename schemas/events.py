@@ -49,6 +49,10 @@ from pydantic import (
 #:   agent never will, and a charge priced without that node's marker is ``node_lost``. A charge
 #:   carries its degradation's interval and says whether it was priced at its upper end
 #:   (streams.core.confidence).
+#:   ``PowerDecision`` carries, for each node whose caps it changes, the node's sequence number
+#:   and every cap the node must hold after it (``node_caps``): an agent keeps the newest by sequence,
+#:   whatever order the partitions of ``decisions.power`` arrive in. A ``suspend`` decision gates a
+#:   started job the budget cannot hold at its processors' min power.
 SCHEMA_VERSION = 6
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
@@ -432,6 +436,10 @@ class NodeInventory(Record):
     #: False while the resource manager runs no new job there (Slurm: DOWN, DRAIN, FAIL, NOT_RESPONDING,
     #: MAINT, RESERVED, ...): placement chooses it for no job until a record says it is usable again (version 5)
     usable: bool = True
+    #: the node's processor packages only, as its node agent found them in powercap (version 6): the
+    #: power manager takes the processors (and cores), the placement manager ignores the record (the
+    #: resource manager's record says the node's state and shape). Keyed ``<node>/processors``.
+    processors_only: bool = False
 
 
 # --------------------------------------------------------------------------- estimates.degradation
@@ -540,6 +548,32 @@ class PowerAction(StrEnum):
     #: an inventory changed the limits of processors running jobs hold: ``running_updates`` carries
     #: the re-fitted caps, ``plan`` is None (version 5)
     RETUNE = "retune"
+    #: a power-gated start (version 6): the job runs on processors whose min power the budget cannot
+    #: cover even with every running job at its min power; the Slurm adapter suspends it until a
+    #: ``start`` for it (then resumes it)
+    SUSPEND = "suspend"
+
+
+class HeldCap(BaseModel):
+    """One processor's cap and the job that holds it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    processor: NonNegInt
+    job_id: JobId
+    cap_watts: Watts
+
+
+class NodeCapState(BaseModel):
+    """Every cap one node must hold after a decision (version 6), and the node's sequence number:
+    the manager counts, per node, the decisions that changed its caps, so a state supersedes every
+    state of the node with a lower number. A processor not listed keeps its own limit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    node: NodeName
+    sequence: PosInt
+    caps: tuple[HeldCap, ...] = ()
 
 
 class PowerInputs(BaseModel):
@@ -573,6 +607,10 @@ class PowerDecision(Record):
     machine_allocated_watts: Watts
     reason: str = ""
     inputs: PowerInputs | None = None
+    #: the nodes whose caps this decision changed, each with all its caps after it (version 6)
+    node_caps: tuple[NodeCapState, ...] = ()
+    #: a ``start`` of a job a ``suspend`` gated: the Slurm adapter resumes it (version 6)
+    resumes: bool = False
 
 
 # --------------------------------------------------------------------------- decisions.placement
@@ -764,7 +802,8 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},
-    NodeInventory: {"usable": 5},
+    NodeInventory: {"usable": 5, "processors_only": 6},
+    PowerDecision: {"node_caps": 6, "resumes": 6},
 }
 
 

@@ -48,6 +48,9 @@ def agent(
         help="apply decisions.power to this node's processor packages through powercap (needs root); every "
         "limit changed is restored at exit, by the watchdog if the agent is killed")] = False,
     powercap_root: Annotated[Path, typer.Option(help="the kernel's powercap tree")] = Path("/sys/class/powercap"),
+    power_min_watts: Annotated[float | None, typer.Option(
+        min=0.0, help="with --power-caps: publish this node's packages on cluster.inventory for the power manager, "
+        "max from powercap, min this (the lowest cap the site allows: RAPL has no floor)")] = None,
     resctrl: Annotated[bool, typer.Option(
         help="give each job the LLC ways and memory bandwidth decisions.placement booked, through resctrl "
         "(needs root and RDT); every group is removed at exit, by the watchdog if the agent is killed")] = False,
@@ -75,7 +78,8 @@ def agent(
         node=node, spool=spool, sample_us=settings.sample_us,
         k=settings.samples_per_region, period_ms=settings.period_ms, spool_max_bytes=int(spool_max_mb * 2**20),
         hardware_counters=hardware_counters, flush=settings.flush_policy(), power_caps=power_caps,
-        powercap_root=powercap_root, resctrl=resctrl, resctrl_root=resctrl_root, mem_bandwidth_gbps=mem_bandwidth_gbps)
+        powercap_root=powercap_root, power_min_watts=power_min_watts, resctrl=resctrl, resctrl_root=resctrl_root,
+        mem_bandwidth_gbps=mem_bandwidth_gbps)
     try:
         the_agent = build(settings, options, job_file=jobs, slurm=slurm, progress_dir=progress_dir)
     except (ValueError, JobFileError, ResctrlUnavailable) as exc:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
 import threading
 import time
@@ -37,14 +38,16 @@ from nodeshare.schemas import (
     JobEvent,
     JobLeftNode,
     JobState,
+    NodeInventory,
     PowerReading,
     Record,
     ShutterBatch,
     encode,
     key_of,
 )
+from nodeshare.schemas.events import ProcessorSpec
 
-from . import rapl
+from . import powercap, rapl
 from .jobs import JobSource, JobSpec, LocalJob
 from .lifecycle import META_PREFIX, Closed, ClosedJobs, LifecycleFollower
 from .llc_decisions import LlcFollower
@@ -86,6 +89,8 @@ class AgentOptions:
     resctrl: bool = False  # give jobs the LLC ways and bandwidth of decisions.placement (resctrl), undone at exit
     resctrl_root: Path = RESCTRL
     mem_bandwidth_gbps: float = 0.0  # the node's memory bandwidth, for MBA percentages (0: no MBA)
+    #: with power_caps: publish the node's packages on cluster.inventory (powercap's max, this min)
+    power_min_watts: float | None = None
 
 
 @dataclass
@@ -467,6 +472,29 @@ class Agent:
                     interval_s=t - last[1]))
         return readings
 
+    def processors(self) -> NodeInventory | None:
+        """With ``--power-caps``, the node's processor packages from powercap (max: the highest cap
+        the kernel accepts; min: ``power_min_watts``, the site's floor) as a processors-only
+        inventory record for the power manager; None when there is nothing to publish (said why)."""
+        o = self.options
+        if not o.power_caps:
+            return None
+        if o.power_min_watts is None:
+            log.warning("--power-caps without --power-min-watts: this node's packages are not published, and the "
+                        "power manager caps no job here unless another source lists them on cluster.inventory")
+            return None
+        found = powercap.processors(o.powercap_root, o.power_min_watts)
+        if not found:
+            log.warning("--power-caps: no package with a constraint_0_max_power_uw under %s: none published",
+                        o.powercap_root)
+            return None
+        now = _now()
+        return NodeInventory(
+            event_id=f"{o.node}/processors/{now.timestamp():.3f}", source=self.source_name, event_time=now,
+            node=o.node, cores=os.cpu_count() or len(found), sockets=len(found), llc_ways=1,
+            mem_bandwidth_gbps=o.mem_bandwidth_gbps or 1.0, processors_only=True,
+            processors=tuple(ProcessorSpec(processor=p, min_watts=lo, max_watts=hi) for p, lo, hi in found))
+
     # ------------------------------------------------------------------ the loop
 
     def run(self, *, duration_s: float | None = None, until_idle: bool = False,
@@ -480,6 +508,8 @@ class Agent:
             for follower in (self.caps, self.llc, self.lifecycle):
                 if follower is not None:
                     follower.start()
+            if (packages := self.processors()) is not None:
+                self._put([packages], reserve=True)  # the power manager's processors here
             readings = self.power()
             if not self._power:
                 self._put(list(readings), reserve=True)  # said once: no numbers follow

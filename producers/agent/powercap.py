@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from . import rapl
 from .rapl import POWERCAP
 
 log = logging.getLogger(__name__)
@@ -177,3 +178,20 @@ def restore(originals: dict[str, int]) -> set[str]:
         except OSError as exc:
             log.error("could not restore %s to %d µW: %s", path, uw, exc)
     return done
+
+
+def processors(root: Path, min_watts: float) -> tuple[tuple[int, float, float], ...]:
+    """The node's processor packages as powercap shows them: (package index, min watts, max watts)
+    for each ``intel-rapl:N`` with a ``constraint_0_max_power_uw``, max from it (the highest cap the
+    kernel accepts) and min the site's ``min_watts`` (RAPL says no floor), at most the max. A package
+    without a readable max is left out (it could not be capped safely)."""
+    out = []
+    for d in rapl.package_domains(root, energy=False):
+        try:
+            max_w = int((d.path / "constraint_0_max_power_uw").read_text()) / 1e6
+        except (OSError, ValueError):
+            log.warning("package %d: no readable constraint_0_max_power_uw: not published", d.processor)
+            continue
+        if max_w > 0:
+            out.append((d.processor, min(min_watts, max_w), max_w))
+    return tuple(out)

@@ -41,16 +41,19 @@ class Domain:
         return int(limit.read_text()) / 1e6 if limit.exists() else None
 
 
-def package_domains(root: Path = POWERCAP) -> list[Domain]:
-    """One domain per processor package, in processor order; [] when there is no RAPL (or no access)."""
+def package_domains(root: Path = POWERCAP, energy: bool = True) -> list[Domain]:
+    """One domain per processor package, in processor order; [] when there is no RAPL (or no access).
+    With ``energy`` only the packages whose energy counter can be read."""
     domains = []
     if root.is_dir():
         for entry in root.iterdir():
             m = _PACKAGE.match(entry.name)
-            if m and (entry / "energy_uj").exists():
+            if m and energy and (entry / "energy_uj").exists():
                 try:
                     (entry / "energy_uj").read_text()
                 except OSError:  # since 2020 energy_uj is root-only on many kernels
                     continue
+                domains.append(Domain(int(m.group(1)), entry))
+            elif m and not energy:
                 domains.append(Domain(int(m.group(1)), entry))
     return sorted(domains, key=lambda d: d.processor)

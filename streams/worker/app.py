@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -41,16 +42,18 @@ from nodeshare.schemas.catalog import (
     PLACEMENT_LOG,
     POWER_LOG,
     PROFILES_PROGRAM,
+    SNAPSHOTS,
     TOPIC_OF_RECORD,
     TopicSpec,
     key_of,
 )
 from nodeshare.schemas.serde import encode
 
+from ..core import snapshot
 from ..core.accounting import Message, Origin
 from ..core.placement.stream import ROUTED, PlacementManager
 from ..core.power.stream import PowerManager, envelope, open_envelope, screen
-from .cursor import Cursor, blocking, committed_offsets, read_range
+from .cursor import Cursor, blocking, committed_offsets, latest_snapshot, read_range
 from .fold_consumer import FoldConsumer, FoldThread, NotCoPartitioned, input_partitions
 from .kafka_security import faust_credentials
 from .transport import use_short_fetch_wait
@@ -140,9 +143,13 @@ def add_skip_repair(app: faust.App, settings: Settings, cursors: list[Cursor]) -
 
 
 class _Fold:
-    """The manager's current fold, replaced whole by each re-fold (the agent's closures share it)."""
+    """The manager's current fold, replaced whole by each re-fold (the agent's closures share it),
+    and what it has folded since its last snapshot."""
 
     fold: Any = None
+    after: int | None = None  # the log offset after the last record folded
+    unsaved: int = 0  # records folded since the last snapshot
+    since: float = 0.0  # monotonic time of the first of them
 
 
 def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: str, inputs: Any,
@@ -156,6 +163,8 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
     log_name = settings.topic(log_topic)
     log_ = app.topic(log_name, partitions=1)
     dlq = app.topic(settings.topic(DLQ.name))
+    snapshots_name = settings.topic(SNAPSHOTS[log_topic])
+    snapshots = app.topic(snapshots_name, partitions=1)
     held = _Fold()
 
     async def route(message: Message) -> None:
@@ -179,23 +188,52 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
             handled = committed.get((topic, partition), offset)
         router.start(topic, partition, handled)
 
-    async def manage(message: Message) -> None:
+    async def save() -> None:
+        """The manager's state after the records folded so far, on its compacted snapshot topic."""
+        if held.unsaved and held.after is not None:
+            await app.producer.flush()  # the decisions of the records it holds acknowledged first
+            await snapshots.send(key=b"snapshot", value=snapshot.dump(held.fold, held.after))
+            held.unsaved = 0
+
+    async def manage(message: Message) -> None:  # under the cursor's lock, as a snapshot is taken
         for record in held.fold.apply(*open_envelope(message[2] or b"")):
             await publish(record)
+        held.after = message[0].offset + 1  # folded and its decisions sent: a snapshot may include it
+        if not held.unsaved:
+            held.since = time.monotonic()
+        held.unsaved += 1
+        if held.unsaved >= settings.snapshot_every_records:
+            await save()
+
+    @app.timer(interval=min(settings.snapshot_every_s, 60.0), name=f"{name}-snapshot")
+    async def save_in_time() -> None:  # records not yet in a snapshot, before retention can delete them
+        async with manager.lock:  # never between a record's fold and its decisions
+            if held.unsaved and time.monotonic() - held.since >= settings.snapshot_every_s:
+                await save()
 
     manager = Cursor(settings, f"{name}-manager", manage)
 
     async def refold(topic: str, partition: int, offset: int) -> None:
-        """A fresh manager folds the log up to where consumption resumes, without publishing."""
-        m = fresh()
-        history = await blocking(f"{name}-manager: re-folding {topic}", read_range, settings, topic, partition, 0,
-                                 offset)
+        """The manager's latest snapshot (or a fresh manager) folds the log after it up to where
+        consumption resumes, without publishing. A snapshot past that point (taken after records
+        whose offsets were not committed yet) already holds them and their decisions were sent:
+        consumption resumes after it."""
+        raw = await blocking(f"{name}-manager: reading its snapshot", latest_snapshot, settings, snapshots_name)
+        try:
+            start, m = snapshot.usable(raw, fresh())
+        except snapshot.SnapshotError as exc:
+            log.warning("%s-manager: snapshot not used, folding the log from its start: %s", name, exc)
+            start, m = 0, fresh()
+        history = await blocking(f"{name}-manager: re-folding {topic}", read_range, settings, topic, partition,
+                                 start, offset)
+        offset = max(offset, start)
         for _origin, _key, value, _ts in history:
             m.apply(*open_envelope(value or b""))
-        if history:
-            log.warning("%s-manager: rebuilt its state from %d log records", name, len(history),
+        if history or start:
+            log.warning("%s-manager: rebuilt its state from %s and %d log records", name,
+                        f"its snapshot at offset {start}" if start else "nothing", len(history),
                         extra=logs.fields(topic=topic, partition=partition))
-        held.fold = m
+        held.fold, held.after, held.unsaved = m, offset, 0
         manager.start(topic, partition, offset)
 
     cursors += [router, manager]

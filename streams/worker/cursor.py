@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from nodeshare import logs, metrics
 from nodeshare.config import Settings
@@ -206,6 +206,37 @@ class Cursor:
             self.next[(topic, partition)] = m[0].offset + 1
         self.refetched += len(missed)
         metrics.REFETCHED.labels(self.name).inc(len(missed))
+
+
+def latest_snapshot(settings: Settings, topic: str, idle_s: float = 1.0, timeout_s: float = 60.0) -> bytes | None:
+    """The snapshot with the highest log offset on a (compacted, single-partition) snapshot topic,
+    or None when it has none. Reads until ``idle_s`` passes without a message (never end offsets,
+    wrong on the bundled broker)."""
+    from nodeshare.streams.core.snapshot import SnapshotError, header
+
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"{settings.app_id}-snapshots", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    best: tuple[int, bytes] | None = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        while time.monotonic() < deadline:
+            got = [m for m in consumer.consume(100, timeout=idle_s) if m.error() is None and m.value()]
+            if not got:
+                break
+            for m in got:
+                value = m.value()
+                assert value is not None
+                try:
+                    at = header(value)[0]
+                except SnapshotError as exc:
+                    log.warning("%s: a snapshot set aside: %s", topic, exc)
+                    continue
+                if best is None or at >= best[0]:
+                    best = (at, value)
+    finally:
+        consumer.close()
+    return None if best is None else best[1]
 
 
 def accounting_group(settings: Settings) -> str:

@@ -27,7 +27,7 @@ import nodeshare.producers.agent.follower as follower_mod
 from nodeshare.producers.agent.follower import Follower, FollowerStopped
 from nodeshare.producers.agent.jobs import LocalJob
 from nodeshare.producers.agent.llc_decisions import LlcFollower
-from nodeshare.producers.agent.power_decisions import CapFold, CapFollower
+from nodeshare.producers.agent.power_decisions import CapFollower
 from nodeshare.producers.agent.powercap import CapRefused, Powercap
 from nodeshare.producers.agent.processes import Proc
 from nodeshare.producers.agent.resctrl import Resctrl
@@ -36,7 +36,7 @@ from nodeshare.schemas import encode
 from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE
 from nodeshare.schemas.events import JobEvent, JobState, NodeInventory, PowerAction, PowerDecision, ProcessorSpec
 from nodeshare.streams.core.placement.resctrl import Setting, Share, default_mask, layout
-from nodeshare.streams.core.power.caps import NodeCaps
+from nodeshare.streams.core.power.caps import CapFold
 from nodeshare.streams.core.power.stream import PowerManager
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
@@ -233,7 +233,7 @@ def _interleavings(left: list[PowerDecision], right: list[PowerDecision]):
 
 
 def _truth(records: list[PowerDecision]) -> dict[int, float]:
-    caps = NodeCaps("A")  # the manager's own fold, in the manager's order
+    caps = CapFold("A")  # the fold in the manager's own order
     for d in records:
         caps.apply(d)
     return caps.caps()
@@ -249,7 +249,7 @@ def test_every_interleaving_of_the_partitions_gives_the_managers_caps():
     truth = _truth(log)
     assert sum(truth.values()) <= 300.0 and len(truth) == 4
     swapped = [*log[:4], log[5], log[4]]
-    assert _fold(swapped) == truth  # (Mutation: folding in arrival order, as NodeCaps does, gives 375 W here)
+    assert _fold(swapped) == truth  # (Mutation: folding in arrival order, as version-5 records are, gives 375 W here)
     for one, other in (([0, 4], [1, 2, 3, 5]), ([0, 2, 4], [1, 3, 5])):  # by job's partition, and a harder split
         for order in _interleavings([log[i] for i in one], [log[i] for i in other]):
             assert _fold(order) == truth

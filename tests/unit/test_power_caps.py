@@ -16,11 +16,11 @@ from nodeshare.producers.agent.powercap import CapRefused, Powercap
 from nodeshare.producers.agent.watchdog import Watchdog
 from nodeshare.schemas import encode
 from nodeshare.schemas.events import PowerAction
-from nodeshare.streams.core.power.caps import NodeCaps
+from nodeshare.streams.core.power.caps import CapFold
 
 
 def test_the_caps_a_node_holds_by_hand():
-    caps = NodeCaps("n1")
+    caps = CapFold("n1")
     # a starts on n1's processors 0 and 1 (and n2's 0, another agent's business)
     assert caps.apply(decision("a", PowerAction.START, plan("a", ("n1", 0, 80.0), ("n1", 1, 85.0),
                                                               ("n2", 0, 90.0)))) == {0: 80.0, 1: 85.0}

@@ -8,6 +8,7 @@ and, for generated event sequences, the budget holds at every step.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import HealthCheck, given, settings
@@ -29,7 +30,7 @@ from nodeshare.schemas.events import (
 from nodeshare.schemas.serde import encode
 from nodeshare.streams.core.lifecycle import JobPhases
 from nodeshare.streams.core.placement.stream import PlacementManager
-from nodeshare.streams.core.power.caps import NodeCaps
+from nodeshare.streams.core.power.caps import CapFold
 from nodeshare.streams.core.power.curves import MIN_CAP_MW
 from nodeshare.streams.core.power.ppartition import _occupied, check
 from nodeshare.streams.core.power.stream import PowerManager
@@ -69,7 +70,7 @@ class Site:
 
     def __init__(self, budget: float | None) -> None:
         self.pm = PowerManager(budget)
-        self.agents = {n: NodeCaps(n) for n in NODES}
+        self.agents = {n: CapFold(n) for n in NODES}
         self.decisions: list[PowerDecision] = []
 
     def feed(self, *records: Record) -> list[PowerDecision]:
@@ -131,17 +132,38 @@ def test_every_processor_a_job_occupies_is_capped_within_the_budget():
     assert caps_of(d) == {("A", 1)}
 
 
-def test_a_job_the_budget_cannot_hold_is_deferred_with_the_reason_and_started_when_power_frees():
+def test_a_job_the_budget_cannot_hold_is_power_gated_with_the_reason_and_started_when_power_frees():
+    """(p2, p2b: before, j2 was deferred and ran uncapped: its processors' limits took the busy
+    processors to 342 W of a 200 W budget.) A suspended job's processors are not busy."""
     site = Site(200.0)  # 4 busy processors need 204 W at min power
     site.feed(*(inv(n, 2) for n in NODES))
     [d1] = site.feed(job("j1", JobState.STARTED, 24, ("C",)))
     [d2] = site.feed(job("j2", JobState.STARTED, 24, ("B",), at=1))
-    assert d1.action is PowerAction.START and d2.action is PowerAction.DEFER
+    assert d1.action is PowerAction.START and d2.action is PowerAction.SUSPEND
     assert "over budget" in d2.reason and "102 W at min power and only 98 W" in d2.reason
+    assert "suspended until power is freed" in d2.reason and d2.plan is None and d2.node_caps == ()
     assert d2.machine_allocated_watts <= 200.0
+    running = {("C", 0), ("C", 1)}  # j2 is suspended by the Slurm adapter
+    assert site.limits_of(running) <= 200.0 and set(site.held()) == running
     out = site.feed(job("j1", JobState.ENDED, 24, ("C",), at=2))
     assert [(d.job_id, d.action) for d in out] == [("j1", PowerAction.RELEASE), ("j2", PowerAction.START)]
     assert caps_of(out[1]) == {("B", 0), ("B", 1)} and set(site.held()) == {("B", 0), ("B", 1)}
+    assert out[1].resumes and not d1.resumes  # the Slurm adapter resumes j2
+    assert site.pm.machine.gated == set()
+
+
+def test_a_deferred_job_whose_processors_become_known_over_budget_is_suspended_once():
+    site = Site(110.0)
+    site.feed(inv("A", 2))
+    [d] = site.feed(job("j1", JobState.STARTED, 24, ("A",)))
+    assert d.action is PowerAction.START
+    [d] = site.feed(job("j2", JobState.STARTED, 24, ("B",), at=1))
+    assert d.action is PowerAction.DEFER and "no processor known on B" in d.reason
+    [d] = site.feed(inv("B", 2, at=2))  # now known: 102 W at min power, 8 W left
+    assert d.action is PowerAction.SUSPEND and d.job_id == "j2"
+    assert site.feed(inv("C", 2, at=3)) == []  # still gated: said once
+    out = site.feed(job("j2", JobState.ENDED, 24, ("B",), at=4))
+    assert [(o.job_id, o.action) for o in out] == [("j2", PowerAction.RELEASE)] and site.pm.machine.gated == set()
 
 
 def test_a_placed_job_takes_power_from_any_running_job_above_its_min_when_the_proportional_steal_falls_short():
@@ -310,6 +332,57 @@ def test_a_real_deployment_gets_caps_once_the_site_publishes_processors_or_is_to
     assert d.plan is not None and len({c.cap_watts for c in d.plan.caps}) == 1
 
 
+def test_a_real_deployment_gets_caps_from_the_agents_own_powercap_discovery(tmp_path):
+    """(p4: before, the only inventory was Slurm's, without processors: every job was deferred and no
+    cap was ever written.) The node agent with --power-caps --power-min-watts publishes its packages
+    (max from constraint_0_max_power_uw) as a processors-only record keyed <node>/processors; the
+    power manager caps the job on them; the placement manager ignores the record (Slurm's says the
+    node is DOWN, and stays so)."""
+    from factories import powercap_tree
+    from unit.test_agent import FakeSource, NoBroker
+
+    from nodeshare.producers.agent.spool import Spool
+
+    def spooled(at, name):
+        spool = Spool(at / name)
+        try:
+            return [json.loads(r[3]) for r in spool.after(0, 1000)]
+        finally:
+            spool.close()
+
+    from nodeshare.producers.agent.agent import Agent, AgentOptions
+    from nodeshare.schemas.catalog import key_of
+
+    root = powercap_tree(tmp_path / "powercap", packages=2, max_uw=150_000_000)
+    (root / "intel-rapl:2").mkdir()  # a package without a readable max: left out
+    agents = {}
+    for min_w in (None, 40.0):
+        options = AgentOptions(node="A", spool=tmp_path / f"spool{min_w}.db", hardware_counters=False,
+                               power_caps=True, powercap_root=root, power_min_watts=min_w)
+        agent = Agent(options, FakeSource({}, {}), NoBroker, lambda name: name)  # type: ignore[arg-type]
+        agents[min_w] = agent.processors()
+        agent.run(duration_s=0.0, drain_s=0.0)  # what it spools at its start
+    published = [e for e in spooled(tmp_path, "spool40.0.db") if e["kind"] == "node_inventory"]
+    assert [(e["node"], e["processors_only"], len(e["processors"])) for e in published] == [("A", True, 2)]
+    assert agents[None] is None  # no floor given: nothing published (and logged why)
+    packages = agents[40.0]
+    assert packages is not None and packages.processors_only and key_of(packages) == b"A/processors"
+    assert [(p.processor, p.min_watts, p.max_watts) for p in packages.processors] == [(0, 40.0, 150.0),
+                                                                                   (1, 40.0, 150.0)]
+    site = Site(1000.0)
+    nodes = parse_nodes("NodeName=A CPUTot=32 Sockets=2 State=IDLE\nNodeName=B CPUTot=32 Sockets=2 State=DOWN\n")
+    slurm = slurm_inventory(nodes, "c", 11, 50.0, T0)
+    site.feed(*slurm, packages)
+    [d] = site.feed(job("j1", JobState.STARTED, 32, ("A",), at=5))
+    assert d.action is PowerAction.START and caps_of(d) == {("A", 0), ("A", 1)}
+    assert all(40.0 <= c.cap_watts <= 150.0 for c in d.plan.caps)  # type: ignore[union-attr]
+    placement = PlacementManager()
+    for r in (*slurm, packages.model_copy(update={"node": "B"})):
+        placement.apply(TOPIC_OF_RECORD[type(r)].name, encode(r))
+    assert placement.scheduler is not None
+    assert placement.scheduler.loads["B"].capacity.usable is False  # the agent's record did not make B usable
+
+
 # ------------------------------------------------------------------ the budget holds at every step
 
 LO = (0.0, 40.0, 51.0, 70.0)  # a fixed budget of 450 W covers 6 processors at the highest min power
@@ -360,3 +433,51 @@ def test_for_any_events_the_budget_holds_at_every_step_and_every_cap_is_inside_i
         assert all(_occupied(m, r, owner)[0] == [] for r in m.deferred)
         for d in out:
             assert d.machine_allocated_watts <= d.machine_budget_watts
+
+
+# ------------------------------------------------------------------ the agents' fold, in any interleaving
+
+
+def _partition(job_id: str) -> int:
+    from aiokafka.partitioner import murmur2
+
+    return (murmur2(job_id.encode()) & 0x7FFFFFFF) % 4  # decisions.power: 4 partitions keyed by job
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seq=events, budget=st.sampled_from([450.0, 800.0]), known=st.lists(inventories, min_size=1, max_size=3),
+       rnd=st.randoms(use_true_random=False))
+def test_every_interleaving_of_the_partitions_gives_the_managers_caps_and_the_budget_holds_at_every_prefix(
+        seq, budget, known, rnd):
+    """The production fold (streams.core.power.caps.CapFold, which the agent runs) fed the manager's
+    decisions merged from their 4 partitions in a random order that keeps each partition's own:
+    every node ends at the manager's caps, and after every record each node holds caps the manager
+    decided for it at some point, within the budget (across nodes, one agent may be a few records
+    behind another for as long as delivery lags: docs/decisions.md). (Before: the fold applied running_updates in
+    arrival order; a3's interleaving held 375 W of a 300 W budget.)"""
+    site = Site(budget)
+    for i, ev in enumerate([*known, *seq]):
+        site.feed(build(i, ev))
+    log = site.decisions
+    states: dict[str, list[dict[int, float]]] = {n: [{}] for n in NODES}  # each node's caps after each decision
+    in_order = {n: CapFold(n) for n in NODES}
+    for d in log:
+        for n, a in in_order.items():
+            a.apply(d)
+            states[n].append(a.caps())
+    parts = [[d for d in log if _partition(d.job_id) == p] for p in range(4)]
+    merged = []
+    while any(parts):
+        merged.append(rnd.choice([p for p in parts if p]).pop(0))
+    merged += rnd.sample(merged, min(3, len(merged)))  # and some redelivered
+    agents = {n: CapFold(n) for n in NODES}
+    for d in merged:
+        for n, a in agents.items():
+            a.apply(d)
+            assert a.caps() in states[n]
+            assert sum(a.caps().values()) <= budget + 1e-9
+    truth = site.held()
+    assert {(n, p): w for n, a in agents.items() for p, w in a.caps().items()} == truth
+    m = site.pm.machine
+    assert truth == {p: w / 1000 for j in m.running.values() for p, w in zip(j.processors, j.caps_mw, strict=True)}
+    assert all(a.jobs() <= set(m.running) for a in agents.values())  # ended jobs are forgotten

@@ -9,7 +9,17 @@ from pathlib import Path
 
 from factories import POLICY, archive_records, batch, block, job_event, left
 
-from nodeshare.schemas import SCHEMA_VERSION, Charge, DeadLetter, JobLeftNode, JobState, decode_model, encode
+from nodeshare.schemas import (
+    SCHEMA_VERSION,
+    Charge,
+    DeadLetter,
+    JobLeftNode,
+    JobState,
+    NodeInventory,
+    PowerDecision,
+    decode_model,
+    encode,
+)
 from nodeshare.schemas.events import ADDED_IN, carried
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
@@ -42,6 +52,8 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
 
 def test_this_build_writes_version_6_and_reads_1_to_6():
     assert SCHEMA_VERSION == 6
+    assert ADDED_IN[PowerDecision] == {"node_caps": 6, "resumes": 6}
+    assert ADDED_IN[NodeInventory] == {"usable": 5, "processors_only": 6}
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
                                 "evidence_problems": 5, "node_summary": 5, "degradation_point": 6,
                                 "degradation_low": 6, "degradation_high": 6, "interval_method": 6,
@@ -138,3 +150,53 @@ def test_version_6_adds_the_node_down_record_and_a_version_5_run_is_charged_as_t
     down = NodeDown(event_id="d", source="slurm/c", event_time=RUN[-1].event_time, job_id="old", node="n1",
                     reason="NODE_FAIL")
     assert adapter(NODE_IPC).validate_json(encode(down)) == down and down.schema_version == 6
+
+
+def _power_log() -> list[PowerDecision]:
+    from datetime import UTC, datetime, timedelta
+
+    from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE
+    from nodeshare.schemas.events import JobEvent, NodeInventory, ProcessorSpec
+    from nodeshare.streams.core.power.stream import PowerManager
+
+    t0 = datetime(2026, 3, 1, tzinfo=UTC)
+    pm = PowerManager(300.0)
+    pm.apply(CLUSTER_INVENTORY.name, encode(NodeInventory(
+        event_id="inv", source="t", event_time=t0, node="A", cores=48, sockets=4, llc_ways=20, mem_bandwidth_gbps=1.0,
+        processors=tuple(ProcessorSpec(processor=i, min_watts=51.0, max_watts=120.0) for i in range(4)))))
+    out: list[PowerDecision] = []
+    for i, (job, state) in enumerate([("b", JobState.STARTED), ("c", JobState.STARTED), ("b", JobState.ENDED)]):
+        t = t0 + timedelta(seconds=i + 1)
+        out += pm.apply(JOBS_LIFECYCLE.name, encode(JobEvent(
+            event_id=f"{job}-{state.value}", source="t", event_time=t, job_id=job, state=state, user="u", account="a",
+            program="EP", cores=12, nodes=("A",), submit_time=t0, start_time=t0,
+            end_time=t if state is JobState.ENDED else None)))
+    return out
+
+
+def test_a_version_5_power_decision_reads_without_node_caps_and_is_folded_in_arrival_order():
+    """Version 6 added ``node_caps`` (each changed node's sequence and caps). A version-5 decision has
+    none: the agent's fold applies it as it arrives (the rule before version 6); once the node holds
+    a sequenced state, version-5 decisions (older: written before the upgrade) change nothing."""
+    from nodeshare.schemas.events import carried
+    from nodeshare.streams.core.power.caps import CapFold
+
+    log = _power_log()
+    assert [d.node_caps[0].sequence for d in log] == [1, 2, 3] and all(len(d.node_caps) == 1 for d in log)
+    v5 = [decode_model(PowerDecision, as_version(d, 5, drop=("node_caps", "resumes"))) for d in log]
+    assert all(d.node_caps == () and not carried(d, "node_caps") for d in v5) and carried(log[0], "node_caps")
+    old, new = CapFold("A"), CapFold("A")
+    for d5, d6 in zip(v5, log, strict=True):
+        old.apply(d5)
+        new.apply(d6)
+    assert old.caps() == new.caps() and old.sequence == 0 and new.sequence == 3
+    # after the upgrade: a late version-5 record (c's start, re-delivered) does not move a sequenced node
+    assert new.apply(v5[1]) == {} and new.apply(v5[0]) == {}
+    assert new.jobs() == {"c"}  # b released: forgotten
+
+
+def test_a_version_6_power_decision_carries_the_changed_nodes_sequence_and_caps():
+    d = json.loads(encode(_power_log()[0]))
+    assert d["schema_version"] == 6
+    assert d["node_caps"] == [{"node": "A", "sequence": 1, "caps": [
+        {"processor": 0, "job_id": "b", "cap_watts": d["plan"]["caps"][0]["cap_watts"]}]}]

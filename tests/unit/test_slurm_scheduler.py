@@ -149,3 +149,67 @@ def test_a_slurm_it_cannot_reach_stops_the_batch_to_try_it_again():
     sink = SlurmScheduler(Settings(), commands, dead_letters=Letters())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="Unable to contact"):
         sink.write([_Msg("decisions.placement", encode(decision("7", PlacementAction.PLACE, ("c1",))), 0)])  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- the power-gated start
+
+
+class Jobs:
+    """Slurm's jobs by state; records the commands run."""
+
+    def __init__(self, **states: str) -> None:
+        self.states = states
+        self.ran: list[tuple[str, ...]] = []
+
+    def job(self, job_id: str) -> SlurmJob | None:
+        state = self.states.get(job_id)
+        return None if state is None else SlurmJob(job_id, state, "None")
+
+    def run(self, command: tuple[str, ...]) -> None:
+        self.ran.append(command)
+        self.states[command[2]] = {"suspend": "SUSPENDED", "resume": "RUNNING"}[command[1]]
+
+
+def power_log() -> list:
+    """Real manager decisions: j1 takes node C; j2 on B cannot get its processors' min power (it is
+    suspended); j1 ends, j2 gets its power (it is resumed)."""
+    from unit.test_power_decisions_right import NODES, Site, inv, job
+
+    from nodeshare.schemas.events import JobState
+
+    site = Site(200.0)
+    site.feed(*(inv(n, 2) for n in NODES))
+    site.feed(job("j1", JobState.STARTED, 24, ("C",)), job("j2", JobState.STARTED, 24, ("B",), at=1),
+              job("j1", JobState.ENDED, 24, ("C",), at=2))
+    return site.decisions
+
+
+def test_a_power_gated_job_is_suspended_and_resumed_when_its_power_is_found():
+    """(p2/p2b: before, the scheduler did nothing with a power decision and j2 ran uncapped.)"""
+    from nodeshare.schemas.events import PowerAction
+
+    log = power_log()
+    assert [(d.job_id, d.action) for d in log] == [("j1", PowerAction.START), ("j2", PowerAction.SUSPEND),
+                                                   ("j1", PowerAction.RELEASE), ("j2", PowerAction.START)]
+    slurm = Jobs(j1="RUNNING", j2="RUNNING")
+    seen: list = []
+    sink = SlurmScheduler(Settings(), slurm, on_plan=lambda d, p: seen.append((d.job_id, p.outcome)))  # type: ignore[arg-type]
+    sink.write([_Msg("decisions.power", encode(d), i) for i, d in enumerate(log[:2])])  # type: ignore[arg-type]
+    assert slurm.ran == [("scontrol", "suspend", "j2")] and slurm.states["j2"] == "SUSPENDED"
+    assert seen == [("j2", "applied")]  # j1's caps are the agents' business: nothing run, nothing said
+    sink.write([_Msg("decisions.power", encode(d), i + 2) for i, d in enumerate(log[2:])])  # type: ignore[arg-type]
+    assert slurm.ran[1:] == [("scontrol", "resume", "j2")] and slurm.states["j2"] == "RUNNING"
+    # Delivered again (the adapter died before committing): one job's decisions share a partition,
+    # so they come again in order and leave the job as the last one says.
+    sink.write([_Msg("decisions.power", encode(d), i) for i, d in enumerate(log)])  # type: ignore[arg-type]
+    assert slurm.states["j2"] == "RUNNING"
+
+
+def test_a_power_gate_for_a_job_slurm_no_longer_runs_is_skipped():
+    from nodeshare.producers.slurm_scheduler import power_plan
+
+    suspend, resume = power_log()[1], power_log()[3]
+    assert power_plan(suspend, None).outcome == "skipped"
+    assert power_plan(suspend, SlurmJob("j2", "COMPLETED", "None")).commands == ()
+    assert power_plan(resume, SlurmJob("j2", "RUNNING", "None")).commands == ()  # an operator resumed it
+    assert power_plan(resume, SlurmJob("j2", "SUSPENDED", "None")).commands == (("scontrol", "resume", "j2"),)

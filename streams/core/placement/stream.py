@@ -177,6 +177,10 @@ class PlacementManager:
     phases: JobPhases = field(default_factory=JobPhases)  # duplicate and late lifecycle events change nothing
     skipped: int = 0
 
+    def config(self) -> tuple[object, ...]:
+        """What the manager was configured with (a snapshot under another is not used)."""
+        return (self.policy, self.age_limit_s, self.pairing, self.prefix)
+
     def apply(self, topic: str, value: bytes | None) -> list[Record]:
         try:
             record = decode(spec_for_topic(topic, self.prefix), value)
@@ -191,6 +195,8 @@ class PlacementManager:
         out: list[Record] = [self.book.profile(p) for p in sorted(changed)]
         if isinstance(record, DegradationEstimate) and record.final and changed:
             self.pairs.refresh(self.book)  # measured pairs change only here
+        if isinstance(record, NodeInventory) and record.processors_only:
+            return out  # a node agent's packages: power's business; Slurm's record says the node
         if isinstance(record, NodeInventory):
             cap = NodeCapacity(record.cores, record.llc_ways, record.mem_bandwidth_gbps, record.usable)
             if self.scheduler is None:

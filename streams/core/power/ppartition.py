@@ -29,8 +29,10 @@ A job the resource manager has already placed (``JobRequest.per_node``: the stre
 at its ``started`` event, on its real nodes) is not the paper's job: it occupies all its processors
 whatever PTune would prefer, so every one of them is capped (n is fixed), power is stolen from
 running jobs down to their min power when that is what it takes, and it is deferred (uncapped, said
-why, retried at each release) only when even that cannot find its processors' min power. Inventory
-changes are reconciled (``set_node``, ``refit``): a processor a running job holds keeps its limits
+why, retried at each release) when its processors are unknown or all held already; when even
+that cannot find its processors' min power it is suspended (a power-gated start: ``suspend``, the
+Slurm adapter suspends it until its ``start``): uncapped, it would take the machine over its
+budget. Inventory changes are reconciled (``set_node``, ``refit``): a processor a running job holds keeps its limits
 until the job ends, and caps are re-fitted into changed limits.
 """
 
@@ -95,7 +97,7 @@ class RunningJob(Plan):
 class Outcome:
     """What one dispatch or release decided, with the inputs that justify it."""
 
-    action: Literal["start", "defer", "release", "retune"]
+    action: Literal["start", "defer", "release", "retune", "suspend"]
     request: JobRequest
     plan: Plan | None
     updates: tuple[Plan, ...]  # running jobs whose caps changed
@@ -107,6 +109,7 @@ class Outcome:
     candidates: int = 0
     characterized: int = 0
     stolen_mw: tuple[tuple[str, int], ...] = ()
+    resumes: bool = False  # a start of a job a suspend gated
 
 
 @dataclass
@@ -123,6 +126,7 @@ class Machine:
     #: forgotten when the job ends)
     retired: set[ProcessorId] = field(default_factory=set)
     budget_from_limits: bool = False  # the budget is the sum of the known processors' max power
+    gated: set[str] = field(default_factory=set)  # deferred jobs told to suspend (a power-gated start)
 
     @property
     def allocated_mw(self) -> int:
@@ -260,11 +264,12 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
         reason = "repartitioned: fair share Pm/c * n / (n + N_alloc), stolen in proportion to budgets"
     inputs = Outcome("defer", req, None, (), "", fair_share_mw=share, unused_before_mw=unused, n_lo=tuning.n_lo,
                      n_hi=tuning.n_hi, candidates=len(free), characterized=characterized)
-    if tuning.n_opt < need_n and placed:
-        return replace(inputs, reason=f"over budget: its {need_n} processors need "
-                                      f"{sum(c.min_mw for c in ordered) / 1000:g} W at min power and only "
-                                      f"{share / 1000:g} W can be found (the budget is below the busy processors' "
-                                      "min power); it runs uncapped until power is freed")
+    if tuning.n_opt < need_n and placed:  # power-gated: it may not run on processors the budget cannot hold
+        return replace(inputs, action="suspend",
+                       reason=f"over budget: its {need_n} processors need "
+                              f"{sum(c.min_mw for c in ordered) / 1000:g} W at min power and only "
+                              f"{share / 1000:g} W can be found (the budget is below the busy processors' "
+                              "min power); suspended until power is freed")
     if tuning.n_opt < need_n:
         return replace(inputs, reason=f"power for {tuning.n_opt} processors, at least {need_n} needed")
     job = RunningJob(req.job_id, tuning.processors, tuning.caps_mw, tuning.ips, req)
@@ -280,8 +285,8 @@ def dispatch(machine: Machine, req: JobRequest) -> Outcome:
     if machine.policy.admit == "throughput":
         lost = sum(machine.running[j].ips - shrunk[j].ips for j in shrunk)
         if job.ips < lost:
-            return replace(inputs, reason=f"throughput policy: starting would add {job.ips:.1f} GIPS and cost "
-                                          f"running jobs {lost:.1f}")
+            why = f"throughput policy: starting would add {job.ips:.1f} GIPS and cost running jobs {lost:.1f}"
+            return replace(inputs, action="suspend" if placed else "defer", reason=why)
     for job_id, new in shrunk.items():
         machine.running[job_id] = new
     machine.running[req.job_id] = job
@@ -301,6 +306,7 @@ def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
     if job is None:
         before = len(machine.deferred)
         machine.deferred = [r for r in machine.deferred if r.job_id != job_id]
+        machine.gated.discard(job_id)
         req = JobRequest(job_id, "", 0, trigger=trigger)
         why = "ended while deferred" if len(machine.deferred) < before else "was never started by the power manager"
         return [Outcome("release", req, None, (), why)]
@@ -312,22 +318,30 @@ def release(machine: Machine, job_id: str, trigger: str = "") -> list[Outcome]:
     started = [replace(o, plan=updates.pop(o.request.job_id, o.plan)) for o in started]
     freed = Outcome("release", replace(job.request, trigger=trigger or job.request.trigger), _plan(job_id, job),
                     tuple(updates.values()), f"freed {len(job.processors)} processors; "
-                    f"{len(started)} deferred jobs started; policy {machine.policy.release}",
+                    f"{sum(o.action == 'start' for o in started)} deferred jobs started; "
+                    f"policy {machine.policy.release}",
                     unused_before_mw=unused_before)
     return [freed, *started]
 
 
 def retry_deferred(machine: Machine) -> list[Outcome]:
     """Dispatch the deferred jobs again, oldest first (after a job ends or processors appear);
-    returns the starts, and keeps the others deferred in their order."""
+    returns the starts, and the first suspend of each job that must now be suspended; keeps the
+    others deferred in their order."""
     started: list[Outcome] = []
     waiting, machine.deferred = machine.deferred, []
     for req in waiting:
         out = dispatch(machine, req)
         if out.action == "start":
+            if req.job_id in machine.gated:
+                machine.gated.discard(req.job_id)
+                out = replace(out, resumes=True)
             started.append(out)
         else:
             machine.deferred.append(req)
+            if out.action == "suspend" and req.job_id not in machine.gated:  # e.g. its processors became known
+                machine.gated.add(req.job_id)
+                started.append(out)
     return started
 
 

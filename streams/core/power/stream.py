@@ -7,7 +7,10 @@ same event ids, which is how a restarted worker rebuilds its state and how dupli
 
 A job is dispatched at its ``started`` event, on the nodes it really runs on: it occupies, on each,
 the processors its cores need there, and every one of them is capped (``submitted`` decides nothing:
-a job not yet placed has no processors, and a power decision cannot hold a job back). Lifecycle
+a job not yet placed has no processors; a job the budget cannot hold is suspended, ``suspend``,
+and later started with ``resumes``). Each decision states every node whose caps it changed, with
+the node's sequence number (``node_caps``: the agents' fold needs no order across partitions).
+``config`` names what a snapshot must share to be used (``streams.core.snapshot``). Lifecycle
 events that do not move a job forward change nothing (``streams.core.lifecycle``, the rule the
 placement manager follows). An inventory record without processors (the Slurm adapter's) says
 nothing about them: the processors known stay; one that changes limits re-fits running caps
@@ -26,9 +29,11 @@ from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.events import (
     TERMINAL_STATES,
     DeadLetter,
+    HeldCap,
     JobEvent,
     JobPowerPlan,
     JobState,
+    NodeCapState,
     NodeInventory,
     PowerAction,
     PowerDecision,
@@ -40,6 +45,7 @@ from nodeshare.schemas.events import (
 from nodeshare.schemas.serde import DecodeError, decode
 
 from ..lifecycle import JobPhases, Phase
+from .caps import node_caps
 from .curves import to_mw, to_w
 from .ppartition import (
     JobRequest,
@@ -101,10 +107,17 @@ class PowerManager:
     #: the latest decision's time: a decision is stamped with its trigger's time, or this when later,
     #: so decisions' times never go back in log order (an agent orders a job's plans by them)
     clock: datetime | None = None
+    #: per node, how many decisions changed its caps, and the caps the last of them stated
+    sequences: dict[str, int] = field(default_factory=dict)
+    stated: dict[str, tuple[HeldCap, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.machine = Machine(budget_mw=to_mw(self.budget_watts or 0.0), policy=self.policy,
                                budget_from_limits=self.budget_watts is None)
+
+    def config(self) -> tuple[object, ...]:
+        """What the manager was configured with (a snapshot under another is not used)."""
+        return (self.budget_watts, self.policy, self.prefix)
 
     def apply(self, topic: str, value: bytes | None) -> list[PowerDecision]:
         try:
@@ -164,8 +177,10 @@ class PowerManager:
             self.requests[job.job_id] = job
             req = self._request(job)
             out = dispatch(self.machine, req)
-            if out.action == "defer":
+            if out.action in ("defer", "suspend"):
                 self.machine.deferred.append(req)
+            if out.action == "suspend":
+                self.machine.gated.add(req.job_id)
             return [self._record(out, job.event_time)]
         if job.state in TERMINAL_STATES:
             self.requests.pop(job.job_id, None)
@@ -183,13 +198,24 @@ class PowerManager:
         req, pol = out.request, self.machine.policy
         at = self.clock = at if self.clock is None or at > self.clock else self.clock
         trigger = req.trigger
+        now = node_caps((j, zip(job.processors, map(to_w, job.caps_mw), strict=True))
+                        for j, job in self.machine.running.items())
+        states = []
+        for node in sorted(now.keys() | self.stated.keys()):
+            if now.get(node, ()) != self.stated.get(node, ()):
+                self.sequences[node] = seq = self.sequences.get(node, 0) + 1
+                states.append(NodeCapState(node=node, sequence=seq, caps=now.get(node, ())))
+                if node in now:
+                    self.stated[node] = now[node]
+                else:
+                    del self.stated[node]
         return PowerDecision(
             event_id=str(uuid.uuid5(NAMESPACE, f"{trigger}/{req.job_id}/{out.action}")), source=SOURCE,
             event_time=at, job_id=req.job_id, action=PowerAction(out.action),
             plan=self._plan(out.plan) if out.plan else None,  # for a release: what is freed
             running_updates=tuple(self._plan(p) for p in out.updates),
             machine_budget_watts=to_w(self.machine.budget_mw), machine_allocated_watts=to_w(self.machine.allocated_mw),
-            reason=out.reason,
+            reason=out.reason, node_caps=tuple(states), resumes=out.resumes,
             inputs=PowerInputs(
                 trigger_event_id=trigger, program=req.program, requested_processors=req.n_req,
                 candidate_processors=out.candidates, characterized_processors=out.characterized,

@@ -1,0 +1,75 @@
+"""A decision maker's state as of an offset of its log: what survives the log's retention.
+
+The placement and power managers are deterministic folds of a single-partition log
+(``placement.cluster``, ``power.machine``) that deletes old records. A restarted worker rebuilds a
+manager from its latest snapshot (a compacted topic beside the log) and folds only the log after
+it: the same state as folding the whole log, whatever retention has deleted before the snapshot.
+
+A snapshot is ``dump(manager, offset)``: a header (format, the log offset the state is after, the
+manager's configuration, a digest) and the pickled manager. ``load`` refuses a snapshot of another
+format or a damaged one (``SnapshotError``), and ``usable`` one taken under another configuration
+(a changed budget or policy: the log is folded from its start again, as without snapshots).
+Pickle runs code on load: the snapshot topics must be writable by the stream worker only (as its
+log topics are: docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any
+
+FORMAT = 1
+MAGIC = b"nodeshare-snapshot"
+
+
+class SnapshotError(ValueError):
+    """A snapshot this build cannot use."""
+
+
+def config_of(manager: Any) -> str:
+    """What a manager was configured with (its ``config()``): a snapshot under another is not used."""
+    return repr(manager.config())
+
+
+def dump(manager: Any, offset: int) -> bytes:
+    """The manager's state after the log's records before ``offset``."""
+    body = pickle.dumps(manager, protocol=pickle.HIGHEST_PROTOCOL)
+    head = f"{FORMAT} {offset} {hashlib.sha256(body).hexdigest()} {config_of(manager)}".encode()
+    return MAGIC + b" " + head + b"\n" + body
+
+
+def header(raw: bytes) -> tuple[int, str, bytes]:
+    """(offset, configuration, pickled state) of a snapshot, checked but not unpickled; raises
+    SnapshotError."""
+    head, sep, body = raw.partition(b"\n")
+    parts = head.split(b" ", 4)
+    if not sep or len(parts) != 5 or parts[0] != MAGIC:
+        raise SnapshotError("not a nodeshare snapshot")
+    if parts[1] != str(FORMAT).encode():
+        raise SnapshotError(f"snapshot format {parts[1].decode(errors='replace')}; this build reads {FORMAT}")
+    if hashlib.sha256(body).hexdigest().encode() != parts[3]:
+        raise SnapshotError("snapshot damaged: its digest does not match")
+    return int(parts[2]), parts[4].decode(), body
+
+
+def load(raw: bytes) -> tuple[int, str, Any]:
+    """(offset, configuration, manager) of a snapshot; raises SnapshotError."""
+    offset, config, body = header(raw)
+    try:
+        return offset, config, pickle.loads(body)  # the worker's own topic
+    except Exception as exc:  # a class renamed since: fold the log instead
+        raise SnapshotError(f"snapshot unreadable: {exc}") from exc
+
+
+def usable(raw: bytes | None, fresh: Any) -> tuple[int, Any]:
+    """Where to fold the log from, and the manager to fold into: the snapshot's when it is one of
+    this format and configuration; else 0 and ``fresh``. (A snapshot is taken only between records,
+    after a record's decisions were sent: one past where consumption would resume holds those
+    records already, and consumption resumes after it.)"""
+    if raw is None:
+        return 0, fresh
+    offset, config, manager = load(raw)
+    if config != config_of(fresh) or type(manager) is not type(fresh):
+        return 0, fresh
+    return offset, manager
