@@ -180,16 +180,40 @@ def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[s
         sample_us: SampleUs = 3200,
         period_ms: PeriodMs = 200,
         estimator: EstimatorOpt = "refill_corrected",
+        mix: Annotated[str, typer.Option(
+            help="pairs (every pair run to completion: Fig. 10-12), trace-times (run times from --trace), "
+                 "arrivals (co-runners arriving and leaving mid-run), short-phases (bursts shorter than S), "
+                 "thrashing (the programs of largest LLC demand paired), or all-mixes: a per-job report per "
+                 "mix and overall")] = "pairs",
+        jobs: Annotated[int | None, typer.Option(
+            min=1, help="jobs of trace-times and arrivals, pairs of short-phases (default: 4 per program)")] = None,
+        trace: Annotated[Path | None, typer.Option(
+            exists=True, dir_okay=False, help="Standard Workload Format trace whose run times trace-times draws")]
+        = None,
+        max_run_s: Annotated[float, typer.Option(
+            min=5.0, help="trace-times: run times are clipped to [5 s, this] so a run ends in minutes")] = 3600.0,
     ) -> None:
         from nodeshare.experiments import poppa
+        from nodeshare.experiments.mixes import MIX_NAMES, mixes_table, plot_mixes
 
+        if mix not in MIX_NAMES:
+            raise typer.BadParameter(f"must be one of {', '.join(MIX_NAMES)}", param_hint="--mix")
+        if mix == "trace-times" and trace is None:
+            raise typer.BadParameter("the trace-times mix draws its run times from --trace", param_hint="--trace")
         lib = program_library(profiles)
         with progress_bar() as bar:
-            bar.add_task("simulating and charging", total=None)
+            task = bar.add_task("simulating and charging", total=None)
+            kwargs: dict[str, Any] = {}
+            if mix != "pairs":
+                kwargs = {"mix": mix, "jobs": jobs, "trace": trace, "max_run_s": max_run_s}
+                bar.update(task, description=f"simulating and charging: {mix}")
             r: dict[str, Any] = getattr(poppa, f"experiment_{kind}")(
                 seed=seed, iterations=iterations, library=lib, programs=chosen_programs(programs, lib, profiles),
-                sample_us=sample_us, period_ms=period_ms, estimator=checked_estimator(estimator))
-        experiment_out(r, as_json, png, getattr(poppa, f"plot_{kind}"), summary(r))
+                sample_us=sample_us, period_ms=period_ms, estimator=checked_estimator(estimator), **kwargs)
+        if mix == "pairs":
+            experiment_out(r, as_json, png, getattr(poppa, f"plot_{kind}"), summary(r))
+        else:
+            experiment_out(r, as_json, png, plot_mixes, mixes_table(r))
 
     command.__doc__ = doc
     return command

@@ -24,6 +24,7 @@ import numpy as np
 from nodeshare.experiments import pyplot, save
 from nodeshare.producers.calibrated import CalibratedConfig, JobTruth, run_pairwise
 from nodeshare.producers.calibrated_records import with_records
+from nodeshare.producers.mixes import MAX_RUN_S
 from nodeshare.producers.workloads import BUILTIN, PAIRWISE, Workload
 from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
 from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
@@ -100,8 +101,17 @@ ERROR_BOUND_PCT = 6.0
 
 def experiment_pairwise(seed: int = 7, iterations: int = 5, sample_us: int = 3200, period_ms: int = 200,
                         programs: Sequence[str] = PAIRWISE, library: dict[str, Workload] | None = None,
-                        estimator: str = DEFAULT_ESTIMATOR) -> dict[str, Any]:
-    """Every estimator is scored; ``estimator`` is the one the headline numbers name (applied)."""
+                        estimator: str = DEFAULT_ESTIMATOR, mix: str = "pairs", jobs: int | None = None,
+                        trace: Path | None = None, max_run_s: float = MAX_RUN_S) -> dict[str, Any]:
+    """Every estimator is scored; ``estimator`` is the one the headline numbers name (applied).
+    With ``mix`` other than ``pairs``: the mixes' per-job report (:func:`experiment_mixes`),
+    whose ``run_time_mae_pct`` is this experiment's run-time prediction error, per job."""
+    if mix != "pairs":
+        from nodeshare.experiments.mixes import experiment_mixes
+
+        return experiment_mixes("pairwise", mix, seed=seed, iterations=iterations, sample_us=sample_us,
+                                period_ms=period_ms, programs=programs, library=library, estimator=estimator,
+                                jobs=jobs, trace=trace, max_run_s=max_run_s)
     lib = library or BUILTIN
     rows = _scored(seed, iterations, sample_us, period_ms, programs, lib, estimator)
     errors: dict[str, dict[tuple[str, str], list[float]]] = {e: defaultdict(list) for e in ESTIMATES}
@@ -127,14 +137,33 @@ def experiment_pairwise(seed: int = 7, iterations: int = 5, sample_us: int = 320
             "max_abs_err_pct": summary[applied]["max_abs_err_pct"], "pairs": len(programs) ** 2,
             "runs": len(rows), "programs": list(programs), "iterations": iterations, "seed": seed,
             "sample_us": sample_us, "period_ms": period_ms, "estimators": summary, "error_pct": mats,
-            "degradation_pct": deg, "mean_degradation_pct": float(np.mean(deg))}
+            "degradation_pct": deg, "mean_degradation_pct": float(np.mean(deg)), "mix": "pairs"}
 
 
 def experiment_pricing(seed: int = 7, iterations: int = 5, sample_us: int = 3200, period_ms: int = 200,
                        programs: Sequence[str] = PAIRWISE, library: dict[str, Workload] | None = None,
-                       estimator: str = DEFAULT_ESTIMATOR) -> dict[str, Any]:
+                       estimator: str = DEFAULT_ESTIMATOR, mix: str = "pairs", jobs: int | None = None,
+                       trace: Path | None = None, max_run_s: float = MAX_RUN_S) -> dict[str, Any]:
     """Fig. 12: for every (program, co-runner), the price of its runs relative to the solo
-    baseline L * C * T_solo, under SOP (L * C * T_co), POPPA (the ledger's charge) and the oracle."""
+    baseline L * C * T_solo, under SOP (L * C * T_co), POPPA (the ledger's charge) and the oracle.
+    With ``mix`` other than ``pairs``: the mixes' per-job report (:func:`experiment_mixes`)."""
+    from nodeshare.experiments.mixes import DEGRADATION_TRUTH, experiment_mixes, job_row, mix_metrics
+
+    if mix != "pairs":
+        return experiment_mixes("pricing", mix, seed=seed, iterations=iterations, sample_us=sample_us,
+                                period_ms=period_ms, programs=programs, library=library, estimator=estimator,
+                                jobs=jobs, trace=trace, max_run_s=max_run_s)
+    r = _pricing_pairs(seed, iterations, sample_us, period_ms, programs, library, estimator)
+    rows = [job_row("pairs", t, c) for _, _, t, c in
+            _scored(seed, iterations, sample_us, period_ms, programs, library or BUILTIN, estimator)]
+    metrics = mix_metrics(rows)
+    return {**r, "mix": "pairs", "degradation_truth": DEGRADATION_TRUTH, "mixes": {"pairs": metrics},
+            "overall": metrics, "job_rows": rows}
+
+
+def _pricing_pairs(seed: int, iterations: int, sample_us: int, period_ms: int, programs: Sequence[str],
+                   library: dict[str, Workload] | None, estimator: str) -> dict[str, Any]:
+    """Fig. 12 on pairs run to completion, per (program, co-runner)."""
     lib = library or BUILTIN
     rows = _scored(seed, iterations, sample_us, period_ms, programs, lib, estimator)
     acc: dict[tuple[str, str], np.ndarray] = defaultdict(lambda: np.zeros(4))
