@@ -9,13 +9,17 @@ A snapshot is ``dump(manager, offset)``: a header (format, the log offset the st
 manager's configuration, a digest) and the pickled manager. ``load`` refuses a snapshot of another
 format or a damaged one (``SnapshotError``), and ``usable`` one taken under another configuration
 (a changed budget or policy: the log is folded from its start again, as without snapshots).
-Pickle runs code on load: the snapshot topics must be writable by the stream worker only (as its
-log topics are: docs/deployment.md).
+Pickle runs code on load, so the snapshot topics must be writable by the stream worker only (as its
+log topics are: docs/deployment.md), and ``load`` unpickles with an allowlist besides: only the
+pure core's and the schemas' own classes and functions, ``datetime`` and pydantic's time zone,
+and ``getattr`` for names that are not dunders. A snapshot that names anything else (``os.system``, a
+function's ``__globals__``) is refused as damaged, never run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
 from typing import Any
 
@@ -53,12 +57,37 @@ def header(raw: bytes) -> tuple[int, str, bytes]:
     return int(parts[2]), parts[4].decode(), body
 
 
+#: What a snapshot may name: modules of the pure core and the schemas (no I/O, no process), and these.
+_CORE_MODULES = ("nodeshare.streams.core.", "nodeshare.schemas.")
+_ALSO = {("datetime", "datetime"), ("datetime", "timedelta"), ("datetime", "timezone"),
+         ("pydantic_core._pydantic_core", "TzInfo")}
+
+
+def _public_getattr(obj: Any, name: str) -> Any:
+    """``getattr`` as a snapshot may use it: pickle reaches nested names and bound methods so
+    (``Class.method``, ``manager._veto``); a dunder (``__globals__``, ``__class__``) leaves the core."""
+    if name.startswith("__"):
+        raise pickle.UnpicklingError(f"a snapshot may not reach {name!r}")
+    return getattr(obj, name)
+
+
+class _CoreUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _public_getattr
+        if module.startswith(_CORE_MODULES) or (module, name) in _ALSO:
+            if name.startswith("__"):
+                raise pickle.UnpicklingError(f"a snapshot may not name {module}.{name}")
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a snapshot may not name {module}.{name}")
+
+
 def load(raw: bytes) -> tuple[int, str, Any]:
     """(offset, configuration, manager) of a snapshot; raises SnapshotError."""
     offset, config, body = header(raw)
     try:
-        return offset, config, pickle.loads(body)  # the worker's own topic
-    except Exception as exc:  # a class renamed since: fold the log instead
+        return offset, config, _CoreUnpickler(io.BytesIO(body)).load()  # the worker's own topic
+    except Exception as exc:  # a class renamed since, or a name outside the allowlist: fold the log instead
         raise SnapshotError(f"snapshot unreadable: {exc}") from exc
 
 

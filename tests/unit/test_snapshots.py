@@ -96,3 +96,35 @@ def test_a_snapshot_under_another_configuration_or_format_is_not_used():
         snapshot.load(raw.replace(b"nodeshare-snapshot 1 ", b"nodeshare-snapshot 9 ", 1))
     with pytest.raises(snapshot.SnapshotError, match="not a nodeshare snapshot"):
         snapshot.load(b"garbage")
+
+
+class _Runs:
+    """A pickle that runs a command on load (what anyone able to write the snapshot topic could send)."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/nodeshare-snapshot-pwned",))
+
+
+class _Reaches:
+    """A pickle that climbs from an allowed function to its module's globals."""
+
+    def __reduce__(self):
+        from nodeshare.streams.core.snapshot import config_of
+
+        return (getattr, (config_of, "__globals__"))
+
+
+@pytest.mark.parametrize("payload", [_Runs(), _Reaches()], ids=["os.system", "__globals__"])
+def test_a_snapshot_that_names_anything_outside_the_core_is_refused_never_run(tmp_path, payload):
+    import hashlib
+    import pickle
+
+    body = pickle.dumps(payload)
+    raw = snapshot.MAGIC + f" {snapshot.FORMAT} 7 {hashlib.sha256(body).hexdigest()} cfg".encode() + b"\n" + body
+    with pytest.raises(snapshot.SnapshotError, match="may not"):
+        snapshot.load(raw)
+    import os
+
+    assert not os.path.exists("/tmp/nodeshare-snapshot-pwned")
