@@ -52,7 +52,14 @@ from .pausing import FREEZER_ROOT, Pauser, Target
 from .power_decisions import CapFollower
 from .powercap import Powercap
 from .processes import Guard, Proc
-from .progress import ApplicationCounter, Counter, HardwareCounter, hardware_counters_unavailable, sample_between
+from .progress import (
+    ApplicationCounter,
+    Counter,
+    HardwareCounter,
+    ProgressRefused,
+    hardware_counters_unavailable,
+    sample_between,
+)
 from .resctrl import RESCTRL, Resctrl
 from .shutter import left_node, next_lone, shutter_window, triples
 from .spool import Forwarder, Spool, SpoolFull
@@ -186,6 +193,7 @@ class Agent:
         self.batcher.restore(self.spool.meta("batches", {}))
         self.jobs: dict[str, LocalJob] = {}
         self.counters: dict[str, Counter] = {}
+        self._refused: set[str] = set()  # jobs whose progress file was refused (progress.open_progress)
         self.lone: str | None = None
         self._frozen_until = 0.0  # no shutter before this (monotonic s): a freezer was stuck
         self._tick_ns: int | None = None  # the loop's last turn, for the time a job was alone
@@ -251,8 +259,20 @@ class Agent:
     # ------------------------------------------------------------------ jobs
 
     def _open_counter(self, job: LocalJob) -> Counter | None:
-        if job.progress is not None and job.progress.exists() and job.progress.stat().st_size >= 8:
-            return ApplicationCounter(job.progress, sorted(p.pid for p in job.procs))
+        if job.progress is not None and job.job_id not in self._refused:
+            ids = job.owner()
+            try:
+                if ids is None:
+                    raise ProgressRefused(0, f"progress file {job.progress}: the job's user is unknown (no process)")
+                return ApplicationCounter(job.progress, sorted(p.pid for p in job.procs), uid=ids[0], gid=ids[1])
+            except FileNotFoundError:
+                pass  # not written yet: tried again at the next rescan
+            except ProgressRefused as e:
+                # refused once and for all for this job: it is still paused and charged for its run
+                # time, measured by hardware counters if there are any, else without progress
+                self._refused.add(job.job_id)
+                log.warning("job %s: %s: refused, the job is measured without its progress file", job.job_id,
+                            e.strerror, extra=fields(job_id=job.job_id))
         if not self._hw_reason:
             try:
                 return HardwareCounter(sorted(p.pid for p in job.procs))
@@ -310,6 +330,7 @@ class Agent:
 
     def _job_left(self, job_id: str) -> None:
         st = self.state.pop(job_id)
+        self._refused.discard(job_id)
         counter = self.counters.pop(job_id, None)
         if counter is not None:
             counter.close()

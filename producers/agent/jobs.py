@@ -22,7 +22,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .pausing import FREEZER_ROOT
-from .processes import Proc, alive, children, descendants, identities, identity
+from .processes import Proc, alive, children, descendants, identities, identity, owner
 
 PROGRESS_ENV = "NODESHARE_PROGRESS_FILE"  # where a launched job finds its application counter
 
@@ -64,6 +64,15 @@ class LocalJob:
     @property
     def running(self) -> bool:
         return any(alive(p) for p in self.procs)
+
+    def owner(self) -> tuple[int, int] | None:
+        """The job's user and group: those of its first-started live process (Slurm's batch script
+        or step, a launched command), None when none is left."""
+        for p in sorted(self.procs, key=lambda p: p.start_ticks):
+            found = owner(p)
+            if found is not None:
+                return found
+        return None
 
 
 class JobSource(Protocol):
@@ -202,7 +211,9 @@ class SlurmJobs:
             if not procs:
                 continue
             progress = self.progress_dir / job_id
-            jobs[job_id] = LocalJob(job_id, procs, self._cgroup(job_id), progress if progress.exists() else None)
+            # lexists: a link in its place is named, so the agent refuses it with a log line
+            named = progress if os.path.lexists(progress) else None
+            jobs[job_id] = LocalJob(job_id, procs, self._cgroup(job_id), named)
         return jobs
 
     def exit_code(self, job_id: str) -> int | None:
