@@ -194,6 +194,7 @@ class Agent:
         self.jobs: dict[str, LocalJob] = {}
         self.counters: dict[str, Counter] = {}
         self._refused: set[str] = set()  # jobs whose progress file was refused (progress.open_progress)
+        self._told_sigstop = False  # the fallback from freezing to SIGSTOP is logged once
         self.lone: str | None = None
         self._frozen_until = 0.0  # no shutter before this (monotonic s): a freezer was stuck
         self._tick_ns: int | None = None  # the loop's last turn, for the time a job was alone
@@ -293,6 +294,12 @@ class Agent:
                     st = self.state[job_id] = PublishedJob(start=_now().isoformat())
                     log.info("job %s: %d processes%s", job_id, len(job.procs),
                              f", cgroup {job.cgroup}" if job.cgroup else "", extra=fields(job_id=job_id))
+                    if job.cgroup is None and not self._told_sigstop:
+                        self._told_sigstop = True
+                        log.warning("job %s has no cgroup to freeze (v1 freezer or v2 cgroup.freeze under %s): "
+                                    "pausing jobs without one by SIGSTOP to each process, which misses processes "
+                                    "that left the job's process tree (Slurm: use proctrack/cgroup); said once",
+                                    job_id, self.options.freezer_root, extra=fields(job_id=job_id))
                 spec = self.source.spec(job_id)
                 if spec is not None and not st.started:
                     st.started = True

@@ -5,9 +5,9 @@
   it); optional ``progress`` (the application counter file), ``user``, ``account``, ``program``,
   ``cores``. The agent publishes these jobs' lifecycle itself; a launched job's output goes to
   ``<progress_dir>/<id>.log``.
-* ``SlurmJobs``: ``scontrol listpids`` for processes, the job's freezer cgroup when Slurm made one
-  (proctrack/cgroup), and ``<progress_dir>/<job id>`` as the application counter when the job
-  writes one. Slurm's own hooks publish the lifecycle (``producers.slurm``).
+* ``SlurmJobs``: ``scontrol listpids`` for processes, the job's cgroup when Slurm made one
+  (proctrack/cgroup: v1's freezer, or cgroup/v2), and ``<progress_dir>/<job id>`` as the
+  application counter when the job writes one. Slurm's own hooks publish the lifecycle (``producers.slurm``).
 """
 
 from __future__ import annotations
@@ -195,8 +195,13 @@ class SlurmJobs:
         pass
 
     def _cgroup(self, job_id: str) -> Path | None:
-        found = sorted((self.freezer_root / "slurm").glob(f"uid_*/job_{job_id}"))
-        return found[0] if found else None
+        """The job's cgroup: v1 ``slurm/uid_<uid>/job_<id>`` under the freezer hierarchy, or v2
+        ``system.slice/slurmstepd.scope/job_<id>`` (``<node>_slurmstepd.scope`` with several slurmd)."""
+        for pattern in (f"slurm/uid_*/job_{job_id}", f"system.slice/*slurmstepd.scope/job_{job_id}"):
+            found = sorted(self.freezer_root.glob(pattern))
+            if found:
+                return found[0]
+        return None
 
     def poll(self) -> dict[str, LocalJob]:
         out = subprocess.run([self.scontrol, "listpids"], capture_output=True, text=True, timeout=10,
