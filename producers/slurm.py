@@ -15,8 +15,9 @@ network, always exit 0 (a failing PrologSlurmctld would hold the job). The sourc
 * submissions: no hook sees them, so ``squeue`` is polled.
 
 Slurm versions with jobcomp/kafka (23.02+) send one JSON record per finished job;
-``from_jobcomp_json`` parses one, but no command consumes that topic: jobcomp/script is the path. Event ids are ``slurm/<cluster>/<job id>/<state>``, so a file processed twice (the
-source died between the ack and the delete) is de-duplicated downstream.
+``from_jobcomp_json`` parses one, but no command consumes that topic: jobcomp/script is the path.
+Event ids are ``slurm/<cluster>/<job id>/<state>``, so a file processed twice (the source died
+between the ack and the delete) is de-duplicated downstream.
 """
 
 from __future__ import annotations
