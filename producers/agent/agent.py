@@ -45,7 +45,7 @@ from nodeshare.schemas import (
 )
 
 from . import rapl
-from .jobs import JobSource, JobSpec, LocalJob
+from .jobs import JobSource, JobSpec, JobsUnavailable, LocalJob
 from .lifecycle import META_PREFIX, Closed, ClosedJobs, LifecycleFollower
 from .llc_decisions import LlcFollower
 from .pausing import FREEZER_ROOT, Pauser, Target
@@ -71,6 +71,10 @@ log = logging.getLogger("nodeshare.agent")
 #: cycle would pause the co-runners up to that deadline and measure nothing while a task of the
 #: stuck job sleeps uninterruptibly (I/O). Long enough to cost nothing, short enough to resume soon.
 FREEZE_BACKOFF_S = 30.0
+
+#: Rescans in a row the job list may be unavailable (``JobsUnavailable``) before the agent gives up
+#: and exits (its service manager restarts it): a minute at the default rescan interval.
+MAX_UNAVAILABLE_RESCANS = 60
 
 _HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -195,6 +199,7 @@ class Agent:
         self.counters: dict[str, Counter] = {}
         self._refused: set[str] = set()  # jobs whose progress file was refused (progress.open_progress)
         self._told_sigstop = False  # the fallback from freezing to SIGSTOP is logged once
+        self._unavailable = 0  # rescans in a row that could not read the job list
         self.lone: str | None = None
         self._frozen_until = 0.0  # no shutter before this (monotonic s): a freezer was stuck
         self._tick_ns: int | None = None  # the loop's last turn, for the time a job was alone
@@ -282,7 +287,16 @@ class Agent:
         return None
 
     def rescan(self) -> None:
-        polled = self.source.poll()
+        try:
+            polled = self.source.poll()
+        except JobsUnavailable as e:
+            self._unavailable += 1
+            if self._unavailable > MAX_UNAVAILABLE_RESCANS:
+                raise
+            log.warning("the job list is unavailable this time (%s): the jobs stay as they were until the next "
+                        "rescan", e)
+            return
+        self._unavailable = 0
         with self._books:
             # a job whose run was closed from its terminal event is not taken up (lifecycle.py)
             now = {j: job for j, job in polled.items() if j in self.state or not self.closed.shut(j)}

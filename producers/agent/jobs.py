@@ -27,6 +27,12 @@ from .processes import Proc, alive, children, descendants, identities, identity,
 PROGRESS_ENV = "NODESHARE_PROGRESS_FILE"  # where a launched job finds its application counter
 
 
+class JobsUnavailable(RuntimeError):
+    """The job list could not be read this time, for a passing reason (a job step's slurmstepd
+    exited while ``scontrol listpids`` went through the steps): the agent keeps the jobs it knows
+    and asks again at its next rescan, instead of taking every job for gone or exiting."""
+
+
 class JobFileError(ValueError):
     """The job file is unreadable or invalid; the message names the file and the entry."""
 
@@ -208,6 +214,8 @@ class SlurmJobs:
                              env=self.env)
         if out.returncode != 0 and "No job steps exist" in out.stderr:  # an idle node
             return {}
+        if out.returncode != 0 and "Unable to connect to slurmstepd" in out.stderr:  # a step ending meanwhile
+            raise JobsUnavailable(f"scontrol listpids: {out.stderr.strip()}")
         if out.returncode != 0:
             raise RuntimeError(f"scontrol listpids failed ({out.returncode}): {out.stderr.strip()}")
         jobs = {}
