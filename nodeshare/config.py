@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -30,10 +31,65 @@ if TYPE_CHECKING:  # the policy types, for the methods' signatures only
 #: The configuration file given on the command line (--config); NODESHARE_CONFIG is the fallback.
 CONFIG_FILE: ContextVar[Path | None] = ContextVar("nodeshare_config_file", default=None)
 
-#: Kafka client settings whose values must never be printed or logged.
-SECRET_KAFKA_KEYS = frozenset({"sasl.password", "ssl.key.password", "ssl.keystore.password"})
+#: What in a setting's name marks its value as a secret, never printed or logged: any password,
+#: passphrase, secret, key (private keys, key stores; ``*.key.location`` paths too, harmlessly),
+#: token, credential, PEM text or JAAS line, at any depth. Matched by pattern, not by a list of
+#: names, so a property a newer librdkafka adds is masked before anyone thinks of it.
+SECRET_NAME = re.compile(r"pass(word|wd|phrase)|secret|key|token|credential|pem|jaas", re.IGNORECASE)
+#: SASL settings that carry a credential without saying so in their name: OAUTHBEARER's config
+#: string (``principal=... extension_*=...``) and extensions, and Kerberos' kinit command line.
+SECRET_SASL = frozenset({"sasl.oauthbearer.config", "sasl.oauthbearer.extensions", "sasl.kerberos.kinit.cmd"})
+MASK = "***"
 #: Where the confluent-kafka clients' (librdkafka's) log lines go.
 KAFKA_LOG = logging.getLogger("nodeshare.kafka")
+
+
+def is_secret(name: str) -> bool:
+    """Whether a setting called ``name`` (a librdkafka property, a TOML or JSON key) holds a secret."""
+    return bool(SECRET_NAME.search(name)) or name.lower() in SECRET_SASL
+
+
+def masked_value(value: Any, name: str = "") -> Any:
+    """``value`` with every secret in it replaced by ``***``: dicts and lists at any depth, and a
+    string that is itself a JSON object or list (a setting holding JSON, as NODESHARE_KAFKA does)."""
+    if name and is_secret(name):
+        return MASK if value not in (None, "", {}, []) else value
+    if isinstance(value, dict):
+        return {k: masked_value(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [masked_value(v) for v in value]
+    if isinstance(value, str) and value.lstrip()[:1] in ("{", "["):
+        try:
+            inner = json.loads(value)
+        except ValueError:
+            return value
+        if isinstance(inner, dict | list):
+            return json.dumps(masked_value(inner))
+    return value
+
+
+def _leaves(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _leaves(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _leaves(v)]
+    return [] if value in (None, "") else [str(value)]
+
+
+def secret_values(value: Any, name: str = "") -> list[str]:
+    """Every secret string in ``value`` (what ``masked_value`` hides), for the log formatter."""
+    if name and is_secret(name):
+        return _leaves(value)
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in secret_values(v, str(k))]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in secret_values(v)]
+    if isinstance(value, str) and value.lstrip()[:1] in ("{", "["):
+        try:
+            return secret_values(json.loads(value))
+        except ValueError:
+            return []
+    return []
 
 
 class Settings(BaseSettings):
@@ -163,13 +219,11 @@ class Settings(BaseSettings):
 
     def secret_values(self) -> list[str]:
         """The values that must never be printed or logged (nodeshare.logs masks them)."""
-        return [v for k, v in self.kafka.items() if k in SECRET_KAFKA_KEYS and v]
+        return secret_values(self.model_dump())
 
     def masked(self) -> dict[str, Any]:
         """The settings as a dict, with secrets replaced by '***'."""
-        data = self.model_dump()
-        data["kafka"] = {k: ("***" if k in SECRET_KAFKA_KEYS else v) for k, v in self.kafka.items()}
-        return data
+        return masked_value(self.model_dump())
 
 
 def config_file() -> Path | None:

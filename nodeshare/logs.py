@@ -4,7 +4,7 @@ Every nodeshare process (stream worker, sinks, node agent, Slurm source) configu
 here, from ``Settings.log_format``. A record carries the fields of ``FIELDS`` when the call site
 knows them (``log.info(..., extra=fields(job_id=..., topic=...))``) and the process's own fields
 (the agent's node, the process's component) on every line. Whatever the format, the values of the
-secret Kafka settings (``config.SECRET_KAFKA_KEYS``) are replaced by ``***`` in the final line,
+secret settings (``config.is_secret``: by name pattern, at any depth) are replaced by ``***`` in the final line,
 exceptions and third-party messages included, so no secret reaches a log file.
 """
 

@@ -17,9 +17,10 @@ network, always exit 0 (a failing PrologSlurmctld would hold the job). The sourc
   of its nodes that ``sinfo`` reports down, failed or not responding, so the job is charged from
   what that node sent before it went (``streams.core.accounting``) rather than never.
 
-Slurm versions with jobcomp/kafka (23.02+) send one JSON record per finished job; ``from_jobcomp_json``
-reads those. Event ids are ``slurm/<cluster>/<job id>/<state>``, so a file processed twice (the
-source died between the ack and the delete) is de-duplicated downstream.
+Slurm versions with jobcomp/kafka (23.02+) send one JSON record per finished job;
+``from_jobcomp_json`` parses one, but no command consumes that topic: jobcomp/script is the path.
+Event ids are ``slurm/<cluster>/<job id>/<state>``, so a file processed twice (the source died
+between the ack and the delete) is de-duplicated downstream.
 """
 
 from __future__ import annotations
@@ -57,29 +58,77 @@ _OVER = frozenset(_TERMINAL) | {"COMPLETING", "REVOKED", "SPECIAL_EXIT", "STAGE_
 
 HOOK_SCRIPT = """#!/bin/sh
 # Written by `nodeshare slurm install-hooks`: records one Slurm {hook} event for nodeshare.
-# Always exits 0: a failing controller hook would hold or requeue the job.
+# Always exits 0: a failing controller hook would hold or requeue the job. A failure is never
+# discarded: it goes to syslog (tag nodeshare-slurm-hook), to the log file below and to stderr.
 d='{events}'
+log='{log}'
+umask 027
 n=$(date +%s%N)
 f="$d/.$n-{hook}-$$"
-env -0 > "$f" 2>/dev/null && mv "$f" "$d/$n-{hook}-$$" 2>/dev/null
+if ! why=$( {{ env -0 > "$f" && mv "$f" "$d/$n-{hook}-$$"; }} 2>&1 ); then
+  rm -f "$f" 2>/dev/null
+  who=$(id -un 2>/dev/null || id -u)
+  msg="{hook} hook: the event of job ${{SLURM_JOB_ID:-${{JOBID:-unknown}}}} is lost (running as $who): $why"
+  logger -t nodeshare-slurm-hook -p daemon.err -- "$msg" 2>/dev/null
+  printf '%s %s\\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$msg" >> "$log" 2>/dev/null
+  printf 'nodeshare: %s\\n' "$msg" >&2
+fi
 exit 0
 """
+#: Where the hooks log their own failures (beside the events directory) unless told otherwise.
+HOOK_LOG = "slurm-hooks.log"
 
 
 class HookFileError(ValueError):
     """A hook file that cannot become an event (moved aside to ``bad/`` with this reason)."""
 
 
-def install_hooks(hooks_dir: Path, events_dir: Path) -> dict[str, Path]:
-    """Write the three hook scripts; returns slurm.conf's lines to add, by key."""
-    if "'" in str(events_dir):
-        raise ValueError(f"the events directory may not contain a quote: {events_dir}")
+def install_hooks(hooks_dir: Path, events_dir: Path, owner: str | None = None, group: str | None = None,
+                  log_file: Path | None = None) -> dict[str, Path]:
+    """Write the three hook scripts; returns slurm.conf's lines to add, by key.
+
+    The hooks run as SlurmUser. With ``owner`` (SlurmUser when it is not root) the events directory
+    becomes ``owner``'s, group ``group`` (default: ``nodeshare`` when that group exists, else the
+    owner's), mode 2770: the hooks write, the Slurm source (in the group) reads and deletes, and
+    files inherit the group. The hooks' own log file (``log_file``, default beside the events
+    directory) is made appendable by ``owner`` the same way."""
+    log_file = log_file or events_dir.parent / HOOK_LOG
+    for path in (events_dir, log_file):
+        if "'" in str(path):
+            raise ValueError(f"the path may not contain a quote: {path}")
+    ids = None
+    if owner is not None:
+        import grp
+        import pwd
+
+        try:
+            user = pwd.getpwnam(owner)
+        except KeyError:
+            raise ValueError(f"no user {owner!r} (--owner: the SlurmUser the hooks run as)") from None
+        if group is None:
+            try:
+                gid = grp.getgrnam("nodeshare").gr_gid
+            except KeyError:
+                gid = user.pw_gid
+        else:
+            try:
+                gid = grp.getgrnam(group).gr_gid
+            except KeyError:
+                raise ValueError(f"no group {group!r}") from None
+        ids = (user.pw_uid, gid)
     hooks_dir.mkdir(parents=True, exist_ok=True)
     events_dir.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.touch()
+    if ids is not None:
+        os.chown(events_dir, *ids)
+        events_dir.chmod(0o2770)
+        os.chown(log_file, *ids)
+        log_file.chmod(0o640)
     paths = {}
     for hook in HOOKS:
         path = hooks_dir / f"{hook}.sh"
-        path.write_text(HOOK_SCRIPT.format(hook=hook, events=events_dir.resolve()))
+        path.write_text(HOOK_SCRIPT.format(hook=hook, events=events_dir.resolve(), log=log_file.resolve()))
         path.chmod(0o755)
         paths[hook] = path.resolve()
     return {"PrologSlurmctld": paths["prolog_ctld"], "EpilogSlurmctld": paths["epilog_ctld"],

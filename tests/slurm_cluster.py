@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -78,23 +78,26 @@ def _wait(predicate: object, timeout_s: float, what: str) -> None:
 
 
 @contextmanager
-def local_slurm(hooks: Path | None = None) -> Iterator[dict[str, str]]:
+def local_slurm(hooks: Path | None = None, setup: Callable[[Path], None] | None = None) -> Iterator[dict[str, str]]:
     """Start munged, slurmctld and slurmd in a fresh directory; yields the environment for Slurm commands.
-    The directory is short on purpose: munge's socket path must fit a sockaddr_un (108 bytes)."""
+    The directory is short on purpose: munge's socket path must fit a sockaddr_un (108 bytes).
+    ``setup`` gets the directory once ``etc/slurm.conf`` is written, before any daemon starts."""
     with tempfile.TemporaryDirectory(prefix="ns-slurm-") as tmp:
         Path(tmp).chmod(0o755)  # munged wants every directory above its socket searchable by all
-        with _running(Path(tmp), hooks) as env:
+        with _running(Path(tmp), hooks, setup) as env:
             yield env
 
 
 @contextmanager
-def _running(t: Path, hooks: Path | None) -> Iterator[dict[str, str]]:
+def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None = None) -> Iterator[dict[str, str]]:
     host = socket.gethostname().split(".")[0]
     for d in ("etc", "munge", "run", "state", "spool", "log"):
         (t / d).mkdir(parents=True, exist_ok=True)
     (t / "munge").chmod(0o700)
     (t / "run").chmod(0o755)  # munged refuses a socket directory of mode 700
     (t / "etc" / "slurm.conf").write_text(_conf(t, host, hooks))
+    if setup is not None:
+        setup(t)
     env = {**os.environ, "SLURM_CONF": str(t / "etc" / "slurm.conf")}
     key = t / "munge" / "munge.key"
     subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True)

@@ -140,13 +140,19 @@ def slurm_install_hooks(
     = Path("/etc/slurm/nodeshare"),
     events_dir: Annotated[Path, typer.Option(help="where the hooks drop one file per event")]
     = Path("/var/spool/nodeshare/slurm-events"),
+    owner: Annotated[str | None, typer.Option(help="SlurmUser, when not root: the hooks run as it, so the events "
+                                                   "directory and the hooks' log become its (mode 2770, 0640)")] = None,
+    group: Annotated[str | None, typer.Option(help="their group, the Slurm source's (default: nodeshare if it "
+                                                   "exists, else the owner's)")] = None,
+    log_file: Annotated[Path | None, typer.Option(help="where the hooks log their own failures (also syslog); "
+                                                       "default: slurm-hooks.log beside the events directory")] = None,
 ) -> None:
     """Write the controller hooks (PrologSlurmctld, EpilogSlurmctld, jobcomp/script) and print the
     slurm.conf lines that enable them."""
     from nodeshare.producers.slurm import install_hooks
 
     try:
-        lines = install_hooks(hooks_dir, events_dir)
+        lines = install_hooks(hooks_dir, events_dir, owner, group, log_file)
     except (OSError, ValueError) as exc:
         err.print(f"[red]install-hooks[/red]: {exc}")
         raise typer.Exit(2) from None

@@ -188,12 +188,26 @@ def topics_create(
         "--grow-inputs-to", min=1,
         help="grow node.ipc and jobs.lifecycle together to N partitions (only after the steps of "
              "deploy/SCALING.md, 'Adding partitions')")] = None,
+    principal: Annotated[list[str] | None, typer.Option(
+        help="ROLE=User:NAME, repeated (agent once per node): grant each role's ACLs (docs/deployment.md, "
+             "'Identities and ACLs') after creating the topics")] = None,
+    print_acls: Annotated[bool, typer.Option(help="only print those ACLs as kafka-acls.sh commands")] = False,
 ) -> None:
     """Create every catalog topic that is missing (safe to run again); refuses input topics that are
     not co-partitioned."""
+    from nodeshare.deploy.acls import AclsError, create_acls, kafka_acls_commands, parse_principals
     from nodeshare.deploy.topics import TopicsError, create_topics
 
     settings = load_settings(bootstrap=bootstrap)
+    try:
+        principals = parse_principals(principal or [])
+    except ValueError as exc:
+        err.print(f"nodeshare topics create: {exc}")
+        raise typer.Exit(2) from None
+    if print_acls:
+        for line in kafka_acls_commands(settings, principals):
+            print(line)
+        return
     require_bootstrap(settings)
     try:
         created = create_topics(settings, grow_inputs_to=grow_inputs_to)
@@ -202,6 +216,12 @@ def topics_create(
         raise typer.Exit(1) from None
     for name, status in sorted(created.items()):
         out.print(f"{status:8} {name}")
+    try:
+        if principals:
+            out.print(f"{create_acls(settings, principals)} ACLs created")
+    except AclsError as exc:
+        err.print(f"nodeshare topics create: {exc}")
+        raise typer.Exit(1) from None
 
 
 @topics_app.command("describe")

@@ -48,14 +48,21 @@ from nodeshare.schemas import (
 from nodeshare.schemas.events import ProcessorSpec
 
 from . import powercap, rapl
-from .jobs import JobSource, JobSpec, LocalJob
+from .jobs import JobSource, JobSpec, JobsUnavailable, LocalJob
 from .lifecycle import META_PREFIX, Closed, ClosedJobs, LifecycleFollower
 from .llc_decisions import LlcFollower
 from .pausing import FREEZER_ROOT, Pauser, Target
 from .power_decisions import CapFollower
 from .powercap import Powercap
 from .processes import Guard, Proc
-from .progress import ApplicationCounter, Counter, HardwareCounter, hardware_counters_unavailable, sample_between
+from .progress import (
+    ApplicationCounter,
+    Counter,
+    HardwareCounter,
+    ProgressRefused,
+    hardware_counters_unavailable,
+    sample_between,
+)
 from .resctrl import RESCTRL, Resctrl
 from .shutter import left_node, next_lone, shutter_window, triples
 from .spool import Forwarder, Spool, SpoolFull
@@ -67,6 +74,10 @@ log = logging.getLogger("nodeshare.agent")
 #: cycle would pause the co-runners up to that deadline and measure nothing while a task of the
 #: stuck job sleeps uninterruptibly (I/O). Long enough to cost nothing, short enough to resume soon.
 FREEZE_BACKOFF_S = 30.0
+
+#: Rescans in a row the job list may be unavailable (``JobsUnavailable``) before the agent gives up
+#: and exits (its service manager restarts it): a minute at the default rescan interval.
+MAX_UNAVAILABLE_RESCANS = 60
 
 _HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -191,6 +202,9 @@ class Agent:
         self.batcher.restore(self.spool.meta("batches", {}))
         self.jobs: dict[str, LocalJob] = {}
         self.counters: dict[str, Counter] = {}
+        self._refused: set[str] = set()  # jobs whose progress file was refused (progress.open_progress)
+        self._told_sigstop = False  # the fallback from freezing to SIGSTOP is logged once
+        self._unavailable = 0  # rescans in a row that could not read the job list
         self.lone: str | None = None
         self._frozen_until = 0.0  # no shutter before this (monotonic s): a freezer was stuck
         self._tick_ns: int | None = None  # the loop's last turn, for the time a job was alone
@@ -258,8 +272,20 @@ class Agent:
     # ------------------------------------------------------------------ jobs
 
     def _open_counter(self, job: LocalJob) -> Counter | None:
-        if job.progress is not None and job.progress.exists() and job.progress.stat().st_size >= 8:
-            return ApplicationCounter(job.progress, sorted(p.pid for p in job.procs))
+        if job.progress is not None and job.job_id not in self._refused:
+            ids = job.owner()
+            try:
+                if ids is None:
+                    raise ProgressRefused(0, f"progress file {job.progress}: the job's user is unknown (no process)")
+                return ApplicationCounter(job.progress, sorted(p.pid for p in job.procs), uid=ids[0], gid=ids[1])
+            except FileNotFoundError:
+                pass  # not written yet: tried again at the next rescan
+            except ProgressRefused as e:
+                # refused once and for all for this job: it is still paused and charged for its run
+                # time, measured by hardware counters if there are any, else without progress
+                self._refused.add(job.job_id)
+                log.warning("job %s: %s: refused, the job is measured without its progress file", job.job_id,
+                            e.strerror, extra=fields(job_id=job.job_id))
         if not self._hw_reason:
             try:
                 return HardwareCounter(sorted(p.pid for p in job.procs))
@@ -268,7 +294,16 @@ class Agent:
         return None
 
     def rescan(self) -> None:
-        polled = self.source.poll()
+        try:
+            polled = self.source.poll()
+        except JobsUnavailable as e:
+            self._unavailable += 1
+            if self._unavailable > MAX_UNAVAILABLE_RESCANS:
+                raise
+            log.warning("the job list is unavailable this time (%s): the jobs stay as they were until the next "
+                        "rescan", e)
+            return
+        self._unavailable = 0
         with self._books:
             # a job whose run was closed from its terminal event is not taken up (lifecycle.py)
             now = {j: job for j, job in polled.items() if j in self.state or not self.closed.shut(j)}
@@ -280,6 +315,12 @@ class Agent:
                     st = self.state[job_id] = PublishedJob(start=_now().isoformat())
                     log.info("job %s: %d processes%s", job_id, len(job.procs),
                              f", cgroup {job.cgroup}" if job.cgroup else "", extra=fields(job_id=job_id))
+                    if job.cgroup is None and not self._told_sigstop:
+                        self._told_sigstop = True
+                        log.warning("job %s has no cgroup to freeze (v1 freezer or v2 cgroup.freeze under %s): "
+                                    "pausing jobs without one by SIGSTOP to each process, which misses processes "
+                                    "that left the job's process tree (Slurm: use proctrack/cgroup); said once",
+                                    job_id, self.options.freezer_root, extra=fields(job_id=job_id))
                 spec = self.source.spec(job_id)
                 if spec is not None and not st.started:
                     st.started = True
@@ -317,6 +358,7 @@ class Agent:
 
     def _job_left(self, job_id: str) -> None:
         st = self.state.pop(job_id)
+        self._refused.discard(job_id)
         counter = self.counters.pop(job_id, None)
         if counter is not None:
             counter.close()

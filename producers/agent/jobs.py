@@ -5,9 +5,9 @@
   it); optional ``progress`` (the application counter file), ``user``, ``account``, ``program``,
   ``cores``. The agent publishes these jobs' lifecycle itself; a launched job's output goes to
   ``<progress_dir>/<id>.log``.
-* ``SlurmJobs``: ``scontrol listpids`` for processes, the job's freezer cgroup when Slurm made one
-  (proctrack/cgroup), and ``<progress_dir>/<job id>`` as the application counter when the job
-  writes one. Slurm's own hooks publish the lifecycle (``producers.slurm``).
+* ``SlurmJobs``: ``scontrol listpids`` for processes, the job's cgroup when Slurm made one
+  (proctrack/cgroup: v1's freezer, or cgroup/v2), and ``<progress_dir>/<job id>`` as the
+  application counter when the job writes one. Slurm's own hooks publish the lifecycle (``producers.slurm``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .pausing import FREEZER_ROOT
-from .processes import Proc, alive, children, descendants, identities, identity
+from .processes import Proc, alive, children, descendants, identities, identity, owner
 
 #: Beside a static job's log in the progress directory: the identities (PID and start time) of the
 #: processes the agent first took for the job, so that a restarted agent finds the same processes,
@@ -32,6 +32,12 @@ from .processes import Proc, alive, children, descendants, identities, identity
 ROOTS_SUFFIX = ".procs.json"
 
 PROGRESS_ENV = "NODESHARE_PROGRESS_FILE"  # where a launched job finds its application counter
+
+
+class JobsUnavailable(RuntimeError):
+    """The job list could not be read this time, for a passing reason (a job step's slurmstepd
+    exited while ``scontrol listpids`` went through the steps): the agent keeps the jobs it knows
+    and asks again at its next rescan, instead of taking every job for gone or exiting."""
 
 
 class JobFileError(ValueError):
@@ -71,6 +77,15 @@ class LocalJob:
     @property
     def running(self) -> bool:
         return any(alive(p) for p in self.procs)
+
+    def owner(self) -> tuple[int, int] | None:
+        """The job's user and group: those of its first-started live process (Slurm's batch script
+        or step, a launched command), None when none is left."""
+        for p in sorted(self.procs, key=lambda p: p.start_ticks):
+            found = owner(p)
+            if found is not None:
+                return found
+        return None
 
 
 class JobSource(Protocol):
@@ -222,14 +237,21 @@ class SlurmJobs:
         pass  # ``scontrol listpids`` says what runs now: a job a reboot took is not listed
 
     def _cgroup(self, job_id: str) -> Path | None:
-        found = sorted((self.freezer_root / "slurm").glob(f"uid_*/job_{job_id}"))
-        return found[0] if found else None
+        """The job's cgroup: v1 ``slurm/uid_<uid>/job_<id>`` under the freezer hierarchy, or v2
+        ``system.slice/slurmstepd.scope/job_<id>`` (``<node>_slurmstepd.scope`` with several slurmd)."""
+        for pattern in (f"slurm/uid_*/job_{job_id}", f"system.slice/*slurmstepd.scope/job_{job_id}"):
+            found = sorted(self.freezer_root.glob(pattern))
+            if found:
+                return found[0]
+        return None
 
     def poll(self) -> dict[str, LocalJob]:
         out = subprocess.run([self.scontrol, "listpids"], capture_output=True, text=True, timeout=10,
                              env=self.env)
         if out.returncode != 0 and "No job steps exist" in out.stderr:  # an idle node
             return {}
+        if out.returncode != 0 and "Unable to connect to slurmstepd" in out.stderr:  # a step ending meanwhile
+            raise JobsUnavailable(f"scontrol listpids: {out.stderr.strip()}")
         if out.returncode != 0:
             raise RuntimeError(f"scontrol listpids failed ({out.returncode}): {out.stderr.strip()}")
         jobs = {}
@@ -238,7 +260,9 @@ class SlurmJobs:
             if not procs:
                 continue
             progress = self.progress_dir / job_id
-            jobs[job_id] = LocalJob(job_id, procs, self._cgroup(job_id), progress if progress.exists() else None)
+            # lexists: a link in its place is named, so the agent refuses it with a log line
+            named = progress if os.path.lexists(progress) else None
+            jobs[job_id] = LocalJob(job_id, procs, self._cgroup(job_id), named)
         return jobs
 
     def exit_code(self, job_id: str) -> int | None:

@@ -1,5 +1,12 @@
 """Pausing and resuming a job: its cgroup's freezer when it has one, else SIGSTOP/SIGCONT to each process.
 
+Both cgroup versions: v1's freezer controller (``freezer.state``: THAWED, FREEZING, FROZEN) and
+v2's ``cgroup.freeze`` (write 1 or 0; ``cgroup.events`` says ``frozen 1`` once every task of the
+cgroup and below is frozen), the default of current distributions and Slurm releases. The v2 state
+reads in v1's words (``freezer_state``), so the rest is one code path. Under Slurm's cgroup/v2 the
+job's cgroup (``.../slurmstepd.scope/job_<id>``) holds its steps' slurmstepd too, frozen with the
+job for the few milliseconds of a shutter.
+
 Every signal passes the ``Guard`` first; every cgroup must sit strictly below the freezer
 hierarchy's root and hold none of the agent's own processes.
 
@@ -15,6 +22,7 @@ someone else *while* the agent has it paused is continued by the agent's resume.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -24,7 +32,15 @@ from pathlib import Path
 
 from .processes import NOT_RUNNING, Guard, Proc, Refused, send, state
 
-FREEZER_ROOT = Path("/sys/fs/cgroup/freezer")  # cgroup v1 (docs/slurm.md: the test machine)
+CGROUP_V1_FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+def default_freezer_root() -> Path:
+    """Where the jobs' cgroups live: v1's freezer hierarchy when it is mounted, else the v2 tree."""
+    return CGROUP_V1_FREEZER if CGROUP_V1_FREEZER.is_dir() else Path("/sys/fs/cgroup")
+
+
+FREEZER_ROOT = default_freezer_root()
 FREEZE_DEADLINE_S = 0.5  # FREEZING that lasts longer is an error: the shutter is abandoned and all is thawed
 
 
@@ -47,21 +63,41 @@ def check_cgroup(cgroup: Path, guard: Guard, root: Path = FREEZER_ROOT) -> Path:
     base = root.resolve()
     if path == base or base not in path.parents:
         raise Refused(f"refusing cgroup {cgroup}: not below the freezer hierarchy {root}")
-    try:
-        members = {int(x) for x in (path / "cgroup.procs").read_text().split()}
-    except FileNotFoundError as e:
-        raise Refused(f"refusing cgroup {cgroup}: not a cgroup ({e})") from None
-    if members & guard.own_pids:
-        raise Refused(f"refusing cgroup {cgroup}: it holds the agent's own processes")
+    if not (path / "cgroup.procs").is_file():
+        raise Refused(f"refusing cgroup {cgroup}: not a cgroup (no cgroup.procs)")
+    # a freeze reaches every cgroup below (Slurm's steps; v2 keeps processes only in leaves)
+    for below, _dirs, files in os.walk(path):
+        if "cgroup.procs" in files:
+            with suppress(FileNotFoundError):  # a step that ended meanwhile
+                if {int(x) for x in Path(below, "cgroup.procs").read_text().split()} & guard.own_pids:
+                    raise Refused(f"refusing cgroup {cgroup}: it holds the agent's own processes")
     return path
 
 
+def is_v2(cgroup: Path) -> bool:
+    """A cgroup v2 directory (``cgroup.freeze``), as opposed to v1's freezer (``freezer.state``)."""
+    return (cgroup / "cgroup.freeze").exists()
+
+
 def _write_state(cgroup: Path, value: str) -> None:
-    (cgroup / "freezer.state").write_text(value)
+    """Ask for FROZEN or THAWED (v1's words; v2 takes 1 or 0)."""
+    if is_v2(cgroup):
+        (cgroup / "cgroup.freeze").write_text("1" if value == "FROZEN" else "0")
+    else:
+        (cgroup / "freezer.state").write_text(value)
 
 
 def freezer_state(cgroup: Path) -> str:
-    return (cgroup / "freezer.state").read_text().strip()
+    """THAWED, FREEZING or FROZEN. v2: FROZEN once ``cgroup.events`` says so (asked here, or by a
+    parent: someone else's freeze), FREEZING while asked and not all frozen, else THAWED."""
+    try:
+        return (cgroup / "freezer.state").read_text().strip()
+    except FileNotFoundError:
+        asked = (cgroup / "cgroup.freeze").read_text().strip() == "1"  # FileNotFoundError: the cgroup has gone
+    events = (cgroup / "cgroup.events").read_text()
+    if "frozen 1" in events.splitlines():
+        return "FROZEN"
+    return "FREEZING" if asked else "THAWED"
 
 
 def freeze(cgroup: Path) -> None:

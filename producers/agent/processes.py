@@ -55,6 +55,18 @@ def state(p: Proc, proc: Path = PROC) -> str | None:
     return fields[2]
 
 
+def owner(p: Proc, proc: Path = PROC) -> tuple[int, int] | None:
+    """The real user and group ids of the process ``p`` names, or None when it has gone."""
+    try:
+        status = (proc / str(p.pid) / "status").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    ids = {line.split(":", 1)[0]: line.split()[1] for line in status.splitlines() if line[:4] in ("Uid:", "Gid:")}
+    if state(p, proc) is None or "Uid" not in ids or "Gid" not in ids:  # the PID is another process's now
+        return None
+    return int(ids["Uid"]), int(ids["Gid"])
+
+
 def alive(p: Proc) -> bool:
     s = state(p)
     return s is not None and s not in ("Z", "X")

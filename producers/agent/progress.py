@@ -12,17 +12,27 @@ A counter returns two cumulative numbers: work done, and time spent doing it.
   runnable processes, wall-clock time made that look like a 90% degradation).
 The estimator only compares a job's rate during a shutter with its rate around it, so both are
 valid; every block names the source it used.
+
+The agent runs as root and the progress file is the job's user's: it is opened as a hostile file
+(``open_progress``): with the job's user's file access (setfsuid), O_NOFOLLOW (the file itself is
+no link), O_NONBLOCK (a FIFO in its place cannot hang the agent), a regular file only, owned by the
+job's user (a root-only file hard-linked in is refused), and only its first 8 bytes ever read
+(``pread``: a huge file costs nothing, and a file truncated under the agent reads as no work
+instead of the SIGBUS a mapping would raise).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import platform
+import stat
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -75,20 +85,82 @@ def cpu_clock(pid: int) -> int:
     return (~pid << 3) | 2
 
 
+class ProgressRefused(OSError):
+    """The progress file is not one the agent may read (a link, not a regular file, not the job's user's)."""
+
+
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+@contextmanager
+def _as_user(uid: int, gid: int | None) -> Iterator[None]:
+    """File access checked as the job's user in this thread (setfsuid/setfsgid, per thread in
+    Linux and glibc; a fsuid other than 0 also drops CAP_DAC_OVERRIDE): a path the user cannot
+    open (a root-only device through a linked directory) is not opened at all. A no-op when the
+    agent is not root or lacks CAP_SETUID/CAP_SETGID; the checks after the open still hold."""
+    if os.geteuid() != 0 or uid == 0:
+        yield
+        return
+    old_gid = _LIBC.setfsgid(gid) if gid is not None else None
+    old_uid = _LIBC.setfsuid(uid)
+    try:
+        yield
+    finally:
+        _LIBC.setfsuid(old_uid)
+        if old_gid is not None:
+            _LIBC.setfsgid(old_gid)
+
+
+def open_progress(path: Path, uid: int, gid: int | None = None) -> int | None:
+    """A read-only descriptor of the job's progress file, or None when it does not exist yet or is
+    shorter than a counter (the job has not written it yet). Raises ``ProgressRefused`` for a file
+    the agent must not read: a symbolic link, one the job's user (``uid``, ``gid``) may not open,
+    anything but a regular file, a file whose owner is not ``uid``."""
+    try:
+        with _as_user(uid, gid):
+            found = os.open(path, _FILE_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        why = "a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise ProgressRefused(e.errno or errno.EPERM, f"progress file {path}: {why}") from None
+    info = os.fstat(found)
+    reason = None
+    if not stat.S_ISREG(info.st_mode):
+        reason = "not a regular file"
+    elif info.st_uid != uid:
+        reason = f"owned by uid {info.st_uid}, not by the job's user (uid {uid})"
+    elif info.st_size < COUNTER.size:
+        os.close(found)
+        return None
+    if reason is not None:
+        os.close(found)
+        raise ProgressRefused(errno.EPERM, f"progress file {path}: {reason}")
+    return found
+
+
 class ApplicationCounter:
-    """The agent's side of an application counter; time is the CPU time of ``pids`` (see above)."""
+    """The agent's side of an application counter; time is the CPU time of ``pids`` (see above).
+    ``uid`` is the job's user, who must own the file (default: this process's own user)."""
 
     source = CounterSource.APPLICATION
 
-    def __init__(self, path: Path, pids: Iterable[int] = ()) -> None:
+    def __init__(self, path: Path, pids: Iterable[int] = (), uid: int | None = None, gid: int | None = None) -> None:
         self.path = path
-        self._file = path.open("rb")
-        self._map = mmap.mmap(self._file.fileno(), COUNTER.size, prot=mmap.PROT_READ)
+        fd = open_progress(path, os.geteuid() if uid is None else uid, gid)
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, f"progress file {path}: absent or shorter than {COUNTER.size} bytes")
+        self._fd = fd
+        self._work = 0
         self._cpu_ns = {pid: 0 for pid in pids}  # the last reading of each process's CPU clock
         self._live = [(pid, cpu_clock(pid)) for pid in self._cpu_ns]  # read at every window: kept ready
 
     def read(self) -> tuple[int, int, int]:
-        work = COUNTER.unpack_from(self._map)[0]
+        raw = os.pread(self._fd, COUNTER.size, 0)  # bounded: 8 bytes, whatever the file's size
+        if len(raw) == COUNTER.size:  # truncated by the job: no work until it writes again
+            self._work = COUNTER.unpack(raw)[0]
+        work = self._work
         if not self._cpu_ns:
             return work, time.monotonic_ns(), 1
         gone = []
@@ -102,8 +174,9 @@ class ApplicationCounter:
         return work, sum(self._cpu_ns.values()), 1
 
     def close(self) -> None:
-        self._map.close()
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 # ----------------------------------------------------------------------------- hardware counters

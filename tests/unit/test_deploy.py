@@ -85,7 +85,7 @@ def test_systemd_units_run_real_commands_with_real_options():
         keys = _unit(unit)
         cmd = keys["ExecStart"].split()
         assert cmd[0].endswith("/bin/nodeshare"), unit.name
-        words = [w for w in cmd[1:] if not w.startswith("-") and not w.startswith("/")][:2]
+        words = [w for w in cmd[1:] if not w.startswith(("-", "/", "$"))][:2]  # $VAR: opt-in flags (drop-ins)
         result = runner.invoke(app, [*words, "--help"])
         assert result.exit_code == 0, f"{unit.name}: `nodeshare {' '.join(words)}` is not a command"
         for flag in (w for w in cmd[1:] if w.startswith("--")):

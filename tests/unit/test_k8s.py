@@ -96,7 +96,8 @@ def test_the_agent_gets_what_it_needs_and_no_more(docs):
     [agent] = ds["containers"]
     assert ds["hostPID"] is True and not ds.get("hostNetwork")  # sees the jobs; keeps its own network
     sc = agent["securityContext"]
-    assert sc["privileged"] is False and sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "PERFMON"]}
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "PERFMON", "SETUID", "SETGID"]}
     assert agent["command"][3:5] == ["agent", "--slurm"]
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     host = {v["name"]: v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v}
