@@ -24,10 +24,11 @@ short job gets one or two blocks. The policy spends each job's overhead budget w
 
 :func:`mixed_estimate` is the estimator for a job whose blocks were taken at several S: the
 refill-corrected estimate (IPC_solo = during + (after - before), IPC_co = before, over the blocks
-Alg. 4 accepts) per S level; the longest level with at least ``n_min`` accepted blocks is trusted,
-and the shorter levels that agree with it within noise are combined with it by inverse variance
-(they measure the same D more often). A shorter level that is lower beyond noise is biased by the
-refill and left out. With blocks at one S only it is exactly the refill-corrected estimate.
+Alg. 4 accepts) per S level; the longest level with an accepted block is trusted (a level with
+few blocks borrows the per-block spread of the others), and the shorter levels that agree with it
+within noise are combined with it by inverse variance (they measure the same D more often). A
+shorter level that is lower beyond noise is biased by the refill and left out. With blocks at one
+S only it is exactly the refill-corrected estimate.
 
 Pure: no clock, no I/O. The node agent and the simulator keep the per-job state and call
 :meth:`ShutterPolicy.choose` on each turn of a job.
@@ -119,30 +120,38 @@ def _higher(a: LevelStats, b: LevelStats, z: float, tol: float) -> bool:
     return da - db > z * math.hypot(a.se, b.se) + tol
 
 
-def mixed_estimate(levels: Mapping[int, LevelStats], n_min: int = 4, z: float = 1.0, tol: float = 0.002,
-                   ) -> MixedEstimate:
+def mixed_estimate(levels: Mapping[int, LevelStats], n_min: int = 4, z: float = 1.0, z_few: float = 2.0,
+                   tol: float = 0.002) -> MixedEstimate:
     """The estimate over blocks grouped by S (see the module doc).
 
-    The levels kept are combined by inverse variance (each level's D weighted by 1 / se^2); the
-    agreement test is one-sided at ``z`` = 1 standard error (plus ``tol``): a shorter S can only
-    be biased low (its window ends before the cache has refilled), and a bias as large as the
-    noise is already worth leaving out, because a low D overcharges."""
-    usable = sorted(s for s, st in levels.items() if st.n >= n_min and st.degradation is not None)
-    if not usable:  # too few blocks at every level to compare: pool what there is
+    The longest S with an accepted block is trusted. A level with fewer than ``n_min`` blocks
+    has no spread of its own worth the name: it borrows the largest per-block spread of the
+    levels that have ``n_min`` (se = spread / sqrt(n)), so a short job's one or two long blocks
+    still count. A shorter S is left out when it is lower than the trusted one by more than ``z``
+    standard errors of the difference (``z_few`` when the trusted level borrowed its spread)
+    plus ``tol``: the test is one-sided because a shorter S can only be biased low (its window
+    ends before the cache has refilled), and a bias as large as the noise is already worth
+    leaving out, since a low D overcharges. The levels kept are combined by inverse variance.
+    Without any level of ``n_min`` blocks, all blocks are pooled (refill-corrected)."""
+    have = {s: st for s, st in levels.items() if st.n and st.degradation is not None}
+    full = [s for s, st in have.items() if st.n >= n_min and math.isfinite(st.se)]
+    if not full:
         pooled = LevelStats()
         for st in levels.values():
             pooled = pooled.merged(st)
-        d = pooled.degradation
         seen = tuple(sorted(s for s, st in levels.items() if st.n))
-        return MixedEstimate(d, pooled.se, max(seen) if seen else None, seen, pooled.n)
-    top = usable[-1]
-    used = [s for s in usable if s == top or not _higher(levels[top], levels[s], z, tol)]
+        return MixedEstimate(pooled.degradation, pooled.se, max(seen) if seen else None, seen, pooled.n)
+    spread = max(have[s].se * math.sqrt(have[s].n) for s in full)
+    se = {s: st.se if s in full else spread / math.sqrt(st.n) for s, st in have.items()}
+    d = {s: float(st.degradation) for s, st in have.items()}  # type: ignore[arg-type]
+    top = max(have)
+    zz = z if top in full else z_few
+    used = [s for s in sorted(have) if s == top or not d[top] - d[s] > zz * math.hypot(se[top], se[s]) + tol]
+    w = [1.0 / max(se[s], 1e-6) ** 2 for s in used]
+    est = math.fsum(wi * d[s] for wi, s in zip(w, used, strict=True)) / math.fsum(w)
     if len(used) == 1:
-        st = levels[top]
-        return MixedEstimate(st.degradation, st.se, top, (top,), st.n)
-    w = [1.0 / max(levels[s].se, 1e-6) ** 2 for s in used]
-    d = math.fsum(wi * levels[s].degradation for wi, s in zip(w, used, strict=True)) / math.fsum(w)  # type: ignore[operator]
-    return MixedEstimate(d, 1.0 / math.sqrt(math.fsum(w)), top, tuple(used), sum(levels[s].n for s in used))
+        est = d[top]
+    return MixedEstimate(est, 1.0 / math.sqrt(math.fsum(w)), top, tuple(used), sum(have[s].n for s in used))
 
 
 @dataclass(frozen=True)
@@ -223,9 +232,10 @@ class ShutterPolicy:
             if s == short or self.k * short / 1e6 > co_budget_s or t_short >= self.fill_share * t_long:
                 return None
             s = short
-        est = mixed_estimate(levels, self.n_level, self.z, self.tol)
-        settled = est.level_us is not None and s <= est.level_us and est.blocks >= self.n_start
-        sparse = settled and est.se <= self.tight_se
+        est = mixed_estimate(levels, self.n_level)
+        st = levels.get(s)
+        probing = st is None or st.n < max(self.n_level, self.n_start if s == self.ladder_us[0] else 0)
+        sparse = not probing and est.se <= self.tight_se
         return Shutter(s, self.k, self.period_ms * (self.sparse_factor if sparse else 1))
 
 

@@ -71,9 +71,15 @@ def test_a_short_level_lower_beyond_noise_is_left_out_and_an_agreeing_one_is_poo
     assert est.se == pytest.approx((w_s + w_l) ** -0.5)
     # 0.065 vs 0.07, se 0.074 and 0.19 pp: 0.5 pp > 1 x hypot = 0.2 pp, + 0.2 pp: left out
     assert mixed_estimate({3200: level(0.065, 40, 0.005), 51200: long_}).levels_used == (51200,)
-    # a longest level with fewer than n_min blocks is not trusted yet: the next longest is
+    # a longest level with fewer than n_min blocks borrows the largest per-block spread of the others:
+    # 12.8 ms: residuals +-0.96 x 0.005, spread = se x sqrt(n) = 0.0048 x sqrt(4 / 3) = 0.005543 (3.2 ms: 0.005013)
     est = mixed_estimate({3200: level(0.01, 40, 0.005), 12800: level(0.04, 4, 0.005), 51200: level(0.07, 3)})
-    assert est.level_us == 12800 and est.levels_used == (12800,)
+    assert est.se == pytest.approx(0.0048 * math.sqrt(4 / 3) / math.sqrt(3))  # 0.0032
+    # 0.07 - 0.04 = 3 pp > z_few 2 x hypot(0.32, 0.277 pp) + 0.2 pp = 1.05 pp: 12.8 ms left out, 3.2 ms too
+    assert est.level_us == 51200 and est.levels_used == (51200,) and est.degradation == pytest.approx(0.07)
+    # one long block that agrees: kept with the short level, by inverse variance
+    est = mixed_estimate({3200: level(0.01, 40, 0.005), 51200: level(0.012, 1)})
+    assert est.levels_used == (3200, 51200) and 0.01 < est.degradation < 0.0101
     # nothing with n_min blocks: everything pooled
     est = mixed_estimate({3200: level(0.02, 2), 51200: level(0.06, 2)})
     assert est.levels_used == (3200, 51200) and est.degradation == pytest.approx(1 - (2 * 0.98 + 2 * 0.94) / 4)
