@@ -3,6 +3,8 @@ the lone job's policy choice, blocks carry it, and every job stays within the pa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nodeshare.experiments.adaptive_shutter import score, summary
@@ -48,3 +50,18 @@ def test_a_schedule_that_cannot_fit_its_cycle_is_refused():
         CalibratedConfig(schedule=ShutterPolicy(ladder_us=(3200, 102400)))
     with pytest.raises(ValueError, match="shortest S"):
         CalibratedConfig(sample_us=6400, schedule=ShutterPolicy())
+
+
+def test_the_experiment_command_compares_and_refuses_what_it_cannot_run():
+    from typer.testing import CliRunner
+
+    from nodeshare.cli import app
+
+    r = CliRunner().invoke(app, ["experiment", "adaptive-shutter", "--programs", "MILC,LAMMPS", "--seed", "3",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout[r.stdout.index("{"):])
+    assert got["jobs"] >= 4 and set(got) >= {"fold", "mixed", "blocks_accepted", "paused_share_pct"}
+    assert got["paused_share_pct"]["max"] <= 1.0
+    bad = CliRunner().invoke(app, ["experiment", "adaptive-shutter", "--sample-us", "51200"])
+    assert bad.exit_code == 2 and "fixed schedule" in bad.output
