@@ -47,6 +47,7 @@ import numpy as np
 from nodeshare.schemas import (
     JobState,
 )
+from nodeshare.streams.core.shutter_policy import LevelStats, ShutterPolicy
 
 from .contention import Socket, at_ways, equilibrium, fill_path
 from .simulator import JobTruth
@@ -77,6 +78,10 @@ class CalibratedConfig:
     poll_ipc: float = 1.8  # IPC of a polling loop
     run_noise: float = 0.01  # run-to-run variation of a job's work (lognormal sigma)
     shutters: bool = True  # False: no agent at all (the overhead baseline)
+    #: An adaptive schedule (issue 36): each cycle, a node's lone job is shuttered with the S its
+    #: policy chooses, or not at all; None: every node is shuttered with S every cycle (POPPA).
+    #: The cycle stays 3*K*sample_us + P long; a longer S eats into that cycle's P.
+    schedule: ShutterPolicy | None = None
     start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
 
     def __post_init__(self) -> None:
@@ -86,6 +91,15 @@ class CalibratedConfig:
             raise ValueError("K and S must be >= 1 and P >= 0")
         if self.cores_per_node % SLOTS:
             raise ValueError(f"cores_per_node must be a multiple of {SLOTS}")
+        if self.schedule is not None:
+            if self.schedule.k != self.k or self.schedule.ladder_us[0] != self.sample_us:
+                raise ValueError("the schedule's K and shortest S are the config's k and sample_us")
+            if 3 * self.k * self.schedule.ladder_us[-1] > self.cycle_us:
+                raise ValueError("the schedule's longest shutter (3*K*S) does not fit in one cycle")
+
+    @property
+    def cycle_us(self) -> int:
+        return 3 * self.k * self.sample_us + 1000 * self.period_ms
 
     @property
     def slot_cores(self) -> int:
@@ -94,7 +108,10 @@ class CalibratedConfig:
     @property
     def cycles_per_sample(self) -> int:
         """Cycles a job's threads in one slot run through in one sample of S."""
-        return round(self.clock_ghz * 1e9 * self.sample_us / 1e6) * self.slot_cores
+        return self.cycles_per(self.sample_us)
+
+    def cycles_per(self, sample_us: int) -> int:
+        return round(self.clock_ghz * 1e9 * sample_us / 1e6) * self.slot_cores
 
 
 @dataclass(frozen=True)
@@ -232,7 +249,8 @@ class JobTable:
         return j
 
 
-def _burst_share(offset_us: np.ndarray, length_us: float, period_us: np.ndarray, share: np.ndarray) -> np.ndarray:
+def _burst_share(offset_us: np.ndarray, length_us: float | np.ndarray, period_us: np.ndarray,
+                 share: np.ndarray) -> np.ndarray:
     """Share of [offset, offset + length) that falls in the bursts [0, share * period) of each period."""
     period = np.where(period_us > 0, period_us, 1.0)
     b = share * period
@@ -250,7 +268,9 @@ class Sink:
         """Called once by the engine before anything is emitted; job and node lookups go through it."""
     def inventory(self, t: float, nodes: list[str], cores: int) -> None: ...
     def lifecycle(self, t: float, job: int, state: JobState) -> None: ...
-    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None: ...
+    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray,
+               sample_us: int | None = None) -> None:
+        """``samples`` (n, 3, K) IPC; ``sample_us`` the S they were taken with (None: the config's)."""
     def windows(self, t_start: float, t_end: float, cycle: int, nodes: np.ndarray, lone: np.ndarray,
                 paused: np.ndarray) -> None: ...
     def left(self, t: float, job: int, node: int, blocks: int, last_cycle: int, paused_us: int,
@@ -295,6 +315,11 @@ class Engine:
         self.n_blocks = 0  # one shutter window is sent with every block
         self.truth: list[JobTruth] = []
         self.on_finish: Callable[[int, int], None] | None = None  # (job, slot) after a job ends
+        # the adaptive schedule's state: tables per S, each job's accepted-block moments per S and next turn
+        self.level_tables: dict[int, StateTables] = {cfg.sample_us: self.tables}
+        self.levels: dict[int, dict[int, LevelStats]] = {}
+        self.due: dict[int, float] = {}
+        self.node_t = np.zeros(cfg.nodes)  # a node's clock inside an adaptive cycle
         sink.bind(self)
         sink.inventory(0.0, self.node_names, cfg.cores_per_node)
 
@@ -329,7 +354,8 @@ class Engine:
         return np.flatnonzero(self.slot_job[:, slot] < 0)
 
     # -- one cycle
-    def _states(self, occ: np.ndarray, jobs: np.ndarray, window_ms: float) -> tuple[np.ndarray, ...]:
+    def _states(self, occ: np.ndarray, jobs: np.ndarray, window_ms: float | np.ndarray,
+                ) -> tuple[np.ndarray, ...]:
         J = self.jobs
         prog = J.prog[jobs]
         pos = np.mod(J.done[jobs] * 1000.0 + J.phase_off[jobs], J.loop_ms[jobs])
@@ -414,7 +440,8 @@ class Engine:
         slot = int(np.flatnonzero(self.slot_job[nodes[0]] == j)[0])
         for nd in nodes:
             if self.alone_now[nd, slot]:  # credited the whole region, but it ran only until t_end
-                self.slot_alone[nd, slot] -= self.region_end - t_end
+                end = self.region_end[nd] if isinstance(self.region_end, np.ndarray) else self.region_end
+                self.slot_alone[nd, slot] -= end - t_end
             self.sink.left(t_end, j, nd, int(self.slot_blocks[nd, slot]), int(self.slot_last[nd, slot]),
                            round(self.slot_paused[nd, slot] * 1e6), round(self.slot_alone[nd, slot] * 1e6))
             self.slot_job[nd, slot] = -1
@@ -431,6 +458,9 @@ class Engine:
 
     def step(self) -> None:
         cfg = self.cfg
+        if cfg.schedule is not None:
+            self._step_adaptive()
+            return
         s = cfg.k * cfg.sample_us / 1e6
         occ = self.slot_job >= 0
         shuttered = np.logical_and(occ.all(axis=1), cfg.shutters)
@@ -450,6 +480,142 @@ class Engine:
             self.n_blocks += len(nodes)
         self._region(cfg.period_ms / 1e3, "co", shuttered, lone, False)
         self.cycle += 1
+
+    # -- the adaptive schedule (issue 36): per node, the lone job's S (or no shutter) each cycle
+    def _tables_at(self, sample_us: int) -> StateTables:
+        t = self.level_tables.get(sample_us)
+        if t is None:
+            t = self.level_tables[sample_us] = state_tables(self.prog_list, self.cfg.socket,
+                                                            self.cfg.k * sample_us / 1000.0)
+        return t
+
+    def _decide(self, t0: float, lone: int, pair: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each node's sample this cycle and whether it is shuttered: the lone job's policy decides,
+        once per job (a multi-node job is shuttered with one sample on all its nodes), within the
+        pause budget of every co-runner it would pause."""
+        cfg, J = self.cfg, self.jobs
+        pol = cfg.schedule
+        assert pol is not None
+        sample = np.full(cfg.nodes, cfg.sample_us, np.int64)
+        shuttered = np.zeros(cfg.nodes, bool)
+        cand = np.flatnonzero(pair)
+        if not cand.size:
+            return sample, shuttered
+        lone_jobs = self.slot_job[cand, lone].tolist()
+        budget: dict[int, float] = {}
+        for j, o in zip(lone_jobs, self.slot_job[cand, 1 - lone].tolist(), strict=True):
+            b = pol.pause_budget_s(t0 - float(J.start[o]), float(J.paused[o]))
+            budget[j] = min(budget.get(j, math.inf), b)
+        choice = {}
+        for j, b in budget.items():
+            if self.due.get(j, -math.inf) > t0 + 1e-9:
+                continue
+            ch = pol.choose(self.levels.get(j, {}), b)
+            if ch is not None:
+                choice[j] = ch
+                self.due[j] = t0 + 3 * ch.k * ch.sample_us / 1e6 + ch.period_ms / 1e3
+        for n, j in zip(cand.tolist(), lone_jobs, strict=True):
+            ch = choice.get(j)
+            if ch is not None:
+                sample[n] = ch.sample_us
+                shuttered[n] = True
+        return sample, shuttered
+
+    def _step_adaptive(self) -> None:
+        cfg = self.cfg
+        tick = cfg.cycle_us / 1e6
+        occ = self.slot_job >= 0
+        pair = np.logical_and(occ.all(axis=1), cfg.shutters)
+        lone = self.cycle % SLOTS
+        t0 = self.t
+        sample, shuttered = self._decide(t0, lone, pair)
+        d = cfg.k * sample / 1e6
+        self.node_t[:] = t0
+        samples = [self._region_at(d, kind, shuttered, lone, True, sample) for kind in ("co", "during", "after")]
+        still = shuttered & (self.slot_job >= 0).all(axis=1)
+        if still.any():
+            keep = still[shuttered]
+            nodes = np.flatnonzero(still)
+            jobs = self.slot_job[nodes, lone]
+            stacked = np.stack([smp[keep] for smp in samples if smp is not None], axis=1)  # (n, 3, k)
+            for s_us in np.unique(sample[nodes]).tolist():
+                m = sample[nodes] == s_us
+                w = cfg.k * s_us / 1e6
+                self.sink.blocks(t0 + 3 * w, self.cycle, nodes[m], jobs[m], stacked[m], sample_us=s_us)
+                self.sink.windows(t0 + w, t0 + 2 * w, self.cycle, nodes[m], jobs[m],
+                                  self.slot_job[nodes[m], 1 - lone])
+            means = stacked.mean(axis=2)  # what the agent's policy sees: each block's mean IPCs
+            for j, s_us, (b, dr, a) in zip(jobs.tolist(), sample[nodes].tolist(), means.tolist(), strict=True):
+                self.levels.setdefault(j, {}).setdefault(s_us, LevelStats()).add(b, dr, a)
+            self.slot_blocks[nodes, lone] += 1
+            self.slot_last[nodes, lone] = self.cycle
+            self.n_blocks += len(nodes)
+        self._region_at(tick - 3 * d, "co", shuttered, lone, False, sample)
+        self.t = t0 + tick
+        self.cycle += 1
+
+    def _region_at(self, dur: np.ndarray, kind: str, shuttered: np.ndarray, lone: int, measure: bool,
+                   sample: np.ndarray) -> np.ndarray | None:
+        """``_region`` with a duration per node (``dur``, s) and the shutter tables of each node's sample."""
+        T = self.tables
+        J = self.jobs
+        occ = self.slot_job >= 0
+        jobs = np.where(occ, self.slot_job, 0)
+        base, burst, frac, seen = self._states(occ, jobs, dur[:, None] * 1000.0)
+        other_seen = seen[:, ::-1]
+
+        def mix(table: np.ndarray, mine_b: np.ndarray, mine_u: np.ndarray, other: np.ndarray) -> np.ndarray:
+            return (1.0 - frac) * table[mine_b, other] + frac * table[mine_u, other]
+
+        ipc = mix(T.co, base, burst, other_seen)
+        sh = shuttered & occ.all(axis=1)
+        if kind != "co" and sh.any():
+            o = 1 - lone
+            for s_us in np.unique(sample[sh]).tolist():
+                Ts = self._tables_at(s_us)
+                m = sh & (sample == s_us)
+                if kind == "during":
+                    ipc[m, lone] = mix(Ts.during, base, burst, other_seen)[m, lone]
+                    ipc[m, o] = 0.0
+                else:
+                    ipc[m, lone] = mix(Ts.after_lone, base, burst, other_seen)[m, lone]
+                    ipc[m, o] = mix(Ts.after_resumed, base, burst, other_seen)[m, o]
+        solo = (1.0 - frac) * T.solo[base] + frac * T.solo[burst]
+        x = np.where(occ, ipc / np.where(occ, solo, 1.0), 1.0)
+        dslot = np.broadcast_to(dur[:, None], occ.shape)
+        progress = np.full(J.n, np.inf)  # solo-seconds of work per job: its slowest node's
+        np.minimum.at(progress, jobs[occ], (x * dslot)[occ])
+        self.alone_now = occ & (occ.sum(axis=1) == 1)[:, None]
+        self.slot_alone[self.alone_now] += dslot[self.alone_now]
+        paused_slots = occ & (ipc == 0.0)
+        if paused_slots.any():
+            self.slot_paused[paused_slots] += dslot[paused_slots]
+            add = np.zeros(J.n)
+            np.maximum.at(add, jobs[paused_slots], dslot[paused_slots])
+            J.paused[:J.n] += add
+        out = None
+        if measure and shuttered.any():
+            noise = self.rng.standard_normal((2, int(shuttered.sum()), self.cfg.k))
+            alive = sh[shuttered]
+            nodes = np.flatnonzero(sh)
+            j = jobs[nodes, lone]
+            s = progress[j] / dur[nodes]
+            meas = solo[nodes, lone] * s + np.clip(1.0 - s / x[nodes, lone], 0.0, 1.0) * self.cfg.poll_ipc
+            jitter = ((self.cfg.poll_ipc - meas) * J.comm[j])[:, None] * self.cfg.poll_jitter * noise[0, alive]
+            out = np.full((len(alive), self.cfg.k), np.nan)
+            out[alive] = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1, alive]), 0.0)
+        running = jobs[occ]
+        before = J.done[running]
+        J.done[running] = np.minimum(before + progress[running], J.work[running])
+        done = np.flatnonzero(J.done[running] >= J.work[running])
+        finishers, first = np.unique(running[done], return_index=True)
+        self.region_end = self.node_t + dur
+        for jj, i in zip(finishers.tolist(), done[first].tolist(), strict=True):
+            n0 = J.nodes[jj][0]
+            rate = progress[jj] / dur[n0]
+            self._finish(jj, float(self.node_t[n0] + (J.work[jj] - before[i]) / rate))
+        self.node_t += dur
+        return out
 
     def result(self) -> Result:
         return Result(sorted(self.truth, key=lambda t: int(t.job_id)), self.cycle, self.t, self.n_blocks)

@@ -99,17 +99,21 @@ class RecordSink(Sink):
                     job_id=job_id(job), node=node, llc_ways=ways, node_llc_ways=total, cores=self.cfg.slot_cores,
                     ipc=ipc, bandwidth_gbps=min(bw, sock.bw_gbps * 2), interval_s=CAT_EPISODE_S))
 
-    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None:
-        """Each block joins its (job, node) batch; full batches, and batches whose age is up, go out."""
+    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray,
+               sample_us: int | None = None) -> None:
+        """Each block joins its (job, node) batch; full batches, and batches whose age is up, go out
+        (a batch also goes out when the next block's S differs: producers.batching)."""
         names = self._nodes()
-        instr = np.rint(samples * self.cyc).astype(np.int64).tolist()
+        s_us = self.cfg.sample_us if sample_us is None else sample_us
+        cyc = self.cyc if sample_us is None else self.cfg.cycles_per(s_us)
+        instr = np.rint(samples * cyc).astype(np.int64).tolist()
         at = self.at(t)
-        k, cyc, threads = self.cfg.k, self.cyc, self.cfg.slot_cores
+        k, threads = self.cfg.k, self.cfg.slot_cores
         for i, (n, j) in enumerate(zip(nodes.tolist(), jobs.tolist(), strict=True)):
             node = names[n]
             regions = [[(v, cyc, threads) for v in instr[i][r]] for r in range(3)]
             for b in self.batcher.add(job_id=job_id(j), node=node, source=f"sim/{node}", cycle=cycle, k=k,
-                                      sample_us=self.cfg.sample_us, counter=CounterSource.SIMULATED,
+                                      sample_us=s_us, counter=CounterSource.SIMULATED,
                                       before=regions[0], during=regions[1], after=regions[2], at=at):
                 self._emit(t, b)
         for b in self.batcher.due(at):  # stands at its newest block's time
@@ -215,7 +219,11 @@ class ParquetSink(Sink):
         self._add("lifecycle", {"t_us": np.array([round(t * 1e6)]), "job": np.array([job]),
                                 "state": np.array([state.value])})
 
-    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray) -> None:
+    def blocks(self, t: float, cycle: int, nodes: np.ndarray, jobs: np.ndarray, samples: np.ndarray,
+               sample_us: int | None = None) -> None:
+        if sample_us is not None and sample_us != self.cfg.sample_us:
+            raise NotImplementedError("the Parquet sink has one S per file (cycles_per_sample); "
+                                      "an adaptive schedule's blocks go through the record sink")
         instr = np.rint(samples * self.cyc).astype(np.int64)  # (n, 3, k): K samples per region, in order
         cols: dict[str, np.ndarray] = {"cycle": np.full(len(nodes), cycle, np.int64),
                                        "node": nodes.astype(np.int32), "job": jobs}

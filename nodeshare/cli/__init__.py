@@ -9,7 +9,7 @@ from .common import app, err
 
 # isort: off
 # Imported in the order `nodeshare --help` lists their commands: running the pipeline first.
-from . import pipeline, nodes, ledger, bench, experiment
+from . import pipeline, nodes, ledger, bench, experiment, experiment_shutter  # noqa: F401  (registers its command)
 # isort: on
 
 app.add_typer(pipeline.config_app, name="config")
@@ -18,7 +18,7 @@ app.add_typer(pipeline.schemas_app, name="schemas")
 app.add_typer(pipeline.sink_app, name="sink")
 app.add_typer(bench.bench_app, name="bench")
 app.add_typer(ledger.archive_app, name="archive")
-app.add_typer(experiment.experiment_app, name="experiment")
+app.add_typer(experiment.experiment_app, name="experiment")  # with experiment_shutter's command
 app.add_typer(pipeline.decisions_app, name="decisions")
 app.add_typer(pipeline.dlq_app, name="dlq")
 app.add_typer(nodes.slurm_app, name="slurm")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import signal
 import threading
@@ -46,6 +47,8 @@ from nodeshare.schemas import (
     key_of,
 )
 from nodeshare.schemas.events import ProcessorSpec
+from nodeshare.streams.core.degradation import mean_ipc
+from nodeshare.streams.core.shutter_policy import LevelStats, Shutter, ShutterPolicy
 
 from . import powercap, rapl
 from .jobs import JobSource, JobSpec, JobsUnavailable, LocalJob
@@ -102,6 +105,10 @@ class AgentOptions:
     mem_bandwidth_gbps: float = 0.0  # the node's memory bandwidth, for MBA percentages (0: no MBA)
     #: with power_caps: publish the node's packages on cluster.inventory (powercap's max, this min)
     power_min_watts: float | None = None
+    #: An adaptive schedule (issue 36; streams.core.shutter_policy): each cycle the lone job's policy
+    #: chooses S and K, or skips the turn; the cycle keeps the length 3*K*sample_us + P. None: S, K
+    #: and P above on every cycle (POPPA's Alg. 3).
+    schedule: ShutterPolicy | None = None
 
 
 @dataclass
@@ -121,6 +128,7 @@ class Stats:
     cycles: int = 0
     skipped_spool_full: int = 0
     skipped_freeze: int = 0  # cycles abandoned or skipped because a job's freezer stayed FREEZING
+    skipped_schedule: int = 0  # turns the adaptive schedule passed (not due, or over a co-runner's pause budget)
     shutter_total_s: float = 0.0  # a sum, not a list: an agent runs for months
 
     @property
@@ -208,6 +216,9 @@ class Agent:
         self.lone: str | None = None
         self._frozen_until = 0.0  # no shutter before this (monotonic s): a freezer was stuck
         self._tick_ns: int | None = None  # the loop's last turn, for the time a job was alone
+        # the adaptive schedule's view of each job here: accepted-block moments per S, next turn (monotonic s)
+        self.levels: dict[str, dict[int, LevelStats]] = {}
+        self.due: dict[str, float] = {}
         self.stats = Stats()
         self.source_name = f"agent/{options.node}"
         self._hw_reason = hardware_counters_unavailable() if options.hardware_counters else "disabled"
@@ -359,6 +370,8 @@ class Agent:
     def _job_left(self, job_id: str) -> None:
         st = self.state.pop(job_id)
         self._refused.discard(job_id)
+        self.levels.pop(job_id, None)
+        self.due.pop(job_id, None)
         counter = self.counters.pop(job_id, None)
         if counter is not None:
             counter.close()
@@ -388,12 +401,28 @@ class Agent:
 
     # ------------------------------------------------------------------ one shutter
 
-    def _windows(self, counter: Counter, k: int) -> list[IpcSample]:
+    def _windows(self, counter: Counter, k: int, sample_us: int) -> list[IpcSample]:
         readings = [counter.read()]
         for _ in range(k):
-            self.sleep(self.options.sample_us / 1e6)
+            self.sleep(sample_us / 1e6)
             readings.append(counter.read())
         return [sample_between(a, b) for a, b in itertools.pairwise(readings)]
+
+    def _scheduled(self, lone: str, others: list[Target]) -> Shutter | None:
+        """The adaptive schedule's shutter for the lone job, or None when it passes this turn: not
+        due yet, or over the pause budget of a co-runner it would pause (their time run is from
+        the start this agent saw, their pause from what it credited them)."""
+        pol = self.options.schedule
+        assert pol is not None
+        if time.monotonic() < self.due.get(lone, -math.inf):
+            return None
+        now = _now()
+        budget = math.inf
+        for t in others:
+            st = self.state.get(t.job_id)
+            run_s = (now - datetime.fromisoformat(st.start)).total_seconds() if st and st.start else 0.0
+            budget = min(budget, pol.pause_budget_s(run_s, st.paused_us / 1e6 if st else 0.0))
+        return pol.choose(self.levels.get(lone, {}), budget)
 
     def shutter(self) -> bool:
         """One cycle if the node has at least two jobs and one can be measured; True if it ran."""
@@ -425,8 +454,17 @@ class Agent:
         others = [t for j, t in running.items() if j != lone and not t.empty]
         if not others:
             return False
-        counter, k = self.counters[lone], self.options.k
-        before = self._windows(counter, k)
+        counter, k, sample_us = self.counters[lone], self.options.k, self.options.sample_us
+        choice = None
+        if self.options.schedule is not None:
+            choice = self._scheduled(lone, others)
+            if choice is None:
+                self.lone = lone  # its turn passes: the next cycle measures the next job
+                self.stats.skipped_schedule += 1
+                metrics.SHUTTERS_SKIPPED.labels("schedule").inc()
+                return False
+            k, sample_us = choice.k, choice.sample_us
+        before = self._windows(counter, k, sample_us)
         paused: list[Target] = []
         with _signals_held():
             # the intent before any act: the watchdog resumes a pause the agent dies in the middle of
@@ -437,7 +475,7 @@ class Agent:
                 for target in others:
                     paused.append(target)
                     self.pauser.pause(target)  # records each process and cgroup before it stops it
-                during = self._windows(counter, k)
+                during = self._windows(counter, k, sample_us)
             except TimeoutError as e:
                 during = None
                 stuck = e
@@ -457,7 +495,7 @@ class Agent:
             metrics.SHUTTERS_SKIPPED.labels("freeze_timeout").inc()
             log.warning("shutter abandoned: %s; no shutter on this node for %.0f s", stuck, FREEZE_BACKOFF_S)
             return False
-        after = self._windows(counter, k)
+        after = self._windows(counter, k, sample_us)
         paused_us = (t1 - t0) // 1000
         self.stats.shutter_total_s += (t1 - t0) / 1e9
         metrics.SHUTTER_SECONDS.observe((t1 - t0) / 1e9)
@@ -465,13 +503,17 @@ class Agent:
                                 paused=[t.job_id for t in others], start=start, end=end)
         full = self.batcher.add(
             job_id=lone, node=self.options.node, source=self.source_name, cycle=self.cycle, k=k,
-            sample_us=self.options.sample_us, counter=counter.source, before=triples(before),
+            sample_us=sample_us, counter=counter.source, before=triples(before),
             during=triples(during), after=triples(after), at=_now())
         st = self.state[lone]
         kept = st.blocks, st.last_cycle
         st.blocks, st.last_cycle = st.blocks + 1, self.cycle
         for target in others:  # the pause happened whether or not its record is kept
             self.state[target.job_id].paused_us += paused_us
+        if choice is not None:  # the schedule saw the block whether or not its record is kept
+            self.levels.setdefault(lone, {}).setdefault(sample_us, LevelStats()).add(
+                mean_ipc(before), mean_ipc(during), mean_ipc(after))
+            self.due[lone] = time.monotonic() + choice.period_ms / 1000
         self.cycle += 1
         self.lone = lone
         self.stats.cycles += 1
@@ -546,6 +588,7 @@ class Agent:
         started = time.monotonic()
         next_rescan = next_power = 0.0
         period = self.options.period_ms / 1000
+        cycle = 3 * self.options.k * self.options.sample_us / 1e6 + period
         try:
             for follower in (self.caps, self.llc, self.lifecycle):
                 if follower is not None:
@@ -575,11 +618,16 @@ class Agent:
                             self._put(list(readings))
                     next_power = tick + self.options.power_interval_s
                 self._send(self.batcher.due(_now()))  # the age bound: placement's estimates stay this fresh
+                before_shutter = time.monotonic()
                 self.shutter()
                 after_shutter = time.monotonic()
                 self.forwarder.pump(0)
-                # Alg. 3 sleeps P after the three windows: a cycle lasts 3S + P (Eq. 9)
-                self.sleep(max(0.0, period - (time.monotonic() - after_shutter)))
+                # Alg. 3 sleeps P after the three windows: a cycle lasts 3S + P (Eq. 9). Under an
+                # adaptive schedule the cycle keeps that length whatever S the lone job got
+                if self.options.schedule is None:
+                    self.sleep(max(0.0, period - (time.monotonic() - after_shutter)))
+                else:
+                    self.sleep(max(0.0, cycle - (time.monotonic() - before_shutter)))
         finally:
             self.close(drain_s)
         return self.stats
