@@ -7,7 +7,7 @@ its state turns it usable or unusable (DOWN, DRAIN, ...: ``usable`` false, no jo
 then follows ``decisions.placement``:
 
 * ``place`` / ``pair``: the held job is pinned to the decided node(s) (``scontrol update JobId=..
-  NodeList=.. NumNodes=..``) and released; both jobs of a pair are pinned to the same node and run
+  NodeList=.. NumNodes=.. [MinCPUsNode=..]``, the cores per node the placement booked) and released; both jobs of a pair are pinned to the same node and run
   side by side (node sharing: each holds its own cores, as the placement booked them);
 * ``delay`` / ``serialize``: the job stays held;
 * a decision for a job Slurm no longer has, or no longer holds (released already, running,
@@ -124,7 +124,10 @@ def plan(decision: PlacementDecision, job: SlurmJob | None) -> Plan:
     if not decision.nodes:
         return Plan((), "kept_held", f"job {jid}: {decision.action} names no node, stays held")
     nodes = ",".join(decision.nodes)
-    update = ("scontrol", "update", f"JobId={jid}", f"NodeList={nodes}", f"NumNodes={len(decision.nodes)}")
+    update = ("scontrol", "update", f"JobId={jid}", f"NodeList={nodes}", f"NumNodes={len(decision.nodes)}",
+              # the cores the placement booked on each node, so Slurm starts the job on that many and
+              # its co-runner keeps the rest
+              *((f"MinCPUsNode={decision.cores_per_node}",) if decision.cores_per_node else ()))
     partner = f" next to {decision.paired_with}" if decision.paired_with else ""
     return Plan((update, ("scontrol", "release", jid)), "applied",
                 f"job {jid}: {decision.action} on {nodes}{partner}, released")

@@ -37,10 +37,13 @@ HELD = SlurmJob("7", "PENDING", "JobHeldUser")
 def test_a_placed_held_job_is_pinned_to_its_nodes_then_released():
     p = plan(decision("7", PlacementAction.PLACE, ("n1", "n2")), HELD)
     assert p.outcome == "applied"
-    assert p.commands == (("scontrol", "update", "JobId=7", "NodeList=n1,n2", "NumNodes=2"),
+    # the cores per node the placement booked reach Slurm (they never did: the co-runner's share was Slurm's to take)
+    assert p.commands == (("scontrol", "update", "JobId=7", "NodeList=n1,n2", "NumNodes=2", "MinCPUsNode=1"),
                           ("scontrol", "release", "7"))
     paired = plan(decision("7", PlacementAction.PAIR, ("n3",), partner="8"), HELD)
-    assert paired.commands[0][3:] == ("NodeList=n3", "NumNodes=1") and "next to 8" in paired.why
+    assert paired.commands[0][3:] == ("NodeList=n3", "NumNodes=1", "MinCPUsNode=1") and "next to 8" in paired.why
+    unbooked = plan(decision("7", PlacementAction.PLACE, ("n1",)).model_copy(update={"cores_per_node": None}), HELD)
+    assert unbooked.commands[0][-1] == "NumNodes=1"
 
 
 @pytest.mark.parametrize(("action", "job", "outcome", "says"), [
@@ -135,7 +138,7 @@ def test_a_refused_command_is_a_dead_letter_with_slurms_message_and_the_adapter_
     batch = [_Msg("decisions.placement", encode(decision("7", PlacementAction.PLACE, ("gpu1",))), 4),
              _Msg("decisions.placement", encode(decision("8", PlacementAction.PLACE, ("c1",))), 5)]
     sink.write(batch)  # type: ignore[arg-type]
-    assert [c[-1] for c in commands.ran] == ["NumNodes=1", "8"]  # job 8 placed after 7 was refused
+    assert [c[-1] for c in commands.ran] == ["MinCPUsNode=1", "8"]  # job 8 placed after 7 was refused
     assert sink.outcomes["refused"] == 1 and sink.outcomes["applied"] == 1
     [dl] = letters.sent
     assert isinstance(dl, DeadLetter) and letters.flushed == 1
