@@ -27,6 +27,11 @@ SINK_ROWS = Counter("nodeshare_sink_rows_total", "Messages made durable by a sin
 LEDGER_ROWS = Counter("nodeshare_ledger_rows_total", "New ledger rows (redelivered charges excluded)")
 DIVERGENT_CHARGES = Counter("nodeshare_ledger_divergent_charges_total",
                             "Copies of a (job, revision) that differ from the ledger's row (dead-lettered, never kept)")
+# Ended jobs the worker's charge fold has not charged: a node's block stream (JobLeftNode) is awaited
+JOBS_AWAITING_NODES = Gauge("nodeshare_jobs_awaiting_nodes",
+                            "Ended jobs held in the charge fold until every node they ran on closes its block stream")
+JOBS_AWAITING_OLDEST = Gauge("nodeshare_jobs_awaiting_nodes_oldest_seconds",
+                             "Seconds since the end (its terminal event's end_time) of the longest-waiting such job")
 # The node agent (producers/agent)
 SPOOL_EVENTS = Gauge("nodeshare_agent_spool_events", "Events in the agent's spool not yet acknowledged by the broker")
 SPOOL_BYTES = Gauge("nodeshare_agent_spool_bytes", "Bytes in the agent's spool not yet acknowledged by the broker")

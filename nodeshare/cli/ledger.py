@@ -81,7 +81,10 @@ def audit(
     else:
         out.print(f"{report.charges_checked} charges checked against {report.events_read} archived events: "
                   f"{report.matches} match, {len(report.mismatches)} mismatches, "
-                  f"{len(report.missing_in_ledger)} missing from the ledger")
+                  f"{len(report.missing_in_ledger)} missing from the ledger, "
+                  f"{len(report.missing_charges)} ended jobs without a charge")
+        for p in report.missing_charges[:20]:
+            out.print(f"  {p.job_id} ({p.state} {p.end_time:%Y-%m-%d %H:%M:%S}): {p.reason}")
         for m in report.mismatches[:20]:
             out.print(f"  {m.job_id}#{m.revision} {m.field}: ledger {m.ledger!r} != recomputed {m.recomputed!r}")
         out.print("hash chain: " + ("intact" if report.chain_ok else f"[red]broken[/red]: {report.chain_error}"))
@@ -105,11 +108,18 @@ def charges(
     noheader: Annotated[bool, typer.Option("--noheader", "-n", help="no header line")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
     all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
+    pending: Annotated[bool, typer.Option(
+        "--pending", help="instead: ended jobs (a terminal event in the archive) without a charge in the ledger, "
+        "and the nodes holding each back; reads --archive and --ledger, not the broker")] = False,
+    archive: Annotated[str | None, typer.Option(help="archive root (for --pending)")] = None,
 ) -> None:
     """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime."""
     from nodeshare.sinks.analysis.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
     from nodeshare.sinks.analysis.usage import charges as query
 
+    if pending:
+        pending_charges(ledger, archive, as_json)
+        return
     try:
         header, rows = query(
             ledger, users=split_values(user), accounts=split_values(account),
@@ -125,6 +135,30 @@ def charges(
         for r in rows:
             table.add_row(*(render_value(c, v) for c, v in zip(header, r, strict=True)))
         out.print(table)
+
+
+def pending_charges(ledger: Path, archive: str | None, as_json: bool) -> None:
+    """``charges --pending``: the archive's ended jobs the ledger has no charge of, and why."""
+    from nodeshare.sinks.archive import ParquetArchive
+    from nodeshare.sinks.ledger import Ledger
+    from nodeshare.sinks.pending import pending_jobs
+
+    if archive is None:
+        err.print("[red]charges --pending[/red]: give --archive (ended jobs are read from its jobs.lifecycle)")
+        raise typer.Exit(2)
+    if not ledger.exists():
+        err.print(f"[red]charges --pending[/red]: no ledger at {ledger}")
+        raise typer.Exit(2)
+    with Ledger(ledger, read_only=True) as led:
+        charged = {c.job_id for c in led.charges()}
+    root = archive if "://" in archive else Path(archive).resolve()
+    rows = pending_jobs(ParquetArchive(root), charged, load_settings().policy())
+    if as_json:
+        print(json.dumps([p.as_dict() for p in rows], indent=2))
+        return
+    for p in rows:
+        out.print(f"{p.job_id}  {p.state}  ended {p.end_time:%Y-%m-%dT%H:%M:%S}  {p.reason}")
+    out.print(f"{len(rows)} ended jobs without a charge")
 
 
 @app.command("report-usage")

@@ -508,6 +508,27 @@ class JobAccount(_State):
         return tuple(self._charge(r, policy) for r, t in enumerate(self.triggers)
                      if not t and self.streams_for(r) is not None)
 
+    def awaiting(self) -> JobEvent | None:
+        """The terminal event of the first revision not charged yet (waiting for a node's stream
+        to close), or None when every terminal event so far is charged or superseded."""
+        r = self.revision + 1
+        return self.ends[r].event if r < len(self.ends) else None
+
+    def waiting_for(self) -> list[tuple[str, int | None]]:
+        """Why the first uncharged revision is not charged: each node it names whose block stream
+        has not closed, with the blocks counted on it (None: nothing of the job ever came from it)."""
+        r = self.revision + 1
+        if r >= len(self.ends):
+            return []
+        out: list[tuple[str, int | None]] = []
+        for node, k in self._needs(r):
+            runs = self._runs_of(node)
+            if k >= len(runs):
+                out.append((node, None))
+            elif not runs[k].closed:
+                out.append((node, runs[k].blocks))
+        return out
+
     # ------------------------------------------------------------------ persistence
 
     def dumps(self) -> bytes:

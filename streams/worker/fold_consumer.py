@@ -188,6 +188,10 @@ class FoldConsumer:
         self._changed: dict[tuple[int, bytes | None], JobAccount] = {}
         #: Partition count of each input topic, from the broker's metadata at start and at each assignment.
         self._partitions: dict[str, int] = {}
+        #: Ended jobs not charged yet (a node's stream still open), by partition and key: their end (epoch s).
+        self._awaiting: dict[tuple[int, bytes | None], float] = {}
+        metrics.JOBS_AWAITING_NODES.set_function(lambda: len(self._awaiting))
+        metrics.JOBS_AWAITING_OLDEST.set_function(self.oldest_awaiting_s)
 
     # ------------------------------------------------------------------ the loop
 
@@ -246,6 +250,7 @@ class FoldConsumer:
                                                  running_estimates=False)
         if account is not None:
             jobs[key] = account
+            self._track_awaiting(origin.partition, key, account)
             if any(o.topic == ESTIMATES_DEGRADATION.name for o in out):  # a fresher one goes now
                 self._changed.pop((origin.partition, key), None)
             elif blocks is not None and blocks.accepted + blocks.rejected:
@@ -257,6 +262,18 @@ class FoldConsumer:
             metrics.SHUTTER_BLOCKS.labels("refused").inc(blocks.refused)
         self._publish(out, origin, key)
         metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
+
+    def _track_awaiting(self, partition: int, key: bytes | None, account: JobAccount) -> None:
+        end = account.awaiting()
+        if end is None or end.end_time is None:
+            self._awaiting.pop((partition, key), None)
+        else:
+            self._awaiting[(partition, key)] = end.end_time.timestamp()
+
+    def oldest_awaiting_s(self) -> float:
+        """Seconds since the end of the job that has waited longest for a node's stream (0: none waits)."""
+        ends = list(self._awaiting.values())  # a copy: the scrape runs in another thread than the fold
+        return max(0.0, time.time() - min(ends)) if ends else 0.0
 
     def misrouted(self, origin: Origin, key: bytes | None) -> str | None:
         """Why this input record is not on the partition its key hashes to, or None (also when the
@@ -316,6 +333,8 @@ class FoldConsumer:
             mine = {t: s for (t, p), s in stops.items() if p == partition}
             if partition in parked and parked[partition][1] == mine:  # nobody consumed it meanwhile
                 self.states[partition] = parked[partition][0]
+                for key, account in self.states[partition].items():
+                    self._track_awaiting(partition, key, account)
             else:
                 try:
                     self._rebuild(partition, mine)
@@ -346,6 +365,8 @@ class FoldConsumer:
         rebuilt, charges = fold_states(messages, self.policy, self.prefix)
         self.states[partition] = rebuilt
         self.rebuilds += 1
+        for key, account in rebuilt.items():
+            self._track_awaiting(partition, key, account)
         log.warning("accounting: rebuilt %d job states of partition %d from %d input messages (up to %s); "
                     "re-sending %d charges", len(rebuilt), partition, len(messages),
                     ", ".join(f"{t}@{s}" for t, s in sorted(stops.items())), len(charges),
@@ -380,6 +401,7 @@ class FoldConsumer:
         self.refused -= gone
         REFUSED.set(len(self.refused))
         self._changed = {k: a for k, a in self._changed.items() if k[0] not in gone}
+        self._awaiting = {k: t for k, t in self._awaiting.items() if k[0] not in gone}
         for p in gone:
             state = self.states.pop(p, None)
             here = {t: o for (t, q), o in self._position.items() if q == p}
