@@ -30,8 +30,6 @@ from .pending import PendingJob, pending_jobs
 
 log = logging.getLogger(__name__)
 
-#: Fields that describe where a charge was computed, not what it is.
-_PROVENANCE = frozenset({"source", "schema_version"})
 
 @dataclass(frozen=True)
 class Mismatch:
@@ -313,6 +311,7 @@ def conservation_violations(charges: list[Charge], rel_tol: float = 1e-9) -> lis
 
 def diff_charges(ledger: Charge, recomputed: Charge) -> list[Mismatch]:
     """Differences in every field the ledger row's schema version has (a row written by an older
-    version is compared on what it carries; which version wrote it is provenance)."""
-    return [Mismatch(ledger.job_id, ledger.revision, f, a, b)
-            for f, a, b in charge_differences(ledger, recomputed, _PROVENANCE)]
+    version is compared on what it carries). Which build and schema wrote it (``code_version``,
+    ``schema_version``, ``source``) is provenance, as in the ledger's redelivery check: an upgraded
+    build recomputes an old row to the same charge, stamped with its own version."""
+    return [Mismatch(ledger.job_id, ledger.revision, f, a, b) for f, a, b in charge_differences(ledger, recomputed)]

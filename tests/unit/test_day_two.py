@@ -116,3 +116,81 @@ def test_the_worker_gauges_jobs_awaiting_a_node_and_the_oldest_ones_age():
     fold.apply((Origin("node.ipc", 0, 3), b"w", encode(left("w", "n2", 1, 0)), 0.0))
     assert gauge("nodeshare_jobs_awaiting_nodes") == 0 and gauge("nodeshare_jobs_awaiting_nodes_oldest_seconds") == 0
     assert any(t == "ledger.charges" for t, _, _ in fold.producer.sent)  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- item 2: upgrades keep the audit
+
+
+def test_a_version_bump_leaves_the_audit_clean(tmp_path, monkeypatch):
+    """The ledger was written by this build; the audit runs on the next one (code_version bumped): the
+    recomputed charges carry the new version, which is provenance, not a charge field. (Before: every
+    row a mismatch on code_version, 12 of 12 in the issue's demo.)"""
+    from nodeshare.streams.core import accounting
+
+    archive, ledger, _ = _demo_like(tmp_path)
+    monkeypatch.setattr(accounting, "__version__", "99.0.0")
+    for fast in (True, False):
+        report = audit(archive, ledger, POLICY, fast=fast)
+        assert report.ok and report.mismatches == [] and report.matches > 0, report.as_dict()
+    with Ledger(ledger, read_only=True) as led:
+        assert {c.code_version for c in led.charges()} != {"99.0.0"}
+
+
+def _as_version(record: object, version: int) -> bytes:
+    """A record as a build of schema ``version`` wrote it: its version, without the fields added later."""
+    from nodeshare.schemas import encode
+    from nodeshare.schemas.events import ADDED_IN
+
+    d = json.loads(encode(record))  # type: ignore[arg-type]
+    d["schema_version"] = version
+    for f, added in ADDED_IN.get(type(record), {}).items():
+        if added > version:
+            d.pop(f, None)
+    return json.dumps(d).encode()
+
+
+def test_every_input_record_of_every_older_version_is_read():
+    """The worker reads versions 1..SCHEMA_VERSION of each input topic's records (a version-1/2 block
+    as the ShutterBlock it was; from 3 on, batches)."""
+    from nodeshare.schemas import INPUT_TOPICS, SCHEMA_VERSION, decode
+    from nodeshare.schemas.catalog import TOPIC_OF_RECORD
+
+    events = _sim_events()
+    seen: dict[str, object] = {}
+    for e in events:
+        seen.setdefault(type(e).__name__, e)
+    inputs = {t.name for t in INPUT_TOPICS}
+    checked = 0
+    for name, record in seen.items():
+        spec = TOPIC_OF_RECORD[type(record)]
+        if spec.name not in inputs:
+            continue
+        for version in range(1, SCHEMA_VERSION + 1):
+            if name == "ShutterBatch" and version < 3:
+                continue  # version 1/2 agents sent single blocks (read as batches of one: test_schema_evolution)
+            assert decode(spec, _as_version(record, version)).schema_version == version
+            checked += 1
+    assert {"ShutterBatch", "JobLeftNode", "JobEvent"} <= set(seen) and checked >= 3 * SCHEMA_VERSION - 2
+
+
+def test_an_archive_and_ledger_written_by_schema_3_audit_clean_today(tmp_path):
+    """Pricing changed in version 4 (the time a job ran alone is undisturbed): the rule is selected
+    by what the records carry, so a version-3 archive (markers without alone_us) recomputes to the
+    version-3 ledger's charges, bit for bit, on today's build."""
+    from nodeshare.schemas import Charge, decode_model
+    from nodeshare.schemas.catalog import TOPIC_OF_RECORD, key_of
+    from nodeshare.sinks.archive import ParquetArchive
+    from nodeshare.sinks.audit import archived_messages
+    from nodeshare.streams.core.accounting import fold_messages
+
+    raw = [(TOPIC_OF_RECORD[type(e)].name, key_of(e), _as_version(e, 3)) for e in _sim_events()]
+    archive, _, _ = archive_records(tmp_path, raw)
+    msgs = [m for ms in archived_messages(ParquetArchive(archive)).values() for m in ms]
+    made_then = fold_messages(msgs, POLICY)
+    assert made_then and all(c.alone_s == 0.0 for c in made_then)
+    rows = [(c, _as_version(c, 3)) for c in made_then]
+    old = tmp_path / "v3.duckdb"
+    with Ledger(old) as ledger:
+        ledger.append([(decode_model(Charge, v), v, 0, i) for i, (_, v) in enumerate(rows)])
+    report = audit(archive, old, POLICY)
+    assert report.ok and report.matches == len(made_then), report.as_dict()
