@@ -47,7 +47,7 @@ class BatchSink:
 
     def consumer(self) -> Consumer:
         # librdkafka's 500 ms fetch wait delayed a message by 94 ms at p50 on Tansu, 100 ms by 11 ms
-        return Consumer(self.settings.group_consumer_config(self.group_id))
+        return Consumer(self.settings.group_consumer_config(self.group_id, **metrics.lag_reporter(self.name)))
 
     def run(self, stop: threading.Event) -> None:
         consumer = self.consumer()

@@ -35,6 +35,8 @@ JOBS_AWAITING_OLDEST = Gauge("nodeshare_jobs_awaiting_nodes_oldest_seconds",
 # The node agent (producers/agent)
 SPOOL_EVENTS = Gauge("nodeshare_agent_spool_events", "Events in the agent's spool not yet acknowledged by the broker")
 SPOOL_BYTES = Gauge("nodeshare_agent_spool_bytes", "Bytes in the agent's spool not yet acknowledged by the broker")
+SPOOL_MAX_BYTES = Gauge("nodeshare_agent_spool_max_bytes",
+                        "The spool's limit (--spool-max-mb): past it, shutters are skipped and events refused")
 SHUTTER_SECONDS = Histogram("nodeshare_agent_shutter_seconds", "How long one shutter kept the co-runners paused",
                             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0))
 POWER_CAPS = Counter("nodeshare_agent_power_caps_total",
@@ -47,6 +49,41 @@ SLURM_PLACEMENTS = Counter("nodeshare_slurm_placements_total",
                            "undecodable)", ["outcome"])
 SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters not taken, by reason", ["reason"])
 
+LEDGER_LAST_ROW = Gauge("nodeshare_ledger_last_row_timestamp_seconds",
+                        "Unix time the ledger sink last inserted a new charge row (0: none since it started)")
+CONSUMER_LAG = Gauge("nodeshare_consumer_lag_messages",
+                     "Messages in the consumer's assigned partitions not yet consumed (librdkafka statistics, "
+                     "every 15 s), by consumer: accounting (the worker's charge fold), ledger, archive (the sinks)",
+                     ["consumer"])
+SLURM_HOOK_EVENTS = Counter("nodeshare_slurm_hook_events_total",
+                            "Slurm hook files the lifecycle source read, by outcome: published, refused "
+                            "(unreadable or invalid: moved to bad/ with the reason)", ["outcome"])
+
+#: librdkafka statistics interval of the consumers that export CONSUMER_LAG.
+STATS_INTERVAL_MS = 15_000
+
+
+def lag_from_stats(raw: str) -> int | None:
+    """The consumer lag librdkafka's statistics JSON reports, summed over the assigned partitions
+    (those with a known lag); None when it reports none."""
+    import json
+
+    stats = json.loads(raw)
+    lags = [p["consumer_lag"] for t in stats.get("topics", {}).values()
+            for pid, p in t.get("partitions", {}).items()
+            if pid != "-1" and p.get("consumer_lag", -1) >= 0 and p.get("fetch_state") not in ("none", "stopped")]
+    return sum(lags) if lags else None
+
+
+def lag_reporter(consumer: str) -> dict[str, object]:
+    """Consumer settings that export ``nodeshare_consumer_lag_messages{consumer}`` every 15 s."""
+    def on_stats(raw: str) -> None:
+        lag = lag_from_stats(raw)
+        if lag is not None:
+            CONSUMER_LAG.labels(consumer).set(lag)
+    return {"statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": on_stats}
+
+
 #: Dead-letter kinds: the label values of DEAD_LETTERS.
 DECODE, KEY_MISMATCH, CLOCK, REJECTED = "decode", "key_mismatch", "clock", "rejected"
 
@@ -57,3 +94,27 @@ def serve(port: int | None, addr: str = "127.0.0.1") -> bool:
         return False
     start_http_server(port, addr=addr)
     return True
+
+
+#: The audit's result, written by ``nodeshare audit --metrics-file`` for node_exporter's textfile
+#: collector (a registry of its own: only these go into the file).
+AUDIT_METRICS = (
+    ("nodeshare_audit_ok", "1 when the last audit found nothing wrong, else 0"),
+    ("nodeshare_audit_mismatches", "Charges of the last audit that differ from their recomputation (columns included)"),
+    ("nodeshare_audit_missing_charges",
+     "Ended jobs without a charge in the last audit, plus charges the archive yields that the ledger lacks"),
+    ("nodeshare_audit_chain_ok", "1 when the last audit found the ledger's hash chain intact"),
+    ("nodeshare_audit_charges_checked", "Charges the last audit recomputed"),
+    ("nodeshare_audit_last_run_timestamp_seconds", "Unix time the last audit finished"),
+)
+
+
+def write_audit_metrics(path: str, values: dict[str, float]) -> None:
+    """Write the audit's gauges (``AUDIT_METRICS``) to ``path`` in the text exposition format,
+    atomically (prometheus-client writes a temporary file and renames it)."""
+    from prometheus_client import CollectorRegistry, write_to_textfile
+
+    registry = CollectorRegistry()
+    for name, doc in AUDIT_METRICS:
+        Gauge(name, doc, registry=registry).set(values[name])
+    write_to_textfile(path, registry)

@@ -375,6 +375,8 @@ class LedgerSink(BatchSink):
                 field=fields[0], source=SINK_SOURCE))
         self.rows_inserted += new
         metrics.LEDGER_ROWS.inc(new)
+        if new:
+            metrics.LEDGER_LAST_ROW.set_to_current_time()
         if self.dead_letters is not None:
             self.dead_letters.flush()
 

@@ -50,9 +50,13 @@ def audit(
     scheduler: Annotated[str | None, typer.Option(
         help="recompute on this Dask scheduler (tcp://host:8786), e.g. workers started as Slurm jobs by "
         "dask-jobqueue; the archive and the ledger must be reachable from its workers")] = None,
+    metrics_file: Annotated[Path | None, typer.Option(
+        help="also write the result as Prometheus gauges (nodeshare_audit_ok, ..._mismatches, "
+        "..._missing_charges, ..._chain_ok, ..._charges_checked, ..._last_run_timestamp_seconds) to this file, "
+        "e.g. in node_exporter's --collector.textfile.directory")] = None,
 ) -> None:
     """Verify the ledger's hash chain and conservation, recompute every charge from the archive and
-    compare. Exit 1 on any failure."""
+    compare, and report ended jobs without a charge. Exit 1 on any failure."""
     from nodeshare.sinks.audit import audit as run_audit
     from nodeshare.sinks.audit import dask_client
 
@@ -76,6 +80,17 @@ def audit(
     except (OSError, TimeoutError) as exc:  # connecting to the Dask scheduler
         err.print(f"[red]audit failed[/red]: the Dask cluster is not reachable ({scheduler or 'local'}): {exc}")
         raise typer.Exit(2) from None
+    if metrics_file is not None:
+        import time
+
+        from nodeshare.metrics import write_audit_metrics
+
+        write_audit_metrics(str(metrics_file), {
+            "nodeshare_audit_ok": float(report.ok), "nodeshare_audit_mismatches": len(report.mismatches),
+            "nodeshare_audit_missing_charges": len(report.missing_charges) + len(report.missing_in_ledger),
+            "nodeshare_audit_chain_ok": float(report.chain_ok),
+            "nodeshare_audit_charges_checked": report.charges_checked,
+            "nodeshare_audit_last_run_timestamp_seconds": time.time()})
     if as_json:
         print(json.dumps(report.as_dict(), indent=2, default=str))
     else:

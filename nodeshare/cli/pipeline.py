@@ -22,6 +22,7 @@ from .common import (
     out,
     progress_bar,
     require_bootstrap,
+    require_broker,
     staged_progress,
 )
 
@@ -184,7 +185,7 @@ def topics_create(
     from nodeshare.deploy.topics import TopicsError, create_topics
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "topics create")
     try:
         created = create_topics(settings, grow_inputs_to=grow_inputs_to)
     except TopicsError as exc:
@@ -200,7 +201,7 @@ def topics_describe(bootstrap: Bootstrap = None) -> None:
     from nodeshare.sinks.analysis.inspect import describe_topics
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "topics describe")
     table = Table(title=f"Topics on {settings.bootstrap}")
     for col in ("topic", "exists", "partitions", "cleanup.policy", "expected"):
         table.add_column(col)
@@ -226,7 +227,7 @@ def dlq_show(
     from nodeshare.sinks.analysis.inspect import preview, read_dead_letters
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "dlq show")
     summary = read_dead_letters(settings, first=first, idle_s=idle)
     if as_json:
         print(json.dumps(summary.as_dict(), indent=2))
@@ -382,7 +383,7 @@ def replay(
     from nodeshare.producers.replay import replay as run_replay
 
     settings = load_settings(bootstrap=bootstrap, topic_prefix=topic_prefix)
-    require_bootstrap(settings)
+    require_broker(settings, "replay")
     create_topics(settings)
     with progress_bar() as bar:
         task = bar.add_task("replaying", total=None)
@@ -410,7 +411,7 @@ def decisions_tail(
     from nodeshare.sinks.analysis.inspect import tail_decisions
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "decisions tail")
     if topic not in ("decisions.power", "decisions.placement"):
         raise typer.BadParameter("must be decisions.power or decisions.placement", param_hint="--topic")
     for line in tail_decisions(settings, topic, from_beginning=from_beginning, limit=limit, idle_exit_s=idle_exit,

@@ -198,7 +198,8 @@ class FoldConsumer:
     def consumer(self) -> Consumer:
         return Consumer(self.settings.group_consumer_config(
             accounting_group(self.settings),
-            **{"partition.assignment.strategy": "range"}))  # partition p of both topics to one member
+            **{"partition.assignment.strategy": "range"},  # partition p of both topics to one member
+            **metrics.lag_reporter("accounting")))
 
     def run(self, stop: threading.Event) -> None:
         consumer = self.consumer()

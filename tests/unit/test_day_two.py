@@ -194,3 +194,152 @@ def test_an_archive_and_ledger_written_by_schema_3_audit_clean_today(tmp_path):
         ledger.append([(decode_model(Charge, v), v, 0, i) for i, (_, v) in enumerate(rows)])
     report = audit(archive, old, POLICY)
     assert report.ok and report.matches == len(made_then), report.as_dict()
+
+
+# --------------------------------------------------------------------------- item 3: health you can alert on
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_power_cap_follower_retries_with_back_off_while_the_broker_is_away(monkeypatch, caplog):
+    """A broker that is not there at start: the follower keeps trying (backing off, 2x each time),
+    reports itself disconnected, and never stops or fails the agent."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    import nodeshare.producers.agent.follower as follower_mod
+    from nodeshare.producers.agent.follower import Follower
+    from nodeshare.producers.agent.power_decisions import CapFollower
+    from nodeshare.producers.agent.powercap import Powercap
+
+    monkeypatch.setattr(follower_mod, "RETRY_S", 0.02)
+    monkeypatch.setattr(follower_mod, "ASK_S", 0.2)
+    port = closed_port()
+    config = SimpleNamespace(topic=lambda n: n, app_id="t",
+                             client_config=lambda **k: {"bootstrap.servers": f"127.0.0.1:{port}", **k})
+    follower = CapFollower(config, "n1", Powercap(Path("/nonexistent/caps.json")))
+
+    def retries() -> float:
+        return REGISTRY.get_sample_value("nodeshare_agent_follower_retries_total", {"follower": "power"}) or 0.0
+
+    before = retries()
+    with caplog.at_level(logging.WARNING, logger="nodeshare.producers.agent.follower"):
+        follower.start()
+        deadline = time.monotonic() + 60
+        while retries() < before + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            assert retries() >= before + 3
+            assert follower._thread is not None and follower._thread.is_alive() and follower.failure is None
+            Follower.check(follower)  # the agent's loop goes on
+            assert REGISTRY.get_sample_value("nodeshare_agent_follower_connected", {"follower": "power"}) == 0
+            assert REGISTRY.get_sample_value("nodeshare_agent_follower_up", {"follower": "power"}) == 1
+        finally:
+            follower.stop()
+    waits = [float(r.getMessage().rsplit("trying again in ", 1)[1].split()[0]) for r in caplog.records
+             if "trying again in" in r.getMessage()]
+    assert waits[:3] == [0.02, 0.04, 0.08]
+
+
+DEPLOY = Path(__file__).parents[2] / "deploy"
+
+
+def _defined_metric_names() -> set[str]:
+    """Every sample name the code exports: the registry once every module defining metrics is
+    imported, and the audit's textfile gauges."""
+    import nodeshare.metrics as m
+    import nodeshare.producers.agent.follower
+    import nodeshare.streams.worker.fold_consumer  # noqa: F401
+    from prometheus_client import REGISTRY
+
+    names = {n for names in REGISTRY._collector_to_names.values() for n in names}  # type: ignore[attr-defined]
+    return names | {name for name, _ in m.AUDIT_METRICS}
+
+
+def _used(expr: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"\bnodeshare_[a-z_]+", expr))
+
+
+def test_every_metric_the_alert_rules_and_the_dashboard_use_is_defined_in_code():
+    import yaml
+
+    defined = _defined_metric_names()
+    rules = yaml.safe_load((DEPLOY / "prometheus-alerts.yml").read_text())
+    alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+    used = {n for e in alerts.values() for n in _used(str(e))}
+    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    used |= {n for p in dashboard["panels"] for t in p["targets"] for n in _used(t["expr"])}
+    assert used and used <= defined, sorted(used - defined)
+    # what the issue asks to alert on, each by a rule
+    for needed in ("NodeshareAgentDown", "NodeshareAgentSpoolFilling", "NodeshareAgentShuttersSkipped",
+                   "NodeshareJobsAwaitingNodes", "NodeshareNoLedgerRow", "NodeshareConsumerLag",
+                   "NodeshareDeadLetters", "NodeshareSlurmHookEventsRefused", "NodeshareAuditFailed"):
+        assert needed in alerts
+
+
+def test_the_alert_rules_pass_promtool():
+    import shutil
+    import subprocess
+
+    import pytest
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    result = subprocess.run([promtool, "check", "rules", str(DEPLOY / "prometheus-alerts.yml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_audit_writes_its_result_for_the_textfile_collector(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def audited(archive: Path, ledger: Path) -> dict[str, float]:
+        prom = tmp_path / "audit.prom"
+        runner.invoke(app, ["audit", "--archive", str(archive), "--ledger", str(ledger), "--metrics-file", str(prom)])
+        return {s.name: s.value for f in text_string_to_metric_families(prom.read_text()) for s in f.samples}
+
+    archive, ledger, victim = _demo_like(tmp_path / "clean")
+    good = audited(archive, ledger)
+    assert good["nodeshare_audit_ok"] == 1 and good["nodeshare_audit_mismatches"] == 0
+    assert good["nodeshare_audit_charges_checked"] > 0 and good["nodeshare_audit_last_run_timestamp_seconds"] > 0
+    archive, ledger, _ = _demo_like(tmp_path / "cut", drop_markers_of=victim)
+    bad = audited(archive, ledger)
+    assert bad["nodeshare_audit_ok"] == 0 and bad["nodeshare_audit_missing_charges"] == 1
+
+
+def test_librdkafka_statistics_give_the_consumer_lag_of_assigned_partitions():
+    from nodeshare.metrics import lag_from_stats
+
+    stats = {"topics": {"node.ipc": {"partitions": {
+        "0": {"consumer_lag": 120, "fetch_state": "active"}, "1": {"consumer_lag": 5, "fetch_state": "active"},
+        "2": {"consumer_lag": -1, "fetch_state": "active"}, "3": {"consumer_lag": 900, "fetch_state": "none"},
+        "-1": {"consumer_lag": -1}}}}}
+    assert lag_from_stats(json.dumps(stats)) == 125
+    assert lag_from_stats(json.dumps({"topics": {}})) is None
+
+
+def test_commands_that_need_the_broker_exit_2_with_one_line_when_it_is_away(monkeypatch, tmp_path):
+    """`dlq show` used to print "0 dead letters" and exit 0 against a closed port."""
+    import nodeshare.cli.common as common
+
+    monkeypatch.setattr(common, "BROKER_PROBE_S", 1.0)
+    bootstrap = f"127.0.0.1:{closed_port()}"
+    for args in (["dlq", "show"], ["topics", "create"], ["topics", "describe"], ["decisions", "tail"],
+                 ["replay", "--archive", str(tmp_path)]):
+        result = runner.invoke(app, [*args, "--bootstrap", bootstrap])
+        said = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2, (args, result.output)
+        assert len(said) == 1 and f"the broker at {bootstrap} cannot be reached" in said[0], (args, said)
