@@ -20,8 +20,9 @@ A follower never ends silently. A broker it cannot reach (``KafkaException``), a
 is waited out: the follower starts again, as at a start, after a back-off that doubles from
 ``RETRY_S`` up to ``RETRY_MAX_S`` and starts over once the broker answered;
 ``nodeshare_agent_follower_connected{follower}`` is 0 while it waits (alert when it stays 0) and
-``nodeshare_agent_follower_retries_total{follower}`` counts the attempts. Anything else (``WatchdogLost``: nothing would undo a cap if
-the agent died now; a bug) stops it: ``failed`` undoes what it applied, the gauge
+``nodeshare_agent_follower_retries_total{follower}`` counts the attempts. Anything else
+(``WatchdogLost``: nothing would undo a cap if the agent died now; a bug) stops it: ``failed``
+undoes what it applied, the gauge
 ``nodeshare_agent_follower_up{follower}`` drops to 0, the log says why, and the agent's loop
 (``check``) raises, so the agent exits non-zero after its usual restore, and its supervisor
 (systemd's ``Restart=on-failure``) starts it again with a new watchdog, which folds the history again.

@@ -256,10 +256,11 @@ DEPLOY = Path(__file__).parents[2] / "deploy"
 def _defined_metric_names() -> set[str]:
     """Every sample name the code exports: the registry once every module defining metrics is
     imported, and the audit's textfile gauges."""
+    from prometheus_client import REGISTRY
+
     import nodeshare.metrics as m
     import nodeshare.producers.agent.follower
     import nodeshare.streams.worker.fold_consumer  # noqa: F401
-    from prometheus_client import REGISTRY
 
     names = {n for names in REGISTRY._collector_to_names.values() for n in names}  # type: ignore[attr-defined]
     return names | {name for name, _ in m.AUDIT_METRICS}
