@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ class AuditReport:
     #: ended jobs (a terminal event in the archive) with no charge in the ledger and none the archive
     #: yields: a node's block stream is still open or was never seen (sinks/pending.py)
     missing_charges: list[PendingJob] = field(default_factory=list)
+    outside_window: int = 0  # ledger rows of jobs that ended outside --from/--to: not compared
 
     @property
     def conservation_ok(self) -> bool:
@@ -76,6 +77,7 @@ class AuditReport:
             "mismatches": len(self.mismatches),
             "missing_in_ledger": len(self.missing_in_ledger),
             "beyond_retention": self.beyond_retention,
+            "outside_window": self.outside_window,
             "chain_ok": self.chain_ok,
             "chain_error": self.chain_error,
             "conservation_ok": self.conservation_ok,
@@ -120,6 +122,20 @@ def recompute(messages: dict[bytes | None, list[Message]], policies: dict[str, P
     return out
 
 
+@dataclass(frozen=True)
+class Window:
+    """Jobs that ended in [start, end) (UTC; None: unbounded): what ``audit --from/--to`` compares."""
+
+    start: datetime | None = None
+    end: datetime | None = None
+
+    def holds(self, t: datetime) -> bool:
+        return (self.start is None or t >= self.start) and (self.end is None or t < self.end)
+
+
+EVERY_JOB = Window()
+
+
 def policy_of(charge: Charge) -> PricingPolicy:
     return PricingPolicy(rate_per_core_hour=charge.rate_per_core_hour, delta=charge.delta,
                          rate_function=charge.rate_function, estimator=charge.estimator)
@@ -139,7 +155,7 @@ class JobsAudit:
 
 
 def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charge], beyond: set[str],
-               default: PricingPolicy, fast: bool) -> JobsAudit:
+               default: PricingPolicy, fast: bool, window: Window = EVERY_JOB) -> JobsAudit:
     """Recompute the charges ``archive`` (the whole archive, or a view of some partitions) yields
     and compare them with ``ledger_rows`` (the rows of the jobs it holds, those beyond retention
     left out). With ``fast``, the vectorized path recomputes the clean jobs and the reference fold
@@ -172,12 +188,13 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
         again = recomputed.get(key, superseded.get(key))
         part.checked.append((key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")]
                              if again is None else diff_charges(row, again)))
-    part.missing = [k for k in recomputed if k not in ledger_rows and k[0] not in beyond]
+    part.missing = [k for k, c in recomputed.items()
+                    if k not in ledger_rows and k[0] not in beyond and window.holds(c.end_time)]
     return part
 
 
 def audit_partitions(archive_root: str, ledger_path: str, partitions: tuple[int, ...], beyond: set[str],
-                     default: PricingPolicy, fast: bool) -> JobsAudit:
+                     default: PricingPolicy, fast: bool, window: Window = EVERY_JOB) -> JobsAudit:
     """One task of a distributed audit: the jobs whose records these input partitions hold (a job
     keyed by its id lives in one partition of each topic), their ledger rows read here (the
     ledger file, read-only, must be reachable from the worker, as the archive is)."""
@@ -185,7 +202,7 @@ def audit_partitions(archive_root: str, ledger_path: str, partitions: tuple[int,
     jobs = archive.keys([NODE_IPC.name, JOBS_LIFECYCLE.name])
     with Ledger(Path(ledger_path), read_only=True) as ledger:
         rows = {(c.job_id, c.revision): c for c in ledger.charges(jobs) if c.job_id not in beyond}
-    part = audit_jobs(archive, rows, beyond, default, fast)
+    part = audit_jobs(archive, rows, beyond, default, fast, window)
     part.held = set(jobs)
     return part
 
@@ -213,13 +230,13 @@ AuditProgress = Callable[[int, int, int], None]
 
 
 def _distributed(client: Any, archive_root: Path | str, ledger_path: Path, beyond: set[str], default: PricingPolicy,
-                 fast: bool, progress: AuditProgress | None) -> list[JobsAudit] | None:
+                 fast: bool, progress: AuditProgress | None, window: Window = EVERY_JOB) -> list[JobsAudit] | None:
     """One task per input partition on a Dask cluster; None when a job's records are found in two
     tasks' partitions (topics not co-partitioned): the caller then audits in one process."""
     from distributed import as_completed
 
     partitions = ParquetArchive(archive_root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
-    futures = [client.submit(audit_partitions, str(archive_root), str(ledger_path), (p,), beyond, default, fast,
+    futures = [client.submit(audit_partitions, str(archive_root), str(ledger_path), (p,), beyond, default, fast, window,
                              key=f"nodeshare-audit-p{p}-{uuid.uuid4().hex[:8]}", pure=False) for p in partitions]
     parts: list[JobsAudit] = []
     samples = 0
@@ -238,11 +255,12 @@ def _distributed(client: Any, archive_root: Path | str, ledger_path: Path, beyon
 
 
 def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *, fast: bool = True,
-          client: Any = None, progress: AuditProgress | None = None) -> AuditReport:
+          client: Any = None, progress: AuditProgress | None = None, window: Window = EVERY_JOB) -> AuditReport:
     """Verify the ledger against the archive. The hash chain, the ledger's columns and
     conservation are checked here, globally; the recomputation runs in this process, or with
     ``client`` (a dask.distributed Client) as one task per input partition, merged into the
-    same report."""
+    same report. With a ``window``, only jobs that ended in it (their current revision's end; for a
+    job the ledger lacks, the end its archive yields) are compared and looked for."""
     with Ledger(ledger_path, read_only=True) as ledger:
         ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
         drift = ledger.column_drift()
@@ -251,15 +269,18 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
     pruned = archive.retention()
     beyond = {job for (job, _), c in ledger_rows.items()
               if any(r.first_offset <= pruned.get((r.topic, r.partition), -1) for r in c.event_range)}
+    outside = {c.job_id for c in current_revisions(list(ledger_rows.values())) if not window.holds(c.end_time)}
+    pruned_rows = sum(k[0] in beyond for k in ledger_rows)
+    beyond = beyond | outside  # neither compared nor looked for, as the rows beyond retention
     all_rows, ledger_rows = ledger_rows, {k: c for k, c in ledger_rows.items() if k[0] not in beyond}
     parts = None
     if client is not None:
-        parts = _distributed(client, archive_root, ledger_path, beyond, default, fast, progress)
+        parts = _distributed(client, archive_root, ledger_path, beyond, default, fast, progress, window)
         if parts is None:
             log.warning("a job's records are in two input partitions (topics not co-partitioned): "
                         "auditing in one process")
     if parts is None:
-        parts = [audit_jobs(archive, ledger_rows, beyond, default, fast)]
+        parts = [audit_jobs(archive, ledger_rows, beyond, default, fast, window)]
     held = set().union(*(p.held for p in parts))
     checked = [c for p in parts for c in p.checked]
     checked += [(key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")])
@@ -269,7 +290,8 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
                          reference_path_jobs=sum(p.reference_path_jobs for p in parts),
                          chain_error=chain.error,
                          conservation_violations=conservation_violations(list(all_rows.values())),
-                         beyond_retention=len(all_rows) - len(ledger_rows))
+                         beyond_retention=pruned_rows,
+                         outside_window=len(all_rows) - len(ledger_rows) - pruned_rows)
     # A SQL column edited behind the record's back is tampering too: analysts read the columns.
     report.mismatches += [Mismatch(j, r, f"column {c}", v, want) for j, r, c, v, want in drift]
     for _, diffs in sorted(checked, key=lambda c: c[0]):
@@ -278,8 +300,8 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
         report.matches += not diffs
     report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(m for p in parts for m in p.missing)]
     # ended jobs with no charge anywhere: the fold above yields none, so no comparison can miss them
-    report.missing_charges = [p for p in pending_jobs(archive, {job for job, _ in all_rows}, default)
-                              if not p.charge_in_archive]
+    report.missing_charges = [p for p in pending_jobs(archive, {job for job, _ in all_rows}, default,
+                                                      window.start, window.end) if not p.charge_in_archive]
     return report
 
 

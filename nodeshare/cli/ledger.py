@@ -50,6 +50,10 @@ def audit(
     scheduler: Annotated[str | None, typer.Option(
         help="recompute on this Dask scheduler (tcp://host:8786), e.g. workers started as Slurm jobs by "
         "dask-jobqueue; the archive and the ledger must be reachable from its workers")] = None,
+    ended_from: Annotated[str | None, typer.Option(
+        "--from", help="only jobs that ended from this time (YYYY-MM-DD[THH:MM[:SS]], UTC)")] = None,
+    ended_to: Annotated[str | None, typer.Option(
+        "--to", help="only jobs that ended before this time (UTC)")] = None,
     metrics_file: Annotated[Path | None, typer.Option(
         help="also write the result as Prometheus gauges (nodeshare_audit_ok, ..._mismatches, "
         "..._missing_charges, ..._chain_ok, ..._charges_checked, ..._last_run_timestamp_seconds) to this file, "
@@ -60,7 +64,15 @@ def audit(
     from nodeshare.sinks.audit import audit as run_audit
     from nodeshare.sinks.audit import dask_client
 
+    from nodeshare.sinks.analysis.usage import QueryError, parse_time
+    from nodeshare.sinks.audit import Window
+
     settings = load_settings()
+    try:
+        window = Window(parse_time(ended_from) if ended_from else None, parse_time(ended_to) if ended_to else None)
+    except QueryError as exc:
+        err.print(f"[red]audit[/red]: {exc}")
+        raise typer.Exit(2) from None
     if workers is not None and scheduler is not None:
         err.print("[red]audit[/red]: --workers starts a local cluster, --scheduler uses one: give one of them")
         raise typer.Exit(2)
@@ -73,7 +85,7 @@ def audit(
                            description=f"partitions ({samples / 1e6:.1f} M samples)")
             root = archive if "://" in archive else Path(archive).resolve()
             report = run_audit(root, ledger.resolve(), settings.policy(), client=client,
-                               progress=progress)
+                               progress=progress, window=window)
     except FileNotFoundError as exc:
         err.print(f"[red]audit failed[/red]: {exc}")
         raise typer.Exit(2) from None
@@ -94,6 +106,8 @@ def audit(
     if as_json:
         print(json.dumps(report.as_dict(), indent=2, default=str))
     else:
+        if report.outside_window:
+            out.print(f"{report.outside_window} ledger rows of jobs that ended outside --from/--to not compared")
         out.print(f"{report.charges_checked} charges checked against {report.events_read} archived events: "
                   f"{report.matches} match, {len(report.mismatches)} mismatches, "
                   f"{len(report.missing_in_ledger)} missing from the ledger, "
@@ -123,6 +137,9 @@ def charges(
     noheader: Annotated[bool, typer.Option("--noheader", "-n", help="no header line")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
     all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
+    jobs: Annotated[list[str] | None, typer.Option(
+        "--jobs", "-j", help="job id(s), comma-separated: every revision of each (as --all-revisions), "
+        "with RevisionReason")] = None,
     pending: Annotated[bool, typer.Option(
         "--pending", help="instead: ended jobs (a terminal event in the archive) without a charge in the ledger, "
         "and the nodes holding each back; reads --archive and --ledger, not the broker")] = False,
@@ -135,11 +152,14 @@ def charges(
     if pending:
         pending_charges(ledger, archive, as_json)
         return
+    job_ids = split_values(jobs)
+    if job_ids and not fmt:  # a job's history: which revision, and why it superseded the one before
+        fmt = DEFAULT_FORMAT.replace("JobID,", "JobID,Revision,", 1) + ",CodeVersion,RevisionReason"
     try:
         header, rows = query(
             ledger, users=split_values(user), accounts=split_values(account),
             start=parse_time(starttime) if starttime else None, end=parse_time(endtime) if endtime else None,
-            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions)
+            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions or bool(job_ids), jobs=job_ids)
     except (QueryError, FileNotFoundError) as exc:
         err.print(f"[red]charges[/red]: {exc}  (columns: {', '.join(CHARGE_COLUMNS)})")
         raise typer.Exit(2) from None

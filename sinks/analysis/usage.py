@@ -36,6 +36,8 @@ CHARGE_COLUMNS: dict[str, str] = {
     "SOP": "standard_price",
     "Charged": "price",
     "Dividend": "dividend",
+    "RevisionReason": "json_extract_string(record, '$.revision_reason')",  # why it superseded the last one
+    "CodeVersion": "code_version",
 }
 DEFAULT_FORMAT = "JobID,User,Account,Program,NCPUS,Start,End,Elapsed,Degradation,SOP,Charged,Dividend"
 USAGE_COLUMNS = ("Account", "Login", "Jobs", "CoreHours", "SOP", "Charged", "Dividend")
@@ -75,11 +77,14 @@ def _connect(ledger: Path) -> duckdb.DuckDBPyConnection:
 
 def charges(ledger: Path, *, users: Sequence[str] = (), accounts: Sequence[str] = (),
             start: datetime | None = None, end: datetime | None = None, fmt: str = DEFAULT_FORMAT,
-            all_revisions: bool = False) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """(column names, rows) of the jobs that ran at any moment of [start, end)."""
+            all_revisions: bool = False, jobs: Sequence[str] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """(column names, rows) of the jobs that ran at any moment of [start, end) (of ``jobs``, when given)."""
     cols = columns(fmt)
     where: list[str] = ["TRUE"]
     params: list[Any] = []
+    if jobs:
+        where.append("job_id IN (SELECT unnest(?))")
+        params.append(list(jobs))
     if users:
         where.append('"user" IN (SELECT unnest(?))')
         params.append(list(users))

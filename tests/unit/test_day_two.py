@@ -5,6 +5,7 @@ and verify --head)."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 from factories import POLICY, archive_records, block, job_event, left
@@ -344,3 +345,54 @@ def test_commands_that_need_the_broker_exit_2_with_one_line_when_it_is_away(monk
         said = [line for line in result.output.splitlines() if line.strip()]
         assert result.exit_code == 2, (args, result.output)
         assert len(said) == 1 and f"the broker at {bootstrap} cannot be reached" in said[0], (args, said)
+
+
+# --------------------------------------------------------------------------- item 4: day-two commands
+
+
+def test_charges_j_lists_every_revision_of_a_job_with_why(tmp_path):
+    corrected = job_event("j", JobState.ENDED, cores=8).model_copy(update={"event_id": "job-j-corrected"})
+    records = [block(1.0, 1.4, 1.02, job="j", cycle=0), left("j", "n1", 1, 0), job_event("j", JobState.ENDED),
+               corrected, block(1.0, 1.4, 1.02, job="k", cycle=0), left("k", "n1", 1, 0),
+               job_event("k", JobState.ENDED)]
+    _, ledger, n = archive_records(tmp_path, records)
+    assert n == 3
+    result = runner.invoke(app, ["charges", "--ledger", str(ledger), "-j", "j", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [(r["JobID"], r["Revision"], r["NCPUS"]) for r in rows] == [("j", 0, 16), ("j", 1, 8)]
+    assert rows[0]["RevisionReason"] == "" and "lifecycle correction (cores" in rows[1]["RevisionReason"]
+    assert rows[1]["CodeVersion"]
+    result = runner.invoke(app, ["charges", "--ledger", str(ledger), "-j", "j,k", "-o", "JobID,Revision", "-P", "-n"])
+    assert result.output.split() == ["j|0", "j|1", "k|0"]
+
+
+def test_audit_from_to_compares_and_looks_for_the_jobs_that_ended_in_the_window(tmp_path):
+    clean_archive, clean_ledger, victim = _demo_like(tmp_path / "clean")
+    with Ledger(clean_ledger, read_only=True) as led:
+        ends = {c.job_id: c.end_time for c in led.charges()}
+    end = ends[victim]
+    archive, ledger, _ = _demo_like(tmp_path / "cut", drop_markers_of=victim)
+    after = (end + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S")
+    before = end.strftime("%Y-%m-%dT%H:%M:%S")  # to: exclusive, and the end has a fraction of a second
+    assert end.microsecond  # so 'before' is before the end
+    inside = runner.invoke(app, ["audit", "--archive", str(archive), "--ledger", str(ledger), "--json",
+                                 "--from", before, "--to", after])
+    out_of = runner.invoke(app, ["audit", "--archive", str(archive), "--ledger", str(ledger), "--json",
+                                 "--from", after])
+    both = json.loads(inside.output), json.loads(out_of.output)
+    assert inside.exit_code == 1 and both[0]["missing_charges"] == 1
+    assert both[0]["charges_checked"] == sum(before <= t.strftime("%Y-%m-%dT%H:%M:%S.%f") < after
+                                             for j, t in ends.items() if j != victim)
+    assert out_of.exit_code == 0 and both[1]["missing_charges"] == 0, both[1]
+    assert both[1]["charges_checked"] + both[1]["outside_window"] == len(ends) - 1
+    assert both[1]["charges_checked"] == sum(t >= end + timedelta(seconds=1) for t in ends.values())
+    # a charge the ledger lacks but the archive yields is looked for in its window only
+    with Ledger(clean_ledger) as led:
+        last = led.con.execute("SELECT job_id, end_time FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
+        led.con.execute("DELETE FROM charges WHERE job_id = ?", [last[0]])
+    lost = audit(clean_archive, clean_ledger, POLICY)
+    assert lost.missing_in_ledger == [f"{last[0]}#0"]
+    from nodeshare.sinks.audit import Window
+    elsewhere = audit(clean_archive, clean_ledger, POLICY, window=Window(start=last[1] + timedelta(seconds=1)))
+    assert elsewhere.missing_in_ledger == [] and elsewhere.ok
