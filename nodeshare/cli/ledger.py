@@ -61,11 +61,9 @@ def audit(
 ) -> None:
     """Verify the ledger's hash chain and conservation, recompute every charge from the archive and
     compare, and report ended jobs without a charge. Exit 1 on any failure."""
-    from nodeshare.sinks.audit import audit as run_audit
-    from nodeshare.sinks.audit import dask_client
-
     from nodeshare.sinks.analysis.usage import QueryError, parse_time
-    from nodeshare.sinks.audit import Window
+    from nodeshare.sinks.audit import Window, dask_client
+    from nodeshare.sinks.audit import audit as run_audit
 
     settings = load_settings()
     try:
