@@ -19,6 +19,7 @@ from .common import (
 )
 
 archive_app = typer.Typer(no_args_is_help=True, help="Archive housekeeping.")
+ledger_app = typer.Typer(no_args_is_help=True, help="Ledger file housekeeping: backup, chain head.")
 
 
 def split_values(values: list[str] | None) -> list[str]:
@@ -318,4 +319,52 @@ def archive_check(
         out.print(f"{logs} topic partition logs checked against {against}: "
                   + (f"{len(gaps)} gaps, {sum(g.count for g in gaps):,} offsets missing" if gaps else "no gap"))
     if gaps:
+        raise typer.Exit(1)
+
+
+@ledger_app.command("backup")
+def ledger_backup(
+    dest: Annotated[Path, typer.Argument(help="the backup file to write (must not exist)")],
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+    wait: Annotated[float, typer.Option(min=0.0, help="seconds to wait while the sink writes a batch")] = 30.0,
+) -> None:
+    """A consistent copy of the ledger, safe while the ledger sink writes: taken while no write can
+    land (the file held read-only), its hash chain checked before it is put in place. Prints the
+    copy's chain head."""
+    from nodeshare.sinks.ledger_tools import backup
+
+    try:
+        head = backup(ledger, dest, wait_s=wait)
+    except (FileNotFoundError, FileExistsError, RuntimeError) as exc:
+        err.print(f"[red]ledger backup[/red]: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    out.print(f"{dest}: {head.rows} rows, chain intact, head {head.head}", highlight=False)
+
+
+@ledger_app.command("verify")
+def ledger_verify(
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+    head: Annotated[str | None, typer.Option(
+        help="a chain head recorded earlier (e.g. printed by a previous verify and kept elsewhere): fail unless "
+        "the intact chain passes through it")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Walk the ledger's hash chain and print its head (record it off the ledger's host: a ledger
+    rewritten with a recomputed chain no longer leads to it). Exit 1 on a broken chain, or when it
+    does not lead to --head."""
+    from nodeshare.sinks.ledger_tools import chain_head, verify_head
+
+    try:
+        result = chain_head(ledger) if head is None else verify_head(ledger, head)
+    except FileNotFoundError as exc:
+        err.print(f"[red]ledger verify[/red]: {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(result.__dict__, indent=2))
+    elif result.ok:
+        at = f"; {head} is row {result.at_row}" if head is not None else ""
+        out.print(f"chain intact: {result.rows} rows, head {result.head}{at}", highlight=False)
+    else:
+        err.print(f"[red]ledger verify[/red]: {result.error}", highlight=False)
+    if not result.ok:
         raise typer.Exit(1)

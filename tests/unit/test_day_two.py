@@ -396,3 +396,114 @@ def test_audit_from_to_compares_and_looks_for_the_jobs_that_ended_in_the_window(
     from nodeshare.sinks.audit import Window
     elsewhere = audit(clean_archive, clean_ledger, POLICY, window=Window(start=last[1] + timedelta(seconds=1)))
     assert elsewhere.missing_in_ledger == [] and elsewhere.ok
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from nodeshare.config import Settings
+from nodeshare.schemas import Charge, encode
+from nodeshare.sinks.ledger import LedgerSink
+
+class Msg:
+    def __init__(self, value, offset):
+        self._value, self._offset = value, offset
+    def topic(self): return "ledger.charges"
+    def value(self): return self._value
+    def key(self): return b"k"
+    def partition(self): return 0
+    def offset(self): return self._offset
+    def timestamp(self): return (0, 0)
+
+template = Charge.model_validate_json(Path(sys.argv[2]).read_bytes())
+sink = LedgerSink(Settings.model_validate({}), Path(sys.argv[1]))
+for i in range(int(sys.argv[3])):  # one batch per charge, as a sink under a steady trickle writes them
+    sink.write([Msg(encode(template.model_copy(update={"job_id": f"b{i}"})), i)])
+print(sink.rows_inserted)
+"""
+
+
+def test_ledger_backup_is_consistent_while_the_sink_writes(tmp_path):
+    """A ledger sink in another process writes 80 batches; backups taken meanwhile are each an
+    intact chain of whole batches, and the sink never gives up on the lock."""
+    import subprocess
+    import sys
+    import time
+
+    from nodeshare.sinks.ledger_tools import backup, chain_head
+
+    _, source, _ = _demo_like(tmp_path / "run")
+    with Ledger(source, read_only=True) as led:
+        template = led.charges()[0]
+    (tmp_path / "charge.json").write_text(template.model_dump_json())
+    live = tmp_path / "live.duckdb"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(live), str(tmp_path / "charge.json"), "80"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    copies = []
+    try:
+        while writer.poll() is None or not copies:
+            if not live.exists():
+                time.sleep(0.01)
+                continue
+            dest = tmp_path / f"backup-{len(copies)}.duckdb"
+            try:
+                copies.append(backup(live, dest))
+            except duckdb_errors() as exc:  # the file exists before its first table does
+                if "charges" not in str(exc):
+                    raise
+    finally:
+        out, errs = writer.communicate(timeout=300)
+    assert writer.returncode == 0, errs
+    assert out.split() == ["80"]
+    assert copies and all(c.ok for c in copies)
+    assert [c.rows for c in copies] == sorted(c.rows for c in copies)
+    final = chain_head(live)
+    assert final.rows == 80 and final.ok
+    for i, c in enumerate(copies):
+        again = chain_head(tmp_path / f"backup-{i}.duckdb")
+        assert (again.rows, again.head) == (c.rows, c.head)
+    print("rows in each backup:", [c.rows for c in copies])
+
+
+def duckdb_errors() -> tuple[type[BaseException], ...]:
+    import duckdb
+
+    return (duckdb.CatalogException,)
+
+
+def test_ledger_verify_head_catches_a_ledger_rewritten_with_a_recomputed_chain(tmp_path):
+    from nodeshare.sinks.ledger import chain_hash
+
+    _, ledger, _ = _demo_like(tmp_path)
+    shown = runner.invoke(app, ["ledger", "verify", "--ledger", str(ledger), "--json"])
+    assert shown.exit_code == 0, shown.output
+    head = json.loads(shown.output)["head"]
+    assert runner.invoke(app, ["ledger", "verify", "--ledger", str(ledger), "--head", head]).exit_code == 0
+    # halve the first job's price (and dividend), then recompute every hash after it: an intact chain
+    with Ledger(ledger) as led:
+        rows = led.con.execute("SELECT seq, record FROM charges ORDER BY seq").fetchall()
+        prev = "0" * 64
+        for seq, record in rows:
+            if seq == 0:
+                d = json.loads(record)
+                d["price"], d["dividend"] = d["price"] / 2, d["standard_price"] - d["price"] / 2
+                record = json.dumps(d)
+                led.con.execute("UPDATE charges SET record = ?, price = ?, dividend = ? WHERE seq = 0",
+                                [record, d["price"], d["dividend"]])
+            h = chain_hash(prev, record)
+            led.con.execute("UPDATE charges SET prev_hash = ?, row_hash = ? WHERE seq = ?", [prev, h, seq])
+            prev = h
+    assert runner.invoke(app, ["ledger", "verify", "--ledger", str(ledger)]).exit_code == 0  # looks intact
+    caught = runner.invoke(app, ["ledger", "verify", "--ledger", str(ledger), "--head", head])
+    assert caught.exit_code == 1 and "the chain does not lead to" in caught.output
+
+
+def test_every_topic_has_a_retention_and_the_fold_inputs_keep_everything():
+    from nodeshare.deploy.topics import RETENTION_MS, topic_config
+    from nodeshare.schemas import TOPICS
+    from nodeshare.schemas.catalog import INTERNAL_TOPICS
+
+    assert set(RETENTION_MS) == {t.name for t in TOPICS} | set(INTERNAL_TOPICS)
+    assert RETENTION_MS["node.ipc"] == RETENTION_MS["jobs.lifecycle"] == -1  # the fold rebuilds from offset 0
+    assert all(RETENTION_MS[t.name] == -1 for t in TOPICS if t.cleanup_policy == "compact")
+    assert topic_config("dlq", "delete") == {"cleanup.policy": "delete", "retention.ms": str(30 * 86_400_000)}
