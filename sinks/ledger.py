@@ -339,6 +339,10 @@ class LedgerSink(BatchSink):
         self.rows_inserted = 0
         self.shutter_messages = 0  # node.shutter messages written (counted, redelivered or dead-lettered)
         self.lock_wait_s = 60.0  # how long a write waits for readers to let go of the file
+        #: a read-only copy for analysts, rewritten after a batch once ``snapshot_every_s`` has passed
+        self.snapshot: Path | None = None
+        self.snapshot_every_s = 60.0
+        self._snapshot_at: float | None = None  # time.monotonic() of the last one
         self._lock = threading.Lock()
 
     def write(self, messages: list[Message]) -> None:
@@ -360,6 +364,16 @@ class LedgerSink(BatchSink):
             new = ledger.append(rows)
             divergent = ledger.divergent
             ledger.count_shutters(windows)
+            due = self.snapshot is not None and (self._snapshot_at is None
+                                                 or time.monotonic() - self._snapshot_at >= self.snapshot_every_s)
+            if due:
+                ledger.con.execute("CHECKPOINT")  # the file alone is then the ledger (snapshot below)
+        if due:
+            from .ledger_tools import copy_snapshot
+
+            with self._lock:  # closed, and only this sink writes it: the bytes are one moment of the ledger
+                copy_snapshot(self.ledger_path, self.snapshot)  # type: ignore[arg-type]
+            self._snapshot_at = time.monotonic()
         for (charge, raw, partition, offset), fields in divergent:
             # The worker re-sends a partition's charges at each rebuild: a copy that differs is a
             # recomputation that disagrees with what was billed (or a forged row), never dropped.

@@ -92,6 +92,21 @@ def backup(ledger: Path, dest: Path, *, wait_s: float = 30.0) -> ChainHead:
     return head
 
 
+def copy_snapshot(ledger: Path, dest: Path) -> None:
+    """Copy the ledger file (and its write-ahead log, if any) to a new file and rename it over
+    ``dest``. The caller (the ledger sink, between batches) guarantees no write lands meanwhile.
+    Analysts who have the previous snapshot open keep reading it (the rename leaves their file as
+    it was), and each snapshot is a new file, so a reader never holds a file the sink must write."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+    shutil.copyfile(ledger, work)
+    wal = Path(f"{ledger}.wal")
+    if wal.exists():
+        shutil.copyfile(wal, Path(f"{work}.wal"))
+        duckdb.connect(str(work)).close()  # fold the log in: a reader opens the snapshot read-only
+    os.replace(work, dest)
+
+
 def verify_head(path: Path, head: str) -> ChainHead:
     """The chain of the ledger at ``path``, checked to be intact and to pass through ``head``."""
     now = chain_head(path)

@@ -312,7 +312,12 @@ def _run_sink(sink: Any) -> None:
 
 @sink_app.command("ledger")
 def sink_ledger(ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
-                bootstrap: Bootstrap = None) -> None:
+                bootstrap: Bootstrap = None,
+                snapshot: Annotated[Path | None, typer.Option(
+                    help="also keep a read-only copy here for analysts, rewritten after a batch once "
+                    "--snapshot-every seconds have passed (a reader of it never holds up the sink)")] = None,
+                snapshot_every: Annotated[float, typer.Option(min=0.0, help="seconds between snapshots")] = 60.0,
+                ) -> None:
     """Consume ledger.charges into the DuckDB ledger (idempotent on job id and revision)."""
     from nodeshare.producers.kafka_producer import EventProducer
     from nodeshare.sinks.ledger import LedgerSink
@@ -320,7 +325,9 @@ def sink_ledger(ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")]
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
     with EventProducer(settings, client_id="nodeshare-ledger-dlq") as dlq:
-        _run_sink(LedgerSink(settings, ledger, dead_letters=dlq))
+        sink = LedgerSink(settings, ledger, dead_letters=dlq)
+        sink.snapshot, sink.snapshot_every_s = snapshot, snapshot_every
+        _run_sink(sink)
 
 
 @sink_app.command("archive")

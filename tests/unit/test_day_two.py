@@ -507,3 +507,93 @@ def test_every_topic_has_a_retention_and_the_fold_inputs_keep_everything():
     assert RETENTION_MS["node.ipc"] == RETENTION_MS["jobs.lifecycle"] == -1  # the fold rebuilds from offset 0
     assert all(RETENTION_MS[t.name] == -1 for t in TOPICS if t.cleanup_policy == "compact")
     assert topic_config("dlq", "delete") == {"cleanup.policy": "delete", "retention.ms": str(30 * 86_400_000)}
+
+
+# --------------------------------------------------------------------------- item 5: analysts never block billing
+
+
+READER = """
+import sys, duckdb
+con = duckdb.connect(sys.argv[1], read_only=True)
+print(con.execute("SELECT count(*) FROM charges_current").fetchone()[0], flush=True)
+sys.stdin.readline()  # held open until the test says
+print(con.execute("SELECT count(*) FROM charges").fetchone()[0], flush=True)
+"""
+
+
+class _Msg:
+    def __init__(self, value: bytes, offset: int) -> None:
+        self._value, self._offset = value, offset
+
+    def topic(self) -> str:
+        return "ledger.charges"
+
+    def value(self) -> bytes:
+        return self._value
+
+    def key(self) -> bytes:
+        return b"k"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def timestamp(self) -> tuple[int, int]:
+        return (0, 0)
+
+
+def test_an_analyst_on_the_snapshot_never_holds_up_the_sink(tmp_path):
+    """A reader in another process keeps the snapshot open for longer than the sink's lock wait
+    while charges keep landing: every batch is written, each rewrites the snapshot, and the reader
+    goes on reading the snapshot it opened. (On the live file the same reader makes the sink give up.)"""
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from nodeshare.config import Settings
+    from nodeshare.schemas import encode
+    from nodeshare.sinks.ledger import LedgerSink
+
+    _, source, _ = _demo_like(tmp_path / "run")
+    with Ledger(source, read_only=True) as led:
+        template = led.charges()[0]
+    snapshot, live = tmp_path / "snapshot.duckdb", tmp_path / "live.duckdb"
+    sink = LedgerSink(Settings.model_validate({}), live)
+    sink.snapshot, sink.snapshot_every_s, sink.lock_wait_s = snapshot, 0.0, 0.3
+
+    def charge(i: int) -> _Msg:
+        return _Msg(encode(template.model_copy(update={"job_id": f"s{i}"})), i)
+
+    sink.write([charge(0)])
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(snapshot)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "1"  # the reader holds the snapshot from here
+        for i in range(1, 5):
+            time.sleep(sink.lock_wait_s)  # four lock waits in all while the snapshot is held
+            sink.write([charge(i)])
+        assert sink.rows_inserted == 5
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == "1"  # its own snapshot, unchanged under it
+    finally:
+        reader.communicate(timeout=60)
+    with Ledger(snapshot, read_only=True) as snap:
+        assert snap.count() == 5 and snap.verify_chain().ok
+    # the same reader on the live file: the sink waits its lock wait, then gives up
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(live)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "5"
+        with pytest.raises(RuntimeError, match="held by another process"):
+            sink.write([charge(5)])
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+    finally:
+        reader.communicate(timeout=60)
