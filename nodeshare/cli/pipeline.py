@@ -361,7 +361,7 @@ def simulate(
     from nodeshare.scenarios import stream
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "simulate")
     choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
                              profiles=profiles, time_scale=time_scale)
     until = hours * 3600.0 if hours is not None else None

@@ -56,3 +56,6 @@ def test_worker_metrics_move_during_a_run(kafka_bootstrap: str, tmp_path: Path) 
     assert value(after, "nodeshare_events_out_total", topic=settings.topic("ledger.charges")) >= len(sim.truth)
     assert value(after, "nodeshare_processing_seconds_count") >= len(sim.events) - len(
         [e for e in sim.events if e.kind in ("shutter_window", "node_inventory")])
+    # every job charged: none awaits a node's stream (the gauge is there, at 0)
+    assert ("nodeshare_jobs_awaiting_nodes", ()) in after and value(after, "nodeshare_jobs_awaiting_nodes") == 0
+    assert value(after, "nodeshare_jobs_awaiting_nodes_oldest_seconds") == 0

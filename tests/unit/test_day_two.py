@@ -340,7 +340,7 @@ def test_commands_that_need_the_broker_exit_2_with_one_line_when_it_is_away(monk
     monkeypatch.setattr(common, "BROKER_PROBE_S", 1.0)
     bootstrap = f"127.0.0.1:{closed_port()}"
     for args in (["dlq", "show"], ["topics", "create"], ["topics", "describe"], ["decisions", "tail"],
-                 ["replay", "--archive", str(tmp_path)]):
+                 ["replay", "--archive", str(tmp_path)], ["simulate", "--jobs", "1", "--nodes", "1"]):
         result = runner.invoke(app, [*args, "--bootstrap", bootstrap])
         said = [line for line in result.output.splitlines() if line.strip()]
         assert result.exit_code == 2, (args, result.output)
