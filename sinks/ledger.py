@@ -343,6 +343,8 @@ class LedgerSink(BatchSink):
         self.snapshot: Path | None = None
         self.snapshot_every_s = 60.0
         self._snapshot_at: float | None = None  # time.monotonic() of the last one
+        self.head_every_s = 3600.0  # how often the chain head goes to the log (to be kept off the host)
+        self._head_at: float | None = None
         self._lock = threading.Lock()
 
     def write(self, messages: list[Message]) -> None:
@@ -368,6 +370,11 @@ class LedgerSink(BatchSink):
                                                  or time.monotonic() - self._snapshot_at >= self.snapshot_every_s)
             if due:
                 ledger.con.execute("CHECKPOINT")  # the file alone is then the ledger (snapshot below)
+            if new and (self._head_at is None or time.monotonic() - self._head_at >= self.head_every_s):
+                head = ledger.con.execute("SELECT seq, row_hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
+                if head is not None:  # `nodeshare ledger verify --head` checks a ledger against it later
+                    log.info("ledger chain head: %d rows, head %s", head[0] + 1, head[1])
+                    self._head_at = time.monotonic()
         if due:
             from .ledger_tools import copy_snapshot
 

@@ -597,3 +597,23 @@ def test_an_analyst_on_the_snapshot_never_holds_up_the_sink(tmp_path):
         reader.stdin.flush()
     finally:
         reader.communicate(timeout=60)
+
+
+def test_the_ledger_sink_logs_its_chain_head(tmp_path, caplog):
+    import logging
+
+    from nodeshare.config import Settings
+    from nodeshare.schemas import encode
+    from nodeshare.sinks.ledger import LedgerSink
+    from nodeshare.sinks.ledger_tools import chain_head
+
+    _, source, _ = _demo_like(tmp_path / "run")
+    with Ledger(source, read_only=True) as led:
+        template = led.charges()[0]
+    live = tmp_path / "live.duckdb"
+    sink = LedgerSink(Settings.model_validate({}), live)
+    with caplog.at_level(logging.INFO, logger="nodeshare.sinks.ledger"):
+        sink.write([_Msg(encode(template.model_copy(update={"job_id": f"h{i}"})), i) for i in range(3)])
+    head = chain_head(live)
+    assert f"ledger chain head: 3 rows, head {head.head}" in caplog.text
+    assert runner.invoke(app, ["ledger", "verify", "--ledger", str(live), "--head", head.head]).exit_code == 0
