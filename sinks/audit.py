@@ -300,7 +300,10 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
         report.matches += not diffs
     report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(m for p in parts for m in p.missing)]
     # ended jobs with no charge anywhere: the fold above yields none, so no comparison can miss them
-    report.missing_charges = [p for p in pending_jobs(archive, {job for job, _ in all_rows}, default,
+    latest: dict[str, int] = {}
+    for job, revision in all_rows:
+        latest[job] = max(revision, latest.get(job, -1))
+    report.missing_charges = [p for p in pending_jobs(archive, latest, default,
                                                       window.start, window.end) if not p.charge_in_archive]
     return report
 

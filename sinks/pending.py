@@ -4,9 +4,10 @@ A job is charged once its terminal event has arrived and every node that event n
 job's block stream with a ``JobLeftNode`` marker (docs/charges.md). A node that never sends its
 marker (an agent lost with its spool, a marker refused) holds the charge back for ever, and nothing
 else would show it: the audit recomputes charges, and a job that yields none is no mismatch. This
-module reads the archive's ``jobs.lifecycle`` records (every terminal event of a job that ran), keeps
-the jobs the ledger has no row of, folds their archived ``node.ipc`` records with the worker's own
-reducer and names, per job, each node whose stream is still open or was never seen.
+module folds the archive's ``jobs.lifecycle`` records with the worker's own reducer (every terminal
+event of a job that ran, and the revision each makes: a correction makes the next), keeps the jobs
+whose latest revision the ledger lacks, folds their archived ``node.ipc`` records too and names,
+per job, each node whose stream is still open or was never seen.
 
 Its source is the archive and the ledger, never the broker: what the archive sink has not flushed
 yet (at most its batch interval) is not seen. ``nodeshare audit`` counts these jobs as missing
@@ -21,7 +22,6 @@ from typing import Any
 
 from nodeshare.schemas import JobEvent
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.schemas.serde import DecodeError, decode_model
 from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_states
 
 from .archive import ParquetArchive
@@ -56,42 +56,35 @@ class PendingJob:
                 "reason": self.reason}
 
 
-def ended_jobs(archive: ParquetArchive) -> dict[str, JobEvent]:
-    """Each job's latest terminal event of a run (ended, failed, or cancelled after it started) in the
-    archive's ``jobs.lifecycle``, by job id; records that do not decode are left out (the worker
-    dead-lettered them)."""
-    out: dict[str, JobEvent] = {}
-    for _, ev in archive.events([JOBS_LIFECYCLE.name]):
-        if ev.value is None:
-            continue
-        try:
-            e = decode_model(JobEvent, ev.value)
-        except DecodeError:
-            continue
-        if e.ran:
-            out[e.job_id] = e
-    return out
+def ended_jobs(archive: ParquetArchive, policy: PricingPolicy) -> dict[str, tuple[JobEvent, int]]:
+    """Each job whose archived ``jobs.lifecycle`` has a terminal event of a run (ended, failed, or
+    cancelled after it started): its latest such event and the charge revision that event makes
+    (a correction that changes a billed field makes the next one). Folded by the worker's own
+    reducer, lifecycle only, so what it refused (dead letters, duplicates) counts for nothing."""
+    messages = [(Origin(topic, ev.partition, ev.offset), ev.key, ev.value, ev.timestamp_ms / 1000)
+                for topic, ev in archive.events([JOBS_LIFECYCLE.name])]
+    accounts, _ = fold_states(messages, policy)
+    return {a.job_id: (a.ends[-1].event, len(a.ends) - 1) for a in accounts.values() if a.ends}
 
 
-def pending_jobs(archive: ParquetArchive, charged: set[str], policy: PricingPolicy,
+def pending_jobs(archive: ParquetArchive, charged: dict[str, int], policy: PricingPolicy,
                  ended_from: datetime | None = None, ended_to: datetime | None = None) -> list[PendingJob]:
     """Every job the archive says ended (end time within [``ended_from``, ``ended_to``) when given)
-    whose id is not in ``charged`` (the ledger's jobs), with the nodes holding its charge back, by
-    job id. Folds only those jobs' archived records."""
-    ended = {j: e for j, e in ended_jobs(archive).items() if j not in charged
+    whose latest terminal event has no charge in the ledger (``charged``: each job's highest revision
+    there), with the nodes holding that charge back, by job id. Folds only those jobs' records."""
+    ended = {j: e for j, (e, revision) in ended_jobs(archive, policy).items() if charged.get(j, -1) < revision
              and (ended_from is None or (e.end_time is not None and e.end_time >= ended_from))
              and (ended_to is None or (e.end_time is not None and e.end_time < ended_to))}
     if not ended:
         return []
     messages = [(Origin(topic, ev.partition, ev.offset), ev.key, ev.value, ev.timestamp_ms / 1000)
                 for topic, ev in archive.events([NODE_IPC.name, JOBS_LIFECYCLE.name], {j.encode() for j in ended})]
-    accounts, produced = fold_states(messages, policy)
-    yielded = {(o.key or b"").decode(errors="replace") for o in produced}
+    accounts, _ = fold_states(messages, policy)
     out = []
     for job, event in sorted(ended.items()):
         account = accounts.get(job.encode())
         waiting = tuple(account.waiting_for()) if account is not None else tuple((n, None) for n in event.nodes)
         assert event.end_time is not None  # JobEvent.ran
         out.append(PendingJob(job, event.state.value, event.end_time, len(event.nodes), waiting,
-                              charge_in_archive=job in yielded))
+                              charge_in_archive=account is not None and account.awaiting() is None))
     return out

@@ -183,8 +183,10 @@ def pending_charges(ledger: Path, archive: str | None, as_json: bool) -> None:
     if not ledger.exists():
         err.print(f"[red]charges --pending[/red]: no ledger at {ledger}")
         raise typer.Exit(2)
+    charged: dict[str, int] = {}
     with Ledger(ledger, read_only=True) as led:
-        charged = {c.job_id for c in led.charges()}
+        for c in led.charges():
+            charged[c.job_id] = max(c.revision, charged.get(c.job_id, -1))
     root = archive if "://" in archive else Path(archive).resolve()
     rows = pending_jobs(ParquetArchive(root), charged, load_settings().policy())
     if as_json:

@@ -617,3 +617,16 @@ def test_the_ledger_sink_logs_its_chain_head(tmp_path, caplog):
     head = chain_head(live)
     assert f"ledger chain head: 3 rows, head {head.head}" in caplog.text
     assert runner.invoke(app, ["ledger", "verify", "--ledger", str(live), "--head", head.head]).exit_code == 0
+
+
+def test_a_correction_waiting_for_a_node_is_a_missing_charge_though_the_job_has_an_older_one(tmp_path):
+    """Revision 0 is charged; the resource manager's correction adds node n2, from which nothing came:
+    the job's current charge is missing (its latest terminal event has none), n2 holds it back."""
+    corrected = job_event("j", JobState.ENDED, nodes=("n1", "n2")).model_copy(update={"event_id": "job-j-fix"})
+    records = [block(1.0, 1.4, 1.02, job="j", cycle=0), left("j", "n1", 1, 0), job_event("j", JobState.ENDED),
+               corrected]
+    archive, ledger, n = archive_records(tmp_path, records)
+    assert n == 1
+    report = audit(archive, ledger, POLICY)
+    [pending] = report.missing_charges
+    assert pending.job_id == "j" and pending.waiting == (("n2", None),) and not report.ok
