@@ -52,36 +52,33 @@ SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters n
 LEDGER_LAST_ROW = Gauge("nodeshare_ledger_last_row_timestamp_seconds",
                         "Unix time the ledger sink last inserted a new charge row (0: none since it started)")
 CONSUMER_LAG = Gauge("nodeshare_consumer_lag_messages",
-                     "Messages in the consumer's assigned partitions not yet consumed (librdkafka statistics, "
-                     "every 15 s), by consumer: accounting (the worker's charge fold), ledger, archive (the sinks)",
-                     ["consumer"])
+                     "Messages in the consumer's assigned partitions not yet consumed (measured every 30 s), by "
+                     "consumer: accounting (the worker's charge fold), ledger, archive (the sinks)", ["consumer"])
 SLURM_HOOK_EVENTS = Counter("nodeshare_slurm_hook_events_total",
                             "Slurm hook files the lifecycle source read, by outcome: published, refused "
                             "(unreadable or invalid: moved to bad/ with the reason)", ["outcome"])
 
-#: librdkafka statistics interval of the consumers that export CONSUMER_LAG.
-STATS_INTERVAL_MS = 15_000
+#: How often a consumer loop measures its lag (one watermark request per assigned partition).
+LAG_INTERVAL_S = 30.0
 
 
-def lag_from_stats(raw: str) -> int | None:
-    """The consumer lag librdkafka's statistics JSON reports, summed over the assigned partitions
-    (those with a known lag); None when it reports none."""
-    import json
+def report_lag(consumer: object, name: str, positions: dict[tuple[str, int], int], timeout_s: float = 1.0) -> None:
+    """Set ``nodeshare_consumer_lag_messages{consumer=name}``: each assigned partition's high watermark
+    minus the next offset the loop will read (``positions``), summed. Called from the consumer
+    loop's own thread between batches: librdkafka's statistics callback, served inside rebalance
+    callbacks, aborted the worker (confluent-kafka's CallState assertion). A broker that does not
+    answer leaves the gauge as it was."""
+    from confluent_kafka import KafkaException, TopicPartition
 
-    stats = json.loads(raw)
-    lags = [p["consumer_lag"] for t in stats.get("topics", {}).values()
-            for pid, p in t.get("partitions", {}).items()
-            if pid != "-1" and p.get("consumer_lag", -1) >= 0 and p.get("fetch_state") not in ("none", "stopped")]
-    return sum(lags) if lags else None
-
-
-def lag_reporter(consumer: str) -> dict[str, object]:
-    """Consumer settings that export ``nodeshare_consumer_lag_messages{consumer}`` every 15 s."""
-    def on_stats(raw: str) -> None:
-        lag = lag_from_stats(raw)
-        if lag is not None:
-            CONSUMER_LAG.labels(consumer).set(lag)
-    return {"statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": on_stats}
+    lag = 0
+    try:
+        for (topic, partition), position in positions.items():
+            _, high = consumer.get_watermark_offsets(  # type: ignore[attr-defined]
+                TopicPartition(topic, partition), timeout=timeout_s)
+            lag += max(0, high - position)
+    except KafkaException:
+        return
+    CONSUMER_LAG.labels(name).set(lag)
 
 
 #: Dead-letter kinds: the label values of DEAD_LETTERS.

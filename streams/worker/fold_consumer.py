@@ -198,8 +198,7 @@ class FoldConsumer:
     def consumer(self) -> Consumer:
         return Consumer(self.settings.group_consumer_config(
             accounting_group(self.settings),
-            **{"partition.assignment.strategy": "range"},  # partition p of both topics to one member
-            **metrics.lag_reporter("accounting")))
+            **{"partition.assignment.strategy": "range"}))  # partition p of both topics to one member
 
     def run(self, stop: threading.Event) -> None:
         consumer = self.consumer()
@@ -212,7 +211,7 @@ class FoldConsumer:
             log.warning("accounting: could not read the input topics' partition counts: %s", exc)
         consumer.subscribe(accounting_topics(self.settings), on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_lost)
-        committed_at = time.monotonic()
+        committed_at = lag_at = time.monotonic()
         try:
             while not stop.is_set():
                 batch = consumer.consume(self.max_messages, timeout=0.2)
@@ -232,6 +231,10 @@ class FoldConsumer:
                 if self._pending and time.monotonic() - committed_at >= self.commit_interval_s:
                     self.commit(consumer)
                     committed_at = time.monotonic()
+                if time.monotonic() - lag_at >= metrics.LAG_INTERVAL_S:
+                    metrics.report_lag(consumer, "accounting", {k: p for k, p in self._position.items()
+                                                                if k in self._owned})
+                    lag_at = time.monotonic()
             self.commit(consumer)
         finally:
             consumer.close()  # leaves the group: the other members take the partitions at once

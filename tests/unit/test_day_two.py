@@ -322,15 +322,26 @@ def test_audit_writes_its_result_for_the_textfile_collector(tmp_path):
     assert bad["nodeshare_audit_ok"] == 0 and bad["nodeshare_audit_missing_charges"] == 1
 
 
-def test_librdkafka_statistics_give_the_consumer_lag_of_assigned_partitions():
-    from nodeshare.metrics import lag_from_stats
+def test_consumer_lag_is_the_high_watermarks_minus_the_positions_and_kept_when_the_broker_is_away():
+    from confluent_kafka import KafkaError, KafkaException
+    from prometheus_client import REGISTRY
 
-    stats = {"topics": {"node.ipc": {"partitions": {
-        "0": {"consumer_lag": 120, "fetch_state": "active"}, "1": {"consumer_lag": 5, "fetch_state": "active"},
-        "2": {"consumer_lag": -1, "fetch_state": "active"}, "3": {"consumer_lag": 900, "fetch_state": "none"},
-        "-1": {"consumer_lag": -1}}}}}
-    assert lag_from_stats(json.dumps(stats)) == 125
-    assert lag_from_stats(json.dumps({"topics": {}})) is None
+    from nodeshare.metrics import report_lag
+
+    class Consumer:
+        away = False
+
+        def get_watermark_offsets(self, tp, timeout):
+            if self.away:
+                raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+            return (0, {0: 130, 1: 7}[tp.partition])
+
+    c = Consumer()
+    report_lag(c, "test", {("node.ipc", 0): 10, ("node.ipc", 1): 7})
+    assert REGISTRY.get_sample_value("nodeshare_consumer_lag_messages", {"consumer": "test"}) == 120
+    c.away = True
+    report_lag(c, "test", {("node.ipc", 0): 130, ("node.ipc", 1): 7})
+    assert REGISTRY.get_sample_value("nodeshare_consumer_lag_messages", {"consumer": "test"}) == 120
 
 
 def test_commands_that_need_the_broker_exit_2_with_one_line_when_it_is_away(monkeypatch, tmp_path):
