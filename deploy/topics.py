@@ -20,6 +20,41 @@ from nodeshare.schemas.catalog import INTERNAL_CLEANUP, INTERNAL_TOPICS
 from nodeshare.streams.worker.cursor import accounting_topics
 from nodeshare.streams.worker.fold_consumer import copartition_problem
 
+DAY_MS = 86_400_000
+#: ``retention.ms`` each topic is created with (-1: kept for ever), by catalog name. Why each value,
+#: and how to change one on a running cluster: docs/operations.md, "Topic retention".
+RETENTION_MS: dict[str, int] = {
+    # The charge fold rebuilds a partition from offset 0 and refuses one whose head was deleted
+    # (docs/reliability.md): the two input topics it folds must keep everything.
+    "node.ipc": -1,
+    "jobs.lifecycle": -1,
+    # Read by the sinks (archived, co-runner counts) and the placement manager: a week covers a sink's outage.
+    "node.shutter": 7 * DAY_MS,
+    "node.llc": 7 * DAY_MS,
+    "node.power": 7 * DAY_MS,
+    # Compacted: the latest record per key is the state; nothing expires.
+    "cluster.inventory": -1,
+    "estimates.degradation": -1,
+    "profiles.program": -1,
+    # Folded from their beginning at each start (agents) or rebalance (the managers): longer than the
+    # longest job may run, or a restart forgets a running job's caps or booking.
+    "decisions.power": 30 * DAY_MS,
+    "decisions.placement": 30 * DAY_MS,
+    "power.machine": 30 * DAY_MS,  # the managers' logs: a restart folds only what follows their snapshot
+    "placement.cluster": 30 * DAY_MS,
+    # Compacted: each manager's latest snapshot (streams/core/snapshot.py) is its state; kept for ever.
+    "power.machine.snapshots": -1,
+    "placement.cluster.snapshots": -1,
+    # The ledger and the dead-letter report read these; the ledger is the record.
+    "ledger.charges": 30 * DAY_MS,
+    "dlq": 30 * DAY_MS,
+}
+
+
+def topic_config(name: str, cleanup_policy: str) -> dict[str, str]:
+    """The configuration a catalog or internal topic is created with."""
+    return {"cleanup.policy": cleanup_policy, "retention.ms": str(RETENTION_MS[name])}
+
 
 class TopicsError(RuntimeError):
     """The topics on the broker cannot be made what the catalog needs without an operator's step."""
@@ -55,11 +90,11 @@ def create_topics(settings: Settings, timeout_s: float = 30.0, *,
     wanted = [
         NewTopic(name, num_partitions=n_inputs if name in inputs else t.partitions or settings.partitions,
                  replication_factor=-1,  # the broker's default (1 locally, 3 on a production cluster)
-                 config={"cleanup.policy": t.cleanup_policy})
+                 config=topic_config(t.name, t.cleanup_policy))
         for t in TOPICS if (name := settings.topic(t.name)) not in existing
     ] + [
         NewTopic(settings.topic(name), num_partitions=n, replication_factor=-1,
-                 config={"cleanup.policy": INTERNAL_CLEANUP.get(name, "delete")})
+                 config=topic_config(name, INTERNAL_CLEANUP.get(name, "delete")))
         for name, n in INTERNAL_TOPICS.items() if settings.topic(name) not in existing
     ]
     names = [settings.topic(t.name) for t in TOPICS] + [settings.topic(n) for n in INTERNAL_TOPICS]

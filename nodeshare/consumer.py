@@ -54,6 +54,7 @@ class BatchSink:
         consumer.subscribe(self.topics, on_assign=self._on_assign)
         batch: list[Message] = []
         first_at = 0.0
+        lag_at = time.monotonic()
         try:
             while not stop.is_set():
                 for msg in self._next_messages(consumer, batch, first_at):
@@ -70,6 +71,11 @@ class BatchSink:
                 if batch and (len(batch) >= self.max_batch or time.monotonic() - first_at >= self.max_delay_s):
                     self._flush(consumer, batch)
                     batch = []
+                if time.monotonic() - lag_at >= metrics.LAG_INTERVAL_S:
+                    metrics.report_lag(consumer, self.name, {
+                        (tp.topic, tp.partition): tp.offset for tp in consumer.position(consumer.assignment())
+                        if tp.offset >= 0})
+                    lag_at = time.monotonic()
             if batch:
                 self._flush(consumer, batch)
         finally:

@@ -27,9 +27,19 @@ SINK_ROWS = Counter("nodeshare_sink_rows_total", "Messages made durable by a sin
 LEDGER_ROWS = Counter("nodeshare_ledger_rows_total", "New ledger rows (redelivered charges excluded)")
 DIVERGENT_CHARGES = Counter("nodeshare_ledger_divergent_charges_total",
                             "Copies of a (job, revision) that differ from the ledger's row (dead-lettered, never kept)")
+# Ended jobs the worker's charge fold has not charged: a node's block stream is awaited (its agent's
+# JobLeftNode, or a NodeDown record for a node lost for good: `nodeshare nodes down`)
+JOBS_AWAITING_NODES = Gauge("nodeshare_jobs_awaiting_nodes",
+                            "Ended jobs held in the charge fold until every node they ran on closes its block stream "
+                            "(JobLeftNode or NodeDown), in the partitions this worker folds")
+JOBS_AWAITING_OLDEST = Gauge("nodeshare_jobs_awaiting_nodes_oldest_seconds",
+                             "Seconds since the end (its terminal event's end_time, against this host's clock) of "
+                             "the longest-waiting such job; 0 when none waits. Hours: a node is likely lost")
 # The node agent (producers/agent)
 SPOOL_EVENTS = Gauge("nodeshare_agent_spool_events", "Events in the agent's spool not yet acknowledged by the broker")
 SPOOL_BYTES = Gauge("nodeshare_agent_spool_bytes", "Bytes in the agent's spool not yet acknowledged by the broker")
+SPOOL_MAX_BYTES = Gauge("nodeshare_agent_spool_max_bytes",
+                        "The spool's limit (--spool-max-mb): past it, shutters are skipped and events refused")
 SHUTTER_SECONDS = Histogram("nodeshare_agent_shutter_seconds", "How long one shutter kept the co-runners paused",
                             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0))
 POWER_CAPS = Counter("nodeshare_agent_power_caps_total",
@@ -40,16 +50,39 @@ RESCTRL = Counter("nodeshare_agent_resctrl_total",
 SLURM_PLACEMENTS = Counter("nodeshare_slurm_placements_total",
                            "Placement decisions the Slurm adapter handled, by outcome (applied, kept_held, skipped, "
                            "undecodable)", ["outcome"])
-# Charges held up by a node (issue 39): jobs that ended whose charge waits for a node's block stream
-# to close (its agent's JobLeftNode, or a NodeDown record for a node lost for good)
-JOBS_AWAITING_NODES = Gauge("nodeshare_jobs_awaiting_nodes",
-                            "Ended jobs whose charge waits for a node to close its block stream (JobLeftNode or "
-                            "NodeDown), in the partitions this worker folds")
-OLDEST_AWAITING_NODE_SECONDS = Gauge("nodeshare_oldest_awaiting_node_seconds",
-                                     "Seconds since the oldest of those jobs ended (its end time against this "
-                                     "host's clock); 0 when none waits. Hours: a node is likely lost, see "
-                                     "`nodeshare nodes down`")
 SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters not taken, by reason", ["reason"])
+
+LEDGER_LAST_ROW = Gauge("nodeshare_ledger_last_row_timestamp_seconds",
+                        "Unix time the ledger sink last inserted a new charge row (0: none since it started)")
+CONSUMER_LAG = Gauge("nodeshare_consumer_lag_messages",
+                     "Messages in the consumer's assigned partitions not yet consumed (measured every 30 s), by "
+                     "consumer: accounting (the worker's charge fold), ledger, archive (the sinks)", ["consumer"])
+SLURM_HOOK_EVENTS = Counter("nodeshare_slurm_hook_events_total",
+                            "Slurm hook files the lifecycle source read, by outcome: published, refused "
+                            "(unreadable or invalid: moved to bad/ with the reason)", ["outcome"])
+
+#: How often a consumer loop measures its lag (one watermark request per assigned partition).
+LAG_INTERVAL_S = 30.0
+
+
+def report_lag(consumer: object, name: str, positions: dict[tuple[str, int], int], timeout_s: float = 1.0) -> None:
+    """Set ``nodeshare_consumer_lag_messages{consumer=name}``: each assigned partition's high watermark
+    minus the next offset the loop will read (``positions``), summed. Called from the consumer
+    loop's own thread between batches: librdkafka's statistics callback, served inside rebalance
+    callbacks, aborted the worker (confluent-kafka's CallState assertion). A broker that does not
+    answer leaves the gauge as it was."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    lag = 0
+    try:
+        for (topic, partition), position in positions.items():
+            _, high = consumer.get_watermark_offsets(  # type: ignore[attr-defined]
+                TopicPartition(topic, partition), timeout=timeout_s)
+            lag += max(0, high - position)
+    except KafkaException:
+        return
+    CONSUMER_LAG.labels(name).set(lag)
+
 
 #: Dead-letter kinds: the label values of DEAD_LETTERS.
 DECODE, KEY_MISMATCH, CLOCK, REJECTED = "decode", "key_mismatch", "clock", "rejected"
@@ -61,3 +94,27 @@ def serve(port: int | None, addr: str = "127.0.0.1") -> bool:
         return False
     start_http_server(port, addr=addr)
     return True
+
+
+#: The audit's result, written by ``nodeshare audit --metrics-file`` for node_exporter's textfile
+#: collector (a registry of its own: only these go into the file).
+AUDIT_METRICS = (
+    ("nodeshare_audit_ok", "1 when the last audit found nothing wrong, else 0"),
+    ("nodeshare_audit_mismatches", "Charges of the last audit that differ from their recomputation (columns included)"),
+    ("nodeshare_audit_missing_charges",
+     "Ended jobs without a charge in the last audit, plus charges the archive yields that the ledger lacks"),
+    ("nodeshare_audit_chain_ok", "1 when the last audit found the ledger's hash chain intact"),
+    ("nodeshare_audit_charges_checked", "Charges the last audit recomputed"),
+    ("nodeshare_audit_last_run_timestamp_seconds", "Unix time the last audit finished"),
+)
+
+
+def write_audit_metrics(path: str, values: dict[str, float]) -> None:
+    """Write the audit's gauges (``AUDIT_METRICS``) to ``path`` in the text exposition format,
+    atomically (prometheus-client writes a temporary file and renames it)."""
+    from prometheus_client import CollectorRegistry, write_to_textfile
+
+    registry = CollectorRegistry()
+    for name, doc in AUDIT_METRICS:
+        Gauge(name, doc, registry=registry).set(values[name])
+    write_to_textfile(path, registry)

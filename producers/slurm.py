@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from nodeshare import metrics
 from nodeshare.logs import fields
 from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState, NodeDown
 
@@ -390,6 +391,7 @@ class SlurmSource:
                 path.rename(bad / path.name)
                 (bad / f"{path.name}.reason").write_text(f"{exc}\n")
                 log.error("%s: moved to %s: %s", path.name, bad, exc)
+                metrics.SLURM_HOOK_EVENTS.labels("refused").inc()
                 continue
             try:
                 lost = self._lost(hook, event)
@@ -426,6 +428,7 @@ class SlurmSource:
             save_started(self.state_file, self.started)
         for path in files:
             path.unlink(missing_ok=True)
+        metrics.SLURM_HOOK_EVENTS.labels("published").inc(len(files))
         if self._ended:
             for job in self._ended:
                 self.started.pop(job, None)

@@ -7,8 +7,9 @@ its state turns it usable or unusable (DOWN, DRAIN, ...: ``usable`` false, no jo
 then follows ``decisions.placement``:
 
 * ``place`` / ``pair``: the held job is pinned to the decided node(s) (``scontrol update JobId=..
-  NodeList=.. NumNodes=.. [MinCPUsNode=..]``, the cores per node the placement booked) and released; both jobs of a pair are pinned to the same node and run
-  side by side (node sharing: each holds its own cores, as the placement booked them);
+  NodeList=.. NumNodes=.. [MinCPUsNode=..]``, with the cores per node the placement booked) and
+  released; both jobs of a pair are pinned to the same node and run side by side (node sharing:
+  each holds its own cores, as the placement booked them);
 * ``delay`` / ``serialize``: the job stays held;
 * a decision for a job Slurm no longer has, or no longer holds (released already, running,
   finished), is logged and skipped: Slurm's own state is the record of what was applied, so a

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,10 @@ from nodeshare.streams.core.confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_
 from .archive import ParquetArchive
 from .fast_audit import fast_recompute
 from .ledger import Ledger, charge_differences
+from .pending import PendingJob, pending_jobs
 
 log = logging.getLogger(__name__)
 
-#: Fields that describe where a charge was computed, not what it is.
-_PROVENANCE = frozenset({"source", "schema_version"})
 
 @dataclass(frozen=True)
 class Mismatch:
@@ -57,6 +56,10 @@ class AuditReport:
     chain_ok: bool = True
     chain_error: str | None = None
     conservation_violations: list[str] = field(default_factory=list)
+    #: ended jobs (a terminal event in the archive) with no charge in the ledger and none the archive
+    #: yields: a node's block stream is still open or was never seen (sinks/pending.py)
+    missing_charges: list[PendingJob] = field(default_factory=list)
+    outside_window: int = 0  # ledger rows of jobs that ended outside --from/--to: not compared
 
     @property
     def conservation_ok(self) -> bool:
@@ -64,7 +67,8 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches and not self.missing_in_ledger and self.chain_ok and self.conservation_ok
+        return (not self.mismatches and not self.missing_in_ledger and not self.missing_charges and self.chain_ok
+                and self.conservation_ok)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +78,7 @@ class AuditReport:
             "mismatches": len(self.mismatches),
             "missing_in_ledger": len(self.missing_in_ledger),
             "beyond_retention": self.beyond_retention,
+            "outside_window": self.outside_window,
             "chain_ok": self.chain_ok,
             "chain_error": self.chain_error,
             "conservation_ok": self.conservation_ok,
@@ -83,6 +88,8 @@ class AuditReport:
             "reference_path_jobs": self.reference_path_jobs,
             "mismatch_details": [m.__dict__ for m in self.mismatches[:50]],
             "missing_details": self.missing_in_ledger[:50],
+            "missing_charges": len(self.missing_charges),
+            "missing_charge_details": [p.as_dict() for p in self.missing_charges[:50]],
         }
 
 
@@ -116,6 +123,20 @@ def recompute(messages: dict[bytes | None, list[Message]], policies: dict[str, P
     return out
 
 
+@dataclass(frozen=True)
+class Window:
+    """Jobs that ended in [start, end) (UTC; None: unbounded): what ``audit --from/--to`` compares."""
+
+    start: datetime | None = None
+    end: datetime | None = None
+
+    def holds(self, t: datetime) -> bool:
+        return (self.start is None or t >= self.start) and (self.end is None or t < self.end)
+
+
+EVERY_JOB = Window()
+
+
 def policy_of(charge: Charge) -> PricingPolicy:
     """The policy a charge was priced under, from what it records (a charge before version 6 was
     priced at its point estimate)."""
@@ -141,7 +162,7 @@ class JobsAudit:
 
 
 def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charge], beyond: set[str],
-               default: PricingPolicy, fast: bool) -> JobsAudit:
+               default: PricingPolicy, fast: bool, window: Window = EVERY_JOB) -> JobsAudit:
     """Recompute the charges ``archive`` (the whole archive, or a view of some partitions) yields
     and compare them with ``ledger_rows`` (the rows of the jobs it holds, those beyond retention
     left out). With ``fast``, the vectorized path recomputes the clean jobs and the reference fold
@@ -174,12 +195,13 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
         again = recomputed.get(key, superseded.get(key))
         part.checked.append((key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")]
                              if again is None else diff_charges(row, again)))
-    part.missing = [k for k in recomputed if k not in ledger_rows and k[0] not in beyond]
+    part.missing = [k for k, c in recomputed.items()
+                    if k not in ledger_rows and k[0] not in beyond and window.holds(c.end_time)]
     return part
 
 
 def audit_partitions(archive_root: str, ledger_path: str, partitions: tuple[int, ...], beyond: set[str],
-                     default: PricingPolicy, fast: bool) -> JobsAudit:
+                     default: PricingPolicy, fast: bool, window: Window = EVERY_JOB) -> JobsAudit:
     """One task of a distributed audit: the jobs whose records these input partitions hold (a job
     keyed by its id lives in one partition of each topic), their ledger rows read here (the
     ledger file, read-only, must be reachable from the worker, as the archive is)."""
@@ -187,7 +209,7 @@ def audit_partitions(archive_root: str, ledger_path: str, partitions: tuple[int,
     jobs = archive.keys([NODE_IPC.name, JOBS_LIFECYCLE.name])
     with Ledger(Path(ledger_path), read_only=True) as ledger:
         rows = {(c.job_id, c.revision): c for c in ledger.charges(jobs) if c.job_id not in beyond}
-    part = audit_jobs(archive, rows, beyond, default, fast)
+    part = audit_jobs(archive, rows, beyond, default, fast, window)
     part.held = set(jobs)
     return part
 
@@ -215,13 +237,13 @@ AuditProgress = Callable[[int, int, int], None]
 
 
 def _distributed(client: Any, archive_root: Path | str, ledger_path: Path, beyond: set[str], default: PricingPolicy,
-                 fast: bool, progress: AuditProgress | None) -> list[JobsAudit] | None:
+                 fast: bool, progress: AuditProgress | None, window: Window = EVERY_JOB) -> list[JobsAudit] | None:
     """One task per input partition on a Dask cluster; None when a job's records are found in two
     tasks' partitions (topics not co-partitioned): the caller then audits in one process."""
     from distributed import as_completed
 
     partitions = ParquetArchive(archive_root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
-    futures = [client.submit(audit_partitions, str(archive_root), str(ledger_path), (p,), beyond, default, fast,
+    futures = [client.submit(audit_partitions, str(archive_root), str(ledger_path), (p,), beyond, default, fast, window,
                              key=f"nodeshare-audit-p{p}-{uuid.uuid4().hex[:8]}", pure=False) for p in partitions]
     parts: list[JobsAudit] = []
     samples = 0
@@ -240,11 +262,12 @@ def _distributed(client: Any, archive_root: Path | str, ledger_path: Path, beyon
 
 
 def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *, fast: bool = True,
-          client: Any = None, progress: AuditProgress | None = None) -> AuditReport:
+          client: Any = None, progress: AuditProgress | None = None, window: Window = EVERY_JOB) -> AuditReport:
     """Verify the ledger against the archive. The hash chain, the ledger's columns and
     conservation are checked here, globally; the recomputation runs in this process, or with
     ``client`` (a dask.distributed Client) as one task per input partition, merged into the
-    same report."""
+    same report. With a ``window``, only jobs that ended in it (their current revision's end; for a
+    job the ledger lacks, the end its archive yields) are compared and looked for."""
     with Ledger(ledger_path, read_only=True) as ledger:
         ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
         drift = ledger.column_drift()
@@ -253,15 +276,18 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
     pruned = archive.retention()
     beyond = {job for (job, _), c in ledger_rows.items()
               if any(r.first_offset <= pruned.get((r.topic, r.partition), -1) for r in c.event_range)}
+    outside = {c.job_id for c in current_revisions(list(ledger_rows.values())) if not window.holds(c.end_time)}
+    pruned_rows = sum(k[0] in beyond for k in ledger_rows)
+    beyond = beyond | outside  # neither compared nor looked for, as the rows beyond retention
     all_rows, ledger_rows = ledger_rows, {k: c for k, c in ledger_rows.items() if k[0] not in beyond}
     parts = None
     if client is not None:
-        parts = _distributed(client, archive_root, ledger_path, beyond, default, fast, progress)
+        parts = _distributed(client, archive_root, ledger_path, beyond, default, fast, progress, window)
         if parts is None:
             log.warning("a job's records are in two input partitions (topics not co-partitioned): "
                         "auditing in one process")
     if parts is None:
-        parts = [audit_jobs(archive, ledger_rows, beyond, default, fast)]
+        parts = [audit_jobs(archive, ledger_rows, beyond, default, fast, window)]
     held = set().union(*(p.held for p in parts))
     checked = [c for p in parts for c in p.checked]
     checked += [(key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")])
@@ -271,7 +297,8 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
                          reference_path_jobs=sum(p.reference_path_jobs for p in parts),
                          chain_error=chain.error,
                          conservation_violations=conservation_violations(list(all_rows.values())),
-                         beyond_retention=len(all_rows) - len(ledger_rows))
+                         beyond_retention=pruned_rows,
+                         outside_window=len(all_rows) - len(ledger_rows) - pruned_rows)
     # A SQL column edited behind the record's back is tampering too: analysts read the columns.
     report.mismatches += [Mismatch(j, r, f"column {c}", v, want) for j, r, c, v, want in drift]
     for _, diffs in sorted(checked, key=lambda c: c[0]):
@@ -279,6 +306,12 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
         report.mismatches += diffs
         report.matches += not diffs
     report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(m for p in parts for m in p.missing)]
+    # ended jobs with no charge anywhere: the fold above yields none, so no comparison can miss them
+    latest: dict[str, int] = {}
+    for job, revision in all_rows:
+        latest[job] = max(revision, latest.get(job, -1))
+    report.missing_charges = [p for p in pending_jobs(archive, latest, default,
+                                                      window.start, window.end) if not p.charge_in_archive]
     return report
 
 
@@ -310,6 +343,7 @@ def conservation_violations(charges: list[Charge], rel_tol: float = 1e-9) -> lis
 
 def diff_charges(ledger: Charge, recomputed: Charge) -> list[Mismatch]:
     """Differences in every field the ledger row's schema version has (a row written by an older
-    version is compared on what it carries; which version wrote it is provenance)."""
-    return [Mismatch(ledger.job_id, ledger.revision, f, a, b)
-            for f, a, b in charge_differences(ledger, recomputed, _PROVENANCE)]
+    version is compared on what it carries). Which build and schema wrote it (``code_version``,
+    ``schema_version``, ``source``) is provenance, as in the ledger's redelivery check: an upgraded
+    build recomputes an old row to the same charge, stamped with its own version."""
+    return [Mismatch(ledger.job_id, ledger.revision, f, a, b) for f, a, b in charge_differences(ledger, recomputed)]

@@ -346,6 +346,12 @@ class LedgerSink(BatchSink):
         self.rows_inserted = 0
         self.shutter_messages = 0  # node.shutter messages written (counted, redelivered or dead-lettered)
         self.lock_wait_s = 60.0  # how long a write waits for readers to let go of the file
+        #: a read-only copy for analysts, rewritten after a batch once ``snapshot_every_s`` has passed
+        self.snapshot: Path | None = None
+        self.snapshot_every_s = 60.0
+        self._snapshot_at: float | None = None  # time.monotonic() of the last one
+        self.head_every_s = 3600.0  # how often the chain head goes to the log (to be kept off the host)
+        self._head_at: float | None = None
         self._lock = threading.Lock()
 
     def write(self, messages: list[Message]) -> None:
@@ -367,6 +373,21 @@ class LedgerSink(BatchSink):
             new = ledger.append(rows)
             divergent = ledger.divergent
             ledger.count_shutters(windows)
+            due = self.snapshot is not None and (self._snapshot_at is None
+                                                 or time.monotonic() - self._snapshot_at >= self.snapshot_every_s)
+            if due:
+                ledger.con.execute("CHECKPOINT")  # the file alone is then the ledger (snapshot below)
+            if new and (self._head_at is None or time.monotonic() - self._head_at >= self.head_every_s):
+                head = ledger.con.execute("SELECT seq, row_hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
+                if head is not None:  # `nodeshare ledger verify --head` checks a ledger against it later
+                    log.info("ledger chain head: %d rows, head %s", head[0] + 1, head[1])
+                    self._head_at = time.monotonic()
+        if due:
+            from .ledger_tools import copy_snapshot
+
+            with self._lock:  # closed, and only this sink writes it: the bytes are one moment of the ledger
+                copy_snapshot(self.ledger_path, self.snapshot)  # type: ignore[arg-type]
+            self._snapshot_at = time.monotonic()
         for (charge, raw, partition, offset), fields in divergent:
             # The worker re-sends a partition's charges at each rebuild: a copy that differs is a
             # recomputation that disagrees with what was billed (or a forged row), never dropped.
@@ -382,6 +403,8 @@ class LedgerSink(BatchSink):
                 field=fields[0], source=SINK_SOURCE))
         self.rows_inserted += new
         metrics.LEDGER_ROWS.inc(new)
+        if new:
+            metrics.LEDGER_LAST_ROW.set_to_current_time()
         if self.dead_letters is not None:
             self.dead_letters.flush()
 

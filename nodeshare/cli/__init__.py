@@ -18,6 +18,7 @@ app.add_typer(pipeline.schemas_app, name="schemas")
 app.add_typer(pipeline.sink_app, name="sink")
 app.add_typer(bench.bench_app, name="bench")
 app.add_typer(ledger.archive_app, name="archive")
+app.add_typer(ledger.ledger_app, name="ledger")
 app.add_typer(experiment.experiment_app, name="experiment")  # with experiment_shutter's command
 app.add_typer(pipeline.decisions_app, name="decisions")
 app.add_typer(pipeline.dlq_app, name="dlq")

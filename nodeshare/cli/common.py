@@ -60,6 +60,26 @@ def require_bootstrap(settings: Any) -> None:
         raise typer.Exit(2)
 
 
+#: How long a command waits for the broker to answer before it says it cannot reach it.
+BROKER_PROBE_S = 10.0
+
+
+def require_broker(settings: Any, command: str) -> None:
+    """``require_bootstrap``, then ask the broker for its metadata: a command that needs it exits 2
+    with one line when it does not answer, instead of reading nothing and reporting nothing."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    require_bootstrap(settings)
+    try:
+        AdminClient(settings.client_config()).list_topics(timeout=BROKER_PROBE_S)
+    except KafkaException as exc:
+        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+        err.print(f"[red]nodeshare {command}[/red]: the broker at {settings.bootstrap} cannot be reached "
+                  f"({reason}; waited {BROKER_PROBE_S:g} s)", highlight=False)
+        raise typer.Exit(2) from None
+
+
 Bootstrap = Annotated[str | None, typer.Option(help="Kafka bootstrap servers (default: NODESHARE_BOOTSTRAP)")]
 
 

@@ -19,6 +19,7 @@ from .common import (
 )
 
 archive_app = typer.Typer(no_args_is_help=True, help="Archive housekeeping.")
+ledger_app = typer.Typer(no_args_is_help=True, help="Ledger file housekeeping: backup, chain head.")
 
 
 def split_values(values: list[str] | None) -> list[str]:
@@ -50,13 +51,27 @@ def audit(
     scheduler: Annotated[str | None, typer.Option(
         help="recompute on this Dask scheduler (tcp://host:8786), e.g. workers started as Slurm jobs by "
         "dask-jobqueue; the archive and the ledger must be reachable from its workers")] = None,
+    ended_from: Annotated[str | None, typer.Option(
+        "--from", help="only jobs that ended from this time (YYYY-MM-DD[THH:MM[:SS]], UTC)")] = None,
+    ended_to: Annotated[str | None, typer.Option(
+        "--to", help="only jobs that ended before this time (UTC)")] = None,
+    metrics_file: Annotated[Path | None, typer.Option(
+        help="also write the result as Prometheus gauges (nodeshare_audit_ok, ..._mismatches, "
+        "..._missing_charges, ..._chain_ok, ..._charges_checked, ..._last_run_timestamp_seconds) to this file, "
+        "e.g. in node_exporter's --collector.textfile.directory")] = None,
 ) -> None:
     """Verify the ledger's hash chain and conservation, recompute every charge from the archive and
-    compare. Exit 1 on any failure."""
+    compare, and report ended jobs without a charge. Exit 1 on any failure."""
+    from nodeshare.sinks.analysis.usage import QueryError, parse_time
+    from nodeshare.sinks.audit import Window, dask_client
     from nodeshare.sinks.audit import audit as run_audit
-    from nodeshare.sinks.audit import dask_client
 
     settings = load_settings()
+    try:
+        window = Window(parse_time(ended_from) if ended_from else None, parse_time(ended_to) if ended_to else None)
+    except QueryError as exc:
+        err.print(f"[red]audit[/red]: {exc}")
+        raise typer.Exit(2) from None
     if workers is not None and scheduler is not None:
         err.print("[red]audit[/red]: --workers starts a local cluster, --scheduler uses one: give one of them")
         raise typer.Exit(2)
@@ -69,19 +84,35 @@ def audit(
                            description=f"partitions ({samples / 1e6:.1f} M samples)")
             root = archive if "://" in archive else Path(archive).resolve()
             report = run_audit(root, ledger.resolve(), settings.policy(), client=client,
-                               progress=progress)
+                               progress=progress, window=window)
     except FileNotFoundError as exc:
         err.print(f"[red]audit failed[/red]: {exc}")
         raise typer.Exit(2) from None
     except (OSError, TimeoutError) as exc:  # connecting to the Dask scheduler
         err.print(f"[red]audit failed[/red]: the Dask cluster is not reachable ({scheduler or 'local'}): {exc}")
         raise typer.Exit(2) from None
+    if metrics_file is not None:
+        import time
+
+        from nodeshare.metrics import write_audit_metrics
+
+        write_audit_metrics(str(metrics_file), {
+            "nodeshare_audit_ok": float(report.ok), "nodeshare_audit_mismatches": len(report.mismatches),
+            "nodeshare_audit_missing_charges": len(report.missing_charges) + len(report.missing_in_ledger),
+            "nodeshare_audit_chain_ok": float(report.chain_ok),
+            "nodeshare_audit_charges_checked": report.charges_checked,
+            "nodeshare_audit_last_run_timestamp_seconds": time.time()})
     if as_json:
         print(json.dumps(report.as_dict(), indent=2, default=str))
     else:
+        if report.outside_window:
+            out.print(f"{report.outside_window} ledger rows of jobs that ended outside --from/--to not compared")
         out.print(f"{report.charges_checked} charges checked against {report.events_read} archived events: "
                   f"{report.matches} match, {len(report.mismatches)} mismatches, "
-                  f"{len(report.missing_in_ledger)} missing from the ledger")
+                  f"{len(report.missing_in_ledger)} missing from the ledger, "
+                  f"{len(report.missing_charges)} ended jobs without a charge")
+        for p in report.missing_charges[:20]:
+            out.print(f"  {p.job_id} ({p.state} {p.end_time:%Y-%m-%d %H:%M:%S}): {p.reason}")
         for m in report.mismatches[:20]:
             out.print(f"  {m.job_id}#{m.revision} {m.field}: ledger {m.ledger!r} != recomputed {m.recomputed!r}")
         out.print("hash chain: " + ("intact" if report.chain_ok else f"[red]broken[/red]: {report.chain_error}"))
@@ -107,16 +138,30 @@ def charges(
     all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
     incomplete: Annotated[bool, typer.Option(
         help="only charges priced without a lost node's marker (estimate status node_lost)")] = False,
+    jobs: Annotated[list[str] | None, typer.Option(
+        "--jobs", "-j", help="job id(s), comma-separated: every revision of each (as --all-revisions), "
+        "with RevisionReason")] = None,
+    pending: Annotated[bool, typer.Option(
+        "--pending", help="instead: ended jobs (a terminal event in the archive) without a charge in the ledger, "
+        "and the nodes holding each back; reads --archive and --ledger, not the broker")] = False,
+    archive: Annotated[str | None, typer.Option(help="archive root (for --pending)")] = None,
 ) -> None:
     """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime."""
     from nodeshare.sinks.analysis.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
     from nodeshare.sinks.analysis.usage import charges as query
 
+    if pending:
+        pending_charges(ledger, archive, as_json)
+        return
+    job_ids = split_values(jobs)
+    if job_ids and not fmt:  # a job's history: which revision, and why it superseded the one before
+        fmt = DEFAULT_FORMAT.replace("JobID,", "JobID,Revision,", 1) + ",CodeVersion,RevisionReason"
     try:
         header, rows = query(
             ledger, users=split_values(user), accounts=split_values(account),
             start=parse_time(starttime) if starttime else None, end=parse_time(endtime) if endtime else None,
-            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions, incomplete=incomplete)
+            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions or bool(job_ids), jobs=job_ids,
+            incomplete=incomplete)
     except (QueryError, FileNotFoundError) as exc:
         err.print(f"[red]charges[/red]: {exc}  (columns: {', '.join(CHARGE_COLUMNS)})")
         raise typer.Exit(2) from None
@@ -127,6 +172,32 @@ def charges(
         for r in rows:
             table.add_row(*(render_value(c, v) for c, v in zip(header, r, strict=True)))
         out.print(table)
+
+
+def pending_charges(ledger: Path, archive: str | None, as_json: bool) -> None:
+    """``charges --pending``: the archive's ended jobs the ledger has no charge of, and why."""
+    from nodeshare.sinks.archive import ParquetArchive
+    from nodeshare.sinks.ledger import Ledger
+    from nodeshare.sinks.pending import pending_jobs
+
+    if archive is None:
+        err.print("[red]charges --pending[/red]: give --archive (ended jobs are read from its jobs.lifecycle)")
+        raise typer.Exit(2)
+    if not ledger.exists():
+        err.print(f"[red]charges --pending[/red]: no ledger at {ledger}")
+        raise typer.Exit(2)
+    charged: dict[str, int] = {}
+    with Ledger(ledger, read_only=True) as led:
+        for c in led.charges():
+            charged[c.job_id] = max(c.revision, charged.get(c.job_id, -1))
+    root = archive if "://" in archive else Path(archive).resolve()
+    rows = pending_jobs(ParquetArchive(root), charged, load_settings().policy())
+    if as_json:
+        print(json.dumps([p.as_dict() for p in rows], indent=2))
+        return
+    for p in rows:
+        out.print(f"{p.job_id}  {p.state}  ended {p.end_time:%Y-%m-%dT%H:%M:%S}  {p.reason}")
+    out.print(f"{len(rows)} ended jobs without a charge")
 
 
 @app.command("report-usage")
@@ -253,4 +324,52 @@ def archive_check(
         out.print(f"{logs} topic partition logs checked against {against}: "
                   + (f"{len(gaps)} gaps, {sum(g.count for g in gaps):,} offsets missing" if gaps else "no gap"))
     if gaps:
+        raise typer.Exit(1)
+
+
+@ledger_app.command("backup")
+def ledger_backup(
+    dest: Annotated[Path, typer.Argument(help="the backup file to write (must not exist)")],
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+    wait: Annotated[float, typer.Option(min=0.0, help="seconds to wait while the sink writes a batch")] = 30.0,
+) -> None:
+    """A consistent copy of the ledger, safe while the ledger sink writes: taken while no write can
+    land (the file held read-only), its hash chain checked before it is put in place. Prints the
+    copy's chain head."""
+    from nodeshare.sinks.ledger_tools import backup
+
+    try:
+        head = backup(ledger, dest, wait_s=wait)
+    except (FileNotFoundError, FileExistsError, RuntimeError) as exc:
+        err.print(f"[red]ledger backup[/red]: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    out.print(f"{dest}: {head.rows} rows, chain intact, head {head.head}", highlight=False)
+
+
+@ledger_app.command("verify")
+def ledger_verify(
+    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
+    head: Annotated[str | None, typer.Option(
+        help="a chain head recorded earlier (e.g. printed by a previous verify and kept elsewhere): fail unless "
+        "the intact chain passes through it")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Walk the ledger's hash chain and print its head (record it off the ledger's host: a ledger
+    rewritten with a recomputed chain no longer leads to it). Exit 1 on a broken chain, or when it
+    does not lead to --head."""
+    from nodeshare.sinks.ledger_tools import chain_head, verify_head
+
+    try:
+        result = chain_head(ledger) if head is None else verify_head(ledger, head)
+    except FileNotFoundError as exc:
+        err.print(f"[red]ledger verify[/red]: {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(result.__dict__, indent=2))
+    elif result.ok:
+        at = f"; {head} is row {result.at_row}" if head is not None else ""
+        out.print(f"chain intact: {result.rows} rows, head {result.head}{at}", highlight=False)
+    else:
+        err.print(f"[red]ledger verify[/red]: {result.error}", highlight=False)
+    if not result.ok:
         raise typer.Exit(1)

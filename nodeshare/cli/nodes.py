@@ -174,7 +174,7 @@ def slurm_source(
     """Publish Slurm job lifecycle events (hooks and squeue) to jobs.lifecycle."""
     import time
 
-    from nodeshare import logs
+    from nodeshare import logs, metrics
     from nodeshare.producers.kafka_producer import EventProducer
     from nodeshare.producers.slurm import SlurmCommands, SlurmSource, run_source
 
@@ -186,6 +186,7 @@ def slurm_source(
         raise typer.Exit(2)
     commands = SlurmCommands()
     source = SlurmSource(events_dir, commands, commands.cluster_name(), terminal_from_epilog)
+    metrics.serve(settings.metrics_port, settings.metrics_addr)  # hook files published and refused
     end = None if duration is None else time.monotonic() + duration
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with EventProducer(settings, client_id="nodeshare-slurm") as producer:

@@ -22,6 +22,7 @@ from .common import (
     out,
     progress_bar,
     require_bootstrap,
+    require_broker,
     staged_progress,
 )
 
@@ -208,7 +209,7 @@ def topics_create(
         for line in kafka_acls_commands(settings, principals):
             print(line)
         return
-    require_bootstrap(settings)
+    require_broker(settings, "topics create")
     try:
         created = create_topics(settings, grow_inputs_to=grow_inputs_to)
     except TopicsError as exc:
@@ -230,7 +231,7 @@ def topics_describe(bootstrap: Bootstrap = None) -> None:
     from nodeshare.sinks.analysis.inspect import describe_topics
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "topics describe")
     table = Table(title=f"Topics on {settings.bootstrap}")
     for col in ("topic", "exists", "partitions", "cleanup.policy", "expected"):
         table.add_column(col)
@@ -256,7 +257,7 @@ def dlq_show(
     from nodeshare.sinks.analysis.inspect import preview, read_dead_letters
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "dlq show")
     summary = read_dead_letters(settings, first=first, idle_s=idle)
     if as_json:
         print(json.dumps(summary.as_dict(), indent=2))
@@ -341,7 +342,12 @@ def _run_sink(sink: Any) -> None:
 
 @sink_app.command("ledger")
 def sink_ledger(ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
-                bootstrap: Bootstrap = None) -> None:
+                bootstrap: Bootstrap = None,
+                snapshot: Annotated[Path | None, typer.Option(
+                    help="also keep a read-only copy here for analysts, rewritten after a batch once "
+                    "--snapshot-every seconds have passed (a reader of it never holds up the sink)")] = None,
+                snapshot_every: Annotated[float, typer.Option(min=0.0, help="seconds between snapshots")] = 60.0,
+                ) -> None:
     """Consume ledger.charges into the DuckDB ledger (idempotent on job id and revision)."""
     from nodeshare.producers.kafka_producer import EventProducer
     from nodeshare.sinks.ledger import LedgerSink
@@ -349,7 +355,9 @@ def sink_ledger(ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")]
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
     with EventProducer(settings, client_id="nodeshare-ledger-dlq") as dlq:
-        _run_sink(LedgerSink(settings, ledger, dead_letters=dlq))
+        sink = LedgerSink(settings, ledger, dead_letters=dlq)
+        sink.snapshot, sink.snapshot_every_s = snapshot, snapshot_every
+        _run_sink(sink)
 
 
 @sink_app.command("archive")
@@ -383,7 +391,7 @@ def simulate(
     from nodeshare.scenarios import stream
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "simulate")
     choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
                              profiles=profiles, time_scale=time_scale)
     until = hours * 3600.0 if hours is not None else None
@@ -412,7 +420,7 @@ def replay(
     from nodeshare.producers.replay import replay as run_replay
 
     settings = load_settings(bootstrap=bootstrap, topic_prefix=topic_prefix)
-    require_bootstrap(settings)
+    require_broker(settings, "replay")
     create_topics(settings)
     with progress_bar() as bar:
         task = bar.add_task("replaying", total=None)
@@ -440,7 +448,7 @@ def decisions_tail(
     from nodeshare.sinks.analysis.inspect import tail_decisions
 
     settings = load_settings(bootstrap=bootstrap)
-    require_bootstrap(settings)
+    require_broker(settings, "decisions tail")
     if topic not in ("decisions.power", "decisions.placement"):
         raise typer.BadParameter("must be decisions.power or decisions.placement", param_hint="--topic")
     for line in tail_decisions(settings, topic, from_beginning=from_beginning, limit=limit, idle_exit_s=idle_exit,

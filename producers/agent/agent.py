@@ -47,7 +47,7 @@ from nodeshare.schemas import (
     key_of,
 )
 from nodeshare.schemas.events import ProcessorSpec
-from nodeshare.streams.core.degradation import mean_ipc
+from nodeshare.streams.core.ipc import mean_ipc
 from nodeshare.streams.core.shutter_policy import LevelStats, Shutter, ShutterPolicy
 
 from . import powercap, rapl
@@ -193,6 +193,7 @@ class Agent:
         self.spool = Spool(options.spool, options.spool_max_bytes)
         metrics.SPOOL_EVENTS.set_function(lambda: self.spool.rows)  # read at scrape time, off the shutter path
         metrics.SPOOL_BYTES.set_function(lambda: self.spool.bytes)
+        metrics.SPOOL_MAX_BYTES.set(self.spool.max_bytes)
         self.forwarder = forwarder_factory(self.spool)
         self.watchdog = Watchdog(options.freezer_root)
         self.pauser = Pauser(Guard.here(self.watchdog.pid), options.freezer_root)

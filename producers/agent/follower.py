@@ -16,9 +16,13 @@ committed (each batch is committed once handled, so a crash reads at most that b
 a group with no committed offset starts at the topic's beginning; what is too old to act on,
 ``handle`` decides.
 
-A follower never ends silently. A broker it cannot reach (``KafkaException``) is waited out: the
-follower starts again, as at a start. Anything else (``WatchdogLost``: nothing would undo a cap if
-the agent died now; a bug) stops it: ``failed`` undoes what it applied, the gauge
+A follower never ends silently. A broker it cannot reach (``KafkaException``), at start or later,
+is waited out: the follower starts again, as at a start, after a back-off that doubles from
+``RETRY_S`` up to ``RETRY_MAX_S`` and starts over once the broker answered;
+``nodeshare_agent_follower_connected{follower}`` is 0 while it waits (alert when it stays 0) and
+``nodeshare_agent_follower_retries_total{follower}`` counts the attempts. Anything else
+(``WatchdogLost``: nothing would undo a cap if the agent died now; a bug) stops it: ``failed``
+undoes what it applied, the gauge
 ``nodeshare_agent_follower_up{follower}`` drops to 0, the log says why, and the agent's loop
 (``check``) raises, so the agent exits non-zero after its usual restore, and its supervisor
 (systemd's ``Restart=on-failure``) starts it again with a new watchdog, which folds the history again.
@@ -31,7 +35,7 @@ import threading
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from nodeshare.consumer import _next_offsets as next_offsets
 
@@ -42,8 +46,16 @@ log = logging.getLogger(__name__)
 FOLLOWER_UP = Gauge("nodeshare_agent_follower_up",
                     "1 while the agent's follower of a topic runs, 0 once a failure stopped it (the agent exits)",
                     ["follower"])
-#: seconds between two attempts to reach a broker that is away
+FOLLOWER_CONNECTED = Gauge("nodeshare_agent_follower_connected",
+                           "1 while the agent's follower of a topic reads from the broker, 0 while it waits for "
+                           "a broker it cannot reach", ["follower"])
+FOLLOWER_RETRIES = Counter("nodeshare_agent_follower_retries_total",
+                           "Times the agent's follower of a topic could not reach the broker and waited to try again",
+                           ["follower"])
+#: seconds before the first attempt again to reach a broker that is away; doubled at each failure
 RETRY_S = 5.0
+#: the longest wait between two attempts
+RETRY_MAX_S = 60.0
 ASK_S = 2.0  # how long one metadata or offsets request may wait for the broker
 
 
@@ -68,6 +80,7 @@ class Follower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the follower, if anything did
+        self._answered = False  # the broker answered since the last attempt began
 
     def handle(self, value: bytes | None, write: bool) -> None:
         raise NotImplementedError
@@ -83,16 +96,24 @@ class Follower:
 
     def run(self) -> None:
         FOLLOWER_UP.labels(self.purpose).set(1)
+        FOLLOWER_CONNECTED.labels(self.purpose).set(0)
+        wait = RETRY_S
         while not self._stop.is_set():
+            self._answered = False
             try:
                 self._follow()
                 return
             except KafkaException as exc:  # the broker is away: wait, then start again
-                log.warning("%s: cannot read the topic (%s); trying again in %g s", self.topic_name, exc, RETRY_S)
-                self._stop.wait(RETRY_S)
+                FOLLOWER_CONNECTED.labels(self.purpose).set(0)
+                FOLLOWER_RETRIES.labels(self.purpose).inc()
+                wait = RETRY_S if self._answered else wait  # it answered before failing: start the back-off over
+                log.warning("%s: cannot read the topic (%s); trying again in %g s", self.topic_name, exc, wait)
+                self._stop.wait(wait)
+                wait = min(2 * wait, RETRY_MAX_S)
             except BaseException as exc:
                 self.failure = exc
                 FOLLOWER_UP.labels(self.purpose).set(0)
+                FOLLOWER_CONNECTED.labels(self.purpose).set(0)
                 log.critical("%s: the follower stopped (%s); undoing what it applied, the agent exits",
                              self.topic_name, exc, exc_info=exc)
                 try:
@@ -122,6 +143,8 @@ class Follower:
             # short waits: the loop retries every RETRY_S, and the agent's exit waits for this thread
             # (10 s each kept an agent without a broker 10 s longer at every exit)
             partitions = consumer.list_topics(topic, timeout=ASK_S).topics[topic].partitions
+            self._answered = True
+            FOLLOWER_CONNECTED.labels(self.purpose).set(1)
             ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=ASK_S) for p in partitions}
             starts = {p: OFFSET_BEGINNING for p in partitions}
             if self.commits:  # resume after what the group committed (a negative offset: nothing committed)

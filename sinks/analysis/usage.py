@@ -41,6 +41,8 @@ CHARGE_COLUMNS: dict[str, str] = {
     "SOP": "standard_price",
     "Charged": "price",
     "Dividend": "dividend",
+    "RevisionReason": "json_extract_string(record, '$.revision_reason')",  # why it superseded the last one
+    "CodeVersion": "code_version",
 }
 DEFAULT_FORMAT = ("JobID,User,Account,Program,NCPUS,Start,End,Elapsed,DegradationEstimate,DegradationLow,"
                   "DegradationHigh,Degradation,SOP,Charged,Dividend")
@@ -81,12 +83,16 @@ def _connect(ledger: Path) -> duckdb.DuckDBPyConnection:
 
 def charges(ledger: Path, *, users: Sequence[str] = (), accounts: Sequence[str] = (),
             start: datetime | None = None, end: datetime | None = None, fmt: str = DEFAULT_FORMAT,
-            all_revisions: bool = False, incomplete: bool = False) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """(column names, rows) of the jobs that ran at any moment of [start, end); with ``incomplete``,
-    only charges priced without a lost node's marker (estimate status ``node_lost``)."""
+            all_revisions: bool = False, jobs: Sequence[str] = (), incomplete: bool = False,
+            ) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """(column names, rows) of the jobs that ran at any moment of [start, end) (of ``jobs``, when given);
+    with ``incomplete``, only charges priced without a lost node's marker (estimate status ``node_lost``)."""
     cols = columns(fmt)
     where: list[str] = ["TRUE"]
     params: list[Any] = []
+    if jobs:
+        where.append("job_id IN (SELECT unnest(?))")
+        params.append(list(jobs))
     if incomplete:
         where.append("estimate_status = 'node_lost'")
     if users:

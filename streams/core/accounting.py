@@ -350,12 +350,6 @@ class JobAccount(_State):
             out.append((node, s.late if node in late and s.late is not None else s))
         return out
 
-    def awaiting_since(self) -> datetime | None:
-        """When the job ended, if its next charge waits for a node's stream to close (its terminal event
-        arrived, a listed node's marker or node-down record did not); None when nothing waits."""
-        r = self.revision + 1  # ``_ready_charges`` stops at the first revision not ready
-        return self.ends[r].event.end_time if r < len(self.ends) else None
-
     def _ready(self, revision: int) -> bool:
         """Whether ``streams_for(revision)`` is not None, from the cached set of its open nodes: a
         stream, once closed, stays closed, and a node's runs are only ever appended, so the set only
@@ -627,6 +621,27 @@ class JobAccount(_State):
         such a row, though it need not find one."""
         return tuple(self._charge(r, policy) for r, t in enumerate(self.triggers)
                      if not t and self.streams_for(r) is not None)
+
+    def awaiting(self) -> JobEvent | None:
+        """The terminal event of the first revision not charged yet (waiting for a node's stream
+        to close), or None when every terminal event so far is charged or superseded."""
+        r = self.revision + 1
+        return self.ends[r].event if r < len(self.ends) else None
+
+    def waiting_for(self) -> list[tuple[str, int | None]]:
+        """Why the first uncharged revision is not charged: each node it names whose block stream
+        has not closed, with the blocks counted on it (None: nothing of the job ever came from it)."""
+        r = self.revision + 1
+        if r >= len(self.ends):
+            return []
+        out: list[tuple[str, int | None]] = []
+        for node, k in self._needs(r):
+            runs = self._runs_of(node)
+            if k >= len(runs):
+                out.append((node, None))
+            elif not runs[k].closed:
+                out.append((node, runs[k].blocks))
+        return out
 
     # ------------------------------------------------------------------ persistence
 

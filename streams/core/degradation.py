@@ -30,13 +30,13 @@ import numpy as np
 from nodeshare.schemas.events import (
     EstimateStatus,
     FeatureSummary,
-    IpcSample,
     SampleMoments,
     ShutterBatch,
     ShutterBlock,
 )
 
 from .blocks import BlockRows, block_rows
+from .ipc import mean_ipc
 
 #: Seed 002, Section 6.3: "We empirically determined delta = 0.05 to be a reasonable value."
 DEFAULT_DELTA = 0.05
@@ -59,11 +59,6 @@ class BlockMeans:
     before: float
     during: float
     after: float
-
-
-def mean_ipc(samples: Iterable[IpcSample]) -> float:
-    ipcs = [s.instructions / s.cycles for s in samples]
-    return math.fsum(ipcs) / len(ipcs)
 
 
 def block_means(block: ShutterBlock) -> BlockMeans:

@@ -39,8 +39,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy only where arrays are passed: the agent's slim install has none
+    import numpy as np
 
 #: Alg. 4's delta (Seed 002, Section 6.3).
 DELTA = 0.05
@@ -75,6 +77,8 @@ class LevelStats:
         return True
 
     def add_many(self, before: np.ndarray, during: np.ndarray, after: np.ndarray, delta: float = DELTA) -> None:
+        import numpy as np
+
         keep = (np.abs(before - after) < delta) & (before < during) & (after < during)
         x, y = (during + after - before)[keep], before[keep]
         self.rejected += int((~keep).sum())

@@ -189,12 +189,12 @@ class FoldConsumer:
         self._changed: dict[tuple[int, bytes | None], JobAccount] = {}
         #: Partition count of each input topic, from the broker's metadata at start and at each assignment.
         self._partitions: dict[str, int] = {}
-        #: Jobs whose charge waits for a node's stream, with their end time (``JobAccount.awaiting_since``),
+        #: Jobs whose charge waits for a node's stream, with their end time (``JobAccount.awaiting``),
         #: kept as accounts change; read by the metrics thread, hence the lock.
         self._awaiting: dict[tuple[int, bytes | None], datetime] = {}
         self._awaiting_lock = threading.Lock()
         metrics.JOBS_AWAITING_NODES.set_function(lambda: self.awaiting()[0])
-        metrics.OLDEST_AWAITING_NODE_SECONDS.set_function(lambda: self.awaiting()[1])
+        metrics.JOBS_AWAITING_OLDEST.set_function(self.oldest_awaiting_s)
 
     # ------------------------------------------------------------------ the loop
 
@@ -214,7 +214,7 @@ class FoldConsumer:
             log.warning("accounting: could not read the input topics' partition counts: %s", exc)
         consumer.subscribe(accounting_topics(self.settings), on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_lost)
-        committed_at = time.monotonic()
+        committed_at = lag_at = time.monotonic()
         try:
             while not stop.is_set():
                 batch = consumer.consume(self.max_messages, timeout=0.2)
@@ -234,6 +234,10 @@ class FoldConsumer:
                 if self._pending and time.monotonic() - committed_at >= self.commit_interval_s:
                     self.commit(consumer)
                     committed_at = time.monotonic()
+                if time.monotonic() - lag_at >= metrics.LAG_INTERVAL_S:
+                    metrics.report_lag(consumer, "accounting", {k: p for k, p in self._position.items()
+                                                                if k in self._owned})
+                    lag_at = time.monotonic()
             self.commit(consumer)
         finally:
             consumer.close()  # leaves the group: the other members take the partitions at once
@@ -267,12 +271,12 @@ class FoldConsumer:
         metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
 
     def _note_awaiting(self, partition: int, key: bytes | None, account: JobAccount) -> None:
-        since = account.awaiting_since()
+        end = account.awaiting()
         with self._awaiting_lock:
-            if since is None:
+            if end is None or end.end_time is None:
                 self._awaiting.pop((partition, key), None)
             else:
-                self._awaiting[(partition, key)] = since
+                self._awaiting[(partition, key)] = end.end_time
 
     def awaiting(self, now: datetime | None = None) -> tuple[int, float]:
         """Jobs whose charge waits for a node's stream, and seconds since the oldest of them ended (0:
@@ -283,6 +287,10 @@ class FoldConsumer:
             oldest = min(self._awaiting.values())
             count = len(self._awaiting)
         return count, max(0.0, ((now or datetime.now(UTC)) - oldest).total_seconds())
+
+    def oldest_awaiting_s(self) -> float:
+        """Seconds since the end of the job that has waited longest for a node's stream (0: none waits)."""
+        return self.awaiting()[1]
 
     def misrouted(self, origin: Origin, key: bytes | None) -> str | None:
         """Why this input record is not on the partition its key hashes to, or None (also when the

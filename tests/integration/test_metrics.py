@@ -56,3 +56,42 @@ def test_worker_metrics_move_during_a_run(kafka_bootstrap: str, tmp_path: Path) 
     assert value(after, "nodeshare_events_out_total", topic=settings.topic("ledger.charges")) >= len(sim.truth)
     assert value(after, "nodeshare_processing_seconds_count") >= len(sim.events) - len(
         [e for e in sim.events if e.kind in ("shutter_window", "node_inventory")])
+    # every job charged: none awaits a node's stream (the gauge is there, at 0)
+    assert ("nodeshare_jobs_awaiting_nodes", ()) in after and value(after, "nodeshare_jobs_awaiting_nodes") == 0
+    assert value(after, "nodeshare_jobs_awaiting_nodes_oldest_seconds") == 0
+
+
+def test_the_sinks_and_the_charge_fold_measure_their_lag_in_their_loops(settings: Settings, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lag is measured from the consumer loops themselves, on a real broker (a librdkafka
+    statistics callback, served inside a rebalance, aborted the worker)."""
+    import threading
+
+    from prometheus_client import REGISTRY
+
+    from nodeshare import metrics
+    from nodeshare.consumer import run_in_thread
+    from nodeshare.deploy.topics import create_topics
+    from nodeshare.sinks.ledger import LedgerSink
+    from nodeshare.streams.worker.fold_consumer import FoldConsumer, FoldThread
+
+    monkeypatch.setattr(metrics, "LAG_INTERVAL_S", 0.2)
+    create_topics(settings)
+    stop = threading.Event()
+    sink = run_in_thread(LedgerSink(settings, tmp_path / "ledger.duckdb"), stop, "ledger")
+    failures: list[BaseException] = []
+    fold = FoldThread(FoldConsumer(settings), stop, failures.append)
+    fold.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                REGISTRY.get_sample_value("nodeshare_consumer_lag_messages", {"consumer": c}) is not None
+                for c in ("ledger", "accounting")):
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        sink.join(30)
+        fold.join(30)
+    assert not failures and not sink.errors
+    for consumer in ("ledger", "accounting"):
+        assert REGISTRY.get_sample_value("nodeshare_consumer_lag_messages", {"consumer": consumer}) == 0

@@ -1,5 +1,5 @@
 """The worker says which ended jobs wait for a node (issue 39): ``nodeshare_jobs_awaiting_nodes``
-and the age of the oldest, ``nodeshare_oldest_awaiting_node_seconds``. A node lost for good shows
+and the age of the oldest, ``nodeshare_jobs_awaiting_nodes_oldest_seconds``. A node lost for good shows
 as a job waiting for hours, until its stream is closed (``nodeshare nodes down``)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_a_job_waiting_for_a_node_is_counted_with_its_age_until_the_node_is_clos
     assert ended.end_time is not None
     assert fold.awaiting(now=ended.end_time + timedelta(hours=3)) == (1, 3 * 3600.0)
     assert REGISTRY.get_sample_value("nodeshare_jobs_awaiting_nodes") == 1
-    assert REGISTRY.get_sample_value("nodeshare_oldest_awaiting_node_seconds") > 3600  # T0 is months ago
+    assert REGISTRY.get_sample_value("nodeshare_jobs_awaiting_nodes_oldest_seconds") > 3600  # T0 is months ago
     _apply(fold, IPC, 2, NodeDown(event_id="d", source="operator/root", event_time=T0 + timedelta(hours=4),
                                   job_id="w", node="n2", reason="gone"))
     assert fold.awaiting() == (0, 0.0) and REGISTRY.get_sample_value("nodeshare_jobs_awaiting_nodes") == 0
