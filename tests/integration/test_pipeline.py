@@ -16,6 +16,7 @@ from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBatch, ShutterBlock, d
 from nodeshare.sinks.analysis.report import co_runner_counts
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
+from nodeshare.streams.core.confidence import degradation_interval
 from nodeshare.streams.core.degradation import filtered_degradation
 from nodeshare.streams.core.pricing import alone_time, billed_time, fair_charge, job_degradation
 
@@ -84,12 +85,16 @@ def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult
         # the blocks measure D while the job shared a node; its time alone there was undisturbed
         billed = billed_time(c.run_time_s, credit)
         alone_s = alone_time(alone[c.job_id], len(c.nodes), billed)
-        applied = job_degradation(d.degradation, alone_s, billed)
+        point = job_degradation(d.degradation, alone_s, billed)
+        # priced at the upper end of D's interval at the charge's confidence (streams.core.confidence)
+        interval = degradation_interval(d, c.confidence, c.prior_degradation_high)
+        applied = job_degradation(interval.high, alone_s, billed)
         amounts = fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, applied, pause_credit_s=credit)
         assert c.pause_credit_s == credit and c.alone_s == alone_s
         assert (c.degradation_shared, c.blocks_used, c.blocks_rejected) == (d.degradation, d.blocks_used,
                                                                             d.blocks_rejected)
-        assert c.degradation == applied
+        assert (c.degradation_point, c.degradation, c.priced_at) == (point, applied, "upper_bound")
+        assert c.degradation_low <= point <= applied
         assert (c.standard_price, c.price, c.dividend) == (amounts.standard_price, amounts.price, amounts.dividend)
     assert sum(c.dividend for c in run.charges) > 0  # co-located jobs were measured and discounted
     assert sum(c.pause_credit_s > 0 for c in run.charges) > 0  # and paused jobs were credited
