@@ -407,7 +407,7 @@ def one_shutter(node: Node, steps: Steps, monkeypatch: pytest.MonkeyPatch) -> Ba
         m.setattr(Watchdog, "_say", say)
         agent = steps.agent = agent_on(node.tmp, FakeSource(node.jobs(), {}), freezer_root=node.freezer)
         real_windows = agent._windows
-        agent._windows = lambda counter, k: steps.act("measure", lambda: real_windows(counter, k))  # type: ignore
+        agent._windows = lambda counter, k, *s_us: steps.act("measure", lambda: real_windows(counter, k, *s_us))  # type: ignore
         agent.rescan()
         outcome: BaseException | None = None
         try:

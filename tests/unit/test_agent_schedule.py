@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ class FakeSource:  # as in test_agent: the jobs the test says are running
     def __init__(self, jobs: dict[str, LocalJob]) -> None:
         self.jobs = jobs
 
-    def start(self) -> None: ...
+    def start(self, known: Container[str] = frozenset()) -> None: ...
 
     def poll(self) -> dict[str, LocalJob]:
         return dict(self.jobs)
