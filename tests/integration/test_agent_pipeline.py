@@ -114,7 +114,9 @@ def test_two_real_jobs_shuttered_by_the_agent_are_charged(settings: Settings, tm
     steal = (steal1 - steal0) / max(1, total1 - total0)
     print(f"steal time during the run: {100 * steal:.1f}% of the CPUs")
     # two jobs on two cores next to the agent, the worker and the broker: slowed, not stopped
-    out = {c.job_id: round(c.degradation, 3) for c in charges.values() if not 0.0 <= c.degradation < 0.6}
+    # the measured estimate (the price applies its interval's upper end, wider on a loaded machine)
+    out = {c.job_id: round(c.degradation_point, 3) for c in charges.values()
+           if c.degradation_point is None or not 0.0 <= c.degradation_point < 0.6}
     if out and steal >= STEAL_LIMIT:
         pytest.xfail(f"degradations {out} out of [0, 0.6) while the hypervisor stole {100 * steal:.1f}% of the CPUs")
     assert not out, f"degradations {out} out of [0, 0.6) (steal time {100 * steal:.1f}%)"
