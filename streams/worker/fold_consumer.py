@@ -50,6 +50,7 @@ from functools import lru_cache
 
 from aiokafka.partitioner import murmur2
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Message as KafkaMessage
 from confluent_kafka.admin import AdminClient
 from prometheus_client import Gauge
 
@@ -217,20 +218,7 @@ class FoldConsumer:
         committed_at = lag_at = time.monotonic()
         try:
             while not stop.is_set():
-                batch = consumer.consume(self.max_messages, timeout=0.2)
-                for msg in batch:
-                    err = msg.error()
-                    if err is not None:
-                        if err.code() == KafkaError._PARTITION_EOF:
-                            continue
-                        if err.fatal():
-                            raise KafkaException(err)
-                        log.warning("accounting: consumer error: %s", err)
-                        continue
-                    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
-                    assert topic is not None and partition is not None and offset is not None
-                    self.apply((Origin(topic, partition, offset), msg.key(), msg.value(), msg.timestamp()[1] / 1000))
-                    self._pending[(topic, partition)] = self._position[(topic, partition)] = offset + 1
+                self.take(consumer.consume(self.max_messages, timeout=0.2))
                 if self._pending and time.monotonic() - committed_at >= self.commit_interval_s:
                     self.commit(consumer)
                     committed_at = time.monotonic()
@@ -241,6 +229,23 @@ class FoldConsumer:
             self.commit(consumer)
         finally:
             consumer.close()  # leaves the group: the other members take the partitions at once
+
+    def take(self, batch: list[KafkaMessage]) -> None:
+        """Apply a consumed batch whole, in order, each message's offset then pending a commit (the
+        loop's body, apart so that tests drive it without a broker). Raises on a fatal consumer error."""
+        for msg in batch:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal():
+                    raise KafkaException(err)
+                log.warning("accounting: consumer error: %s", err)
+                continue
+            topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+            assert topic is not None and partition is not None and offset is not None
+            self.apply((Origin(topic, partition, offset), msg.key(), msg.value(), msg.timestamp()[1] / 1000))
+            self._pending[(topic, partition)] = self._position[(topic, partition)] = offset + 1
 
     def apply(self, message: Message) -> None:
         """One input message through the reducer; what it produced goes to the producer's queue."""

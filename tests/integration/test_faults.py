@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from topic_reading import read_until
 
+from nodeshare import metrics
 from nodeshare.config import Settings
 from nodeshare.demo import publish, running_pipeline
 from nodeshare.deploy.broker import BundledBroker
@@ -24,11 +25,13 @@ from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.batching import FlushPolicy
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import SimConfig, simulate
-from nodeshare.schemas import TOPIC_OF_RECORD, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
+from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
 from nodeshare.schemas.catalog import Role
+from nodeshare.schemas.serde import decode_model
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.accounting import Origin, fold_messages
+from nodeshare.streams.worker.fold_consumer import kafka_partition
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -201,6 +204,116 @@ def test_two_workers_one_killed_the_other_takes_over(kafka_bootstrap: str, tmp_p
           f"the first had {sorted(first_before)} and rebuilt {sorted(taken_over)} after the kill")
     assert owned and owned <= taken_over, "the surviving worker did not take over the killed one's partitions"
     _check(pipeline, sim, settings, 1)
+
+
+def _partitioned_reference(sim, settings: Settings) -> dict[tuple[str, int], Charge]:
+    """The uninterrupted answer with the broker's own origins: each input record on the partition
+    murmur2 gives its job id, at the offset publication order gives it there (one idempotent
+    producer keeps each partition's order), folded in one go."""
+    offsets: dict[tuple[str, int], int] = {}
+    msgs = []
+    for rec in sim.events:
+        if not isinstance(rec, ShutterBatch | ShutterBlock | JobLeftNode | JobEvent):
+            continue
+        topic, key = TOPIC_OF_RECORD[type(rec)].name, rec.job_id.encode()
+        where = (topic, kafka_partition(key, settings.partitions))
+        offsets[where] = offsets.get(where, -1) + 1
+        msgs.append((Origin(topic, where[1], offsets[where]), key, encode(rec), 0.0))
+    return {(c.job_id, c.revision): c for c in fold_messages(msgs, settings.policy())}
+
+
+def test_four_partitions_two_workers_one_killed_mid_fold_and_restarted_charge_each_revision_once(
+        kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Four partitions per input topic, jobs on all of them. A worker folds the first quarter; a second
+    worker joins and the second quarter flows (the group splits the partitions); the first is
+    SIGKILLed while it folds its share; the third quarter flows while the second worker takes its
+    partitions over (rebuilt at the offsets the killed one committed); the first is restarted, the
+    group gives it partitions back (rebuilt again), and the last quarter follows. Every (job,
+    revision) must be in the ledger exactly once, equal field for field, event ranges included, to
+    one uninterrupted fold of the same records on the same partitions and offsets; every copy the
+    workers published must be that row (no divergent copy); and the offline audit must find 0
+    mismatches and nothing missing."""
+    settings = _settings(kafka_bootstrap, "m", partitions=4)
+    sim = simulate(SimConfig(nodes=12, jobs=90, seed=44, flush=FlushPolicy(max_blocks=4)))
+    expected = _partitioned_reference(sim, settings)
+    spread = {kafka_partition(job.encode(), 4) for job, _ in expected}
+    assert spread == {0, 1, 2, 3}, f"the simulated jobs sit on partitions {sorted(spread)} only"
+    divergent_before = metrics.DIVERGENT_CHARGES._value.get()
+    quarter = -(-len(sim.events) // 4)
+    parts = [SimpleNamespace(events=sim.events[i * quarter:(i + 1) * quarter], truth=sim.truth) for i in range(4)]
+    first_log, second_log = tmp_path / "worker.log", tmp_path / "worker2.log"
+    with running_pipeline(settings, tmp_path) as pipeline:
+        second = None
+        try:
+            publish(settings, parts[0], lambda *_: None)
+            deadline = time.monotonic() + 60
+            while pipeline.ledger_sink.rows_inserted < 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            second = start_worker(settings, tmp_path / "worker2", second_log)  # joins: a rebalance mid-fold
+            while settings.topic("node.ipc") not in _assigned(second_log) and time.monotonic() < deadline + 60:
+                time.sleep(0.1)
+            assert settings.topic("node.ipc") in _assigned(second_log), "the second worker was never assigned"
+            before = pipeline.ledger_sink.rows_inserted
+            publish(settings, parts[1], lambda *_: None)
+            while pipeline.ledger_sink.rows_inserted == before and time.monotonic() < deadline + 120:
+                time.sleep(0.02)  # both fold their shares of the second third now
+            time.sleep(random.Random(44).uniform(0.0, 0.2))
+            pipeline.worker.kill()  # SIGKILL mid-fold: no commit, no flush, no revoke
+            pipeline.worker.wait()
+            killed_at = pipeline.ledger_sink.rows_inserted
+            held = {p for p in range(4) if f"{settings.topic('node.ipc')}[{p}]" in _assigned(second_log)}
+            publish(settings, parts[2], lambda *_: None)  # the second worker alone, once the group drops the first
+            deadline = time.monotonic() + 60
+            all_four = [f"{settings.topic('node.ipc')}[{p}]" for p in range(4)]
+            while time.monotonic() < deadline:  # after the session timeout: every partition to the survivor
+                last = _assigned(second_log)
+                if all(tp in last for tp in all_four):
+                    break
+                time.sleep(0.2)
+            while _rebuilt_partitions(second_log) < {0, 1, 2, 3} and time.monotonic() < deadline:
+                time.sleep(0.2)
+            taken = _rebuilt_partitions(second_log) - held
+            first_rebuilds = len(re.findall("rebuilt .* job states", first_log.read_text(errors="replace")))
+            pipeline.worker = start_worker(settings, tmp_path / "worker", first_log)  # rejoins: partitions move back
+            publish(settings, parts[3], lambda *_: None)
+            pipeline.wait(len(sim.truth), len(sim.events), 180, lambda *_: None)
+            deadline = time.monotonic() + 60  # the restarted worker rejoined and took partitions back
+            while (len(re.findall("rebuilt .* job states", first_log.read_text(errors="replace"))) == first_rebuilds
+                   and time.monotonic() < deadline):
+                time.sleep(0.2)
+            time.sleep(2)  # late re-sent copies reach the sink before counting
+        finally:
+            if second is not None:
+                stop_process(second)
+    restarted = re.findall("rebuilt .* job states", first_log.read_text(errors="replace"))[first_rebuilds:]
+    print(f"SIGKILL at {killed_at}/{len(expected)} charges; the second worker held partitions {sorted(held)} "
+          f"and took over {sorted(taken)}; the restarted first rebuilt {len(restarted)} partitions")
+    assert 0 < killed_at < len(expected), "the kill did not land while charges were being made"
+    assert held and taken == {0, 1, 2, 3} - held, "the second worker did not take over the killed one's partitions"
+    assert restarted, "the restarted worker was given no partition back"
+
+    with Ledger(pipeline.ledger_path, read_only=True) as ledger:
+        rows = ledger.charges()
+    got = {(c.job_id, c.revision): c for c in rows}
+    lost, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    wrong = sorted(k for k in expected.keys() & got.keys() if got[k].model_dump() != expected[k].model_dump())
+    assert len(rows) == len(got), "a (job, revision) has two ledger rows"
+    assert not lost and not extra and not wrong, f"lost {lost[:5]}, unexpected {extra[:5]}, wrong {wrong[:5]}"
+    published = read_until(settings, "ledger.charges", lambda m: len(m) >= len(expected), deadline_s=30)
+    copies = [decode_model(Charge, m.value()) for m in published]
+    want = {k: c.model_dump() for k, c in expected.items()}
+    differing = [(c.job_id, c.revision) for c in copies if c.model_dump() != want.get((c.job_id, c.revision))]
+    assert not differing, f"published copies that differ from the uninterrupted fold: {differing[:5]}"
+    assert metrics.DIVERGENT_CHARGES._value.get() == divergent_before
+    # the same charges as on one partition per topic, but for where their evidence was read
+    single = _reference_charges(sim, settings.policy())
+    where = {"event_range", "revision_reason"}
+    assert {k: c.model_dump(exclude=where) for k, c in single.items()} == {
+        k: c.model_dump(exclude=where) for k, c in got.items()}
+    report = audit(pipeline.archive_path, pipeline.ledger_path, settings.policy())
+    print(f"{len(published)} charge messages for {len(expected)} charges; audit: {report.as_dict()}")
+    assert report.ok and not report.mismatches and not report.missing_in_ledger, report.as_dict()
+    assert report.matches == len(expected), report.as_dict()
 
 
 def _archived_rows(root: Path) -> int:
