@@ -416,10 +416,13 @@ def experiment_sns_testbed(
     experiment_out(r, as_json, png, plot_sns_testbed, [
         f"{r['sequences']} sequences of {r['jobs_per_sequence']} jobs on {r['nodes']} nodes of "
         f"{r['node']['cores']} cores; scaling ratios {min(r['scaling_ratio']):.2f}-{max(r['scaling_ratio']):.2f}",
-        *(f"{p:<4} throughput vs CE {gain[p]:+.1f}% (range {span[p][0]:+.1f} to {span[p][1]:+.1f}; paper "
-          f"{paper[p]:+.1f}%)" for p in ("CS", "SNS")),
-        f"SNS beats CS in {r['sns_beats_cs']} of {r['sequences']} (paper: 26 of 36); below CE in "
-        f"{r['sns_below_ce']}"])
+        *(f"{p:<7} throughput vs CE {gain[p]:+.1f}% (range {span[p][0]:+.1f} to {span[p][1]:+.1f}"
+          + (f"; paper {paper[p]:+.1f}%)" if p in paper else ")")
+          + f"; jobs beyond 1/alpha of exclusive {r['beyond_1_over_alpha_pct'][p]:.1f}%" for p in gain),
+        "beats CS in: " + ", ".join(f"{p} {n} of {r['sequences']}" for p, n in r["beats_cs"].items())
+        + f" (paper SNS: 26 of 36); SNS below CE in {r['sns_below_ce']}",
+        f"learned: from {r['learned']['measured_jobs']} measured jobs; {r['learned']['warmup_jobs']} warm-up jobs "
+        "(placed before anything was measured)"])
 
 
 @experiment_app.command("sns-sweep")
