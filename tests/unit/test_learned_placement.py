@@ -139,3 +139,44 @@ def test_no_ground_truth_reaches_the_learned_policy_in_the_experiment(monkeypatc
     for p in names:
         for q in names:
             assert replay.predict(p, [q]) == model.predict(p, [q])
+
+
+def test_the_placement_manager_learns_from_its_log_and_keeps_a_job_off_a_measured_bad_co_runner():
+    """The manager's only input is its log: the learned policy's model is folded from the lifecycle and
+    final estimates on it (the fold's output), and a snapshot of the manager carries it."""
+    from nodeshare.schemas import encode
+    from nodeshare.schemas.catalog import TOPIC_OF_RECORD
+    from nodeshare.schemas.events import NodeInventory, PlacementAction, PlacementDecision
+
+    def feed(m, records):
+        return [out for r in records for out in m.apply(TOPIC_OF_RECORD[type(r)].name, encode(r))]
+
+    def inventory(node, cores):
+        return NodeInventory(event_id=f"inv-{node}", source="t", event_time=T0, node=node, cores=cores, llc_ways=22,
+                             mem_bandwidth_gbps=76.0)
+
+    def submitted(job, program, cores, at_s):
+        return JobEvent(event_id=f"{job}-submitted", source="t", event_time=T0 + timedelta(seconds=at_s), job_id=job,
+                        state=JobState.SUBMITTED, user="u", account="a", program=program, cores=cores,
+                        submit_time=T0 + timedelta(seconds=at_s))
+    from nodeshare.streams.core.placement.stream import PlacementManager
+    from nodeshare.streams.core.snapshot import dump, load
+
+    m = PlacementManager(policy="learned", pairing="off")
+    recs = [inventory("n1", cores=16), inventory("n2", cores=16), inventory("n3", cores=16)]
+    for i in range(4):  # CG measured 30% slower next to MG, four times
+        t = 1000.0 * i
+        recs += [ev(f"c{i}", JobState.STARTED, "CG", ("n1",), t), ev(f"g{i}", JobState.STARTED, "MG", ("n1",), t),
+                 ev(f"c{i}", JobState.ENDED, "CG", ("n1",), t, t + 100),
+                 ev(f"g{i}", JobState.ENDED, "MG", ("n1",), t, t + 100), est(f"c{i}", 0.3, t + 100),
+                 est(f"g{i}", 0.01, t + 100)]
+    feed(m, recs)
+    assert m.interference.measured_jobs == 8 and m.scheduler is not None and m.scheduler.model is m.interference
+    feed(m, [ev("mg", JobState.STARTED, "MG", ("n1",), 9000.0), ev("ep", JobState.STARTED, "EP", ("n2",), 9000.0)])
+    out = feed(m, [submitted("cg", "CG", 8, 9001)])
+    [d] = [r for r in out if isinstance(r, PlacementDecision)]
+    # CG suffered (next to MG, and its program's mean is what an unmeasured EP is taken at): a node of its own
+    assert d.action is PlacementAction.PLACE and d.nodes == ("n3",)
+    m.pairs.model = None  # the forest is not on the snapshot allowlist (a manager with one folds its log again)
+    _, _, again = load(dump(m, 0))
+    assert again.interference.predict("CG", ["MG"]) == m.interference.predict("CG", ["MG"])

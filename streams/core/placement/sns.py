@@ -122,8 +122,12 @@ CE = Policy("CE", share_nodes=False, resource_aware=False, scales=lambda _profil
 CS = Policy("CS", share_nodes=True, resource_aware=False, scales=lambda _profile: list(SCALE_FACTORS))
 SNS = Policy("SNS", share_nodes=True, resource_aware=True, scales=sns_scales)
 #: Issue 37: shares by cores like CS; admission and scale from what the pipeline measured.
-LEARNED = Policy("learned", share_nodes=True, resource_aware=False, scales=lambda _profile: list(SCALE_FACTORS),
-                 learned=True)
+def smallest_first(_runtime_by_scale: Mapping[int, float]) -> list[int]:
+    """CS's order: every scale factor, the smallest first (the first that fits now is taken)."""
+    return list(SCALE_FACTORS)
+
+
+LEARNED = Policy("learned", share_nodes=True, resource_aware=False, scales=smallest_first, learned=True)
 POLICIES = {p.name: p for p in (CE, CS, SNS, LEARNED)}
 
 
