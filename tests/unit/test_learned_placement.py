@@ -180,3 +180,17 @@ def test_the_placement_manager_learns_from_its_log_and_keeps_a_job_off_a_measure
     m.pairs.model = None  # the forest is not on the snapshot allowlist (a manager with one folds its log again)
     _, _, again = load(dump(m, 0))
     assert again.interference.predict("CG", ["MG"]) == m.interference.predict("CG", ["MG"])
+
+
+def test_a_refused_job_waits_at_most_the_age_limit():
+    model = InterferenceModel()
+    for i in range(6):
+        shared_run(model, f"a{i}", "CG", f"b{i}", "MG", f"m{i}", 0.5, 0.5, t0=1000.0 * i)
+    s = Scheduler({"n1": NodeCapacity(16, 22, 76.0)}, LEARNED, age_limit_s=100.0, model=model)
+    s.submit(PendingJob("mg", 8, 0.9, 0.0, Profile(), "MG"))
+    s.schedule(0.0)
+    s.submit(PendingJob("cg", 8, 0.9, 1.0, Profile(), "CG"))
+    (d,) = s.schedule(50.0)
+    assert d.placement is None and d.refused
+    (d,) = s.schedule(101.0)  # aged: it would block every younger job, so it takes the room there is
+    assert d.placement is not None and d.placement.nodes == ("n1",)

@@ -20,8 +20,11 @@ little is measured the policy does what carries least risk, compact sharing: the
 near the prior, so nothing is refused. A node is refused when the shrunk mean (with the scale
 factor's run-time ratio from the profile) exceeds ln(1/alpha) for the job or for a co-runner next
 to it; a program measured slowed beyond 1/alpha next to everything waits for nodes of its own
-(exclusive). The scale factor is CS's, the smallest that fits now: trying the fastest first
-once a program was measured (SNS's order) cost 23-43% of throughput against CE in testbed
+(exclusive). A job refused that way waits at most the age limit: past it (when, as in
+Spread-n-Share, it would block every younger job) it takes the best-fitting node with room, the
+least measured slowdown first among equals. The scale factor is CS's, the smallest that fits
+now: trying the fastest first once a program was measured (SNS's order) cost 23-43% of
+throughput against CE in testbed
 sequences (seed 7), because a spread job takes the cores other jobs wait for, a cost D (the
 job's own slowdown) does not measure.
 

@@ -274,11 +274,11 @@ class Scheduler:
         self.queue.pop(job_id, None)
         self.delayed.discard(job_id)
 
-    def place_for(self, job: PendingJob) -> tuple[Placement | None, str | None]:
+    def place_for(self, job: PendingJob, now: float | None = None) -> tuple[Placement | None, str | None]:
         """The first scale factor, in the policy's order, whose nodes are free now; else None and
         the veto's reason when it refused a candidate."""
         if self.policy.learned:
-            return self._place_learned(job)
+            return self._place_learned(job, aged=now is not None and now - job.submitted >= self.age_limit_s)
         runtimes = job.profile.runtime_by_scale()
         base = runtimes.get(1)
         refused = None
@@ -305,10 +305,11 @@ class Scheduler:
             refused = why
         return None, refused
 
-    def _place_learned(self, job: PendingJob) -> tuple[Placement | None, str | None]:
+    def _place_learned(self, job: PendingJob, aged: bool = False) -> tuple[Placement | None, str | None]:
         """The learned policy (placement.learned): CS's sharing by cores, the smallest scale factor
         that fits now, on nodes where the measured slowdown next to the co-runners (for the job,
-        with the scale factor's run-time ratio, and for each of them) keeps within 1/alpha."""
+        with the scale factor's run-time ratio, and for each of them) keeps within 1/alpha; an
+        ``aged`` job (waited the age limit, so it blocks younger ones) takes any node with room."""
         model = self.model if self.model is not None else InterferenceModel()
         runtimes = job.profile.runtime_by_scale()
         base = runtimes.get(1)
@@ -326,7 +327,7 @@ class Scheduler:
                 co = [self.program_of.get(j) for j in load.jobs]
                 mean, _upper = model.predict(job.program, co)
                 own = math.log(ratio) + mean
-                if own > limit or any(model.predict(q, [job.program])[0] > limit for q in co):
+                if not aged and (own > limit or any(model.predict(q, [job.program])[0] > limit for q in co)):
                     if co:
                         refused = "measured slowdown next to the co-runners beyond 1/alpha"
                     continue
@@ -400,7 +401,7 @@ class Scheduler:
         age limit stops the scan. Delays are reported once per job."""
         out: list[Decision] = []
         for job in list(self.queue.values()):
-            placement, refused = self.place_for(job)
+            placement, refused = self.place_for(job, now)
             if placement is not None:
                 self.allocate(job.job_id, placement)
                 self.withdraw(job.job_id)
