@@ -121,8 +121,9 @@ def test_experiment_pairing_json_and_plot(tmp_path: Path):
 def test_bench_placement_writes_its_json(tmp_path: Path):
     out = tmp_path / "b.json"
     r = run_json("bench", "placement", "--repeats", "3", "--greedy-jobs", "100", "--blossom-jobs", "20",
-                 "--predict-jobs", "10", "--out", str(out))
+                 "--predict-jobs", "10", "--queued", "30", "--out", str(out))
     assert {"greedy_100_ms", "blossom_20_ms", "predict_10_ms"} <= set(r) and out.exists()
+    assert r["decide_learned_30_queued_ms"] > 0 and r["decide_SNS_30_queued_ms"] > 0  # issue 37
 
 
 @pytest.mark.parametrize("n", [2, 7, 30, 31])
