@@ -214,10 +214,13 @@ def plot_sns_testbed(result: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     x = result["scaling_ratio"]
-    for p, marker in (("CS", "o"), ("SNS", "^")):
+    paper = result["paper"]["throughput_gain_vs_ce_pct"]
+    for p, marker in (("CS", "o"), ("SNS", "^"), ("learned", "s")):
+        if p not in result["throughput_gain_vs_ce_pct"]:
+            continue
         ys = [r["throughput_gain_vs_ce_pct"][p] for r in result["per_sequence"]]
-        ax.scatter(x, ys, marker=marker, label=f"{p} (mean {result['throughput_gain_vs_ce_pct'][p]:+.1f}%; "
-                                               f"paper {result['paper']['throughput_gain_vs_ce_pct'][p]:+.1f}%)")
+        ax.scatter(x, ys, marker=marker, label=f"{p} (mean {result['throughput_gain_vs_ce_pct'][p]:+.1f}%"
+                                               + (f"; paper {paper[p]:+.1f}%)" if p in paper else ")"))
     ax.axhline(0, color="grey", lw=0.8)
     ax.set(xlabel="scaling ratio (core-hours of scaling jobs under CE)", ylabel="throughput vs CE (%)",
            title=f"{result['sequences']} sequences of {result['jobs_per_sequence']} jobs on {result['nodes']} "

@@ -245,15 +245,16 @@ def plot_sns_clusters(result: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
     ratios = result["scaling_ratios"]
     fig, axes = plt.subplots(1, len(ratios), figsize=(6 * len(ratios), 5), squeeze=False)
-    pols = ("CE", "CS", "SNS")
+    pols = tuple(result["runs"][0]["breakdown"]) if result["runs"] else ("CE", "CS", "SNS")
+    width = 0.8 / len(pols)
     for ax, ratio in zip(axes[0], ratios, strict=True):
         runs = [r for r in result["runs"] if r["scaling_ratio"] == ratio]
         for k, pol in enumerate(pols):
-            x = np.arange(len(runs)) + (k - 1) * 0.27
+            x = np.arange(len(runs)) + (k - (len(pols) - 1) / 2) * width
             wait = [r["breakdown"][pol]["wait"] for r in runs]
             run = [r["breakdown"][pol]["run"] for r in runs]
-            ax.bar(x, wait, 0.25, color=f"C{k}", alpha=0.45, label=f"{pol} wait")
-            ax.bar(x, run, 0.25, bottom=wait, color=f"C{k}", label=f"{pol} run")
+            ax.bar(x, wait, width * 0.92, color=f"C{k}", alpha=0.45, label=f"{pol} wait")
+            ax.bar(x, run, width * 0.92, bottom=wait, color=f"C{k}", label=f"{pol} run")
         ax.set_xticks(np.arange(len(runs)),
                       [f"{r['nodes']} nodes\nSNS {r['throughput_gain_vs_ce_pct']['SNS']:+.1f}%" for r in runs])
         ax.set(ylabel="time / CE mean turnaround", title=f"scaling ratio {ratio}")
