@@ -139,7 +139,7 @@ class Settings(BaseSettings):
     power_release: Literal["proportional", "pool"] = "proportional"
     power_min_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
     power_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
-    placement_policy: Literal["SNS", "CS", "CE"] = "SNS"  # streams.core.placement.sns.POLICIES
+    placement_policy: Literal["SNS", "CS", "CE", "learned"] = "SNS"  # streams.core.placement.sns.POLICIES
     placement_pairing: Literal["blossom", "greedy", "off"] = "blossom"  # Seed 003 pairs of waiting jobs
     # longer waits block younger jobs (streams.core.placement.sns.DEFAULT_AGE_LIMIT_S)
     placement_age_limit_s: Annotated[float, Field(gt=0.0)] = 3600.0

@@ -242,11 +242,14 @@ def experiment_pairing(
              "default: half-node for random queues, whole-server for 'paper'")] = None,
     per_level: Annotated[int, typer.Option(min=1, help="with --queues paper: queues per degradation level")] = 5,
     profiles: LibraryProfiles = None,
+    train_on: Annotated[str, typer.Option(
+        help="what the forest learns from: measured (each pair run on the calibrated simulator, D from the "
+             "fold's charges) or truth (the simulator's contention model)")] = "measured",
 ) -> None:
     """Seed 003: a Random Forest predicts pairwise degradation from solo counter profiles; queues
     paired greedily or by blossom matching, makespan against FIFO and FIFO-shared on 1-5 nodes
     (random queues), or on one server per degradation level (--queues paper, Fig. 8)."""
-    from nodeshare.experiments.pairing import SHARING, plot_pairing, plot_pairing_levels
+    from nodeshare.experiments.pairing import SHARING, TRAIN_ON, plot_pairing, plot_pairing_levels
     from nodeshare.experiments.pairing import experiment_pairing as run
     from nodeshare.experiments.pairing import experiment_pairing_levels as run_levels
     from nodeshare.producers.workloads import BUILTIN
@@ -254,6 +257,8 @@ def experiment_pairing(
     paper = queues == "paper"
     if not paper and not (queues.isdigit() and int(queues) >= 1):
         raise typer.BadParameter(f"a number of random queues or 'paper', got {queues!r}", param_hint="--queues")
+    if train_on not in TRAIN_ON:
+        raise typer.BadParameter(f"must be one of {', '.join(TRAIN_ON)}", param_hint="--train-on")
     sharing = sharing or ("whole-server" if paper else "half-node")
     if sharing not in SHARING:
         raise typer.BadParameter(f"must be one of {', '.join(SHARING)}", param_hint="--sharing")
@@ -262,10 +267,11 @@ def experiment_pairing(
         with progress_bar() as bar:
             task = bar.add_task("scheduling queues", total=3 * per_level)
             r = run_levels(seed=seed, queues=per_level, jobs=jobs, sharing=sharing, profiles=loaded, trees=trees,
-                           progress=lambda done, total: bar.update(task, completed=done))
+                           progress=lambda done, total: bar.update(task, completed=done), train_on=train_on)
         levels = r["makespan_vs_fifo_pct"]["by_level"]
         experiment_out(r, as_json, png, plot_pairing_levels, [
-            f"{len(r['programs'])} programs, {sharing} sharing; Random Forest R2 {r['r2']:.3f}",
+            f"{len(r['programs'])} programs, {sharing} sharing; Random Forest (trained on {train_on}) R2 "
+            f"{r['r2']:.3f}",
             *(f"{lv:<6} makespan vs FIFO: " + (", ".join(f"{p} {v:+.1f}%" for p, v in levels[lv].items())
                                                or "no queue: the library has no such pairs")
               for lv in levels),
@@ -276,10 +282,11 @@ def experiment_pairing(
     with progress_bar() as bar:
         task = bar.add_task("scheduling queues", total=int(queues))
         r = run(seed=seed, queues=int(queues), jobs=jobs, profiles=loaded, trees=trees,
-                progress=lambda done, total: bar.update(task, completed=done))
+                progress=lambda done, total: bar.update(task, completed=done), train_on=train_on)
     m = r["makespan_vs_fifo_pct"]
     experiment_out(r, as_json, png, plot_pairing, [
-        f"{len(r['programs'])} programs; Random Forest R2 {r['r2']:.3f} on {r['fit']['test_pairs']} held-out pairs "
+        f"{len(r['programs'])} programs; Random Forest (trained on {train_on}) R2 {r['r2']:.3f} on "
+        f"{r['fit']['test_pairs']} held-out pairs "
         f"(mean abs error {r['fit']['mae_pct_points']:.2f} points)",
         f"makespan vs FIFO over {queues} queues of {jobs} jobs on {r['servers'][0]}-{r['servers'][-1]} nodes: "
         + ", ".join(f"{p} {v:+.1f}%" for p, v in m.items()),
@@ -416,10 +423,13 @@ def experiment_sns_testbed(
     experiment_out(r, as_json, png, plot_sns_testbed, [
         f"{r['sequences']} sequences of {r['jobs_per_sequence']} jobs on {r['nodes']} nodes of "
         f"{r['node']['cores']} cores; scaling ratios {min(r['scaling_ratio']):.2f}-{max(r['scaling_ratio']):.2f}",
-        *(f"{p:<4} throughput vs CE {gain[p]:+.1f}% (range {span[p][0]:+.1f} to {span[p][1]:+.1f}; paper "
-          f"{paper[p]:+.1f}%)" for p in ("CS", "SNS")),
-        f"SNS beats CS in {r['sns_beats_cs']} of {r['sequences']} (paper: 26 of 36); below CE in "
-        f"{r['sns_below_ce']}"])
+        *(f"{p:<7} throughput vs CE {gain[p]:+.1f}% (range {span[p][0]:+.1f} to {span[p][1]:+.1f}"
+          + (f"; paper {paper[p]:+.1f}%)" if p in paper else ")")
+          + f"; jobs beyond 1/alpha of exclusive {r['beyond_1_over_alpha_pct'][p]:.1f}%" for p in gain),
+        "beats CS in: " + ", ".join(f"{p} {n} of {r['sequences']}" for p, n in r["beats_cs"].items())
+        + f" (paper SNS: 26 of 36); SNS below CE in {r['sns_below_ce']}",
+        f"learned: from {r['learned']['measured_jobs']} measured jobs; {r['learned']['warmup_jobs']} warm-up jobs "
+        "(placed before anything was measured)"])
 
 
 @experiment_app.command("sns-sweep")

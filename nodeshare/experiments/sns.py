@@ -32,6 +32,7 @@ import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -39,7 +40,9 @@ import numpy as np
 
 from nodeshare.producers.contention import MLC_LOADED_LATENCY, Socket, at_ways, equilibrium
 from nodeshare.producers.workloads import BUILTIN, WAYS, Workload, interp_ways
-from nodeshare.schemas.events import ProgramClass
+from nodeshare.schemas.events import DegradationEstimate, EstimateStatus, JobEvent, JobState, ProgramClass
+from nodeshare.streams.core.degradation import degradation_from_sums
+from nodeshare.streams.core.placement.learned import InterferenceModel
 from nodeshare.streams.core.placement.sns import (
     POLICIES,
     SCALE_FACTORS,
@@ -174,18 +177,70 @@ class Running:
     remaining: float  # CE seconds of work left
     rate: float = 1.0  # CE seconds of work per second
     since: float = 0.0  # when remaining and rate were last brought up to date
+    ipc: float = 0.0  # the IPC its slowest node's counters see now
+    ipc_s: float = 0.0  # IPC integrated over its run so far (what its counters summed)
+    cores: int = 1  # its processes per node
+
+
+#: Where simulated seconds start on the records' clock.
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+#: Sd of the measured D around the counters' (the pipeline's estimates are off by about a point:
+#: docs/measured.md, experiment pairwise).
+MEASURE_NOISE = 0.01
+
+
+class Measurements:
+    """The pipeline as the learned policy sees it: each job's lifecycle and, when it ends, its final
+    degradation estimate, D = 1 - (its mean IPC over the run) / (its IPC alone on the same
+    number of cores per node) from its counters (POPPA's Alg. 4 ratio, ``degradation_from_sums``),
+    with the estimates' error. These records, and nothing else, reach the interference model."""
+
+    def __init__(self, machine: Machine, model: InterferenceModel, seed: int = 0,
+                 noise: float = MEASURE_NOISE) -> None:
+        self.machine, self.model, self.noise = machine, model, noise
+        self.rng = np.random.default_rng(seed)
+
+    def _event(self, r: Running, state: JobState, start: float, end: float | None) -> JobEvent:
+        at = EPOCH + timedelta(seconds=end if end is not None else start)
+        return JobEvent(event_id=f"{r.job.job_id}:{state.value}", source="nodeshare.experiments.sns", event_time=at,
+                        job_id=r.job.job_id, state=state, user="sim", account="sim",
+                        program=self.machine.programs[r.prog].name, cores=r.job.procs, nodes=r.nodes,
+                        submit_time=EPOCH + timedelta(seconds=r.job.submit_s),
+                        start_time=EPOCH + timedelta(seconds=start),
+                        end_time=None if end is None else EPOCH + timedelta(seconds=end))
+
+    def started(self, r: Running, now: float) -> None:
+        self.model.apply(self._event(r, JobState.STARTED, now, None))
+
+    def ended(self, r: Running, start: float, now: float) -> None:
+        self.model.apply(self._event(r, JobState.ENDED, start, now))
+        alone = self.machine.exclusive_ipc(r.prog, r.cores)
+        d = degradation_from_sums(alone, r.ipc_s / max(now - start, 1e-9)) or 0.0
+        d = float(min(max(d + self.noise * self.rng.standard_normal(), 0.0), 1.0))
+        self.model.apply(DegradationEstimate(
+            event_id=f"{r.job.job_id}:estimate", source="nodeshare.experiments.sns",
+            event_time=EPOCH + timedelta(seconds=now), job_id=r.job.job_id, status=EstimateStatus.OK,
+            degradation=d, filtered=d, unfiltered=d, blocks_used=1, blocks_rejected=0, delta=0.05, final=True))
 
 
 def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machine, policy: str, nodes: int,
              alpha: float = 0.9, age_limit_s: float = 3600.0, bandwidth_budget: float = BANDWIDTH_BUDGET,
-             progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
-    """Replay ``jobs`` (program ``assignment[i]``) under one policy; per job: start, end, scale."""
+             progress: Callable[[int, int], None] | None = None,
+             model: InterferenceModel | None = None) -> dict[str, np.ndarray]:
+    """Replay ``jobs`` (program ``assignment[i]``) under one policy; per job: start, end, scale,
+    and how many measured jobs the learned policy had learned from when it started (``learned``;
+    0 for the other policies). The learned policy's ``model`` (a new one if None) learns from
+    ``Measurements``' records only, and may be passed on to the next replay."""
     pol = POLICIES[policy]
     cap = NodeCapacity(machine.cores, int(machine.node.ways), machine.node.bw_gbps * bandwidth_budget)
-    sched = Scheduler({f"n{i:04d}": cap for i in range(nodes)}, pol, age_limit_s)
+    if pol.learned and model is None:
+        model = InterferenceModel()
+    measure = Measurements(machine, model, seed=len(jobs)) if pol.learned and model is not None else None
+    sched = Scheduler({f"n{i:04d}": cap for i in range(nodes)}, pol, age_limit_s, model=model)
     profiles = {p: ModelProfile(machine, p, machine.runtime_by_scale(p, machine.cores)) for p in set(assignment)}
     index = {j.job_id: i for i, j in enumerate(jobs)}
     start, end, scale = np.full(len(jobs), np.nan), np.full(len(jobs), np.nan), np.zeros(len(jobs), int)
+    learned = np.zeros(len(jobs), int)
     running: dict[str, Running] = {}  # what runs where: the scheduler's node loads
     now, arrivals, done = 0.0, 0, 0
     ends: list[tuple[float, str, int]] = []  # (end time, job, version) heap; stale versions skipped
@@ -196,8 +251,10 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
         for jid in touched:
             r = running[jid]
             r.remaining = max(0.0, r.remaining - r.rate * (now - r.since))
+            r.ipc_s += r.ipc * (now - r.since)
             r.since = now
             ipc = min(node_ipc(n, jid) for n in r.nodes)
+            r.ipc = ipc
             r.rate = 1.0 / machine.stretch(r.prog, r.job.procs, r.scale, ipc)
             version[jid] = version.get(jid, 0) + 1
             heapq.heappush(ends, (now + r.remaining / r.rate, jid, version[jid]))
@@ -219,6 +276,9 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
             r = running.pop(jid)
             del version[jid]
             end[index[jid]] = now
+            if measure is not None:
+                r.ipc_s += r.ipc * (now - r.since)
+                measure.ended(r, float(start[index[jid]]), now)
             sched.release(jid)
             changed.update(r.nodes)
             done += 1
@@ -228,24 +288,36 @@ def simulate(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machi
             now = t_arrive
             while arrivals < len(jobs) and jobs[arrivals].submit_s <= now:
                 j = jobs[arrivals]
-                sched.submit(PendingJob(j.job_id, j.procs, alpha, j.submit_s, profiles[assignment[arrivals]]))
+                sched.submit(PendingJob(j.job_id, j.procs, alpha, j.submit_s, profiles[assignment[arrivals]],
+                                        machine.programs[assignment[arrivals]].name))
                 arrivals += 1
         for d in sched.schedule(now):
             if d.placement is None:
                 continue
             i = index[d.job.job_id]
             p = d.placement
-            running[d.job.job_id] = Running(jobs[i], assignment[i], p.scale, p.nodes, jobs[i].run_s, 1.0, now)
+            running[d.job.job_id] = Running(jobs[i], assignment[i], p.scale, p.nodes, jobs[i].run_s, 1.0, now,
+                                            cores=p.cores_per_node)
             start[i], scale[i] = now, p.scale
+            if measure is not None:
+                learned[i] = measure.model.measured_jobs
+                measure.started(running[d.job.job_id], now)
             changed.update(p.nodes)
         rerate(changed)
-    return {"start": start, "end": end, "scale": scale}
+    return {"start": start, "end": end, "scale": scale, "learned": learned}
+
+
+#: The policies every placement experiment compares (issue 37: the learned one beside Seed 001's).
+COMPARED = ("CE", "CS", "SNS", "learned")
 
 
 def run_policies(jobs: Sequence[TraceJob], assignment: Sequence[int], machine: Machine, nodes: int,
-                 alpha: float, policies: Sequence[str] = ("CE", "CS", "SNS")) -> dict[str, dict[str, np.ndarray]]:
-    """The same jobs under each policy (``simulate``'s output per policy)."""
-    return {p: simulate(jobs, assignment, machine, p, nodes, alpha=alpha) for p in policies}
+                 alpha: float, policies: Sequence[str] = COMPARED,
+                 model: InterferenceModel | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """The same jobs under each policy (``simulate``'s output per policy); the learned policy
+    carries ``model`` (what it measured in earlier runs) on."""
+    return {p: simulate(jobs, assignment, machine, p, nodes, alpha=alpha, model=model if p == "learned" else None)
+            for p in policies}
 
 
 def assign_programs(n: int, classes: Sequence[ProgramClass], scaling_ratio: float,

@@ -5,6 +5,7 @@ sweep (Fig. 19). The model is :mod:`nodeshare.experiments.sns`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 from nodeshare.experiments import pyplot, save
 from nodeshare.producers.workloads import Workload
 from nodeshare.schemas.events import ProgramClass
+from nodeshare.streams.core.placement.learned import InterferenceModel
 
 from .sns import (
     COMM_GROWTH,
@@ -83,28 +85,42 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
     programs, classes = machine.programs, machine.classes()
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
-    promised: list[float] = []  # each SNS job's run time over its exclusive run time at its scale
+    shared = ("CS", "SNS", "learned")
+    # each job's run time over its exclusive run time at its scale, per policy
+    promised: dict[str, list[float]] = {p: [] for p in shared}
+    learned_from: list[int] = []  # measured jobs the learned policy had learned from when each job started
+    model = InterferenceModel()  # one pipeline measures every sequence, one after the other
     for s in range(sequences):
         seq, assignment = testbed_sequence(programs, jobs, rng,
                                            classes=classes if programs_mix == "paper" else None)
+        seq = [replace(j, job_id=f"s{s:02d}{j.job_id}") for j in seq]  # one pipeline measures every sequence
         core_s = np.array([j.procs * j.run_s for j in seq])
         scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
-        outs = run_policies(seq, assignment, machine, nodes, alpha)
+        outs = run_policies(seq, assignment, machine, nodes, alpha, model=model)
         turnaround = {p: float(o["end"].mean()) for p, o in outs.items()}  # every job was submitted at 0
         wait = {p: float(o["start"].mean()) for p, o in outs.items()}
-        sns = outs["SNS"]
-        promised += [float(end - start) / (machine.runtime_by_scale(prog, j.procs)[int(k)] * j.run_s)
-                     for j, prog, k, start, end in zip(seq, assignment, sns["scale"], sns["start"], sns["end"],
-                                                       strict=True)]
+        run = {p: float((o["end"] - o["start"]).mean()) for p, o in outs.items()}
+        for p in shared:
+            o = outs[p]
+            promised[p] += [float(end - start) / (machine.runtime_by_scale(prog, j.procs)[int(k)] * j.run_s)
+                            for j, prog, k, start, end in zip(seq, assignment, o["scale"], o["start"], o["end"],
+                                                              strict=True)]
+        learned_from += outs["learned"]["learned"].tolist()
         rows.append({
             "scaling_ratio": float(core_s[scaling].sum() / core_s.sum()),
-            "throughput_gain_vs_ce_pct": {p: 100.0 * (turnaround["CE"] / turnaround[p] - 1.0) for p in ("CS", "SNS")},
+            "throughput_gain_vs_ce_pct": {p: 100.0 * (turnaround["CE"] / turnaround[p] - 1.0) for p in shared},
             "sns_vs_cs_pct": 100.0 * (turnaround["CS"] / turnaround["SNS"] - 1.0),
-            "mean_turnaround_s": turnaround, "mean_wait_s": wait,
+            "vs_cs_pct": {p: 100.0 * (turnaround["CS"] / turnaround[p] - 1.0) for p in ("SNS", "learned")},
+            "mean_turnaround_s": turnaround, "mean_wait_s": wait, "mean_run_s": run,
+            "learned_from_at_start": int(outs["learned"]["learned"].min()),
         })
         if progress is not None:
             progress(s + 1, sequences)
-    gains = {p: [r["throughput_gain_vs_ce_pct"][p] for r in rows] for p in ("CS", "SNS")}
+    gains = {p: [r["throughput_gain_vs_ce_pct"][p] for r in rows] for p in shared}
+    beyond = {p: np.array(v) > 1.0 / alpha + 1e-9 for p, v in promised.items()}
+    warm = np.array(learned_from) == 0  # placed before anything was measured
+    rel = {p: {m: float(np.mean([r[f"mean_{m}_s"][p] / max(r[f"mean_{m}_s"]["CE"], 1e-9) for r in rows]))
+               for m in ("wait", "run", "turnaround")} for p in shared}
     return {
         "experiment": "sns-testbed", "sequences": sequences, "jobs_per_sequence": jobs, "nodes": nodes,
         "node": machine.describe(),
@@ -119,10 +135,24 @@ def experiment_sns_testbed(sequences: int = 36, jobs: int = 20, seed: int = 7, a
         "throughput_gain_vs_ce_range_pct": {p: [float(min(v)), float(max(v))] for p, v in gains.items()},
         "sns_beats_cs": sum(r["sns_vs_cs_pct"] > 0 for r in rows),
         "sns_below_ce": sum(g < 0 for g in gains["SNS"]),
+        # sequences won against CS, per policy (issue 37)
+        "beats_cs": {p: sum(r["vs_cs_pct"][p] > 0 for r in rows) for p in ("SNS", "learned")},
+        "below_ce": {p: sum(g < 0 for g in v) for p, v in gains.items()},
+        # mean over sequences of each policy's mean wait, run and turnaround over CE's
+        "vs_ce": rel,
         # SNS promises each job alpha of its exclusive speed at the scale it picked (Section 4.3)
-        "sns_run_vs_exclusive_at_scale": {"mean": float(np.mean(promised)), "p90": float(np.percentile(promised, 90)),
-                                          "beyond_1_over_alpha_pct": 100.0 * float(np.mean(
-                                              np.array(promised) > 1.0 / alpha + 1e-9))},
+        "sns_run_vs_exclusive_at_scale": {"mean": float(np.mean(promised["SNS"])),
+                                          "p90": float(np.percentile(promised["SNS"], 90)),
+                                          "beyond_1_over_alpha_pct": 100.0 * float(beyond["SNS"].mean())},
+        "beyond_1_over_alpha_pct": {p: 100.0 * float(v.mean()) for p, v in beyond.items()},
+        "learned": {"measured_jobs": model.measured_jobs,
+                    "warmup_jobs": int(warm.sum()),
+                    "warmup_beyond_1_over_alpha_pct": 100.0 * float(beyond["learned"][warm].mean()) if warm.any()
+                    else None,
+                    "after_warmup_beyond_1_over_alpha_pct": 100.0 * float(beyond["learned"][~warm].mean())
+                    if (~warm).any() else None,
+                    "warmup_sequences_gain_vs_ce_pct": [r["throughput_gain_vs_ce_pct"]["learned"] for r in rows
+                                                        if r["learned_from_at_start"] == 0]},
         "scaling_ratio": [r["scaling_ratio"] for r in rows],
         "per_sequence": rows,
         "paper": {"throughput_gain_vs_ce_pct": {"CS": 13.7, "SNS": 19.8}, "sns_beats_cs": 26, "sequences": 36,
@@ -184,10 +214,13 @@ def plot_sns_testbed(result: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     x = result["scaling_ratio"]
-    for p, marker in (("CS", "o"), ("SNS", "^")):
+    paper = result["paper"]["throughput_gain_vs_ce_pct"]
+    for p, marker in (("CS", "o"), ("SNS", "^"), ("learned", "s")):
+        if p not in result["throughput_gain_vs_ce_pct"]:
+            continue
         ys = [r["throughput_gain_vs_ce_pct"][p] for r in result["per_sequence"]]
-        ax.scatter(x, ys, marker=marker, label=f"{p} (mean {result['throughput_gain_vs_ce_pct'][p]:+.1f}%; "
-                                               f"paper {result['paper']['throughput_gain_vs_ce_pct'][p]:+.1f}%)")
+        ax.scatter(x, ys, marker=marker, label=f"{p} (mean {result['throughput_gain_vs_ce_pct'][p]:+.1f}%"
+                                               + (f"; paper {paper[p]:+.1f}%)" if p in paper else ")"))
     ax.axhline(0, color="grey", lw=0.8)
     ax.set(xlabel="scaling ratio (core-hours of scaling jobs under CE)", ylabel="throughput vs CE (%)",
            title=f"{result['sequences']} sequences of {result['jobs_per_sequence']} jobs on {result['nodes']} "

@@ -13,9 +13,10 @@ import numpy as np
 
 from nodeshare.experiments import pyplot, save
 from nodeshare.schemas.events import ProgramClass
-from nodeshare.streams.core.placement.sns import SCALE_FACTORS
+from nodeshare.streams.core.placement.learned import InterferenceModel
+from nodeshare.streams.core.placement.sns import POLICIES, SCALE_FACTORS
 
-from .sns import BANDWIDTH_BUDGET, NODE_CORES, Machine, TraceJob, assign_programs, simulate, testbed_machine
+from .sns import BANDWIDTH_BUDGET, COMPARED, NODE_CORES, Machine, TraceJob, assign_programs, simulate, testbed_machine
 
 
 def read_swf(path: Path, min_procs: int = 8, limit: int | None = None, node_cores: int = NODE_CORES,
@@ -81,7 +82,7 @@ def read_swf(path: Path, min_procs: int = 8, limit: int | None = None, node_core
 def experiment_sns(trace: Path, scaling_ratio: float = 0.5, nodes: int | None = None, min_procs: int = 8,
                    limit: int | None = None, alpha: float = 0.9, age_limit_s: float = 3600.0, seed: int = 7,
                    bandwidth_budget: float = BANDWIDTH_BUDGET,
-                   policies: Sequence[str] = ("CE", "CS", "SNS"), cores_per_node: float | None = None,
+                   policies: Sequence[str] = COMPARED, cores_per_node: float | None = None,
                    machine: Machine | None = None, max_job_nodes: int | None = None,
                    progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """CE vs CS vs SNS on a trace, its jobs re-sized to the paper's testbed nodes (Seed 001
@@ -109,9 +110,10 @@ def experiment_sns(trace: Path, scaling_ratio: float = 0.5, nodes: int | None = 
         report: Callable[[int, int], None] | None = None
         if progress is not None:
             report = (lambda pol: lambda d, t: progress(pol, d, t))(name)
+        model = InterferenceModel() if POLICIES[name].learned else None
         out = simulate(jobs, assignment.tolist(), machine, name, nodes, alpha=alpha, age_limit_s=age_limit_s,
                        bandwidth_budget=bandwidth_budget,
-                       progress=report)
+                       progress=report, model=model)
         wait, run = out["start"] - submit, out["end"] - out["start"]
         turnaround = out["end"] - submit
         slowdown = run / ce_run
@@ -124,7 +126,25 @@ def experiment_sns(trace: Path, scaling_ratio: float = 0.5, nodes: int | None = 
             "alpha_violations": int((slowdown > 1.0 / alpha + 1e-9).sum()),
             "scale_share": {str(k): float((out["scale"] == k).mean()) for k in SCALE_FACTORS},
         }
+        if model is not None:
+            warm = out["learned"] == 0  # placed before anything was measured
+            results[name]["learned"] = {
+                "measured_jobs": model.measured_jobs, "warmup_jobs": int(warm.sum()),
+                "warmup_alpha_violations": int((slowdown[warm] > 1.0 / alpha + 1e-9).sum()),
+                "after_warmup_alpha_violations": int((slowdown[~warm] > 1.0 / alpha + 1e-9).sum()),
+                "after_warmup_mean_turnaround_s": float(turnaround[~warm].mean()) if (~warm).any() else None}
+            if "CE" in results and (~warm).any():
+                ce_out = results["CE"]["_turnaround"]
+                results[name]["learned"]["after_warmup_throughput_gain_vs_ce_pct"] = \
+                    100.0 * (float(ce_out[~warm].mean()) / float(turnaround[~warm].mean()) - 1.0)
+        results[name]["_turnaround"] = turnaround
+    for r in results.values():
+        del r["_turnaround"]
     ce_turn = results["CE"]["mean_turnaround_s"] if "CE" in results else None
+    if "CE" in results:
+        ce = results["CE"]
+        for r in results.values():
+            r["vs_ce"] = {m: r[f"mean_{m}_s"] / max(ce[f"mean_{m}_s"], 1e-9) for m in ("wait", "run", "turnaround")}
     core_s = np.array([j.procs * j.run_s for j in jobs])
     scaling = np.array([classes[a] is ProgramClass.SCALING for a in assignment])
     return {
@@ -209,6 +229,8 @@ def experiment_sns_clusters(trace: Path, nodes: Sequence[int] | None = None,
                 "nodes": n, "scaling_ratio": ratio, "jobs": r["jobs"], "skipped_too_big": r["skipped_too_big"],
                 "throughput_gain_vs_ce_pct": r["throughput_gain_vs_ce_pct"],
                 "alpha_violations": r["alpha_violations"],
+                "vs_ce": {p: v["vs_ce"] for p, v in r["policies"].items()},
+                **({"learned": r["policies"]["learned"]["learned"]} if "learned" in r["policies"] else {}),
                 "breakdown": {p: {"wait": v["mean_wait_s"] / ce, "run": v["mean_run_s"] / ce}
                               for p, v in r["policies"].items()},
             })
@@ -223,15 +245,16 @@ def plot_sns_clusters(result: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
     ratios = result["scaling_ratios"]
     fig, axes = plt.subplots(1, len(ratios), figsize=(6 * len(ratios), 5), squeeze=False)
-    pols = ("CE", "CS", "SNS")
+    pols = tuple(result["runs"][0]["breakdown"]) if result["runs"] else ("CE", "CS", "SNS")
+    width = 0.8 / len(pols)
     for ax, ratio in zip(axes[0], ratios, strict=True):
         runs = [r for r in result["runs"] if r["scaling_ratio"] == ratio]
         for k, pol in enumerate(pols):
-            x = np.arange(len(runs)) + (k - 1) * 0.27
+            x = np.arange(len(runs)) + (k - (len(pols) - 1) / 2) * width
             wait = [r["breakdown"][pol]["wait"] for r in runs]
             run = [r["breakdown"][pol]["run"] for r in runs]
-            ax.bar(x, wait, 0.25, color=f"C{k}", alpha=0.45, label=f"{pol} wait")
-            ax.bar(x, run, 0.25, bottom=wait, color=f"C{k}", label=f"{pol} run")
+            ax.bar(x, wait, width * 0.92, color=f"C{k}", alpha=0.45, label=f"{pol} wait")
+            ax.bar(x, run, width * 0.92, bottom=wait, color=f"C{k}", label=f"{pol} run")
         ax.set_xticks(np.arange(len(runs)),
                       [f"{r['nodes']} nodes\nSNS {r['throughput_gain_vs_ce_pct']['SNS']:+.1f}%" for r in runs])
         ax.set(ylabel="time / CE mean turnaround", title=f"scaling ratio {ratio}")

@@ -231,8 +231,13 @@ def test_experiment_reports_what_the_issue_asks(tmp_path: Path) -> None:
     rows = [(i, 60 * i, 600 + 37 * (i % 7), 16 * (1 + i % 3)) for i in range(40)]
     r = experiment_sns(swf(tmp_path, rows), min_procs=8, nodes=4)
     assert r["jobs"] == 40
-    assert set(r["throughput_gain_vs_ce_pct"]) == {"CS", "SNS"}
-    assert set(r["alpha_violations"]) == {"CE", "CS", "SNS"} and r["alpha_violations"]["CE"] == 0
+    ce_turn = r["policies"]["CE"]["mean_turnaround_s"]
+    assert set(r["throughput_gain_vs_ce_pct"]) == {"CS", "SNS", "learned"}
+    assert set(r["alpha_violations"]) == {"CE", "CS", "SNS", "learned"} and r["alpha_violations"]["CE"] == 0
+    learned = r["policies"]["learned"]["learned"]  # issue 37: what it learned from, the warm-up apart
+    assert learned["measured_jobs"] == 40 and 1 <= learned["warmup_jobs"] < 40
+    assert r["policies"]["learned"]["vs_ce"]["turnaround"] == pytest.approx(
+        r["policies"]["learned"]["mean_turnaround_s"] / ce_turn)
     assert r["policies"]["CE"]["run_vs_ce_geomean"] == pytest.approx(1.0)
     assert r["policies"]["CE"]["scale_share"]["1"] == 1.0
     ce, sns = r["policies"]["CE"], r["policies"]["SNS"]
@@ -315,7 +320,10 @@ def test_sns_testbed_cli_reports_the_papers_figures_and_refuses_an_unknown_curve
 
     png = tmp_path / "t.png"
     r = run_json("experiment", "sns-testbed", "--sequences", "2", "--json", "--png", str(png))
-    assert set(r["throughput_gain_vs_ce_pct"]) == {"CS", "SNS"} and r["sequences"] == 2
+    assert set(r["throughput_gain_vs_ce_pct"]) == {"CS", "SNS", "learned"} and r["sequences"] == 2
+    assert set(r["beats_cs"]) == {"SNS", "learned"} and all(0 <= n <= 2 for n in r["beats_cs"].values())
+    assert set(r["beyond_1_over_alpha_pct"]) == {"CS", "SNS", "learned"}
+    assert r["learned"]["measured_jobs"] == 40 and r["learned"]["warmup_jobs"] >= 1
     assert len(r["scaling_ratio"]) == 2 and r["latency"] == "measured" and r["mba"] is True
     assert r["programs_mix"] == "paper" and set(r["programs"]["CG"]["speedup_by_scale"]) == {"1", "2", "4", "8"}
     assert r["sns_run_vs_exclusive_at_scale"]["mean"] > 0 and png.exists()

@@ -23,6 +23,8 @@ from typing import Protocol
 
 from nodeshare.schemas.events import ProgramClass
 
+from .learned import InterferenceModel
+
 #: Seed 001 Section 5.1: the candidate scale factors of Uberun.
 SCALE_FACTORS = (1, 2, 4, 8)
 #: Seed 001 Section 4.3: slowdown threshold when the user gives none.
@@ -113,12 +115,20 @@ class Policy:
     share_nodes: bool  # False: a node runs one job (CE)
     resource_aware: bool  # check LLC ways and bandwidth as well as cores (SNS)
     scales: Callable[[Mapping[int, float]], list[int]]  # scale factors to try, in order
+    learned: bool = False  # admission and scale by the measured interference model (placement.learned)
 
 
 CE = Policy("CE", share_nodes=False, resource_aware=False, scales=lambda _profile: [1])
 CS = Policy("CS", share_nodes=True, resource_aware=False, scales=lambda _profile: list(SCALE_FACTORS))
 SNS = Policy("SNS", share_nodes=True, resource_aware=True, scales=sns_scales)
-POLICIES = {p.name: p for p in (CE, CS, SNS)}
+#: Issue 37: shares by cores like CS; admission and scale from what the pipeline measured.
+def smallest_first(_runtime_by_scale: Mapping[int, float]) -> list[int]:
+    """CS's order: every scale factor, the smallest first (the first that fits now is taken)."""
+    return list(SCALE_FACTORS)
+
+
+LEARNED = Policy("learned", share_nodes=True, resource_aware=False, scales=smallest_first, learned=True)
+POLICIES = {p.name: p for p in (CE, CS, SNS, LEARNED)}
 
 
 @dataclass(frozen=True)
@@ -194,6 +204,7 @@ class PendingJob:
     alpha: float
     submitted: float  # event time, seconds
     profile: JobProfile
+    program: str | None = None  # the program's name, for what was measured of it (the learned policy)
 
 
 @dataclass(frozen=True)
@@ -228,7 +239,8 @@ class Scheduler:
 
     def __init__(self, nodes: Mapping[str, NodeCapacity], policy: Policy = SNS,
                  age_limit_s: float = DEFAULT_AGE_LIMIT_S,
-                 veto: Callable[[PendingJob, Placement], str | None] | None = None) -> None:
+                 veto: Callable[[PendingJob, Placement], str | None] | None = None,
+                 model: InterferenceModel | None = None) -> None:
         if not nodes:
             raise ValueError("a cluster needs at least one node")
         self.loads = {name: NodeLoad(cap) for name, cap in sorted(nodes.items())}
@@ -237,6 +249,8 @@ class Scheduler:
         self.veto = veto  # a reason not to run the job there (e.g. a pair predicted too slow), or None
         self.queue: dict[str, PendingJob] = {}  # insertion order = submission order
         self.delayed: set[str] = set()  # queued jobs whose delay was already reported
+        self.model = model  # the learned policy's measured interference (None: nothing measured yet)
+        self.program_of: dict[str, str] = {}  # placed job -> its program, for the learned policy
         self._sizes()
 
     def _sizes(self) -> None:
@@ -260,9 +274,11 @@ class Scheduler:
         self.queue.pop(job_id, None)
         self.delayed.discard(job_id)
 
-    def place_for(self, job: PendingJob) -> tuple[Placement | None, str | None]:
+    def place_for(self, job: PendingJob, now: float | None = None) -> tuple[Placement | None, str | None]:
         """The first scale factor, in the policy's order, whose nodes are free now; else None and
         the veto's reason when it refused a candidate."""
+        if self.policy.learned:
+            return self._place_learned(job, aged=now is not None and now - job.submitted >= self.age_limit_s)
         runtimes = job.profile.runtime_by_scale()
         base = runtimes.get(1)
         refused = None
@@ -287,6 +303,44 @@ class Scheduler:
             if why is None:
                 return placement, None
             refused = why
+        return None, refused
+
+    def _place_learned(self, job: PendingJob, aged: bool = False) -> tuple[Placement | None, str | None]:
+        """The learned policy (placement.learned): CS's sharing by cores, the smallest scale factor
+        that fits now, on nodes where the measured slowdown next to the co-runners (for the job,
+        with the scale factor's run-time ratio, and for each of them) keeps within 1/alpha; an
+        ``aged`` job (waited the age limit, so it blocks younger ones) takes any node with room."""
+        model = self.model if self.model is not None else InterferenceModel()
+        runtimes = job.profile.runtime_by_scale()
+        base = runtimes.get(1)
+        limit = -math.log(job.alpha)
+        refused = None
+        for k in SCALE_FACTORS:  # CS's order, the smallest scale that fits now (see placement.learned)
+            ratio = runtimes[k] / base if base and k in runtimes else 1.0
+            n, c = spread(job.procs, self.smallest.cores, k)
+            if n > len(self.loads):
+                continue
+            cand = []
+            for name, load in self.loads.items():
+                if not load.fits(c, 0, 0.0, self.policy):
+                    continue
+                co = [self.program_of.get(j) for j in load.jobs]
+                mean, _upper = model.predict(job.program, co)
+                own = math.log(ratio) + mean
+                if not aged and (own > limit or any(model.predict(q, [job.program])[0] > limit for q in co)):
+                    if co:
+                        refused = "measured slowdown next to the co-runners beyond 1/alpha"
+                    continue
+                idle = load.capacity.cores - load.used()[0] - c
+                cand.append((idle, round(mean, 2), load.score(), name, own))  # best fit, then least measured slowdown
+            if len(cand) < n:
+                continue
+            chosen = sorted(cand)[:n]
+            nodes = tuple(x[3] for x in chosen)
+            placement = self._placement(runtimes, k, nodes, c, None)
+            placement = Placement(placement.scale, placement.nodes, c, None, None,
+                                  math.exp(max(x[4] for x in chosen)), placement.node_scores, placement.co_jobs)
+            return placement, None
         return None, refused
 
     def _placement(self, runtimes: Mapping[int, float], k: int, nodes: tuple[str, ...], cores: int,
@@ -325,6 +379,9 @@ class Scheduler:
                 self._placement(b.profile.runtime_by_scale(), 1, nodes, b.procs, llc[1], a.job_id))
 
     def allocate(self, job_id: str, placement: Placement) -> None:
+        queued = self.queue.get(job_id)
+        if queued is not None and queued.program is not None:
+            self.program_of[job_id] = queued.program
         for name in placement.nodes:
             self.loads[name].hold(job_id, placement.cores_per_node, placement.ways or 0,
                                   placement.bandwidth_gbps or 0.0)
@@ -333,6 +390,7 @@ class Scheduler:
         """A job ended: free what it held (it may hold nothing, e.g. placed by someone else)."""
         for load in self.loads.values():
             load.free(job_id)
+        self.program_of.pop(job_id, None)
 
     def nodes_of(self, job_id: str) -> set[str]:
         """The nodes a job is booked on."""
@@ -343,7 +401,7 @@ class Scheduler:
         age limit stops the scan. Delays are reported once per job."""
         out: list[Decision] = []
         for job in list(self.queue.values()):
-            placement, refused = self.place_for(job)
+            placement, refused = self.place_for(job, now)
             if placement is not None:
                 self.allocate(job.job_id, placement)
                 self.withdraw(job.job_id)

@@ -52,6 +52,7 @@ from nodeshare.schemas.serde import DecodeError, decode
 from ..lifecycle import JobPhases, Phase
 from ..pairing import PAIRINGS, DegradationModel, pair_queue
 from ..profiles import FEATURES, ProfileBook
+from .learned import InterferenceModel
 from .sns import (
     DEFAULT_AGE_LIMIT_S,
     POLICIES,
@@ -172,6 +173,9 @@ class PlacementManager:
     prefix: str = ""
     book: ProfileBook = field(default_factory=ProfileBook)
     pairs: PairModel = field(default_factory=PairModel)
+    #: the learned policy's measured slowdowns per program pair (placement.learned), folded from the
+    #: lifecycle and final estimates this log carries, and from nothing else
+    interference: InterferenceModel = field(default_factory=InterferenceModel)
     scheduler: Scheduler | None = None
     early: list[JobEvent] = field(default_factory=list)  # submissions before any node was known
     phases: JobPhases = field(default_factory=JobPhases)  # duplicate and late lifecycle events change nothing
@@ -190,6 +194,8 @@ class PlacementManager:
         running = isinstance(record, DegradationEstimate) and not record.final
         before = {p: n.blocks // PROFILE_EVERY for p, n in self.book.programs.items()} if running else {}
         changed = self.book.apply(record)
+        if isinstance(record, JobEvent) or (isinstance(record, DegradationEstimate) and record.final):
+            self.interference.apply(record)
         if running:  # one per batch of blocks: publish when a program's blocks pass a multiple of PROFILE_EVERY
             changed = {p for p in changed if self.book.programs[p].blocks // PROFILE_EVERY != before.get(p, 0)}
         out: list[Record] = [self.book.profile(p) for p in sorted(changed)]
@@ -200,7 +206,8 @@ class PlacementManager:
         if isinstance(record, NodeInventory):
             cap = NodeCapacity(record.cores, record.llc_ways, record.mem_bandwidth_gbps, record.usable)
             if self.scheduler is None:
-                self.scheduler = Scheduler({record.node: cap}, POLICIES[self.policy], self.age_limit_s, self._veto)
+                self.scheduler = Scheduler({record.node: cap}, POLICIES[self.policy], self.age_limit_s, self._veto,
+                                           model=self.interference)
                 for ev in self.early:
                     if self.phases.get(ev.job_id) is Phase.SUBMITTED:  # not started or ended meanwhile
                         self._submit(ev)
@@ -215,7 +222,8 @@ class PlacementManager:
     def _submit(self, ev: JobEvent) -> None:
         assert self.scheduler is not None
         submitted = (ev.submit_time or ev.event_time).timestamp()
-        self.scheduler.submit(PendingJob(ev.job_id, ev.cores, ev.alpha, submitted, BookProfile(self.book, ev.program)))
+        self.scheduler.submit(PendingJob(ev.job_id, ev.cores, ev.alpha, submitted, BookProfile(self.book, ev.program),
+                                         ev.program))
 
     def _program(self, job_id: str) -> str:
         notes = self.book.jobs.get(job_id)
@@ -240,6 +248,8 @@ class PlacementManager:
                 if known:
                     c = math.ceil(ev.cores / len(ev.nodes))
                     self.scheduler.allocate(ev.job_id, Placement(1, tuple(known), c, None, None, None))
+            if self.scheduler.nodes_of(ev.job_id):
+                self.scheduler.program_of[ev.job_id] = ev.program  # what the learned policy weighs it as
             return []
         if ev.state in TERMINAL_STATES:
             self.scheduler.withdraw(ev.job_id)
