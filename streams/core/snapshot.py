@@ -12,6 +12,7 @@ format or a damaged one (``SnapshotError``), and ``usable`` one taken under anot
 Pickle runs code on load, so the snapshot topics must be writable by the stream worker only (as its
 log topics are: docs/deployment.md), and ``load`` unpickles with an allowlist besides: only the
 pure core's and the schemas' own classes and functions, ``datetime`` and pydantic's time zone,
+numpy's array reconstruction and scikit-learn's tree and forest classes (a trained pair model),
 and ``getattr`` for names that are not dunders. A snapshot that names anything else (``os.system``, a
 function's ``__globals__``) is refused as damaged, never run.
 """
@@ -60,7 +61,14 @@ def header(raw: bytes) -> tuple[int, str, bytes]:
 #: What a snapshot may name: modules of the pure core and the schemas (no I/O, no process), and these.
 _CORE_MODULES = ("nodeshare.streams.core.", "nodeshare.schemas.")
 _ALSO = {("datetime", "datetime"), ("datetime", "timedelta"), ("datetime", "timezone"),
-         ("pydantic_core._pydantic_core", "TzInfo")}
+         ("pydantic_core._pydantic_core", "TzInfo"),
+         # a trained pair model's arrays (the placement manager's forest)
+         ("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.numeric", "_frombuffer"),
+         ("numpy.core.numeric", "_frombuffer"), ("numpy._core.multiarray", "_reconstruct"),
+         ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
+         ("numpy.core.multiarray", "scalar")}
+#: ... and the classes (never the functions) of scikit-learn's trees and forests
+_MODEL_MODULES = ("sklearn.ensemble.", "sklearn.tree.")
 
 
 def _public_getattr(obj: Any, name: str) -> Any:
@@ -79,6 +87,10 @@ class _CoreUnpickler(pickle.Unpickler):
             if name.startswith("__"):
                 raise pickle.UnpicklingError(f"a snapshot may not name {module}.{name}")
             return super().find_class(module, name)
+        if module.startswith(_MODEL_MODULES) and not name.startswith("_"):
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
         raise pickle.UnpicklingError(f"a snapshot may not name {module}.{name}")
 
 

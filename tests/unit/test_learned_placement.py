@@ -177,7 +177,6 @@ def test_the_placement_manager_learns_from_its_log_and_keeps_a_job_off_a_measure
     [d] = [r for r in out if isinstance(r, PlacementDecision)]
     # CG suffered (next to MG, and its program's mean is what an unmeasured EP is taken at): a node of its own
     assert d.action is PlacementAction.PLACE and d.nodes == ("n3",)
-    m.pairs.model = None  # the forest is not on the snapshot allowlist (a manager with one folds its log again)
     _, _, again = load(dump(m, 0))
     assert again.interference.predict("CG", ["MG"]) == m.interference.predict("CG", ["MG"])
 

@@ -128,3 +128,17 @@ def test_a_snapshot_that_names_anything_outside_the_core_is_refused_never_run(tm
     import os
 
     assert not os.path.exists("/tmp/nodeshare-snapshot-pwned")
+
+
+def test_a_manager_with_a_trained_pair_model_snapshots_and_loads():
+    """The placement manager's forest (scikit-learn) is on the allowlist: a snapshot taken after it
+    trained loads, and predicts as the original (else every restart folded the log from its start)."""
+    import numpy as np
+    from sklearn.ensemble import RandomForestRegressor
+
+    x = np.random.default_rng(0).random((40, 3))
+    forest = RandomForestRegressor(n_estimators=5, random_state=0).fit(x, x.sum(axis=1))
+    m = PlacementManager()
+    m.pairs.model = forest
+    _, _, again = snapshot.load(snapshot.dump(m, 3))
+    assert (again.pairs.model.predict(x) == forest.predict(x)).all()
