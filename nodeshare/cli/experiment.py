@@ -82,7 +82,7 @@ PeriodMs = Annotated[int, typer.Option("--period-ms", min=0, help="shutter perio
 
 
 EstimatorOpt = Annotated[str, typer.Option(
-    "--estimator", help="the degradation estimate charges apply: refill_corrected, poppa_alg4 or unfiltered")]
+    "--estimator", help="the degradation estimate charges apply: refill_corrected, poppa_alg4, unfiltered or mixed_s")]
 
 
 def checked_estimator(name: str) -> str:

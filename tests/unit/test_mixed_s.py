@@ -255,3 +255,20 @@ def test_the_fast_audit_groups_by_s_and_prices_mixed_s_as_the_fold(tmp_path):
     assert got.model_dump(exclude={"event_range"}) == fold.model_dump(exclude={"event_range"})
     assert [(n.node, n.first_cycle, n.last_cycle, n.blocks) for n in got.nodes] == [("n1", 0, 13, 14),
                                                                                      ("n2", 0, 10, 11)]
+
+
+def test_the_settings_choose_mixed_s_and_the_adaptive_schedule_without_changing_the_defaults():
+    from nodeshare.config import Settings
+    from nodeshare.scenarios import ClusterChoice, ScenarioError
+
+    default = Settings()
+    assert (default.estimator, default.shutter_schedule, default.shutter_policy()) == ("refill_corrected", "fixed",
+                                                                                       None)
+    s = Settings(estimator="mixed_s", shutter_schedule="adaptive")
+    assert s.policy().estimator == MIXED_S
+    pol = s.shutter_policy()
+    assert pol is not None and (pol.ladder_us, pol.k, pol.period_ms) == ((3200, 12800, 51200), 1, 200)
+    choice = ClusterChoice.from_settings(s)
+    assert choice.schedule == pol and choice.config().schedule == pol
+    with pytest.raises(ScenarioError):
+        ClusterChoice.from_settings(s, engine="simple")
