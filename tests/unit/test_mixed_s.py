@@ -272,3 +272,16 @@ def test_the_settings_choose_mixed_s_and_the_adaptive_schedule_without_changing_
     assert choice.schedule == pol and choice.config().schedule == pol
     with pytest.raises(ScenarioError):
         ClusterChoice.from_settings(s, engine="simple")
+
+
+def test_the_experiments_take_mixed_s_and_refuse_an_adaptive_pairs_mix():
+    from typer.testing import CliRunner
+
+    from nodeshare.cli import app
+    from nodeshare.experiments.poppa import experiment_pairwise
+
+    r = experiment_pairwise(iterations=1, programs=("MILC", "LAMMPS"), estimator=MIXED_S)
+    # under the fixed schedule every block has one S: mixed_s is refill_corrected
+    assert r["estimators"][MIXED_S]["mae_pct"] == r["estimators"][REFILL_CORRECTED]["mae_pct"]
+    bad = CliRunner().invoke(app, ["experiment", "pricing", "--schedule", "adaptive"])
+    assert bad.exit_code == 2 and "--schedule" in bad.output
