@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the policy types, for the methods' signatures only
     from nodeshare.producers.batching import FlushPolicy
     from nodeshare.streams.core.accounting import PricingPolicy
     from nodeshare.streams.core.power.ppartition import PowerPolicy
+    from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
 
 #: The configuration file given on the command line (--config); NODESHARE_CONFIG is the fallback.
@@ -121,7 +122,7 @@ class Settings(BaseSettings):
     delta: Annotated[float, Field(gt=0.0)] = 0.05  # streams.core.degradation.DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = "poppa_eq4"  # streams.core.pricing.RATE_FUNCTIONS
     # streams.core.degradation.ESTIMATORS
-    estimator: Literal["refill_corrected", "poppa_alg4", "unfiltered"] = "refill_corrected"
+    estimator: Literal["refill_corrected", "poppa_alg4", "unfiltered", "mixed_s"] = "refill_corrected"
     # How sure a charge is (streams.core.confidence): the interval's confidence, whether the price
     # uses its upper end (true) or the point estimate, and the prior's upper end for too few blocks
     confidence: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.95
@@ -131,6 +132,10 @@ class Settings(BaseSettings):
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
     period_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 200
+    # Issue 36: "adaptive" lets each job's shutters climb S, 4 S, 16 S (streams.core.shutter_policy)
+    # where its cache refills slower than S; "fixed": S, K and P above on every cycle (POPPA's Alg. 3).
+    # The node agents and the calibrated simulator (demo, simulate) read it; mixed_s charges its blocks.
+    shutter_schedule: Literal["fixed", "adaptive"] = "fixed"
     # How node agents batch shutter blocks per node.ipc message (producers.batching.FlushPolicy)
     batch_blocks: Annotated[int, Field(ge=1, le=4096)] = 64  # DEFAULT_MAX_BLOCKS
     batch_age_s: Annotated[float, Field(ge=0.0)] = 30.0  # DEFAULT_MAX_AGE_S
@@ -171,6 +176,15 @@ class Settings(BaseSettings):
                              rate_function=self.rate_function, estimator=self.estimator,
                              confidence=self.confidence, price_at_bound=self.price_at_bound,
                              prior_high=self.prior_high)
+
+    def shutter_policy(self) -> ShutterPolicy | None:
+        """The adaptive schedule ``shutter_schedule`` names (ladder S, 4 S, 16 S at K and P), or None."""
+        if self.shutter_schedule == "fixed":
+            return None
+        from nodeshare.streams.core.shutter_policy import ShutterPolicy
+
+        s = self.sample_us
+        return ShutterPolicy(ladder_us=(s, 4 * s, 16 * s), k=self.samples_per_region, period_ms=self.period_ms)
 
     def flush_policy(self) -> FlushPolicy:
         from nodeshare.producers.batching import FlushPolicy

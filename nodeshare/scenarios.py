@@ -20,6 +20,7 @@ from nodeshare.producers.job_mix import cluster_specs, library
 from nodeshare.producers.simulator import JobTruth, SimConfig, simulate
 from nodeshare.producers.workloads import Workload, load_profiles
 from nodeshare.schemas import JobEvent, JobState, Record
+from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
 EngineName = Literal["calibrated", "simple"]  # not producers.calibrated.Engine, the engine itself
 ENGINES: tuple[EngineName, ...] = ("calibrated", "simple")
@@ -45,24 +46,30 @@ class ClusterChoice:
     k: int = 1
     sample_us: int = 3200
     period_ms: int = 200
+    schedule: ShutterPolicy | None = None  # issue 36's adaptive schedule (calibrated engine); None: fixed
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ScenarioError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if self.engine == "simple" and (self.trace or self.profiles):
             raise ScenarioError("--trace and --profiles need the calibrated engine")
+        if self.engine == "simple" and self.schedule is not None:
+            raise ScenarioError("the adaptive shutter schedule needs the calibrated engine")
         if self.time_scale <= 0:
             raise ScenarioError(f"time scale must be positive, got {self.time_scale}")
 
     @classmethod
     def from_settings(cls, settings: Any, **choice: Any) -> ClusterChoice:
-        """K, S and P come from the configuration, as on real nodes."""
+        """K, S, P and the shutter schedule come from the configuration, as on real nodes."""
         return cls(k=settings.samples_per_region, sample_us=settings.sample_us, period_ms=settings.period_ms,
-                   **choice)
+                   schedule=settings.shutter_policy(), **choice)
 
     def config(self) -> CalibratedConfig:
-        return CalibratedConfig(nodes=self.nodes, seed=self.seed, k=self.k, sample_us=self.sample_us,
-                                period_ms=self.period_ms)
+        try:
+            return CalibratedConfig(nodes=self.nodes, seed=self.seed, k=self.k, sample_us=self.sample_us,
+                                    period_ms=self.period_ms, schedule=self.schedule)
+        except ValueError as exc:  # the schedule's longest shutter does not fit the cycle
+            raise ScenarioError(str(exc)) from None
 
     @cached_property
     def calibrated(self) -> tuple[dict[str, Workload], list[JobSpec]]:

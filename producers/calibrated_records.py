@@ -115,7 +115,10 @@ class RecordSink(Sink):
             for b in self.batcher.add(job_id=job_id(j), node=node, source=f"sim/{node}", cycle=cycle, k=k,
                                       sample_us=s_us, counter=CounterSource.SIMULATED,
                                       before=regions[0], during=regions[1], after=regions[2], at=at):
-                self._emit(t, b)
+                # at its newest block's time, as every other flush: a batch cut because S changed
+                # stood at the raw t, after the next batch closed at the same instant rounded to the
+                # microsecond, so the fold met the two out of order and ignored the first's blocks
+                self._emit((b.event_time - self.cfg.start).total_seconds(), b)
         for b in self.batcher.due(at):  # stands at its newest block's time
             self._emit((b.event_time - self.cfg.start).total_seconds(), b)
 

@@ -709,6 +709,24 @@ class NodeSummary(BaseModel):
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
+#: A ``mixed_s`` charge lists at most this many sample lengths (``Charge.levels``): the ones its
+#: estimate used first, then those with the most blocks (version 6). The estimate uses every level.
+MAX_CHARGE_LEVELS = 16
+
+
+class LevelEvidence(BaseModel):
+    """The blocks of a job at one sample length S, as a ``mixed_s`` charge used them (version 6)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    sample_us: NonNegInt  # S (0: blocks folded before the fold kept S)
+    blocks_used: NonNegInt  # accepted by Alg. 4
+    blocks_rejected: NonNegInt
+    degradation: float | None  # the refill-corrected D of this S's blocks (None: no accepted block)
+    standard_error: Annotated[float, Field(ge=0.0)] | None  # None below two accepted blocks
+    used: bool  # whether the charge's estimate pooled this S (a shorter S lower beyond noise is left out)
+
+
 class Charge(Record):
     """One ledger row: a job's price and everything needed to recompute it."""
 
@@ -732,7 +750,7 @@ class Charge(Record):
     degradation_filtered: float | None
     degradation_unfiltered: float | None
     degradation_corrected: float | None = None  # refill-corrected (streams.core.degradation)
-    estimator: Name = "poppa_alg4"  # which estimate applies: poppa_alg4 | refill_corrected | unfiltered
+    estimator: Name = "poppa_alg4"  # which estimate applies: poppa_alg4 | refill_corrected | unfiltered | mixed_s
     #: The applied estimator's D over the time the job shared a node (what its blocks measure), 0
     #: without evidence; and the billed time the job had no co-runner on any of its nodes (a lower
     #: bound from the agents' per-node totals), undisturbed. Both version 4: before it, D applied
@@ -771,6 +789,9 @@ class Charge(Record):
     confidence: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     priced_at: Literal["estimate", "upper_bound"] = "estimate"
     prior_degradation_high: Fraction01 | None = None
+    #: ``mixed_s`` only (version 6): the evidence per sample length S, by S, at most
+    #: ``MAX_CHARGE_LEVELS``; empty for the other estimators.
+    levels: tuple[LevelEvidence, ...] = ()
     code_version: Name
 
 
@@ -798,7 +819,7 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
     Charge: {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
              "evidence_problems": 5, "node_summary": 5, "degradation_point": 6, "degradation_low": 6,
              "degradation_high": 6, "interval_method": 6, "interval_blocks": 6, "confidence": 6,
-             "priced_at": 6, "prior_degradation_high": 6},
+             "priced_at": 6, "prior_degradation_high": 6, "levels": 6},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

@@ -1,5 +1,8 @@
 """The vectorized audit path: DuckDB checks and folds the archived node.ipc records in bulk.
 
+Longer than 500 lines because its eligibility checks, its SQL fold and the charge it builds from
+the fold's rows are one contract with the reference fold, bit for bit.
+
 It reads the same raw bytes as the reference path, so an edited archive event is seen by
 both. Two passes (``read_streams``): every row's typed columns are re-encoded and compared with
 its value, which only names the *suspect* rows (edited, another encoder's bytes, or files from
@@ -37,7 +40,7 @@ from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, clock_prob
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S, MAX_BATCH_BLOCKS
 from nodeshare.streams.core.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
-from nodeshare.streams.core.degradation import SECOND_MOMENTS, estimate_from_totals
+from nodeshare.streams.core.degradation import MIXED_S, SECOND_MOMENTS, estimate_from_totals
 
 from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_range, file_span, typed_columns_sql
 
@@ -131,6 +134,11 @@ class StreamRow:
     accepted: int
     rejected: int
     sums: tuple[int, ...]  # _SUMS then SECOND_MOMENTS, fixed point
+    #: the blocks' sample length S (the fold keeps its sums per S; a row per S and one for the
+    #: marker, None), and the stream positions of its first and last block
+    sample_us: int | None = None
+    first_pos: int | None = None
+    last_pos: int | None = None
 
 
 @dataclass
@@ -175,7 +183,7 @@ def _unnested_sql(rows: str) -> str:
     same = " AND ".join(f"len({c}) = {n}" for c in _LISTS)
     absent = ", ".join(f"coalesce({name}, -1) AS {name}" for name in _UNNESTED.values())
     return f"""SELECT * REPLACE ({absent}) FROM (
-               SELECT "partition", "offset", timestamp_ms, key, typed, kind, job_id, node, event_time,
+               SELECT "partition", "offset", timestamp_ms, key, typed, kind, job_id, node, event_time, sample_us,
                       coalesce(k, -1) AS k, coalesce(paused_us, -1) AS paused_us,
                       coalesce(alone_us, 0) AS alone_us,
                       coalesce(blocks_sent, -1) AS blocks_sent, coalesce(last_cycle, -1) AS last_cycle,
@@ -288,7 +296,8 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
     block = "kind IN ('shutter_block', 'shutter_batch')"
     when = "epoch(TRY_CAST(event_time AS TIMESTAMPTZ))"
     # every check of streams.core.blocks.CHECKS, so the fast path counts exactly the blocks the reference does
-    valid_block = (f"k = 1 AND single AND cycle >= 0 AND b_cycles > 0 AND d_cycles > 0 AND a_cycles > 0 "
+    valid_block = (f"k = 1 AND single AND sample_us > 0 AND cycle >= 0 "
+                   f"AND b_cycles > 0 AND d_cycles > 0 AND a_cycles > 0 "
                    f"AND b_instructions >= 0 AND d_instructions >= 0 AND a_instructions >= 0 "
                    f"AND b_threads > 0 AND d_threads > 0 AND a_threads > 0 AND greatest("
                    f"b_instructions, b_cycles, b_threads, d_instructions, d_cycles, d_threads, a_instructions, "
@@ -310,7 +319,8 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
     rows = con.execute(f"""
         WITH r AS ({rows_sql}),
         m0 AS (
-            SELECT r."partition", r."offset", r.idx, {_POSITION} AS pos, r.job_id, r.node, r.cycle, r.paused_us,
+            SELECT r."partition", r."offset", r.idx, {_POSITION} AS pos, r.job_id, r.node, r.sample_us, r.cycle,
+                   r.paused_us,
                    r.alone_us, r.blocks_sent, r.typed,
                    r.{block} AS is_block, r.kind = 'job_left_node' AS is_left,
                    {delta} AS delta,
@@ -346,14 +356,17 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
                arg_min(cycle, pos) FILTER (WHERE is_block), arg_max(cycle, pos) FILTER (WHERE is_block),
                count(*) FILTER (WHERE keep), count(*) FILTER (WHERE is_block AND NOT keep),
                {sums},
-               coalesce(sum(typed::INT) FILTER (WHERE idx = 0), 0), count(*) FILTER (WHERE idx = 0)  -- messages
+               coalesce(sum(typed::INT) FILTER (WHERE idx = 0), 0), count(*) FILTER (WHERE idx = 0),  -- messages
+               any_value(sample_us) FILTER (WHERE is_block),
+               min(pos) FILTER (WHERE is_block), max(pos) FILTER (WHERE is_block)
         FROM m
-        GROUP BY job_id, node
+        GROUP BY job_id, node, CASE WHEN is_block THEN sample_us END  -- the blocks per S, and the markers
     """).fetchall()
-    names = [f.name for f in fields(StreamRow)][:-1]  # every field but the sums, in the query's order
-    streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[18:18 + len(fixed)]))
-               for r in rows]
-    return streams, sum(int(r[-2]) for r in rows), sum(int(r[-1]) for r in rows)
+    names = [f.name for f in fields(StreamRow)][:18]  # the fields before the sums, in the query's order
+    n = len(fixed)
+    streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[18:18 + n]),
+                         sample_us=r[20 + n], first_pos=r[21 + n], last_pos=r[22 + n]) for r in rows]
+    return streams, sum(int(r[18 + n]) for r in rows), sum(int(r[19 + n]) for r in rows)
 
 
 #: The general fold's order check: a window over the stream (ordered by offset alone: a job on two
@@ -452,9 +465,9 @@ def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy],
         streams, typed, parsed = read_streams(archive, deltas, default_delta, con.cursor())
         ends, wrong_clock = terminals.result()
     result = FastResult(typed_rows=typed, parsed_rows=parsed)
-    by_job: dict[str, dict[str | None, StreamRow]] = defaultdict(dict)
+    by_job: dict[str, dict[str | None, list[StreamRow]]] = defaultdict(lambda: defaultdict(list))
     for row in streams:
-        by_job[row.job][row.node] = row
+        by_job[row.job][row.node].append(row)  # a row per S of the node's blocks, and one for its marker
     for job, nodes in by_job.items():
         charge = None if job in wrong_clock else _job_charge(job, nodes, ends.get(job, []),
                                                                policies.get(job, default))
@@ -469,9 +482,9 @@ def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy],
     return result
 
 
-def _job_charge(job: str, nodes: dict[str | None, StreamRow], terminals: list[TerminalEvent],
+def _job_charge(job: str, nodes: dict[str | None, list[StreamRow]], terminals: list[TerminalEvent],
                 policy: PricingPolicy) -> Charge | None:
-    rows = list(nodes.values())
+    rows = [r for node_rows in nodes.values() for r in node_rows]
     if len(terminals) != 1 or not all(r.clean for r in rows):
         return None
     partitions = {r.min_partition for r in rows} | {r.max_partition for r in rows}
@@ -479,22 +492,45 @@ def _job_charge(job: str, nodes: dict[str | None, StreamRow], terminals: list[Te
         return None
     terminal = terminals[0]
     streams: list[tuple[str, NodeStream]] = []
-    sums = [0] * (len(_SUMS) + len(SECOND_MOMENTS))
+    width = len(_SUMS) + len(SECOND_MOMENTS)
+    sums = [0] * width
+    by_s: dict[int, list[int]] = {}  # per sample length S: its sums, then accepted and rejected
     accepted = rejected = 0
     for name in sorted(terminal.event.nodes):
-        row = nodes.get(name)
-        if row is None or row.lefts != 1 or row.left_offset != row.last_offset or not row.increasing:
+        node_rows = nodes.get(name)
+        if not node_rows:
+            return None
+        lefts = [r for r in node_rows if r.lefts]
+        last_offset = max(r.last_offset for r in node_rows)
+        if (len(lefts) != 1 or lefts[0].lefts != 1 or lefts[0].left_offset != last_offset
+                or not all(r.increasing for r in node_rows)):
             return None  # not closed exactly once, a block after the close, or duplicates / out of order
-        sums = [a + b for a, b in zip(sums, row.sums, strict=True)]
-        accepted += row.accepted
-        rejected += row.rejected
+        left = lefts[0]
+        blocks = [r for r in node_rows if r.blocks]
+        for row in blocks:
+            sums = [a + b for a, b in zip(sums, row.sums, strict=True)]
+            accepted += row.accepted
+            rejected += row.rejected
+            assert row.sample_us is not None  # a clean block has one
+            level = by_s.setdefault(row.sample_us, [0] * (width + 2))
+            by_s[row.sample_us] = [a + b for a, b in zip(level, (*row.sums, row.accepted, row.rejected), strict=True)]
+        first = min(blocks, key=lambda r: r.first_pos or 0, default=None)
+        last = max(blocks, key=lambda r: r.last_pos or 0, default=None)
         streams.append((name, NodeStream(
-            blocks=row.blocks, first_cycle=-1 if row.first_cycle is None else row.first_cycle,
-            last_cycle=-1 if row.last_cycle is None else row.last_cycle,
-            first_offset=row.first_offset, close_offset=row.last_offset, closed=True,
-            blocks_sent=int(row.blocks_sent or 0), paused_us=max(0, int(row.paused_us or 0)),
-            alone_us=int(row.alone_us or 0),
+            blocks=sum(r.blocks for r in node_rows),
+            first_cycle=-1 if first is None or first.first_cycle is None else first.first_cycle,
+            last_cycle=-1 if last is None or last.last_cycle is None else last.last_cycle,
+            first_offset=min(r.first_offset for r in node_rows), close_offset=last_offset, closed=True,
+            blocks_sent=int(left.blocks_sent or 0), paused_us=max(0, int(left.paused_us or 0)),
+            alone_us=int(left.alone_us or 0),
         )))
     totals = [math.ldexp(float(x), -FIXED_POINT_BITS) for x in sums]  # one rounding of each exact sum
-    est = estimate_from_totals(*totals[:4], accepted, rejected, *totals[4:6], policy.estimator, totals[6:])
+    levels = None
+    if policy.estimator == MIXED_S:
+        levels = {}
+        for s_us, level in by_s.items():
+            t = [math.ldexp(float(x), -FIXED_POINT_BITS) for x in level[:width]]
+            levels[s_us] = (*t[:4], level[width], level[width + 1], *t[4:6], tuple(t[6:]))
+    est = estimate_from_totals(*totals[:4], accepted, rejected, *totals[4:6], policy.estimator, totals[6:],
+                               levels=levels)
     return build_charge(job, 0, terminal, streams, est, policy, (NODE_IPC.name, partitions.pop()))

@@ -82,7 +82,7 @@ PeriodMs = Annotated[int, typer.Option("--period-ms", min=0, help="shutter perio
 
 
 EstimatorOpt = Annotated[str, typer.Option(
-    "--estimator", help="the degradation estimate charges apply: refill_corrected, poppa_alg4 or unfiltered")]
+    "--estimator", help="the degradation estimate charges apply: refill_corrected, poppa_alg4, unfiltered or mixed_s")]
 
 
 def checked_estimator(name: str) -> str:
@@ -192,12 +192,17 @@ def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[s
         = None,
         max_run_s: Annotated[float, typer.Option(
             min=5.0, help="trace-times: run times are clipped to [5 s, this] so a run ends in minutes")] = 3600.0,
+        schedule: Annotated[str, typer.Option(
+            help="the mixes' shutter schedule: fixed (--sample-us, --period-ms) or adaptive (issue 36; "
+                 "not with --mix pairs: see experiment adaptive-shutter)")] = "fixed",
     ) -> None:
         from nodeshare.experiments import poppa
         from nodeshare.experiments.mixes import MIX_NAMES, mixes_table, plot_mixes
 
         if mix not in MIX_NAMES:
             raise typer.BadParameter(f"must be one of {', '.join(MIX_NAMES)}", param_hint="--mix")
+        if schedule not in ("fixed", "adaptive") or (schedule == "adaptive" and mix == "pairs"):
+            raise typer.BadParameter("fixed, or adaptive with a --mix other than pairs", param_hint="--schedule")
         if mix == "trace-times" and trace is None:
             raise typer.BadParameter("the trace-times mix draws its run times from --trace", param_hint="--trace")
         lib = program_library(profiles)
@@ -205,7 +210,12 @@ def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[s
             task = bar.add_task("simulating and charging", total=None)
             kwargs: dict[str, Any] = {}
             if mix != "pairs":
-                kwargs = {"mix": mix, "jobs": jobs, "trace": trace, "max_run_s": max_run_s}
+                from nodeshare.streams.core.shutter_policy import ShutterPolicy
+
+                s = sample_us
+                kwargs = {"mix": mix, "jobs": jobs, "trace": trace, "max_run_s": max_run_s,
+                          "schedule": ShutterPolicy(ladder_us=(s, 4 * s, 16 * s), period_ms=period_ms)
+                          if schedule == "adaptive" else None}
                 bar.update(task, description=f"simulating and charging: {mix}")
             r: dict[str, Any] = getattr(poppa, f"experiment_{kind}")(
                 seed=seed, iterations=iterations, library=lib, programs=chosen_programs(programs, lib, profiles),

@@ -79,7 +79,7 @@ def agent(
         k=settings.samples_per_region, period_ms=settings.period_ms, spool_max_bytes=int(spool_max_mb * 2**20),
         hardware_counters=hardware_counters, flush=settings.flush_policy(), power_caps=power_caps,
         powercap_root=powercap_root, power_min_watts=power_min_watts, resctrl=resctrl, resctrl_root=resctrl_root,
-        mem_bandwidth_gbps=mem_bandwidth_gbps)
+        mem_bandwidth_gbps=mem_bandwidth_gbps, schedule=settings.shutter_policy())
     try:
         the_agent = build(settings, options, job_file=jobs, slurm=slurm, progress_dir=progress_dir)
     except (ValueError, JobFileError, ResctrlUnavailable) as exc:

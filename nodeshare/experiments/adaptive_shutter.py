@@ -1,12 +1,13 @@
 """Issue 36, part 2: the fixed shutter against the adaptive schedule (streams.core.shutter_policy),
 in the calibrated simulator.
 
-Every run is charged twice: by the stream fold as it is (``fold``: the refill-corrected estimate
-over all of a job's blocks, whatever their S) and by the mixed-S estimator prototyped outside the
-fold (``mixed``: :func:`~nodeshare.streams.core.shutter_policy.mixed_estimate` over the blocks
-grouped by ``sample_us``; the price is recomputed from it with the charge's own rate function,
-run time, pause credit and time alone). Truth is the simulator's: D over the billed time,
-1 - T_solo / (T_co - pause credit).
+Every run is charged twice: by the stream fold (``fold``: its point estimate and the price at it,
+with the estimator given, by default ``mixed_s``, which keeps the blocks' sums per S; ``fold_bound``:
+the charge as priced, at its interval's upper end) and by the mixed-S prototype outside the fold
+(``mixed``: :func:`~nodeshare.streams.core.shutter_policy.mixed_estimate` over the blocks grouped by
+``sample_us`` in float running sums; the price is recomputed from it with the charge's own rate
+function, run time, pause credit and time alone). With ``mixed_s`` the fold's numbers are the
+prototype's. Truth is the simulator's: D over the billed time, 1 - T_solo / (T_co - pause credit).
 
     python -m nodeshare.experiments.adaptive_shutter pairs --programs-csv FILE --seed 7
     python -m nodeshare.experiments.adaptive_shutter short --programs-csv FILE --seed 7
@@ -29,7 +30,9 @@ from nodeshare.producers.calibrated import CalibratedConfig, JobSpec, run_cluste
 from nodeshare.producers.calibrated_records import with_records
 from nodeshare.producers.workloads import BUILTIN, Workload, load_profiles
 from nodeshare.schemas import ShutterBatch
+from nodeshare.streams.core.accounting import PricingPolicy
 from nodeshare.streams.core.blocks import block_rows
+from nodeshare.streams.core.degradation import MIXED_S
 from nodeshare.streams.core.pricing import RATE_FUNCTIONS, job_degradation
 from nodeshare.streams.core.shutter_policy import ShutterPolicy, levels_of, mixed_estimate
 
@@ -43,9 +46,9 @@ def _charged(c: Any, d_shared: float) -> float:
     return RATE_FUNCTIONS[c.rate_function](c.rate_per_core_hour, c.cores, c.run_time_s, d, c.pause_credit_s)
 
 
-def score(truth: Sequence[Any], events: Sequence[Any]) -> list[dict[str, Any]]:
-    """One row per finished job: true D, the fold's and the mixed estimator's D and price ratio."""
-    charges = charges_of(events)
+def score(truth: Sequence[Any], events: Sequence[Any], estimator: str = MIXED_S) -> list[dict[str, Any]]:
+    """One row per finished job: true D, the fold's (with ``estimator``) and the prototype's D and price ratio."""
+    charges = charges_of(events, PricingPolicy(estimator=estimator))
     groups: dict[str, list[tuple[int, np.ndarray]]] = defaultdict(list)
     for e in events:
         if isinstance(e, ShutterBatch):
@@ -63,9 +66,10 @@ def score(truth: Sequence[Any], events: Sequence[Any]) -> list[dict[str, Any]]:
         rows.append({
             "job": t.job_id, "program": t.program, "solo_s": t.solo_time_s, "run_s": t.run_time_s,
             "paused_share": t.paused_s / t.run_time_s if t.run_time_s > 0 else 0.0,
-            "true": true_d, "fold": c.degradation,
+            "true": true_d, "fold": c.degradation_point, "fold_bound": c.degradation,
             "mixed": job_degradation(min(1.0, max(0.0, d_mixed_shared)), c.alone_s, c.billed_time_s),
-            "ratio_fold": c.price / base if base > 0 else 1.0,
+            "ratio_fold": _charged(c, c.degradation_shared) / base if base > 0 else 1.0,
+            "ratio_fold_bound": c.price / base if base > 0 else 1.0,
             "ratio_mixed": _charged(c, d_mixed_shared) / base if base > 0 else 1.0,
             "blocks": {str(s): st.n for s, st in sorted(levels.items())}, "mixed_levels": list(est.levels_used),
             "levels": {str(s): [st.n, st.degradation, st.se if math.isfinite(st.se) else None]
@@ -78,7 +82,7 @@ def score(truth: Sequence[Any], events: Sequence[Any]) -> list[dict[str, Any]]:
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"jobs": len(rows)}
     tD = np.array([r["true"] for r in rows])
-    for est in ("fold", "mixed"):
+    for est in ("fold", "fold_bound", "mixed"):
         err = np.array([r[est] for r in rows]) - tD
         ratio = np.array([r[f"ratio_{est}"] for r in rows])
         out[est] = {"mae_pp": round(100 * float(np.abs(err).mean()), 3),
@@ -108,16 +112,17 @@ def per_program(rows: Sequence[dict[str, Any]], programs: Sequence[str]) -> dict
 
 
 def pairs_run(seed: int, programs: Sequence[str], library: dict[str, Workload], schedule: ShutterPolicy | None,
-              sample_us: int = 3200, period_ms: int = 200, iterations: int = 1) -> list[dict[str, Any]]:
+              sample_us: int = 3200, period_ms: int = 200, iterations: int = 1,
+              estimator: str = MIXED_S) -> list[dict[str, Any]]:
     pairs = [(a, b) for a in programs for b in programs]
     cfg = CalibratedConfig(seed=seed, schedule=schedule, sample_us=sample_us, period_ms=period_ms)
     sim = with_records(cfg, lambda sink: run_pairwise(cfg, pairs, library, iterations, sink))
-    return score(sim.truth, sim.events)
+    return score(sim.truth, sim.events, estimator)
 
 
 def short_run(seed: int, programs: Sequence[str], library: dict[str, Workload], schedule: ShutterPolicy | None,
               sample_us: int = 3200, period_ms: int = 200, nodes: int = 100, jobs: int = 600, lo_s: float = 5.0,
-              hi_s: float = 60.0) -> list[dict[str, Any]]:
+              hi_s: float = 60.0, estimator: str = MIXED_S) -> list[dict[str, Any]]:
     """Short jobs: ``jobs`` jobs of random programs with solo times log-uniform in [lo_s, hi_s], all
     submitted at once onto ``nodes`` nodes (two per node; a finished job's slot is refilled from the queue)."""
     rng = np.random.default_rng(seed + 1000)
@@ -126,7 +131,7 @@ def short_run(seed: int, programs: Sequence[str], library: dict[str, Workload], 
     specs = [JobSpec(str(p), float(w)) for p, w in zip(progs, work, strict=True)]
     cfg = CalibratedConfig(seed=seed, nodes=nodes, schedule=schedule, sample_us=sample_us, period_ms=period_ms)
     sim = with_records(cfg, lambda sink: run_cluster(cfg, specs, library, sink))
-    return score(sim.truth, sim.events)
+    return score(sim.truth, sim.events, estimator)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -137,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--schedule", choices=("fixed", "adaptive"), default="adaptive")
     ap.add_argument("--sample-us", type=int, default=3200, help="S of the fixed schedule")
     ap.add_argument("--period-ms", type=int, default=200, help="P of the fixed schedule")
+    ap.add_argument("--estimator", default=MIXED_S, help="the fold's estimator (streams.core.degradation.ESTIMATORS)")
     ap.add_argument("--focus", default="", help="comma-separated programs to report one by one")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -148,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run = pairs_run if a.scenario == "pairs" else short_run
     if schedule is not None and (a.sample_us, a.period_ms) != (3200, 200):
         ap.error("--sample-us / --period-ms set the fixed schedule")
-    rows = run(a.seed, programs, lib, schedule, a.sample_us, a.period_ms)
+    rows = run(a.seed, programs, lib, schedule, a.sample_us, a.period_ms, estimator=a.estimator)
     res = {"scenario": a.scenario, "seed": a.seed, "schedule": a.schedule, "sample_us": a.sample_us,
            "period_ms": a.period_ms,
            "policy": None if schedule is None else asdict(schedule), **summary(rows)}

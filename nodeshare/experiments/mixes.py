@@ -46,6 +46,7 @@ from nodeshare.producers.workloads import BUILTIN, PAIRWISE, Workload
 from nodeshare.schemas import Charge
 from nodeshare.streams.core.accounting import PricingPolicy
 from nodeshare.streams.core.degradation import DEFAULT_ESTIMATOR
+from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
 MIXES = ("pairs", "trace-times", "arrivals", "short-phases", "thrashing")
 ALL_MIXES = "all-mixes"
@@ -150,26 +151,35 @@ def experiment_mixes(kind: str, mix: str, seed: int = 7, iterations: int = 5, sa
                      period_ms: int = 200, programs: Sequence[str] = PAIRWISE,
                      library: dict[str, Workload] | None = None, estimator: str = DEFAULT_ESTIMATOR,
                      jobs: int | None = None, trace: Path | None = None, max_run_s: float = MAX_RUN_S,
-                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """One mix, or every mix (``all-mixes``; trace-times only with a ``trace``): per mix and overall."""
+                     progress: Callable[[str], None] | None = None,
+                     schedule: ShutterPolicy | None = None) -> dict[str, Any]:
+    """One mix, or every mix (``all-mixes``; trace-times only with a ``trace``): per mix and overall.
+    ``schedule``: issue 36's adaptive shutter schedule (its shortest S and K are ``sample_us`` and 1)."""
     lib = library or BUILTIN
     if mix != ALL_MIXES and mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r}; known: {', '.join(MIX_NAMES)}")
     n = jobs or 4 * len(programs)
     names = [m for m in MIXES if mix in (m, ALL_MIXES) and not (mix == ALL_MIXES and m == "trace-times"
                                                                  and trace is None)]
-    cfg = CalibratedConfig(seed=seed, sample_us=sample_us, period_ms=period_ms)
+    cfg = CalibratedConfig(seed=seed, sample_us=sample_us, period_ms=period_ms, schedule=schedule)
     policy = PricingPolicy(estimator=estimator)
     per_mix: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     for m in names:
+        info: dict[str, Any]
         if progress:
             progress(m)
         t0 = time.perf_counter()
-        if m == "pairs":
+        if m == "pairs" and schedule is not None:  # the cached fixed-schedule pairs do not apply
+            pairs = [(a, b) for a in programs for b in programs]
+            sim = with_records(cfg, lambda sink, pairs=pairs: run_pairwise(cfg, pairs, lib, iterations, sink))
+            charges = charges_of(sim.events, policy)
+            mine = [job_row(m, t, charges[t.job_id]) for t in sim.truth]
+            info = {"about": "every ordered pair of the programs, run to completion", "pairs": len(programs) ** 2}
+        elif m == "pairs":
             mine = [job_row(m, t, c) for _, _, t, c in _scored(seed, iterations, sample_us, period_ms, programs, lib,
                                                              estimator)]
-            info: dict[str, Any] = {"about": "every ordered pair of the programs, run to completion",
+            info = {"about": "every ordered pair of the programs, run to completion",
                                     "pairs": len(programs) ** 2}
         else:
             truth, events, scored, info = simulate_mix(m, cfg, iterations, programs, lib, n, trace, max_run_s)
@@ -180,7 +190,8 @@ def experiment_mixes(kind: str, mix: str, seed: int = 7, iterations: int = 5, sa
     skipped = {"trace-times": "no --trace given"} if mix == ALL_MIXES and trace is None else {}
     return {"experiment": kind, "mix": mix, "mixes": per_mix, "overall": mix_metrics(rows), "skipped": skipped,
             "degradation_truth": DEGRADATION_TRUTH, "estimator": estimator, "sample_us": sample_us,
-            "period_ms": period_ms, "seed": seed, "iterations": iterations, "jobs_per_mix": n,
+            "period_ms": period_ms, "schedule": "fixed" if schedule is None else "adaptive",
+            "seed": seed, "iterations": iterations, "jobs_per_mix": n,
             "programs": list(programs), "max_run_s": max_run_s, "job_rows": rows}
 
 

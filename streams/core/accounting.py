@@ -39,6 +39,7 @@ from nodeshare import __version__
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, spec_for_topic
 from nodeshare.schemas.dead_letters import NODESHARE_NAMESPACE, dead_letter
 from nodeshare.schemas.events import (
+    MAX_CHARGE_LEVELS,
     MAX_CHARGE_NODES,
     MAX_CHARGE_PROBLEMS,
     Charge,
@@ -46,6 +47,7 @@ from nodeshare.schemas.events import (
     EstimateStatus,
     JobEvent,
     JobLeftNode,
+    LevelEvidence,
     NodeBlocks,
     NodeDown,
     NodeSummary,
@@ -64,6 +66,7 @@ from .confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH, degradation_inte
 from .degradation import (
     DEFAULT_DELTA,
     DEFAULT_ESTIMATOR,
+    MIXED_S,
     SECOND_MOMENTS,
     DegradationResult,
     DegradationSums,
@@ -154,6 +157,26 @@ class MomentState(_State):
         self.lo, self.hi = (m.lo, m.hi) if m.n else (None, None)
 
 
+class LevelSums(_State):
+    """A stream's sums over its blocks at one sample length S other than its first (``NodeStream.levels``)."""
+
+    solo_filtered: ExactState = Field(default_factory=ExactSum)
+    co_filtered: ExactState = Field(default_factory=ExactSum)
+    solo_all: ExactState = Field(default_factory=ExactSum)
+    co_all: ExactState = Field(default_factory=ExactSum)
+    accepted: int = 0
+    rejected: int = 0
+    before_filtered: ExactState = Field(default_factory=ExactSum)
+    after_filtered: ExactState = Field(default_factory=ExactSum)
+    second: tuple[ExactState, ...] = Field(default_factory=lambda: tuple(ExactSum() for _ in SECOND_MOMENTS))
+
+    def sums(self) -> DegradationSums:
+        return _sums_of(self)
+
+    def store(self, s: DegradationSums) -> None:
+        _store(self, s)
+
+
 class NodeStream(_State):
     """One (job, node) block stream, from its first block to its JobLeftNode marker."""
 
@@ -182,6 +205,11 @@ class NodeStream(_State):
     after_filtered: ExactState = Field(default_factory=ExactSum)
     #: ``degradation.SECOND_MOMENTS``, in that order: the estimates' standard errors.
     second: tuple[ExactState, ...] = Field(default_factory=lambda: tuple(ExactSum() for _ in SECOND_MOMENTS))
+    #: The sample length S (us) of the blocks the sums above hold: the stream's first counted block's
+    #: (0 in a stream folded before the sums were kept per S). Blocks at any other S go to ``levels``,
+    #: so a stream at one S (the fixed schedule) keeps one set of sums and pays nothing for the others.
+    sample_us: int = 0
+    levels: dict[int, LevelSums] = {}
     # The counted blocks' sample IPCs, alone (during) and shared (before and after): the job's
     # features for the profiles, sent with each running estimate.
     ipc_alone: MomentState = Field(default_factory=MomentState)
@@ -193,20 +221,48 @@ class NodeStream(_State):
     late: NodeStream | None = None
 
     def sums(self) -> DegradationSums:
-        """The stream's sums, sharing this state's ``ExactSum``s: adding to them adds to the stream
-        (``store`` writes back the counts). Merge them into a fresh ``DegradationSums`` to combine nodes."""
-        return DegradationSums(self.solo_filtered, self.co_filtered, self.solo_all, self.co_all,
-                               self.accepted, self.rejected, self.before_filtered, self.after_filtered,
-                               self.second)
+        """The sums at the stream's first S (``sample_us``), sharing this state's ``ExactSum``s: adding
+        to them adds to the stream (``store`` writes back the counts). Merge them into a fresh
+        ``DegradationSums`` to combine nodes; ``level_sums`` gives every S."""
+        return _sums_of(self)
 
     def store(self, s: DegradationSums) -> None:
-        for name in _SUM_FIELDS:
-            if getattr(s, name) is not getattr(self, name):
-                setattr(self, name, getattr(s, name))
-        self.accepted, self.rejected = s.accepted, s.rejected
+        _store(self, s)
+
+    def level_sums(self) -> dict[int, DegradationSums]:
+        """The stream's sums per sample length S (only the first S for a stream at one S)."""
+        out = {self.sample_us: self.sums()}
+        for s_us, level in self.levels.items():
+            out[s_us] = level.sums()
+        return out
+
+    def level(self, sample_us: int) -> LevelSums | NodeStream:
+        """Where blocks at ``sample_us`` are summed: the stream itself at its first S (set by its first
+        counted block), else its level of that S."""
+        if sample_us == self.sample_us:
+            return self
+        if not self.blocks and not self.levels:
+            self.sample_us = sample_us
+            return self
+        level = self.levels.get(sample_us)
+        if level is None:
+            level = self.levels[sample_us] = LevelSums()
+        return level
 
 
 _SUM_FIELDS = ("solo_filtered", "co_filtered", "solo_all", "co_all", "before_filtered", "after_filtered", "second")
+
+
+def _sums_of(state: NodeStream | LevelSums) -> DegradationSums:
+    return DegradationSums(state.solo_filtered, state.co_filtered, state.solo_all, state.co_all,
+                           state.accepted, state.rejected, state.before_filtered, state.after_filtered, state.second)
+
+
+def _store(state: NodeStream | LevelSums, s: DegradationSums) -> None:
+    for name in _SUM_FIELDS:
+        if getattr(s, name) is not getattr(state, name):
+            setattr(state, name, getattr(s, name))
+    state.accepted, state.rejected = s.accepted, s.rejected
 
 
 class _OpenNodes:
@@ -390,10 +446,11 @@ class JobAccount(_State):
         ns.refused += len(rows.problems)
         accepted = 0
         if n:
-            sums = ns.sums()
+            level = ns.level(record.sample_us)  # a batch has one S
+            sums = level.sums()
             alone, shared = ns.ipc_alone.moments(), ns.ipc_shared.moments()
             accepted = sums.add_rows(rows, counted, policy.delta, features=(alone, shared))
-            ns.store(sums)
+            level.store(sums)
             ns.ipc_alone.store(alone)
             ns.ipc_shared.store(shared)
             cycles = rows.cycle[counted]
@@ -666,13 +723,19 @@ def _same_run(run: JobEvent, e: JobEvent) -> bool:
 
 
 def estimate_streams(streams: list[NodeStream], estimator: str = DEFAULT_ESTIMATOR) -> DegradationResult:
-    """The degradation estimate over the blocks of some node streams (sorted by node)."""
-    if len(streams) == 1:  # most jobs: one node, whose sums need no merging
-        return estimate(streams[0].sums(), estimator)
+    """The degradation estimate over the blocks of some node streams (sorted by node); ``mixed_s``
+    also from their sums per sample length S, combined across nodes by S."""
+    if len(streams) == 1 and not streams[0].levels:  # most jobs: one node at one S, nothing to merge
+        s = streams[0]
+        return estimate(s.sums(), estimator, {s.sample_us: s.sums()} if estimator == MIXED_S else None)
     total = DegradationSums()
+    by_s: dict[int, DegradationSums] = {}
     for s in streams:
-        total.merge(s.sums())
-    return estimate(total, estimator)
+        for s_us, sums in s.level_sums().items():
+            total.merge(sums)
+            if estimator == MIXED_S:
+                by_s.setdefault(s_us, DegradationSums()).merge(sums)
+    return estimate(total, estimator, by_s if estimator == MIXED_S else None)
 
 
 #: What a node's pause claim may exceed its bound by (the agent's clock and rescan period against the
@@ -802,8 +865,21 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         degradation_point=point, degradation_low=low, degradation_high=high,
         interval_method=interval.method, interval_blocks=interval.blocks, confidence=policy.confidence,
         priced_at="upper_bound" if policy.price_at_bound else "estimate", prior_degradation_high=policy.prior_high,
+        levels=level_evidence(degradation),
         code_version=__version__,
     )
+
+
+def level_evidence(degradation: DegradationResult) -> tuple[LevelEvidence, ...]:
+    """``Charge.levels``: a ``mixed_s`` estimate's levels, by S, at most ``MAX_CHARGE_LEVELS`` (the
+    used ones first, then those with the most blocks)."""
+    levels = list(degradation.levels)
+    if len(levels) > MAX_CHARGE_LEVELS:
+        levels.sort(key=lambda v: (not v.used, -(v.blocks_used + v.blocks_rejected), v.sample_us))
+        levels = sorted(levels[:MAX_CHARGE_LEVELS], key=lambda v: v.sample_us)
+    return tuple(LevelEvidence(sample_us=v.sample_us, blocks_used=v.blocks_used, blocks_rejected=v.blocks_rejected,
+                               degradation=v.degradation, standard_error=v.standard_error, used=v.used)
+                 for v in levels)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,10 @@
 """Degradation from shutter blocks: POPPA's filtered prediction (Seed 002, Alg. 4), the
-unfiltered estimate (Eq. 7-8), and nodeshare's refill-corrected estimate.
+unfiltered estimate (Eq. 7-8), nodeshare's refill-corrected estimate, and its combination over
+sample lengths (``mixed_s``, issue 36).
+
+Longer than 500 lines because the estimators, the exact sums they are computed from and their
+standard errors are one contract that the worker and both audits must meet bit for bit; split,
+a change to one would not be seen next to the others.
 
 The refill-corrected estimate accepts the same blocks as Alg. 4 but reads them differently.
 When the co-runners pause, the lone job's share of the last-level cache grows towards its
@@ -22,8 +27,8 @@ and any vectorized twin get bit-identical numbers whatever order they add blocks
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -37,6 +42,7 @@ from nodeshare.schemas.events import (
 
 from .blocks import BlockRows, block_rows
 from .ipc import mean_ipc
+from .shutter_policy import MIXED_N_MIN, MIXED_TOL, MIXED_Z, MIXED_Z_FEW, combine_levels
 
 #: Seed 002, Section 6.3: "We empirically determined delta = 0.05 to be a reasonable value."
 DEFAULT_DELTA = 0.05
@@ -48,7 +54,12 @@ REFILL_CORRECTED = "refill_corrected"
 #: refill, the filter's "during above before and after" keeps noise that lifts ``during`` and so
 #: overstates small degradations (README, Measured).
 UNFILTERED = "unfiltered"
-ESTIMATORS = (REFILL_CORRECTED, POPPA_ALG4, UNFILTERED)
+#: Issue 36: the refill-corrected estimate per sample length S, combined by
+#: ``shutter_policy.mixed_estimate``'s rule (``estimate_levels``): the longest S is trusted, a
+#: shorter S lower beyond noise is left out (its window ends before the cache refilled), the rest
+#: pooled by inverse variance. With blocks at one S it is ``refill_corrected``, bit for bit.
+MIXED_S = "mixed_s"
+ESTIMATORS = (REFILL_CORRECTED, POPPA_ALG4, UNFILTERED, MIXED_S)
 DEFAULT_ESTIMATOR = REFILL_CORRECTED
 
 
@@ -294,6 +305,20 @@ class DegradationSums:
 
 
 @dataclass(frozen=True)
+class LevelResult:
+    """One sample length's evidence in a ``mixed_s`` estimate: its blocks (Alg. 4's counts), its
+    refill-corrected D and standard error (None: no accepted block, or fewer than two), and whether
+    the estimate used it."""
+
+    sample_us: int
+    blocks_used: int
+    blocks_rejected: int
+    degradation: float | None
+    standard_error: float | None
+    used: bool
+
+
+@dataclass(frozen=True)
 class DegradationResult:
     status: EstimateStatus
     degradation: float  # what pricing applies: the filtered estimate, clamped to [0, 1]; 0 without one
@@ -307,6 +332,8 @@ class DegradationResult:
     #: accepted ones, or every block for ``unfiltered``); None without an estimate or second moments.
     standard_error: float | None = None
     interval_blocks: int = 0
+    #: ``mixed_s`` only: each sample length's evidence, by S (empty for the other estimators).
+    levels: tuple[LevelResult, ...] = ()
 
 
 def ratio_standard_error(n: int, sx: float, sy: float, sxx: float, sxy: float, syy: float) -> float | None:
@@ -335,16 +362,37 @@ def _moments_of(estimator: str, m: Sequence[float]) -> tuple[float, float, float
     return dd_all, dc_all, cc_all  # unfiltered: x = d, y = c over every block
 
 
-def estimate(sums: DegradationSums, estimator: str = DEFAULT_ESTIMATOR) -> DegradationResult:
-    return estimate_from_totals(sums.solo_filtered.value, sums.co_filtered.value, sums.solo_all.value,
-                                sums.co_all.value, sums.accepted, sums.rejected, sums.before_filtered.value,
-                                sums.after_filtered.value, estimator, tuple(s.value for s in sums.second))
+def estimate(sums: DegradationSums, estimator: str = DEFAULT_ESTIMATOR,
+             levels: Mapping[int, DegradationSums] | None = None) -> DegradationResult:
+    """The estimate over ``sums``; for ``mixed_s`` also from ``levels``, the same blocks' sums per
+    sample length S (None: every block at one S)."""
+    per_s = None if levels is None else {s: totals_of(v) for s, v in levels.items()}
+    return from_totals(totals_of(sums), estimator, per_s)
+
+
+#: A ``DegradationSums`` correctly rounded: ``estimate_from_totals``'s first eight arguments, in order,
+#: then the ``SECOND_MOMENTS`` totals.
+Totals = tuple[float, float, float, float, int, int, float, float, tuple[float, ...]]
+
+
+def from_totals(t: Totals, estimator: str = DEFAULT_ESTIMATOR,
+                levels: Mapping[int, Totals] | None = None) -> DegradationResult:
+    """``estimate_from_totals`` of ``Totals`` (and, for ``mixed_s``, of each sample length's)."""
+    return estimate_from_totals(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], estimator, t[8], levels)
+
+
+def totals_of(sums: DegradationSums) -> Totals:
+    """``sums``' correctly rounded totals: ``estimate_from_totals``'s first eight arguments, in order,
+    then the tuple of the ``SECOND_MOMENTS`` totals."""
+    return (sums.solo_filtered.value, sums.co_filtered.value, sums.solo_all.value, sums.co_all.value,
+            sums.accepted, sums.rejected, sums.before_filtered.value, sums.after_filtered.value,
+            tuple(s.value for s in sums.second))
 
 
 def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: float, co_all: float,
                          accepted: int, rejected: int, before_filtered: float = 0.0, after_filtered: float = 0.0,
                          estimator: str = DEFAULT_ESTIMATOR, second: Sequence[float] | None = None,
-                         ) -> DegradationResult:
+                         levels: Mapping[int, Totals] | None = None) -> DegradationResult:
     """The applied estimate with its fallback rule, from correctly rounded exact sums; with the
     ``SECOND_MOMENTS`` totals ``second``, also its standard error.
 
@@ -353,9 +401,16 @@ def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: flo
     (D = 0, i.e. the standard price): a discount is only ever granted on measured evidence. The
     other estimates are still recorded for the auditor. ``blocks_used`` and ``blocks_rejected``
     are Alg. 4's counts whichever estimate applies.
+
+    ``mixed_s`` also takes ``levels``: per sample length S, the same totals (as ``totals_of``
+    gives them) over that S's blocks (``estimate_levels``).
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; known: {list(ESTIMATORS)}")
+    if estimator == MIXED_S:
+        pooled = estimate_from_totals(solo_filtered, co_filtered, solo_all, co_all, accepted, rejected,
+                                      before_filtered, after_filtered, REFILL_CORRECTED, second)
+        return estimate_levels(pooled, levels or {})
     n = accepted + rejected
     unfiltered = degradation_from_sums(solo_all, co_all) if n else None
     filtered = corrected = None
@@ -382,6 +437,31 @@ def estimate_from_totals(solo_filtered: float, co_filtered: float, solo_all: flo
         se = ratio_standard_error(blocks, sx, sy, *_moments_of(estimator, second))
     return DegradationResult(EstimateStatus.OK, applied, filtered, unfiltered, accepted, rejected, corrected,
                              estimator, se, blocks)
+
+
+def estimate_levels(pooled: DegradationResult, levels: Mapping[int, Totals]) -> DegradationResult:
+    """``mixed_s``: ``shutter_policy.combine_levels`` over the refill-corrected estimate of each
+    sample length's totals (``levels``: S -> ``totals_of``), with ``pooled``, the refill-corrected
+    estimate over every block, as its fallback (no level of ``MIXED_N_MIN`` blocks) and for
+    everything but D, its standard error and the blocks behind them. Every input is a correctly
+    rounded exact sum, so the worker and both audits get the same bits. Parameters:
+    ``shutter_policy.MIXED_N_MIN``, ``MIXED_Z``, ``MIXED_Z_FEW``, ``MIXED_TOL``."""
+    per = {s: from_totals(t, REFILL_CORRECTED) for s, t in sorted(levels.items())
+           if t[4] + t[5] > 0}  # t[4], t[5]: accepted, rejected
+    got = None
+    if pooled.status is EstimateStatus.OK:
+        got = combine_levels({s: (r.blocks_used, r.corrected, math.inf if r.standard_error is None
+                                  else r.standard_error)
+                              for s, r in per.items() if r.blocks_used and r.corrected is not None},
+                             MIXED_N_MIN, MIXED_Z, MIXED_Z_FEW, MIXED_TOL)
+    used = set(got[2]) if got is not None else {s for s, r in per.items() if r.blocks_used}
+    evidence = tuple(LevelResult(s, r.blocks_used, r.blocks_rejected, r.corrected, r.standard_error, s in used)
+                     for s, r in per.items())
+    if got is None:  # no estimate, or pooled: every block, as refill_corrected
+        return replace(pooled, estimator=MIXED_S, levels=evidence)
+    d, se, _ = got
+    return replace(pooled, estimator=MIXED_S, degradation=min(1.0, max(0.0, d)), standard_error=se,
+                   interval_blocks=sum(per[s].blocks_used for s in used), levels=evidence)
 
 
 def filtered_degradation(blocks: Iterable[ShutterBlock | ShutterBatch], delta: float = DEFAULT_DELTA,

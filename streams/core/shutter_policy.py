@@ -124,8 +124,37 @@ def _higher(a: LevelStats, b: LevelStats, z: float, tol: float) -> bool:
     return da - db > z * math.hypot(a.se, b.se) + tol
 
 
-def mixed_estimate(levels: Mapping[int, LevelStats], n_min: int = 4, z: float = 1.0, z_few: float = 2.0,
-                   tol: float = 0.002) -> MixedEstimate:
+#: ``mixed_estimate``'s parameters, which the fold's ``mixed_s`` estimator applies too
+#: (streams.core.degradation.MIXED_S): blocks a level needs for its own spread, standard errors of
+#: the difference that leave a shorter level out (with the longest level's own spread, and with a
+#: borrowed one), and the difference in D (0.2 pp) below which a level is never left out.
+MIXED_N_MIN, MIXED_Z, MIXED_Z_FEW, MIXED_TOL = 4, 1.0, 2.0, 0.002
+
+
+def combine_levels(levels: Mapping[int, tuple[int, float, float]], n_min: int = MIXED_N_MIN, z: float = MIXED_Z,
+                   z_few: float = MIXED_Z_FEW, tol: float = MIXED_TOL) -> tuple[float, float, tuple[int, ...]] | None:
+    """``mixed_estimate``'s rule on per-S (accepted blocks n >= 1, D, standard error; inf below two
+    blocks): (D, its standard error, the levels used), or None when no level has ``n_min`` blocks and
+    a finite error (the caller then pools every block). Plain float arithmetic in a fixed order, so
+    the same inputs give the same bits everywhere. One level used: its own D and error, unchanged."""
+    full = [s for s, (n, _, se) in levels.items() if n >= n_min and math.isfinite(se)]
+    if not full:
+        return None
+    spread = max(levels[s][2] * math.sqrt(levels[s][0]) for s in full)
+    se = {s: e if s in full else spread / math.sqrt(n) for s, (n, _, e) in levels.items()}
+    d = {s: v[1] for s, v in levels.items()}
+    top = max(levels)
+    zz = z if top in full else z_few
+    used = [s for s in sorted(levels) if s == top or not d[top] - d[s] > zz * math.hypot(se[top], se[s]) + tol]
+    if len(used) == 1:
+        return d[top], se[top], (top,)
+    w = [1.0 / max(se[s], 1e-6) ** 2 for s in used]
+    est = math.fsum(wi * d[s] for wi, s in zip(w, used, strict=True)) / math.fsum(w)
+    return est, 1.0 / math.sqrt(math.fsum(w)), tuple(used)
+
+
+def mixed_estimate(levels: Mapping[int, LevelStats], n_min: int = MIXED_N_MIN, z: float = MIXED_Z,
+                   z_few: float = MIXED_Z_FEW, tol: float = MIXED_TOL) -> MixedEstimate:
     """The estimate over blocks grouped by S (see the module doc).
 
     The longest S with an accepted block is trusted. A level with fewer than ``n_min`` blocks
@@ -136,26 +165,21 @@ def mixed_estimate(levels: Mapping[int, LevelStats], n_min: int = 4, z: float = 
     plus ``tol``: the test is one-sided because a shorter S can only be biased low (its window
     ends before the cache has refilled), and a bias as large as the noise is already worth
     leaving out, since a low D overcharges. The levels kept are combined by inverse variance.
-    Without any level of ``n_min`` blocks, all blocks are pooled (refill-corrected)."""
+    Without any level of ``n_min`` blocks, all blocks are pooled (refill-corrected).
+
+    From float running sums (the policy's and the prototype's); the fold's ``mixed_s`` applies
+    :func:`combine_levels` to correctly rounded exact sums instead."""
     have = {s: st for s, st in levels.items() if st.n and st.degradation is not None}
-    full = [s for s, st in have.items() if st.n >= n_min and math.isfinite(st.se)]
-    if not full:
+    got = combine_levels({s: (st.n, float(st.degradation), st.se) for s, st in have.items()},  # type: ignore[arg-type]
+                         n_min, z, z_few, tol)
+    if got is None:
         pooled = LevelStats()
         for st in levels.values():
             pooled = pooled.merged(st)
         seen = tuple(sorted(s for s, st in levels.items() if st.n))
         return MixedEstimate(pooled.degradation, pooled.se, max(seen) if seen else None, seen, pooled.n)
-    spread = max(have[s].se * math.sqrt(have[s].n) for s in full)
-    se = {s: st.se if s in full else spread / math.sqrt(st.n) for s, st in have.items()}
-    d = {s: float(st.degradation) for s, st in have.items()}  # type: ignore[arg-type]
-    top = max(have)
-    zz = z if top in full else z_few
-    used = [s for s in sorted(have) if s == top or not d[top] - d[s] > zz * math.hypot(se[top], se[s]) + tol]
-    w = [1.0 / max(se[s], 1e-6) ** 2 for s in used]
-    est = math.fsum(wi * d[s] for wi, s in zip(w, used, strict=True)) / math.fsum(w)
-    if len(used) == 1:
-        est = d[top]
-    return MixedEstimate(est, 1.0 / math.sqrt(math.fsum(w)), top, tuple(used), sum(have[s].n for s in used))
+    est, se, used = got
+    return MixedEstimate(est, se, max(have), used, sum(have[s].n for s in used))
 
 
 @dataclass(frozen=True)

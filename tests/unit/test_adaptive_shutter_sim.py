@@ -12,6 +12,8 @@ from nodeshare.experiments.poppa import charges_of
 from nodeshare.producers.calibrated import CalibratedConfig, run_pairwise
 from nodeshare.producers.calibrated_records import with_records
 from nodeshare.schemas import ShutterBatch
+from nodeshare.streams.core.accounting import PricingPolicy
+from nodeshare.streams.core.degradation import MIXED_S
 from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
 PAIRS = [("MILC", "LAMMPS"), ("GTC", "MG"), ("POP", "CG")]
@@ -43,6 +45,20 @@ def test_blocks_carry_the_policy_s_and_no_job_is_paused_beyond_its_budget():
         assert t.paused_s <= pol.budget_share * t.run_time_s + 0.0032 + 1e-9
     s = summary(score(sim.truth, sim.events))
     assert s["jobs"] == len(sim.truth) and s["paused_share_pct"]["max"] <= 1.0
+
+
+def test_the_fold_charges_every_block_by_its_s_as_the_prototype_does():
+    """Every batch reaches the fold in its stream's order (a batch cut because S changed once sorted
+    after the next one, whose blocks the fold then ignored), and the fold's mixed_s charge is the
+    prototype's mixed estimate (exact sums against float running sums: the same to 1e-12)."""
+    sim = run(CalibratedConfig(seed=4, schedule=ShutterPolicy()))  # seed 4: 7 blocks ignored before
+    charges = charges_of(sim.events, PricingPolicy(estimator=MIXED_S))
+    assert all(c.blocks_ignored == 0 and not c.evidence_problems for c in charges.values())
+    assert any(len(c.levels) > 1 for c in charges.values())
+    rows = score(sim.truth, sim.events)
+    for r in rows:
+        assert r["fold"] == pytest.approx(r["mixed"], abs=1e-12), r["job"]
+    assert summary(rows)["fold"] == summary(rows)["mixed"]
 
 
 def test_a_schedule_that_cannot_fit_its_cycle_is_refused():

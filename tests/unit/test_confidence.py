@@ -24,6 +24,7 @@ from nodeshare.streams.core.confidence import (
 )
 from nodeshare.streams.core.degradation import (
     ESTIMATORS,
+    MIXED_S,
     POPPA_ALG4,
     REFILL_CORRECTED,
     DegradationSums,
@@ -87,7 +88,7 @@ def test_the_folds_standard_error_is_the_ratio_estimators_over_its_blocks(estima
     b, d, a = (np.array([sum(s.instructions / s.cycles for s in getattr(bl, r)) for bl in blocks])
                for r in ("before", "during", "after"))
     keep = (abs(b - a) < 0.05) & (b < d) & (a < d)
-    if estimator == REFILL_CORRECTED:
+    if estimator in (REFILL_CORRECTED, MIXED_S):  # mixed_s with one sample length: refill_corrected
         x, y = (d + a - b)[keep], b[keep]
     elif estimator == POPPA_ALG4:
         x, y = d[keep], (0.5 * (b + a))[keep]

@@ -2,7 +2,9 @@
 
 Each example is an archive of several jobs, each generated on its own: one to three nodes, blocks
 with IPCs at the edges of what the paths handle (zero, just above and below the fast path's fixed
-point, ordinary), bad values (no thread, no cycle), K = 1 or 2, batches re-sent or out of order,
+point, ordinary), bad values (no thread, no cycle), K = 1 or 2, batches at S = 3.2 and 51.2 ms in
+one stream (the adaptive schedule; each job's estimator drawn, ``mixed_s`` the most often), batches
+re-sent or out of order,
 markers that undercount, overcount or claim more time than the job ran, copies of markers, nodes
 that never close, terminal events with corrections, requeued runs and undecodable bytes. The
 worker folds each job's two topics in a random interleaving; the audits read the archive.
@@ -27,6 +29,7 @@ import os
 import random
 import tempfile
 from collections import defaultdict
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.audit import archived_messages, recompute
 from nodeshare.sinks.fast_audit import fast_recompute
 from nodeshare.streams.core.accounting import Origin, PricingPolicy, apply_message
+from nodeshare.streams.core.degradation import ESTIMATORS, MIXED_S
 
 EXAMPLES = int(os.environ.get("NODESHARE_DIFFERENTIAL_EXAMPLES", "200"))
 JOBS = 50
@@ -48,7 +52,8 @@ POLICY = PricingPolicy(rate_per_core_hour=1.5)
 IPC, LIFE = "node.ipc", "jobs.lifecycle"
 BROKER = T0 + timedelta(hours=12)  # every message's broker timestamp
 
-def _block(rnd: random.Random, k: int, hostile: bool, edge: bool) -> tuple[tuple[list[int], ...], ...]:
+def _block(rnd: random.Random, k: int, hostile: bool, edge: bool, lift: float | None = None
+           ) -> tuple[tuple[list[int], ...], ...]:
     """A block's three regions of K samples (instructions, cycles, threads). Mostly what a shutter
     measures (before and after near one IPC, during above it: Alg. 4 accepts it); in a hostile job
     also any IPC, zero counts and no thread. An ``edge`` block sits at the fast path's fixed-point
@@ -58,7 +63,8 @@ def _block(rnd: random.Random, k: int, hostile: bool, edge: bool) -> tuple[tuple
         cycles = [rnd.choice([2**30, 2**30 - 5000])] * k
         return tuple(([rnd.choice(counts) for _ in range(k)], cycles, [1] * k)
                      for counts in ([0, 1], [2, 3], [0, 1]))
-    base, lift = rnd.uniform(0.3, 2.0), rnd.uniform(0.0, 0.6)
+    base, drawn = rnd.uniform(0.3, 2.0), rnd.uniform(0.0, 0.6)
+    lift = drawn if lift is None else lift * rnd.uniform(0.9, 1.1)
     out = []
     for ipc in (base + rnd.uniform(-0.03, 0.03), base * (1 + lift), base + rnd.uniform(-0.03, 0.03)):
         if hostile and rnd.random() < 0.2:
@@ -79,6 +85,11 @@ def job_history(rnd: random.Random, job: str) -> tuple[list[bytes], list[bytes]]
     k = rnd.choice([1, 1, 1, 2])
     edge = rnd.random() < 0.1  # the job's blocks sit at the fast path's fixed-point edge
     runs = rnd.choice([1, 1, 1, 1, 2])  # a requeued job runs twice under its id
+    # Under the adaptive schedule (issue 36) a node's batches come at S = 3.2 ms and 51.2 ms, and the
+    # short S may read D low (its window ends before the cache refilled): the fold keeps sums per S.
+    mixed = rnd.random() < 0.5
+    lift = {51200: rnd.uniform(0.05, 0.6)}
+    lift[3200] = lift[51200] * rnd.choice([1.0, 0.9, 0.5, 0.2])
     per_node: dict[str, list[bytes]] = {n: [] for n in nodes}
     life: list[bytes] = []
     cycle = 0
@@ -87,15 +98,21 @@ def job_history(rnd: random.Random, job: str) -> tuple[list[bytes], list[bytes]]
         for node in nodes:
             values = per_node[node]
             blocks = []
-            for _ in range(rnd.randint(0, 6)):
+            for _ in range(rnd.randint(0, 14 if mixed else 6)):
                 cycle += rnd.choice([1, 1, 1, 2])
                 blocks.append((cycle, *_block(rnd, k, hostile, edge and rnd.random() < 0.8)))
+            sample_us = [rnd.choice([3200, 51200]) if mixed else 3200 for _ in range(2)]
+            if mixed:  # each batch's blocks measured at its S
+                cut_at = rnd.randint(0, len(blocks))
+                blocks = [(c, *_block(rnd, k, hostile, edge and rnd.random() < 0.8,
+                                      lift[sample_us[0] if i < cut_at else sample_us[1]]))
+                          for i, (c, *_) in enumerate(blocks)]
             if rnd.random() < 0.12 * p and len(blocks) > 1:  # out of order
                 blocks[0], blocks[1] = blocks[1], blocks[0]
-            cut = rnd.randint(0, len(blocks))
-            batches = [b for b in (blocks[:cut], blocks[cut:]) if b]
-            for i, bs in enumerate(batches):
-                values.append(encode(_batch(job, node, k, bs, start + timedelta(seconds=i + 1))))
+            cut = cut_at if mixed else rnd.randint(0, len(blocks))
+            batches = [(b, s_us) for b, s_us in zip((blocks[:cut], blocks[cut:]), sample_us, strict=True) if b]
+            for i, (bs, s_us) in enumerate(batches):
+                values.append(encode(_batch(job, node, k, bs, start + timedelta(seconds=i + 1), s_us)))
             if batches and rnd.random() < 0.12 * p:  # a batch re-sent
                 values.append(values[-1])
             if rnd.random() < 0.08 * p:  # bytes nobody can read
@@ -128,13 +145,13 @@ def job_history(rnd: random.Random, job: str) -> tuple[list[bytes], list[bytes]]
     return ipc, life
 
 
-def _batch(job: str, node: str, k: int, blocks: list, at) -> ShutterBatch:
+def _batch(job: str, node: str, k: int, blocks: list, at, sample_us: int = 3200) -> ShutterBatch:
     cols = {r: {f: tuple(x for b in blocks for x in b[1 + i][j]) for j, f in enumerate(("instructions", "cycles",
                                                                                       "threads"))}
             for i, r in enumerate(("before", "during", "after"))}
     return ShutterBatch.model_validate({
         "event_id": f"b-{job}-{node}-{blocks[0][0]}", "source": "t", "event_time": at, "job_id": job, "node": node,
-        "seq": 0, "k": k, "sample_us": 3200, "counter": CounterSource.SIMULATED,
+        "seq": 0, "k": k, "sample_us": sample_us, "counter": CounterSource.SIMULATED,
         "cycle": tuple(b[0] for b in blocks), **cols})
 
 
@@ -143,8 +160,8 @@ def _end(job: str, eid: str, state: JobState, nodes: tuple[str, ...], start, end
                     program="p", cores=8, nodes=nodes, start_time=start, end_time=end)
 
 
-def _worker(ipc: list[tuple[int, bytes]], life: list[tuple[int, bytes]], key: bytes, rnd: random.Random
-            ) -> dict[tuple[str, int], Charge]:
+def _worker(ipc: list[tuple[int, bytes]], life: list[tuple[int, bytes]], key: bytes, rnd: random.Random,
+            policy: PricingPolicy = POLICY) -> dict[tuple[str, int], Charge]:
     """The worker's fold of one job, its two topics interleaved at random (each in its own order)."""
     labels = [IPC] * len(ipc) + [LIFE] * len(life)
     rnd.shuffle(labels)  # a random merge that keeps each topic's own order
@@ -152,7 +169,7 @@ def _worker(ipc: list[tuple[int, bytes]], life: list[tuple[int, bytes]], key: by
     merged = [(topic, *next(queues[topic])) for topic in labels]
     account, out = None, {}
     for topic, offset, value in merged:
-        new, produced, _ = apply_message(account, Origin(topic, 0, offset), key, value, BROKER.timestamp(), POLICY)
+        new, produced, _ = apply_message(account, Origin(topic, 0, offset), key, value, BROKER.timestamp(), policy)
         account = new if new is not None else account
         for o in produced:
             if o.topic == "ledger.charges":
@@ -166,6 +183,8 @@ def _worker(ipc: list[tuple[int, bytes]], life: list[tuple[int, bytes]], key: by
 def test_the_worker_and_both_audits_agree(seed):
     rnd = random.Random(seed)
     histories = [job_history(rnd, f"j{i}") for i in range(JOBS)]
+    # each job's estimator (the audits take it from the job's ledger row), mixed_s the most often
+    policies = {f"j{i}": replace(POLICY, estimator=rnd.choice([*ESTIMATORS, MIXED_S, MIXED_S])) for i in range(JOBS)}
     rows: dict[str, list[ArchivedEvent]] = defaultdict(list)
     per_job: dict[str, tuple[list, list]] = {}
     offsets = {IPC: 0, LIFE: 0}
@@ -183,10 +202,10 @@ def test_the_worker_and_both_audits_agree(seed):
         for topic, evs in rows.items():
             archive.write(topic, evs)
         superseded: dict = {}
-        reference = recompute(archived_messages(ParquetArchive(archive.location)), {}, POLICY, superseded)
-        fast = fast_recompute(archive.location, {}, POLICY)
+        reference = recompute(archived_messages(ParquetArchive(archive.location)), policies, POLICY, superseded)
+        fast = fast_recompute(archive.location, policies, POLICY)
     for job, (ipc, life) in per_job.items():
-        worker = _worker(ipc, life, job.encode(), rnd)
+        worker = _worker(ipc, life, job.encode(), rnd, policies[job])
         ref = {k: c for k, c in reference.items() if k[0] == job}
         for key in worker.keys() & ref.keys():
             assert worker[key] == ref[key], (key, _explain(worker[key], ref[key]))

@@ -57,7 +57,8 @@ def test_this_build_writes_version_6_and_reads_1_to_6():
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
                                 "evidence_problems": 5, "node_summary": 5, "degradation_point": 6,
                                 "degradation_low": 6, "degradation_high": 6, "interval_method": 6,
-                                "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6}
+                                "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6,
+                                "levels": 6}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
 
