@@ -122,11 +122,11 @@ class Settings(BaseSettings):
     delta: Annotated[float, Field(gt=0.0)] = 0.05  # streams.core.degradation.DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = "poppa_eq4"  # streams.core.pricing.RATE_FUNCTIONS
     # streams.core.degradation.ESTIMATORS
-    estimator: Literal["refill_corrected", "poppa_alg4", "unfiltered", "mixed_s"] = "refill_corrected"
+    estimator: Literal["refill_corrected", "poppa_alg4", "unfiltered", "mixed_s"] = "mixed_s"
     # How sure a charge is (streams.core.confidence): the interval's confidence, whether the price
     # uses its upper end (true) or the point estimate, and the prior's upper end for too few blocks
     confidence: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.95
-    price_at_bound: bool = True
+    price_at_bound: bool = False
     prior_high: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
@@ -135,7 +135,7 @@ class Settings(BaseSettings):
     # Issue 36: "adaptive" lets each job's shutters climb S, 4 S, 16 S (streams.core.shutter_policy)
     # where its cache refills slower than S; "fixed": S, K and P above on every cycle (POPPA's Alg. 3).
     # The node agents and the calibrated simulator (demo, simulate) read it; mixed_s charges its blocks.
-    shutter_schedule: Literal["fixed", "adaptive"] = "fixed"
+    shutter_schedule: Literal["fixed", "adaptive"] = "adaptive"
     # How node agents batch shutter blocks per node.ipc message (producers.batching.FlushPolicy)
     batch_blocks: Annotated[int, Field(ge=1, le=4096)] = 64  # DEFAULT_MAX_BLOCKS
     batch_age_s: Annotated[float, Field(ge=0.0)] = 30.0  # DEFAULT_MAX_AGE_S

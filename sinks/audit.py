@@ -145,7 +145,8 @@ def policy_of(charge: Charge) -> PricingPolicy:
                          rate_function=charge.rate_function, estimator=charge.estimator,
                          confidence=charge.confidence or DEFAULT_CONFIDENCE, price_at_bound=bound,
                          prior_high=DEFAULT_PRIOR_HIGH if charge.prior_degradation_high is None
-                         else charge.prior_degradation_high)
+                         else charge.prior_degradation_high,
+                         prior_without_evidence=charge.confidence is not None)
 
 
 @dataclass

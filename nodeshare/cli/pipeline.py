@@ -391,9 +391,9 @@ def simulate(
     from nodeshare.scenarios import stream
 
     settings = load_settings(bootstrap=bootstrap)
-    require_broker(settings, "simulate")
     choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
-                             profiles=profiles, time_scale=time_scale)
+                             profiles=profiles, time_scale=time_scale)  # a bad choice fails before the broker
+    require_broker(settings, "simulate")
     until = hours * 3600.0 if hours is not None else None
     with progress_bar() as bar, EventProducer(settings, client_id="nodeshare-simulator") as producer:
         # with a horizon the bar counts simulated seconds, else the jobs that ended

@@ -62,7 +62,7 @@ from nodeshare.schemas.events import (
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
 
 from .blocks import block_rows, prior_max
-from .confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH, degradation_interval
+from .confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH, PRIOR, degradation_interval
 from .degradation import (
     DEFAULT_DELTA,
     DEFAULT_ESTIMATOR,
@@ -88,8 +88,11 @@ class PricingPolicy:
     #: Every charge carries D's interval at ``confidence`` (streams.core.confidence); with
     #: ``price_at_bound`` it is priced at the interval's upper end, else at the point estimate.
     confidence: float = DEFAULT_CONFIDENCE
-    price_at_bound: bool = True
+    price_at_bound: bool = False
     prior_high: float = DEFAULT_PRIOR_HIGH
+    #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the
+    #: standard price (how the audit reprices an older row).
+    prior_without_evidence: bool = True
 
 
 @dataclass(frozen=True)
@@ -825,7 +828,11 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     interval = degradation_interval(degradation, policy.confidence, policy.prior_high)
     point, low, high = (job_degradation(d, alone_s, billed_s)
                         for d in (degradation.degradation, interval.low, interval.high))
-    applied = high if policy.price_at_bound else point
+    # At the point estimate by default; a job that shared without any estimate is always priced at
+    # the prior's upper end over the time it shared, never the standard price in silence.
+    no_evidence = (policy.prior_without_evidence and interval.method == PRIOR
+                   and degradation.status is not EstimateStatus.OK)
+    applied = high if policy.price_at_bound or no_evidence else point
     amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, applied, policy.rate_function, credit_s)
     ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
                           first_offset=terminal.offset, last_offset=terminal.offset)]

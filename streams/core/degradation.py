@@ -60,7 +60,9 @@ UNFILTERED = "unfiltered"
 #: pooled by inverse variance. With blocks at one S it is ``refill_corrected``, bit for bit.
 MIXED_S = "mixed_s"
 ESTIMATORS = (REFILL_CORRECTED, POPPA_ALG4, UNFILTERED, MIXED_S)
-DEFAULT_ESTIMATOR = REFILL_CORRECTED
+#: ``mixed_s``: under the fixed schedule it is ``refill_corrected``; under the adaptive one it is
+#: the estimate that schedule needs (docs/charges.md, "Defaults").
+DEFAULT_ESTIMATOR = MIXED_S
 
 
 @dataclass(frozen=True)

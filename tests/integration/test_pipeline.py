@@ -16,8 +16,9 @@ from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBatch, ShutterBlock, d
 from nodeshare.sinks.analysis.report import co_runner_counts
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
+from nodeshare.streams.core.blocks import block_rows
 from nodeshare.streams.core.confidence import degradation_interval
-from nodeshare.streams.core.degradation import filtered_degradation
+from nodeshare.streams.core.degradation import DegradationSums, estimate
 from nodeshare.streams.core.pricing import alone_time, billed_time, fair_charge, job_degradation
 
 pytestmark = pytest.mark.integration
@@ -80,21 +81,30 @@ def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult
             alone[rec.job_id].append(rec.alone_us / 1e6)
     assert blocks, "no blocks archived"
     for c in run.charges:
-        d = filtered_degradation(blocks[c.job_id], c.delta, c.estimator)
+        # the blocks' sums per sample length S (the adaptive schedule takes several), as the fold keeps them
+        total, by_s = DegradationSums(), {}
+        for b in blocks[c.job_id]:
+            rows = block_rows(b)
+            total.add_rows(rows, rows.valid, c.delta)
+            by_s.setdefault(b.sample_us, DegradationSums()).add_rows(rows, rows.valid, c.delta)
+        d = estimate(total, c.estimator, by_s if c.estimator == "mixed_s" else None)
         credit = max(paused[c.job_id]) / 1e6
         # the blocks measure D while the job shared a node; its time alone there was undisturbed
         billed = billed_time(c.run_time_s, credit)
         alone_s = alone_time(alone[c.job_id], len(c.nodes), billed)
         point = job_degradation(d.degradation, alone_s, billed)
-        # priced at the upper end of D's interval at the charge's confidence (streams.core.confidence)
+        # priced at the point estimate, or at the upper end of D's interval (streams.core.confidence) when
+        # the policy says so or the job has no estimate at all
         interval = degradation_interval(d, c.confidence, c.prior_degradation_high)
-        applied = job_degradation(interval.high, alone_s, billed)
+        no_evidence = interval.method == "prior" and d.status.value != "ok"
+        applied = job_degradation(interval.high, alone_s, billed) if c.priced_at == "upper_bound" or no_evidence \
+            else point
         amounts = fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, applied, pause_credit_s=credit)
         assert c.pause_credit_s == credit and c.alone_s == alone_s
         assert (c.degradation_shared, c.blocks_used, c.blocks_rejected) == (d.degradation, d.blocks_used,
                                                                             d.blocks_rejected)
-        assert (c.degradation_point, c.degradation, c.priced_at) == (point, applied, "upper_bound")
-        assert c.degradation_low <= point <= applied
+        assert (c.degradation_point, c.degradation) == (point, applied)
+        assert c.degradation_low <= point <= c.degradation_high
         assert (c.standard_price, c.price, c.dividend) == (amounts.standard_price, amounts.price, amounts.dividend)
     assert sum(c.dividend for c in run.charges) > 0  # co-located jobs were measured and discounted
     assert sum(c.pause_credit_s > 0 for c in run.charges) > 0  # and paused jobs were credited

@@ -38,7 +38,8 @@ def test_charge_equals_the_pure_functions_on_the_blocks():
     amounts = fair_charge(2.0, 32, 7200, d.degradation)
     assert charge.degradation == d.degradation and d.blocks_used == 3 and d.blocks_rejected == 1
     assert (charge.estimator, charge.degradation_corrected, charge.degradation_filtered) == (
-        "refill_corrected", d.corrected, d.filtered)
+        "mixed_s", d.corrected, d.filtered)
+    assert d.degradation == d.corrected  # blocks at one S: mixed_s is the refill-corrected estimate
     assert (charge.standard_price, charge.price, charge.dividend) == (
         amounts.standard_price, amounts.price, amounts.dividend)
     assert charge.standard_price == 2.0 * 32 * 2  # L * C * T_co with T_co = 2 h
@@ -188,10 +189,20 @@ def test_job_cancelled_before_it_started_is_not_charged():
     assert fold_messages(as_messages([cancelled], LIFE), POLICY) == []
 
 
-def test_job_without_blocks_pays_the_standard_price():
-    [c] = fold_messages(as_messages([left("j1", "n1", 0, -1)], IPC)
+def test_a_job_alone_on_its_node_pays_the_standard_price():
+    """No block because no co-runner (its marker says it was alone all along): nothing to discount."""
+    [c] = fold_messages(as_messages([left("j1", "n1", 0, -1, alone_us=1_800_000_000)], IPC)
                         + as_messages([job_event("j1", JobState.ENDED, cores=4, run_s=1800)], LIFE), POLICY)
     assert c.estimate_status.value == "no_blocks" and c.price == c.standard_price == 2.0 * 4 * 0.5
+
+
+def test_a_job_that_shared_without_a_block_pays_the_prior_bound_never_the_standard_price_in_silence():
+    """No block although it shared its node all along (alone 0): no estimate, so the stated prior's
+    upper end (0.25) over the time it shared; Eq. 4: 2 * 4 * 0.5 * 0.75^2."""
+    [c] = fold_messages(as_messages([left("j1", "n1", 0, -1)], IPC)
+                        + as_messages([job_event("j1", JobState.ENDED, cores=4, run_s=1800)], LIFE), POLICY)
+    assert c.estimate_status.value == "no_blocks" and c.interval_method == "prior" and c.degradation == 0.25
+    assert c.price == pytest.approx(2.0 * 4 * 0.5 * 0.75**2) and c.degradation_point == 0.0
 
 
 @pytest.mark.parametrize("value", [b"\xde\xad\xbe\xef", b'{"kind":"shutter_block"', b'{"kind":"job_event"}'])
@@ -217,8 +228,9 @@ def test_state_round_trips_through_json():
 
 
 def test_pause_credit_is_the_longest_per_node_pause():
-    n1 = left("j1", "n1", 0, -1).model_copy(update={"paused_us": 2_000_000})
-    n2 = left("j1", "n2", 0, -1).model_copy(update={"paused_us": 3_500_000})
+    # alone all along on both nodes (no co-runner, so no block): D = 0
+    n1 = left("j1", "n1", 0, -1, alone_us=3_600_000_000).model_copy(update={"paused_us": 2_000_000})
+    n2 = left("j1", "n2", 0, -1, alone_us=3_600_000_000).model_copy(update={"paused_us": 3_500_000})
     end = job_event("j1", JobState.ENDED, nodes=("n1", "n2"), cores=10, run_s=3600)
     [c] = fold_messages(as_messages([n1, n2], IPC) + as_messages([end], LIFE), POLICY)
     assert c.pause_credit_s == 3.5 and c.billed_time_s == 3596.5

@@ -39,8 +39,8 @@ IPC, LIFE = "node.ipc", "jobs.lifecycle"
 def as_messages(records: list, topic: str) -> list[tuple]:
     return [(Origin(topic, 0, i), r.job_id.encode(), encode(r), 0.0) for i, r in enumerate(records)]
 
-BOUND = PricingPolicy(rate_per_core_hour=1.0)  # the default: priced at the 95% interval's upper end
-POINT = PricingPolicy(rate_per_core_hour=1.0, price_at_bound=False)
+BOUND = PricingPolicy(rate_per_core_hour=1.0, price_at_bound=True)  # at the 95% interval's upper end
+POINT = PricingPolicy(rate_per_core_hour=1.0)  # the default: at the point estimate
 
 
 @pytest.mark.parametrize(("p", "dof", "exact"), [

@@ -257,14 +257,14 @@ def test_the_fast_audit_groups_by_s_and_prices_mixed_s_as_the_fold(tmp_path):
                                                                                      ("n2", 0, 10, 11)]
 
 
-def test_the_settings_choose_mixed_s_and_the_adaptive_schedule_without_changing_the_defaults():
+def test_the_settings_choose_mixed_s_and_the_adaptive_schedule_by_default():
     from nodeshare.config import Settings
     from nodeshare.scenarios import ClusterChoice, ScenarioError
 
-    default = Settings()
-    assert (default.estimator, default.shutter_schedule, default.shutter_policy()) == ("refill_corrected", "fixed",
-                                                                                       None)
-    s = Settings(estimator="mixed_s", shutter_schedule="adaptive")
+    fixed = Settings(estimator="refill_corrected", shutter_schedule="fixed")
+    assert (fixed.policy().estimator, fixed.shutter_policy()) == ("refill_corrected", None)
+    s = Settings()
+    assert (s.estimator, s.shutter_schedule, s.price_at_bound) == ("mixed_s", "adaptive", False)
     assert s.policy().estimator == MIXED_S
     pol = s.shutter_policy()
     assert pol is not None and (pol.ladder_us, pol.k, pol.period_ms) == ((3200, 12800, 51200), 1, 200)
