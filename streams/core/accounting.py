@@ -160,8 +160,8 @@ class MomentState(_State):
         self.lo, self.hi = (m.lo, m.hi) if m.n else (None, None)
 
 
-class LevelSums(_State):
-    """A stream's sums over its blocks at one sample length S other than its first (``NodeStream.levels``)."""
+class _BlockSums(_State):
+    """Exact sums of Alg. 4 (see degradation.ExactSum) over some blocks, with their second moments."""
 
     solo_filtered: ExactState = Field(default_factory=ExactSum)
     co_filtered: ExactState = Field(default_factory=ExactSum)
@@ -171,16 +171,27 @@ class LevelSums(_State):
     rejected: int = 0
     before_filtered: ExactState = Field(default_factory=ExactSum)
     after_filtered: ExactState = Field(default_factory=ExactSum)
+    #: ``degradation.SECOND_MOMENTS``, in that order: the estimates' standard errors.
     second: tuple[ExactState, ...] = Field(default_factory=lambda: tuple(ExactSum() for _ in SECOND_MOMENTS))
 
     def sums(self) -> DegradationSums:
-        return _sums_of(self)
+        """The sums, sharing this state's ``ExactSum``s: adding to them adds to the state (``store``
+        writes back the counts). Merge them into a fresh ``DegradationSums`` to combine states."""
+        return DegradationSums(self.solo_filtered, self.co_filtered, self.solo_all, self.co_all, self.accepted,
+                               self.rejected, self.before_filtered, self.after_filtered, self.second)
 
     def store(self, s: DegradationSums) -> None:
-        _store(self, s)
+        for name in _SUM_FIELDS:
+            if getattr(s, name) is not getattr(self, name):
+                setattr(self, name, getattr(s, name))
+        self.accepted, self.rejected = s.accepted, s.rejected
 
 
-class NodeStream(_State):
+class LevelSums(_BlockSums):
+    """A stream's sums over its blocks at one sample length S other than its first (``NodeStream.levels``)."""
+
+
+class NodeStream(_BlockSums):
     """One (job, node) block stream, from its first block to its JobLeftNode marker."""
 
     blocks: int = 0
@@ -196,19 +207,8 @@ class NodeStream(_State):
     blocks_sent: int = 0
     paused_us: int = 0
     alone_us: int = 0
-    # Exact sums of Alg. 4 (see degradation.ExactSum); kept per node because only the nodes named
-    # by the terminal event count.
-    solo_filtered: ExactState = Field(default_factory=ExactSum)
-    co_filtered: ExactState = Field(default_factory=ExactSum)
-    solo_all: ExactState = Field(default_factory=ExactSum)
-    co_all: ExactState = Field(default_factory=ExactSum)
-    accepted: int = 0
-    rejected: int = 0
-    before_filtered: ExactState = Field(default_factory=ExactSum)
-    after_filtered: ExactState = Field(default_factory=ExactSum)
-    #: ``degradation.SECOND_MOMENTS``, in that order: the estimates' standard errors.
-    second: tuple[ExactState, ...] = Field(default_factory=lambda: tuple(ExactSum() for _ in SECOND_MOMENTS))
-    #: The sample length S (us) of the blocks the sums above hold: the stream's first counted block's
+    # The sums (``_BlockSums``) are kept per node because only the nodes named by the terminal event count.
+    #: The sample length S (us) of the blocks its sums (``_BlockSums``) hold: the stream's first counted block's
     #: (0 in a stream folded before the sums were kept per S). Blocks at any other S go to ``levels``,
     #: so a stream at one S (the fixed schedule) keeps one set of sums and pays nothing for the others.
     sample_us: int = 0
@@ -222,15 +222,6 @@ class NodeStream(_State):
     # node sends after it go to ``late``, a copy that continues it, priced by a new revision.
     lost: str = ""
     late: NodeStream | None = None
-
-    def sums(self) -> DegradationSums:
-        """The sums at the stream's first S (``sample_us``), sharing this state's ``ExactSum``s: adding
-        to them adds to the stream (``store`` writes back the counts). Merge them into a fresh
-        ``DegradationSums`` to combine nodes; ``level_sums`` gives every S."""
-        return _sums_of(self)
-
-    def store(self, s: DegradationSums) -> None:
-        _store(self, s)
 
     def level_sums(self) -> dict[int, DegradationSums]:
         """The stream's sums per sample length S (only the first S for a stream at one S)."""
@@ -254,18 +245,6 @@ class NodeStream(_State):
 
 
 _SUM_FIELDS = ("solo_filtered", "co_filtered", "solo_all", "co_all", "before_filtered", "after_filtered", "second")
-
-
-def _sums_of(state: NodeStream | LevelSums) -> DegradationSums:
-    return DegradationSums(state.solo_filtered, state.co_filtered, state.solo_all, state.co_all,
-                           state.accepted, state.rejected, state.before_filtered, state.after_filtered, state.second)
-
-
-def _store(state: NodeStream | LevelSums, s: DegradationSums) -> None:
-    for name in _SUM_FIELDS:
-        if getattr(s, name) is not getattr(state, name):
-            setattr(state, name, getattr(s, name))
-    state.accepted, state.rejected = s.accepted, s.rejected
 
 
 class _OpenNodes:
