@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .calibrated import SLOTS, USERS, CalibratedConfig, Engine, JobSpec, Result, Sink, job_id
+from .swf import swf_lines
 from .workloads import Micro, Workload
 
 #: A trace job's run time is clipped to [MIN_RUN_S, max_run_s] (the default maximum: one hour).
@@ -100,19 +101,13 @@ def trace_run_times(path: Path, n: int, seed: int, max_run_s: float = MAX_RUN_S)
     """``n`` run times drawn (with replacement) from the jobs of an SWF trace with a positive run
     time (field 4), clipped to [MIN_RUN_S, max_run_s]."""
     runs = []
-    with open(path) as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip() or line.lstrip().startswith(";"):
-                continue
-            f = line.split()
-            if len(f) < 18:
-                raise ValueError(f"{path}:{line_no}: a Standard Workload Format line has 18 fields, got {len(f)}")
-            try:
-                run = float(f[3])
-            except ValueError as exc:
-                raise ValueError(f"{path}:{line_no}: {exc}") from None
-            if run > 0:
-                runs.append(run)
+    for line_no, f in swf_lines(path):
+        try:
+            run = float(f[3])
+        except ValueError as exc:
+            raise ValueError(f"{path}:{line_no}: {exc}") from None
+        if run > 0:
+            runs.append(run)
     if not runs:
         raise ValueError(f"{path}: no job with a positive run time")
     rng = np.random.default_rng(seed)

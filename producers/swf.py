@@ -4,11 +4,24 @@ calibrated simulator runs them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .calibrated import SLOTS, JobSpec
 from .workloads import BUILTIN
+
+
+def swf_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """(line number, its 18+ fields) of every job line of a Standard Workload Format trace; a line
+    with fewer fields is a ValueError naming it."""
+    with open(path) as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip() or line.lstrip().startswith(";"):
+                continue
+            f = line.split()
+            if len(f) < 18:
+                raise ValueError(f"{path}:{line_no}: a Standard Workload Format line has 18 fields, got {len(f)}")
+            yield line_no, f
 
 
 def swf_jobs(path: Path, *, cores_per_node: int, max_nodes: int, programs: Sequence[str] | None = None,
@@ -21,31 +34,25 @@ def swf_jobs(path: Path, *, cores_per_node: int, max_nodes: int, programs: Seque
     out: list[JobSpec] = []
     first: float | None = None
     seen = 0
-    with open(path) as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip() or line.lstrip().startswith(";"):
-                continue
-            f = line.split()
-            if len(f) < 18:
-                raise ValueError(f"{path}:{line_no}: a Standard Workload Format line has 18 fields, got {len(f)}")
-            try:
-                num, submit, run = int(f[0]), float(f[1]), float(f[3])
-                procs = int(f[4]) if int(f[4]) > 0 else int(f[7])
-                user, group, exe = int(f[11]), int(f[12]), int(f[13])
-            except ValueError as exc:
-                raise ValueError(f"{path}:{line_no}: {exc}") from None
-            if run <= 0 or procs <= 0:
-                continue
-            seen += 1
-            if seen <= skip:
-                continue
-            first = submit if first is None else first
-            nodes = min(max_nodes, max(1, math.ceil(procs / (cores_per_node // SLOTS))))
-            prog = names[(exe if exe > 0 else num) % len(names)]
-            out.append(JobSpec(prog, run * time_scale, (submit - first) * time_scale, nodes, f"user{user}",
-                               f"group{group}"))
-            if limit is not None and len(out) >= limit:
-                break
+    for line_no, f in swf_lines(path):
+        try:
+            num, submit, run = int(f[0]), float(f[1]), float(f[3])
+            procs = int(f[4]) if int(f[4]) > 0 else int(f[7])
+            user, group, exe = int(f[11]), int(f[12]), int(f[13])
+        except ValueError as exc:
+            raise ValueError(f"{path}:{line_no}: {exc}") from None
+        if run <= 0 or procs <= 0:
+            continue
+        seen += 1
+        if seen <= skip:
+            continue
+        first = submit if first is None else first
+        nodes = min(max_nodes, max(1, math.ceil(procs / (cores_per_node // SLOTS))))
+        prog = names[(exe if exe > 0 else num) % len(names)]
+        out.append(JobSpec(prog, run * time_scale, (submit - first) * time_scale, nodes, f"user{user}",
+                           f"group{group}"))
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"{path}: no usable jobs")
     return out
