@@ -125,7 +125,7 @@ class Settings(BaseSettings):
     estimator: Literal["refill_corrected", "poppa_alg4", "unfiltered", "mixed_s"] = "mixed_s"
     # How sure a charge is (streams.core.confidence): the interval's confidence, whether the price
     # uses its upper end (true) or the point estimate, and the prior's upper end for too few blocks
-    confidence: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.95
+    confidence: Annotated[float, Field(gt=0.0, le=0.99)] = 0.95  # streams.core.confidence.MAX_CONFIDENCE
     price_at_bound: bool = False
     prior_high: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.

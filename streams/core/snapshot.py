@@ -11,15 +11,17 @@ format or a damaged one (``SnapshotError``), and ``usable`` one taken under anot
 (a changed budget or policy: the log is folded from its start again, as without snapshots).
 Pickle runs code on load, so the snapshot topics must be writable by the stream worker only (as its
 log topics are: docs/deployment.md), and ``load`` unpickles with an allowlist besides: only the
-pure core's and the schemas' own classes and functions, ``datetime`` and pydantic's time zone,
-numpy's array reconstruction and scikit-learn's tree and forest classes (a trained pair model),
-and ``getattr`` for names that are not dunders. A snapshot that names anything else (``os.system``, a
+pure core's and the schemas' own classes and functions (defined there: never a module or a name
+they import), ``datetime`` and pydantic's time zone, numpy's array reconstruction and
+scikit-learn's tree and forest classes (a trained pair model), and ``getattr`` on the core's own
+classes and objects for names that are not dunders. A snapshot that names anything else (``os.system``, a
 function's ``__globals__``) is refused as damaged, never run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import pickle
 from typing import Any
@@ -71,25 +73,38 @@ _ALSO = {("datetime", "datetime"), ("datetime", "timedelta"), ("datetime", "time
 _MODEL_MODULES = ("sklearn.ensemble.", "sklearn.tree.")
 
 
-def _public_getattr(obj: Any, name: str) -> Any:
+def _in_core(obj: Any) -> bool:
+    """A class or function defined in the core or the schemas, or an instance of such a class."""
+    owner = obj if isinstance(obj, type) or inspect.isfunction(obj) else type(obj)
+    return str(getattr(owner, "__module__", "")).startswith(_CORE_MODULES)
+
+
+def _core_getattr(obj: Any, name: str) -> Any:
     """``getattr`` as a snapshot may use it: pickle reaches nested names and bound methods so
-    (``Class.method``, ``manager._veto``); a dunder (``__globals__``, ``__class__``) leaves the core."""
-    if name.startswith("__"):
-        raise pickle.UnpicklingError(f"a snapshot may not reach {name!r}")
-    return getattr(obj, name)
+    (``Class.method``, ``manager._veto``), on the core's own classes and objects only, never a
+    dunder (``__globals__``, ``__class__``) and never out of the core (a module, numpy)."""
+    if name.startswith("__") or not _in_core(obj):
+        raise pickle.UnpicklingError(f"a snapshot may not reach {name!r} of {type(obj).__name__}")
+    found = getattr(obj, name)
+    if inspect.ismodule(found):
+        raise pickle.UnpicklingError(f"a snapshot may not reach the module {name!r}")
+    return found
 
 
 class _CoreUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("builtins", "getattr"):
-            return _public_getattr
-        if module.startswith(_CORE_MODULES) or (module, name) in _ALSO:
-            if name.startswith("__"):
-                raise pickle.UnpicklingError(f"a snapshot may not name {module}.{name}")
+            return _core_getattr
+        if (module, name) in _ALSO:
             return super().find_class(module, name)
+        if module.startswith(_CORE_MODULES) and not name.startswith("__"):
+            found = super().find_class(module, name)
+            # a class or function *defined* there: not a module it imports (pickle, numpy) nor what it imported
+            if (isinstance(found, type) or inspect.isfunction(found)) and found.__module__ == module:
+                return found
         if module.startswith(_MODEL_MODULES) and not name.startswith("_"):
             found = super().find_class(module, name)
-            if isinstance(found, type):
+            if isinstance(found, type) and found.__module__ == module:
                 return found
         raise pickle.UnpicklingError(f"a snapshot may not name {module}.{name}")
 

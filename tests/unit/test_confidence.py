@@ -50,6 +50,13 @@ def test_t_quantiles_match_the_tables(p, dof, exact):
     assert t_quantile(p, dof) == pytest.approx(exact, abs=2e-3)
 
 
+def test_a_confidence_beyond_what_the_quantile_can_give_is_refused():
+    result = filtered_degradation(_blocks(np.random.default_rng(1), 20, 0.1, 0.02), estimator="unfiltered")
+    assert degradation_interval(result, 0.99).method == T_RATIO
+    with pytest.raises(ValueError, match="accurate up to"):
+        degradation_interval(result, 0.999)
+
+
 def test_t_quantile_refuses_what_it_cannot_give():
     with pytest.raises(ValueError, match=r"0\.5 <= p < 1"):
         t_quantile(0.4, 10)

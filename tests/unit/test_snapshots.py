@@ -142,3 +142,22 @@ def test_a_manager_with_a_trained_pair_model_snapshots_and_loads():
     m.pairs.model = forest
     _, _, again = snapshot.load(snapshot.dump(m, 3))
     assert (again.pairs.model.predict(x) == forest.predict(x)).all()
+
+
+@pytest.mark.parametrize(("module", "name"), [
+    ("nodeshare.streams.core.snapshot", "pickle"),  # a module the core imports: pickle.loads runs anything
+    ("nodeshare.streams.core.degradation", "np"),  # numpy through the core: np.fromfile reads any file
+    ("nodeshare.streams.core.snapshot", "hashlib"),
+])
+def test_a_snapshot_may_not_name_what_the_core_imports(module, name):
+    """Only classes and functions *defined* in the core load (a review reached pickle.loads and
+    numpy.fromfile through the core's own imports)."""
+    import hashlib
+    import io
+    import pickle
+
+    body = b"\x80\x04c" + f"{module}\n{name}\n".encode() + b"."  # GLOBAL module.name, STOP
+    raw = snapshot.MAGIC + f" {snapshot.FORMAT} 7 {hashlib.sha256(body).hexdigest()} cfg".encode() + b"\n" + body
+    assert pickle.Unpickler(io.BytesIO(body)).load() is not None  # plain pickle would hand it over
+    with pytest.raises(snapshot.SnapshotError, match="may not name"):
+        snapshot.load(raw)
