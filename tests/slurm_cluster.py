@@ -21,7 +21,7 @@ from pathlib import Path
 # (unfiltered degradations within ±2% in three runs). 20 ms windows still span several scheduler
 # slices, so a window is rarely all wait (then its rate rests on little CPU time), and the stream
 # worker starts only once the jobs have ended. A node that gives each job its own cores needs neither.
-SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100"}
+SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100", "NODESHARE_SHUTTER_SCHEDULE": "fixed"}
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo")
 

@@ -38,7 +38,8 @@ def test_the_agent_spools_through_a_broker_outage_and_loses_nothing(tmp_path: Pa
             [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
              "--spool", str(tmp_path / "spool.db"), "--progress-dir", str(tmp_path / "progress"), "--until-idle",
              "--drain-timeout", "60"],
-            env={**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100"},
+            env={**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100",
+                 "NODESHARE_SHUTTER_SCHEDULE": "fixed"},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             time.sleep(5)

@@ -27,7 +27,7 @@ from nodeshare.sinks.ledger import Ledger
 # time, a job descheduled for a window read as slowed by its co-runner (fresh-clone CI saw 0.99);
 # its time is now the job's CPU time. 20 ms windows span several scheduler slices, and the worker
 # starts only once the jobs have ended. A node that gives each job its own cores needs neither.
-SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100"}
+SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100", "NODESHARE_SHUTTER_SCHEDULE": "fixed"}
 #: Even so, one run in three of this test once saw a job 90% slower next to its co-runner for a
 #: whole run (unfiltered too), before application counters were timed by CPU time. A degradation
 #: out of bounds now fails, unless the hypervisor took the CPUs meanwhile (steal time, which a

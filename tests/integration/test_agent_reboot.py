@@ -65,7 +65,8 @@ def test_a_rebooted_node_closes_every_job_it_had_open_once(settings: Settings, t
     cmd = [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
            "--spool", str(spool), "--progress-dir", str(tmp_path / "progress"), "--until-idle",
            "--drain-timeout", "30"]
-    env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100"}
+    env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100",
+           "NODESHARE_SHUTTER_SCHEDULE": "fixed"}
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for("both jobs shuttered", lambda: all(spooled_blocks(spool).get(j, 0) >= 3 for j in JOBS))

@@ -65,7 +65,8 @@ def test_three_nodes_each_with_its_agent_and_address_are_charged(cluster: NetnsC
         assert reaches(cluster, nodes[0], cluster.host_address, broker.port)
 
         job = [sys.executable, "-m", "nodeshare", "workload", "--kind", "compute", "--seconds", "3"]
-        env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100"}
+        env = {**os.environ, "NODESHARE_CONFIG": "", **settings.as_env(), "NODESHARE_PERIOD_MS": "100",
+               "NODESHARE_SHUTTER_SCHEDULE": "fixed"}
         agents = []
         with running_pipeline(settings, tmp_path / "run") as pipeline:
             for node in nodes:

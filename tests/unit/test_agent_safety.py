@@ -24,7 +24,8 @@ NOBODY_LISTENS = "127.0.0.1:9"  # the discard port: the broker is unreachable, s
 
 def agent_env(sample_us: int, period_ms: int) -> dict[str, str]:
     return {**os.environ, "NODESHARE_BOOTSTRAP": NOBODY_LISTENS, "NODESHARE_SAMPLE_US": str(sample_us),
-            "NODESHARE_PERIOD_MS": str(period_ms), "NODESHARE_CONFIG": ""}
+            "NODESHARE_PERIOD_MS": str(period_ms), "NODESHARE_CONFIG": "",
+            "NODESHARE_SHUTTER_SCHEDULE": "fixed"}  # these shutters are the fixed loop's, S and P as given
 
 
 def start_agent(tmp_path: Path, job_file: Path, sample_us: int, period_ms: int,

@@ -4,6 +4,7 @@ and verify --head)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -187,7 +188,8 @@ def test_an_archive_and_ledger_written_by_schema_3_audit_clean_today(tmp_path):
     raw = [(TOPIC_OF_RECORD[type(e)].name, key_of(e), _as_version(e, 3)) for e in _sim_events()]
     archive, _, _ = archive_records(tmp_path, raw)
     msgs = [m for ms in archived_messages(ParquetArchive(archive)).values() for m in ms]
-    made_then = fold_messages(msgs, POLICY)
+    # as version 3 priced them: a job without an estimate at the standard price (the prior came in 6)
+    made_then = fold_messages(msgs, dataclasses.replace(POLICY, prior_without_evidence=False))
     assert made_then and all(c.alone_s == 0.0 for c in made_then)
     rows = [(c, _as_version(c, 3)) for c in made_then]
     old = tmp_path / "v3.duckdb"
