@@ -481,3 +481,21 @@ def test_every_interleaving_of_the_partitions_gives_the_managers_caps_and_the_bu
     m = site.pm.machine
     assert truth == {p: w / 1000 for j in m.running.values() for p, w in zip(j.processors, j.caps_mw, strict=True)}
     assert all(a.jobs() <= set(m.running) for a in agents.values())  # ended jobs are forgotten
+
+
+def test_a_manager_rebuilt_without_its_snapshot_is_not_ignored_by_the_agents():
+    """A changed budget makes the snapshot unusable, and retention had deleted the log's head: the
+    new manager folds only the tail. Its states must still win at the agents (a review found them
+    dropped as stale: per-node sequences restarted at 1 below the agents' 5)."""
+    site = Site(400.0)
+    site.feed(inv("A", 4), *(x for i in range(3) for x in (job(f"j{i}", JobState.STARTED, 12, ("A",), at=10 * i),
+                                                           job(f"j{i}", JobState.ENDED, 12, ("A",), at=10 * i + 5))))
+    site.feed(job("a", JobState.STARTED, 12, ("A",), at=40))
+    assert site.agents["A"].jobs() == {"a"}
+    fresh = PowerManager(300.0)  # another budget; the head (the jobs above and a's start) gone
+    fresh.apply(TOPIC_OF_RECORD[NodeInventory].name, encode(inv("A", 4, at=50)))
+    decided = fresh.apply(TOPIC_OF_RECORD[JobEvent].name, encode(job("b", JobState.STARTED, 12, ("A",), at=60)))
+    for d in decided:
+        site.agents["A"].apply(d)
+    stated = {c.processor: c.cap_watts for d in decided for s in d.node_caps if s.node == "A" for c in s.caps}
+    assert decided and site.agents["A"].caps() == stated and site.agents["A"].jobs() == {"b"}

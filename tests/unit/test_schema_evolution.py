@@ -183,21 +183,25 @@ def test_a_version_5_power_decision_reads_without_node_caps_and_is_folded_in_arr
     from nodeshare.streams.core.power.caps import CapFold
 
     log = _power_log()
-    assert [d.node_caps[0].sequence for d in log] == [1, 2, 3] and all(len(d.node_caps) == 1 for d in log)
+    seqs = [d.node_caps[0].sequence for d in log]
+    assert seqs == sorted(set(seqs)) and all(len(d.node_caps) == 1 for d in log)  # strictly increasing
     v5 = [decode_model(PowerDecision, as_version(d, 5, drop=("node_caps", "resumes"))) for d in log]
     assert all(d.node_caps == () and not carried(d, "node_caps") for d in v5) and carried(log[0], "node_caps")
     old, new = CapFold("A"), CapFold("A")
     for d5, d6 in zip(v5, log, strict=True):
         old.apply(d5)
         new.apply(d6)
-    assert old.caps() == new.caps() and old.sequence == 0 and new.sequence == 3
+    assert old.caps() == new.caps() and old.sequence == 0 and new.sequence == seqs[-1]
     # after the upgrade: a late version-5 record (c's start, re-delivered) does not move a sequenced node
     assert new.apply(v5[1]) == {} and new.apply(v5[0]) == {}
     assert new.jobs() == {"c"}  # b released: forgotten
 
 
 def test_a_version_6_power_decision_carries_the_changed_nodes_sequence_and_caps():
-    d = json.loads(encode(_power_log()[0]))
+    first = _power_log()[0]
+    d = json.loads(encode(first))
     assert d["schema_version"] == 6
-    assert d["node_caps"] == [{"node": "A", "sequence": 1, "caps": [
+    # the sequence starts at the decision's time in microseconds (it grows across manager restarts)
+    micros = int(first.event_time.timestamp()) * 1_000_000 + first.event_time.microsecond
+    assert d["node_caps"] == [{"node": "A", "sequence": micros, "caps": [
         {"processor": 0, "job_id": "b", "cap_watts": d["plan"]["caps"][0]["cap_watts"]}]}]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE, NODE_POWER, TopicSpec, spec_for_topic
 from nodeshare.schemas.dead_letters import dead_letter
@@ -107,7 +107,8 @@ class PowerManager:
     #: the latest decision's time: a decision is stamped with its trigger's time, or this when later,
     #: so decisions' times never go back in log order (an agent orders a job's plans by them)
     clock: datetime | None = None
-    #: per node, how many decisions changed its caps, and the caps the last of them stated
+    #: per node, the sequence of the last decision that changed its caps (increasing, at least the
+    #: decision's time in microseconds), and the caps it stated
     sequences: dict[str, int] = field(default_factory=dict)
     stated: dict[str, tuple[HeldCap, ...]] = field(default_factory=dict)
 
@@ -203,7 +204,10 @@ class PowerManager:
         states = []
         for node in sorted(now.keys() | self.stated.keys()):
             if now.get(node, ()) != self.stated.get(node, ()):
-                self.sequences[node] = seq = self.sequences.get(node, 0) + 1
+                # grows across restarts too: a manager rebuilt without its snapshot (a changed budget,
+                # a log whose head retention deleted) starts from its decision's time, later than any
+                # sequence it stated before, so agents never drop its states as stale
+                self.sequences[node] = seq = max(self.sequences.get(node, 0) + 1, _micros(at))
                 states.append(NodeCapState(node=node, sequence=seq, caps=now.get(node, ())))
                 if node in now:
                     self.stated[node] = now[node]
@@ -223,3 +227,11 @@ class PowerManager:
                 n_lo=out.n_lo, n_hi=out.n_hi, stolen_watts={j: to_w(s) for j, s in out.stolen_mw},
                 policy=f"admit={pol.admit} release={pol.release} min_share={pol.min_share} margin={pol.margin}"),
         )
+
+
+def _micros(at: datetime) -> int:
+    """A decision's time as whole microseconds since the epoch: a floor for its nodes' sequences."""
+    return (at - _EPOCH) // timedelta(microseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
