@@ -159,6 +159,11 @@ def _job_id(key: bytes | None) -> str | None:
     return None if key is None else key[:64].decode("utf-8", "replace")
 
 
+#: Commit errors that mean the group moved on without this member (it rejoins and is rebuilt).
+_GROUP_MOVED_ON = frozenset({KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION,
+                             KafkaError.REBALANCE_IN_PROGRESS})
+
+
 class FoldConsumer:
     """Folds the worker's input partitions into job accounts and publishes what the fold produces.
 
@@ -220,7 +225,7 @@ class FoldConsumer:
             while not stop.is_set():
                 self.take(consumer.consume(self.max_messages, timeout=0.2))
                 if self._pending and time.monotonic() - committed_at >= self.commit_interval_s:
-                    self.commit(consumer)
+                    self.commit_or_rejoin(consumer)
                     committed_at = time.monotonic()
                 if time.monotonic() - lag_at >= metrics.LAG_INTERVAL_S:
                     metrics.report_lag(consumer, "accounting", {k: p for k, p in self._position.items()
@@ -339,6 +344,21 @@ class FoldConsumer:
         if offsets:
             consumer.commit(offsets=offsets, asynchronous=False)
         self._pending.clear()
+
+    def commit_or_rejoin(self, consumer: Consumer) -> None:
+        """``commit``; when the group no longer knows this member (a broker restarted with the group's
+        state lost, a session timed out), drop the uncommitted offsets instead of stopping: the
+        consumer rejoins, its partitions are assigned again and rebuilt from the group's committed
+        offsets (``_on_assign``), so nothing applied but uncommitted is lost or counted twice. Any
+        other failure still stops the fold."""
+        try:
+            self.commit(consumer)
+        except KafkaException as exc:
+            if exc.args[0].code() not in _GROUP_MOVED_ON:
+                raise
+            log.warning("accounting: commit refused (%s): the group moved on; dropping the uncommitted offsets %s "
+                        "(the partitions are rebuilt from the committed ones when assigned again)", exc, self._pending)
+            self._pending.clear()
 
     # ------------------------------------------------------------------ rebalances
 
