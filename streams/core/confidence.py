@@ -1,7 +1,7 @@
 """How sure a charge is: an interval around each job's degradation, and the bound it is priced at.
 
 A job's degradation D = 1 - R is a ratio estimate over its blocks (``degradation``); its standard
-error comes from the blocks' second moments (``degradation.ratio_standard_error``). Its interval
+error comes from the blocks' second moments (``ipc.ratio_standard_error``). Its interval
 at confidence c is Student's t interval
 
     D +- t_{(1 + c) / 2, n - 1} * SE          (n blocks, clamped to [0, 1])

@@ -41,7 +41,7 @@ from nodeshare.schemas.events import (
 )
 
 from .blocks import BlockRows, block_rows
-from .ipc import mean_ipc
+from .ipc import mean_ipc, ratio_standard_error
 from .shutter_policy import MIXED_N_MIN, MIXED_TOL, MIXED_Z, MIXED_Z_FEW, combine_levels
 
 #: Seed 002, Section 6.3: "We empirically determined delta = 0.05 to be a reasonable value."
@@ -336,22 +336,6 @@ class DegradationResult:
     interval_blocks: int = 0
     #: ``mixed_s`` only: each sample length's evidence, by S (empty for the other estimators).
     levels: tuple[LevelResult, ...] = ()
-
-
-def ratio_standard_error(n: int, sx: float, sy: float, sxx: float, sxy: float, syy: float) -> float | None:
-    """The standard error of the ratio R = sy / sx of n blocks' sums (the linearized, or delta-method,
-    variance of a ratio estimator, as in survey sampling):
-
-        Var(R) = n / (n - 1) * sum((y - R x)^2) / sx^2,   sum((y - R x)^2) = syy - 2 R sxy + R^2 sxx
-
-    D = 1 - R has the same error. The blocks are taken as independent samples of the job's run:
-    a phase that lasts many blocks raises the spread of y - R x and so widens the interval. None
-    with fewer than two blocks or no progress alone (sx = 0)."""
-    if n < 2 or not sx > 0.0:
-        return None
-    r = sy / sx
-    residual = max(0.0, syy - 2.0 * r * sxy + r * r * sxx)
-    return math.sqrt(n / (n - 1) * residual) / sx
 
 
 def _moments_of(estimator: str, m: Sequence[float]) -> tuple[float, float, float]:

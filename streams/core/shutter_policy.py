@@ -41,6 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .ipc import ratio_standard_error
+
 if TYPE_CHECKING:  # numpy only where arrays are passed: the agent's slim install has none
     import numpy as np
 
@@ -100,11 +102,8 @@ class LevelStats:
     @property
     def se(self) -> float:
         """Standard error of D (the ratio estimator's linearisation); inf below two blocks."""
-        if self.n < 2 or not self.sx > 0.0:
-            return math.inf
-        r = self.sy / self.sx
-        sse = max(0.0, self.syy - 2.0 * r * self.sxy + r * r * self.sxx)
-        return math.sqrt(sse * self.n / (self.n - 1)) / self.sx
+        se = ratio_standard_error(self.n, self.sx, self.sy, self.sxx, self.sxy, self.syy)
+        return math.inf if se is None else se
 
 
 @dataclass(frozen=True)
