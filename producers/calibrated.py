@@ -402,19 +402,26 @@ class Engine:
             self.jobs.paused[pj] += dur_s
         out = None
         if measure and shuttered.any():
-            # one row per node shuttered at the cycle's start (NaN where the cycle was cut short:
-            # step() sends no block for those); noise is drawn for every row so a cut-short cycle
-            # does not shift the random stream of the others
-            noise = self.rng.standard_normal((2, int(shuttered.sum()), self.cfg.k))
-            alive = sh[shuttered]
-            nodes = np.flatnonzero(sh)
-            j = jobs[nodes, lone]
-            s = speed[j]
-            meas = solo[nodes, lone] * s + np.clip(1.0 - s / x[nodes, lone], 0.0, 1.0) * self.cfg.poll_ipc
-            jitter = ((self.cfg.poll_ipc - meas) * self.jobs.comm[j])[:, None] * self.cfg.poll_jitter * noise[0, alive]
-            out = np.full((len(alive), self.cfg.k), np.nan)
-            out[alive] = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1, alive]), 0.0)
+            out = self._samples(shuttered, sh, jobs, lone, solo, x, lambda j, nodes: speed[j])
         self._advance(jobs[occ], speed, dur_s)
+        return out
+
+    def _samples(self, shuttered: np.ndarray, sh: np.ndarray, jobs: np.ndarray, lone: int, solo: np.ndarray,
+                 x: np.ndarray, speed_of: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+        """The measured IPC samples (one row of K per node shuttered at the cycle's start; NaN where the
+        cycle was cut short: step() sends no block for those) of the lone jobs, whose speed (solo-
+        seconds per second) ``speed_of(job, node)`` gives: useful instructions, polling while they
+        wait for slower ranks, its jitter and counter noise. Noise is drawn for every row so a
+        cut-short cycle does not shift the random stream of the others."""
+        noise = self.rng.standard_normal((2, int(shuttered.sum()), self.cfg.k))
+        alive = sh[shuttered]
+        nodes = np.flatnonzero(sh)
+        j = jobs[nodes, lone]
+        s = speed_of(j, nodes)
+        meas = solo[nodes, lone] * s + np.clip(1.0 - s / x[nodes, lone], 0.0, 1.0) * self.cfg.poll_ipc
+        jitter = ((self.cfg.poll_ipc - meas) * self.jobs.comm[j])[:, None] * self.cfg.poll_jitter * noise[0, alive]
+        out = np.full((len(alive), self.cfg.k), np.nan)
+        out[alive] = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1, alive]), 0.0)
         return out
 
     def _advance(self, running: np.ndarray, speed: np.ndarray, dur_s: float) -> None:
@@ -595,15 +602,7 @@ class Engine:
             J.paused[:J.n] += add
         out = None
         if measure and shuttered.any():
-            noise = self.rng.standard_normal((2, int(shuttered.sum()), self.cfg.k))
-            alive = sh[shuttered]
-            nodes = np.flatnonzero(sh)
-            j = jobs[nodes, lone]
-            s = progress[j] / dur[nodes]
-            meas = solo[nodes, lone] * s + np.clip(1.0 - s / x[nodes, lone], 0.0, 1.0) * self.cfg.poll_ipc
-            jitter = ((self.cfg.poll_ipc - meas) * J.comm[j])[:, None] * self.cfg.poll_jitter * noise[0, alive]
-            out = np.full((len(alive), self.cfg.k), np.nan)
-            out[alive] = np.maximum((meas[:, None] + jitter) * (1.0 + self.cfg.counter_noise * noise[1, alive]), 0.0)
+            out = self._samples(shuttered, sh, jobs, lone, solo, x, lambda j, nodes: progress[j] / dur[nodes])
         running = jobs[occ]
         before = J.done[running]
         J.done[running] = np.minimum(before + progress[running], J.work[running])
