@@ -465,19 +465,10 @@ class JobAccount(_State):
             if (left.event_id, left.event_time) == (_latest(ns).close_event_id, _latest(ns).close_event_time):
                 return Step(rejected="job already left this node (a copy of its marker)")
             ns = self._next_run(left.node)  # a later run of the job on this node, with no block
-        ns.closed = True
-        ns.close_event_id, ns.close_event_time = left.event_id, left.event_time
         ns.blocks_sent = left.blocks_sent
         ns.paused_us = left.paused_us
         ns.alone_us = left.alone_us
-        ns.close_offset = origin.offset
-        if ns.first_offset < 0:
-            ns.first_offset = origin.offset
-        self._node_closed(left.node)
-        charges = self._ready_charges(policy, origin)
-        # No running estimate: a marker adds no block, and an estimate over every node per marker made
-        # a capability job's markers quadratic. The final one, with the charge, covers the whole job.
-        return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
+        return self._close(ns, left.node, left.event_id, left.event_time, origin, policy)
 
     def _apply_down(self, down: NodeDown, origin: Origin, policy: PricingPolicy) -> Step:
         """A node lost for good (``NodeDown``): its open stream of this job closes as it stands, priced
@@ -487,14 +478,22 @@ class JobAccount(_State):
         ns = self._stream(down.node)
         if ns.closed:
             return Step()
-        ns.closed = True
         where = f"{origin.topic}:{origin.partition}:{origin.offset}"
         ns.lost = f"{down.reason} ({down.source}, node.down record at {where})"
-        ns.close_event_id, ns.close_event_time = down.event_id, down.event_time
+        return self._close(ns, down.node, down.event_id, down.event_time, origin, policy)
+
+    def _close(self, ns: NodeStream, node: str, event_id: str, event_time: datetime, origin: Origin,
+               policy: PricingPolicy) -> Step:
+        """Close a node's stream at the record ``event_id`` (its marker, or a node-down record) and
+        emit the charges that completes. No running estimate: closing adds no block, and an estimate
+        over every node per marker made a capability job's markers quadratic. The final one, with the
+        charge, covers the whole job."""
+        ns.closed = True
+        ns.close_event_id, ns.close_event_time = event_id, event_time
         ns.close_offset = origin.offset
         if ns.first_offset < 0:
             ns.first_offset = origin.offset
-        self._node_closed(down.node)
+        self._node_closed(node)
         charges = self._ready_charges(policy, origin)
         return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
 
