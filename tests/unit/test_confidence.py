@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import pytest
 from factories import archive_records, batch, block, job_event, left
+from unit.test_schema_evolution import as_version
 
 from nodeshare.schemas import Charge, JobState, decode_model, encode
 from nodeshare.schemas.events import EstimateStatus
@@ -196,12 +196,17 @@ def test_a_job_that_made_no_progress_alone_pays_the_standard_price():
     assert c.interval_method == NO_INTERVAL and c.degradation == 0.0 and c.price == c.standard_price
 
 
-def test_the_audit_recomputes_the_interval_and_refuses_an_edited_one(tmp_path):
-    rng = np.random.default_rng(4)
-    records = [batch(*_blocks(rng, 30, 0.1, 0.02)), left("j1", "n1", 30, 29),
+def _archived_job(tmp_path, seed: int, policy: PricingPolicy) -> tuple:
+    """A 30-block job archived as the archive sink would, and its charge under ``policy``."""
+    records = [batch(*_blocks(np.random.default_rng(seed), 30, 0.1, 0.02)), left("j1", "n1", 30, 29),
                job_event("j1", JobState.ENDED, cores=4)]
     archive, _, _ = archive_records(tmp_path, records)
-    [c] = fold_messages(as_messages(records[:2], IPC) + as_messages(records[2:], LIFE), BOUND)
+    [c] = fold_messages(as_messages(records[:2], IPC) + as_messages(records[2:], LIFE), policy)
+    return archive, c
+
+
+def test_the_audit_recomputes_the_interval_and_refuses_an_edited_one(tmp_path):
+    archive, c = _archived_job(tmp_path, 4, BOUND)
     assert policy_of(c) == BOUND
     for name, update in (("good", {}), ("edited", {"degradation_high": c.degradation_high + 0.01}),
                          ("claimed", {"confidence": 0.99})):  # the numbers are not the 99% interval
@@ -215,17 +220,8 @@ def test_the_audit_recomputes_the_interval_and_refuses_an_edited_one(tmp_path):
 
 def test_a_charge_made_before_intervals_is_audited_at_its_point_estimate(tmp_path):
     """A version-5 row carries no interval and was priced at its estimate: the audit prices it so."""
-    rng = np.random.default_rng(6)
-    records = [batch(*_blocks(rng, 30, 0.1, 0.02)), left("j1", "n1", 30, 29),
-               job_event("j1", JobState.ENDED, cores=4)]
-    archive, _, _ = archive_records(tmp_path, records)
-    [then] = fold_messages(as_messages(records[:2], IPC) + as_messages(records[2:], LIFE), POINT)
-    d = json.loads(encode(then))
-    for f in ("degradation_point", "degradation_low", "degradation_high", "interval_method", "interval_blocks",
-              "confidence", "priced_at", "prior_degradation_high"):
-        d.pop(f)
-    d["schema_version"] = 5
-    v5 = json.dumps(d).encode()
+    archive, then = _archived_job(tmp_path, 6, POINT)
+    v5 = as_version(then, 5)  # as a version-5 writer wrote it: without every field added since
     row = decode_model(Charge, v5)
     assert row.priced_at == "estimate" and row.degradation_high is None
     path = tmp_path / "v5.duckdb"
