@@ -199,7 +199,7 @@ TYPED = {"node.ipc": IPC_SCHEMA}
 def with_typed_columns(topic: str, table: pa.Table) -> pa.Table:
     """The table with its topic's typed columns, parsed from the values by DuckDB in one pass, its
     rows sorted by job, node and offset: each (job, node) block stream is one run of rows per
-    file, which the audit's order check reads in one pass (``fast_audit.out_of_order_streams``)."""
+    file, which the audit's order check reads in one pass (``fast_audit.order_edges``)."""
     schema = TYPED.get(topic)
     if schema is None:
         return table
@@ -281,6 +281,15 @@ class ParquetArchive:
         """The columns of one archive file."""
         return set(pq.read_schema(str(path), filesystem=self.fs).names)
 
+    def row_groups(self, path: PurePath) -> list[tuple[int, int]]:
+        """One file's row groups, in order: (rows, uncompressed bytes) of each (its footer only)."""
+        meta = pq.read_metadata(str(path), filesystem=self.fs)
+        return [(meta.row_group(i).num_rows, meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
+
+    def uri(self, path: PurePath) -> str:
+        """A file as DuckDB reads it: its path, or its URL on object storage."""
+        return self._uri(path)
+
     def files(self, topic: str = "*") -> list[PurePath]:
         """The archive's Parquet files (of one catalog topic, or all; of the view's partitions)."""
         found: list[PurePath]
@@ -299,18 +308,6 @@ class ParquetArchive:
     def partitions_held(self, topics: Iterable[str]) -> list[int]:
         """The input partitions the archive holds files of, for these topics."""
         return sorted({r[0] for t in topics for f in self.files(t) if (r := file_range(f)) is not None})
-
-    def largest_partitions_first(self, topics: Iterable[str]) -> list[int]:
-        """The input partitions the archive holds, by the bytes of their files, largest first: the
-        order to hand them to workers in, so that the last task to start is a small one (longest
-        processing time first)."""
-        size: dict[int, int] = {}
-        for t in topics:
-            for f in self.files(t):
-                if (r := file_range(f)) is not None:
-                    n = self._sizes[f] if self.fs is not None else Path(f).stat().st_size
-                    size[r[0]] = size.get(r[0], 0) + n
-        return sorted(size, key=lambda p: (-size[p], p))
 
     def keys(self, topics: Iterable[str]) -> list[str]:
         """The distinct message keys (job ids) of these topics' records, decoded."""
@@ -536,9 +533,10 @@ class ParquetArchive:
         for topic, kt, p, o, ts, k, v in rows:
             yield topic, ArchivedEvent(kt, p, o, ts, k, v)
 
-    def compact(self, *, min_rows: int = 100_000, row_group_rows: int = 131_072) -> tuple[int, int]:
+    def compact(self, *, min_rows: int = 100_000, row_group_rows: int | None = None) -> tuple[int, int]:
         """Merge each (topic, date, partition)'s small files into files of at least ``min_rows`` rows,
-        with row groups of ``row_group_rows`` for scans. Returns (files before, files after).
+        with row groups of ``row_group_rows`` rows (default ``ROW_GROUP_ROWS``). Returns (files
+        before, files after).
 
         Safe against crashes and concurrent readers: the merged file is durable (atomic rename)
         before the files it replaces are removed; until then readers see overlapping offset
@@ -566,7 +564,8 @@ class ParquetArchive:
             self._merge(directory, partition, epoch, run, row_group_rows)  # the remainder
         return len(before), len(self._local_files())
 
-    def _merge(self, directory: Path, partition: int, epoch: int, files: list[Path], row_group_rows: int) -> None:
+    def _merge(self, directory: Path, partition: int, epoch: int, files: list[Path], row_group_rows: int | None
+               ) -> None:
         if len(files) < 2:
             return
         # Files written before typed columns existed get them here; the value is read as it is.
@@ -761,9 +760,14 @@ def broker_watermarks(settings: Settings, topics: Iterable[str], timeout_s: floa
 SINK_TMP, COMPACT_TMP = ".tmp", ".compact.tmp"
 
 
+#: Rows per Parquet row group, in the sink's files and compacted ones: the units the audit's plan cuts
+#: into tasks (1,024 records are about 2 MB of the simulator's 60-block batches).
+ROW_GROUP_ROWS = 1024
+
+
 def _atomic_write(table: pa.Table, path: Path, row_group_rows: int | None = None, suffix: str = SINK_TMP) -> None:
     tmp = path.with_name(path.name + suffix)
-    pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_rows)
+    pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_rows or ROW_GROUP_ROWS)
     _publish(tmp, path)
 
 

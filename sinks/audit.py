@@ -25,7 +25,7 @@ from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fo
 from nodeshare.streams.core.confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH
 
 from .archive import ParquetArchive
-from .fast_audit import fast_recompute
+from .fast_audit import Progress, Runner, fast_recompute, in_process
 from .ledger import Ledger, charge_differences
 from .pending import PendingJob, pending_jobs
 
@@ -151,30 +151,43 @@ def policy_of(charge: Charge) -> PricingPolicy:
 
 @dataclass
 class JobsAudit:
-    """One part of the audit: the ledger rows of some jobs recomputed and compared. ``checked``
-    holds each row's key and its differences (none: a match), in no particular order."""
+    """The ledger rows recomputed and compared. ``checked`` holds each row's key and its
+    differences (none: a match), in no particular order."""
 
     checked: list[tuple[tuple[str, int], list[Mismatch]]] = field(default_factory=list)
     missing: list[tuple[str, int]] = field(default_factory=list)  # recomputed, not in the ledger
-    held: set[str] = field(default_factory=set)  # the jobs whose ledger rows this part compared
     fast_path_jobs: int = 0
     reference_path_jobs: int = 0
     samples: int = 0  # shutter samples the fast path checked
 
 
+def reference_task(location: Path | str, keys: list[bytes] | None, policies: dict[str, PricingPolicy],
+                   default: PricingPolicy) -> tuple[dict[tuple[str, int], Charge], dict[tuple[str, int], Charge], int]:
+    """One task of the reference path: these jobs' archived messages (None: every message) folded by
+    the stream's own functions. Returns their charges, the revisions a correction superseded, and
+    the jobs (message keys) folded."""
+    messages = archived_messages(ParquetArchive(location), None if keys is None else set(keys))
+    superseded: dict[tuple[str, int], Charge] = {}
+    return recompute(messages, policies, default, superseded), superseded, len(messages)
+
+
 def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charge], beyond: set[str],
-               default: PricingPolicy, fast: bool, window: Window = EVERY_JOB) -> JobsAudit:
-    """Recompute the charges ``archive`` (the whole archive, or a view of some partitions) yields
-    and compare them with ``ledger_rows`` (the rows of the jobs it holds, those beyond retention
-    left out). With ``fast``, the vectorized path recomputes the clean jobs and the reference fold
-    the rest, including every job where the two disagree with the ledger; without it, the
-    reference fold recomputes everything."""
+               default: PricingPolicy, fast: bool, window: Window = EVERY_JOB, runner: Runner | None = None,
+               progress: AuditProgress | None = None) -> JobsAudit:
+    """Recompute the charges ``archive`` yields and compare them with ``ledger_rows`` (those beyond
+    retention left out). With ``fast``, the vectorized path recomputes the clean jobs and the
+    reference fold the rest, including every job where the two disagree with the ledger; without
+    it, the reference fold recomputes everything. Both run as tasks on ``runner`` (default:
+    threads of this process): the vectorized fold in chunks of the archive's row groups, the
+    reference fold (pure Python) in groups of jobs on a runner of processes, in one task here."""
+    runner = runner if runner is not None else in_process(archive.threads)
     policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}
     recomputed: dict[tuple[str, int], Charge] = {}
     reference_jobs: set[str] | None = None  # None: every job
     samples = 0
     if fast:
-        result = fast_recompute(archive.location, policies, default, archive.partitions, archive.threads)
+        result = fast_recompute(archive.location, policies, default, archive.partitions, archive.threads,
+                                runner=runner, progress=progress)
         samples = result.samples
         reference_jobs = set(result.ineligible)
         for key, charge in result.charges.items():
@@ -186,32 +199,27 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
         reference_jobs |= {job for (job, revision) in ledger_rows if (job, revision) not in recomputed}
         recomputed = {k: c for k, c in recomputed.items() if k[0] not in reference_jobs}
         reference_jobs -= beyond  # their partial events would only re-fold to a charge that is not compared
-    messages = archived_messages(archive, None if reference_jobs is None else {j.encode() for j in reference_jobs})
+    calls: list[tuple[Any, ...]] = [(archive.location, None, policies, default)]  # every message, whatever its key
+    if reference_jobs is not None:
+        keys = sorted(reference_jobs)
+        groups = runner.slots if runner.processes else 1
+        calls = [(archive.location, [k.encode() for k in group], {k: policies[k] for k in group if k in policies},
+                  default) for group in (keys[i::groups] for i in range(groups)) if group]
     fast_jobs = {k[0] for k in recomputed}
     superseded: dict[tuple[str, int], Charge] = {}
-    recomputed.update(recompute(messages, policies, default, superseded))
-    part = JobsAudit(held={job for job, _ in ledger_rows}, fast_path_jobs=len(fast_jobs),
-                     reference_path_jobs=len(messages), samples=samples)
+    folded = 0
+    for charges, replaced, jobs in runner.map(reference_task, calls):
+        for key, charge in charges.items():
+            recomputed.setdefault(key, charge)
+        superseded.update(replaced)
+        folded += jobs
+    part = JobsAudit(fast_path_jobs=len(fast_jobs), reference_path_jobs=folded, samples=samples)
     for key, row in ledger_rows.items():
         again = recomputed.get(key, superseded.get(key))
         part.checked.append((key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")]
                              if again is None else diff_charges(row, again)))
     part.missing = [k for k, c in recomputed.items()
                     if k not in ledger_rows and k[0] not in beyond and window.holds(c.end_time)]
-    return part
-
-
-def audit_partitions(archive_root: str, ledger_path: str, partitions: tuple[int, ...], beyond: set[str],
-                     default: PricingPolicy, fast: bool, window: Window = EVERY_JOB) -> JobsAudit:
-    """One task of a distributed audit: the jobs whose records these input partitions hold (a job
-    keyed by its id lives in one partition of each topic), their ledger rows read here (the
-    ledger file, read-only, must be reachable from the worker, as the archive is)."""
-    archive = ParquetArchive(archive_root, partitions, threads=1)  # a Dask worker's thread is one core
-    jobs = archive.keys([NODE_IPC.name, JOBS_LIFECYCLE.name])
-    with Ledger(Path(ledger_path), read_only=True) as ledger:
-        rows = {(c.job_id, c.revision): c for c in ledger.charges(jobs) if c.job_id not in beyond}
-    part = audit_jobs(archive, rows, beyond, default, fast, window)
-    part.held = set(jobs)
     return part
 
 
@@ -233,47 +241,38 @@ def dask_client(workers: int | None = None, scheduler: str | None = None) -> Ite
         yield client
 
 
-#: Reports progress: (tasks done, tasks, shutter samples checked so far).
-AuditProgress = Callable[[int, int, int], None]
-
-
-def _distributed(client: Any, archive_root: Path | str, ledger_path: Path, beyond: set[str], default: PricingPolicy,
-                 fast: bool, progress: AuditProgress | None, window: Window = EVERY_JOB) -> list[JobsAudit] | None:
-    """One task per input partition on a Dask cluster; None when a job's records are found in two
-    tasks' partitions (topics not co-partitioned): the caller then audits in one process."""
+def on_dask(client: Any) -> Runner:
+    """The audit's tasks on a Dask cluster: as many at once as its workers have threads (each task's
+    DuckDB runs on one)."""
     from distributed import as_completed
 
-    partitions = ParquetArchive(archive_root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
-    futures = [client.submit(audit_partitions, str(archive_root), str(ledger_path), (p,), beyond, default, fast, window,
-                             key=f"nodeshare-audit-p{p}-{uuid.uuid4().hex[:8]}", pure=False) for p in partitions]
-    parts: list[JobsAudit] = []
-    samples = 0
-    for future in as_completed(futures):
-        part = future.result()
-        parts.append(part)
-        samples += part.samples
-        if progress is not None:
-            progress(len(parts), len(futures), samples)
-    seen: set[str] = set()
-    for part in parts:
-        if seen & part.held:
-            return None
-        seen |= part.held
-    return parts
+    def run(fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> Iterator[Any]:
+        futures = [client.submit(fn, *args, key=f"nodeshare-audit-{fn.__name__}-{uuid.uuid4().hex[:12]}", pure=False)
+                   for args in calls]
+        for future in as_completed(futures):
+            yield future.result()
+
+    return Runner(max(1, sum(client.nthreads().values())), run, processes=True)
+
+
+#: Reports progress: (tasks done, tasks, shutter samples folded so far).
+AuditProgress = Progress
 
 
 def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *, fast: bool = True,
-          client: Any = None, progress: AuditProgress | None = None, window: Window = EVERY_JOB) -> AuditReport:
+          client: Any = None, progress: AuditProgress | None = None, window: Window = EVERY_JOB,
+          threads: int | None = None) -> AuditReport:
     """Verify the ledger against the archive. The hash chain, the ledger's columns and
-    conservation are checked here, globally; the recomputation runs in this process, or with
-    ``client`` (a dask.distributed Client) as one task per input partition, merged into the
-    same report. With a ``window``, only jobs that ended in it (their current revision's end; for a
-    job the ledger lacks, the end its archive yields) are compared and looked for."""
+    conservation are checked here, globally; the recomputation runs as tasks, on ``threads``
+    threads of this process (default: one per core) or with ``client`` (a dask.distributed Client)
+    on its cluster: one code path, the same report. With a ``window``, only jobs that ended in it
+    (their current revision's end; for a job the ledger lacks, the end its archive yields) are
+    compared and looked for."""
     with Ledger(ledger_path, read_only=True) as ledger:
         ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
         drift = ledger.column_drift()
         chain = ledger.verify_chain()
-    archive = ParquetArchive(archive_root)
+    archive = ParquetArchive(archive_root, threads=threads)
     pruned = archive.retention()
     beyond = {job for (job, _), c in ledger_rows.items()
               if any(r.first_offset <= pruned.get((r.topic, r.partition), -1) for r in c.event_range)}
@@ -281,32 +280,21 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
     pruned_rows = sum(k[0] in beyond for k in ledger_rows)
     beyond = beyond | outside  # neither compared nor looked for, as the rows beyond retention
     all_rows, ledger_rows = ledger_rows, {k: c for k, c in ledger_rows.items() if k[0] not in beyond}
-    parts = None
-    if client is not None:
-        parts = _distributed(client, archive_root, ledger_path, beyond, default, fast, progress, window)
-        if parts is None:
-            log.warning("a job's records are in two input partitions (topics not co-partitioned): "
-                        "auditing in one process")
-    if parts is None:
-        parts = [audit_jobs(archive, ledger_rows, beyond, default, fast, window)]
-    held = set().union(*(p.held for p in parts))
-    checked = [c for p in parts for c in p.checked]
-    checked += [(key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")])
-                for key in ledger_rows if key[0] not in held]  # jobs no partition holds
+    runner = on_dask(client) if client is not None else in_process(threads)
+    part = audit_jobs(archive, ledger_rows, beyond, default, fast, window, runner, progress)
     report = AuditReport(events_read=archive.count(), chain_ok=chain.ok,
-                         fast_path_jobs=sum(p.fast_path_jobs for p in parts),
-                         reference_path_jobs=sum(p.reference_path_jobs for p in parts),
+                         fast_path_jobs=part.fast_path_jobs, reference_path_jobs=part.reference_path_jobs,
                          chain_error=chain.error,
                          conservation_violations=conservation_violations(list(all_rows.values())),
                          beyond_retention=pruned_rows,
                          outside_window=len(all_rows) - len(ledger_rows) - pruned_rows)
     # A SQL column edited behind the record's back is tampering too: analysts read the columns.
     report.mismatches += [Mismatch(j, r, f"column {c}", v, want) for j, r, c, v, want in drift]
-    for _, diffs in sorted(checked, key=lambda c: c[0]):
+    for _, diffs in sorted(part.checked, key=lambda c: c[0]):
         report.charges_checked += 1
         report.mismatches += diffs
         report.matches += not diffs
-    report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(m for p in parts for m in p.missing)]
+    report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(part.missing)]
     # ended jobs with no charge anywhere: the fold above yields none, so no comparison can miss them
     latest: dict[str, int] = {}
     for job, revision in all_rows:

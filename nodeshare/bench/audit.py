@@ -5,7 +5,9 @@ shutter blocks; its node.ipc and jobs.lifecycle records (the topics the audit re
 as the archive sink would store them, then compacted. Then, in alternating rounds so that a
 shared machine's drift slows both alike: the vectorized recomputation of every charge, and a
 plain DuckDB scan of the same files (reading every column: the value bytes, the typed columns
-and every element of the typed list columns) as the yardstick.
+and every element of the typed list columns) as the yardstick. Then the scaling: the same audit on
+one thread (the per-core yardstick), and on local Dask clusters of 1, 2, ... worker processes,
+each with its throughput, its efficiency (throughput / (workers x one thread's)) and its tasks.
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,7 +33,8 @@ from nodeshare.producers.job_mix import synthetic_jobs
 from nodeshare.schemas import TOPIC_OF_RECORD, ShutterBlock, encode, key_of
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.sinks.archive import IPC_FIELDS, IPC_LISTS, ArchivedEvent, ParquetArchive
-from nodeshare.sinks.fast_audit import FastResult, fast_recompute
+from nodeshare.sinks.audit import dask_client, on_dask
+from nodeshare.sinks.fast_audit import FastResult, Runner, fast_recompute, in_process, plan_chunks
 from nodeshare.streams.core.accounting import PricingPolicy
 
 from .machine import machine_stamp
@@ -45,7 +46,9 @@ class AuditBench:
     jobs: int
     samples: int
     files: int
+    row_groups: int
     archive_mb: float
+    # the audit as ``nodeshare audit`` runs it by default: tasks on a thread per core of this process
     audit_s: float
     samples_per_s: float
     scan_s: float
@@ -54,15 +57,14 @@ class AuditBench:
     rounds: int
     machine: str
     date: str
-    # the same recomputation as one Dask task per archive partition on a LocalCluster of N worker
-    # processes (median seconds of the rounds, cluster start excluded)
-    samples_per_s_by_workers: dict[str, int] = field(default_factory=dict)
-    speedup_2_workers: float | None = None
-    partitions: int = 0
-    # the machine's own yardstick: the same tasks on a plain pool of N processes, no Dask; what two
-    # processes gain here bounds what two Dask workers can
-    samples_per_s_by_processes: dict[str, int] = field(default_factory=dict)
-    speedup_2_processes: float | None = None
+    tasks: int = 0
+    # the per-core yardstick: the same audit on one thread of this process (one task)
+    single_thread_samples_per_s: int = 0
+    # per count of Dask worker processes (one thread each, a LocalCluster, started before the clock):
+    # samples_per_s, efficiency = samples_per_s / (workers x single_thread_samples_per_s), tasks
+    by_workers: dict[str, dict[str, float]] = field(default_factory=dict)
+    speedup_2_workers: float | None = None  # 2 Dask workers over the single thread
+    efficiency_1_worker: float | None = None
 
 
 #: A broker appends a record a few milliseconds after the agent stamped it (the archive keeps the
@@ -147,8 +149,8 @@ def write_simulated_archive(root: Path, blocks: int, *, nodes: int = 64, partiti
 
 
 def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], FastResult]:
-    """Seconds of the plain scan and of the audit, in alternating rounds (a machine that slows down
-    mid-bench slows both alike), and the audit's last result."""
+    """Seconds of the plain scan and of the audit (tasks on a thread per core), in alternating rounds
+    (a machine that slows down mid-bench slows both alike), and the audit's last result."""
     glob = ParquetArchive(root).glob_sql()
     # The yardstick reads every column of every file: the value bytes, the typed scalar columns and
     # every element of the typed list columns (a batch's blocks).
@@ -172,62 +174,42 @@ def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], Fa
     return scan, runs, result
 
 
-def _partition_task(root: str, partition: int) -> int:
-    """One distributed task: the fast recomputation of one partition; the samples it checked."""
-    return fast_recompute(Path(root), {}, PricingPolicy(), (partition,), threads=1).samples
-
-
-@contextmanager
-def _dask_pool(workers: int) -> Iterator[Executor]:
-    """A LocalCluster of ``workers`` processes, as a concurrent.futures executor."""
-    from nodeshare.sinks.audit import dask_client
-
-    with dask_client(workers=workers) as client:
-        yield client.get_executor(pure=False)
-
-
-def _plain_pool(workers: int) -> ProcessPoolExecutor:
-    """A plain process pool: no scheduler, no serialization beyond the pool's (the machine's own ceiling)."""
-    return ProcessPoolExecutor(max_workers=workers)
-
-
-def _timed_pools(root: Path, workers: list[int], rounds: int,
-                 pool: Callable[[int], AbstractContextManager[Executor]]) -> tuple[dict[int, float], int, int]:
-    """Median seconds of the recomputation as one task per partition (largest first) on a pool of
-    each number of workers (a first round warms every worker up and is not counted), the samples
-    the tasks checked, and the number of partitions."""
-    partitions = ParquetArchive(root).largest_partitions_first([NODE_IPC.name, JOBS_LIFECYCLE.name])
-    seconds: dict[int, float] = {}
+def _timed(root: Path, runner: Runner, rounds: int) -> tuple[float, int]:
+    """Median seconds of the recomputation on ``runner`` (a first round warms it up and is not
+    counted), and the samples it checked."""
+    runs = []
     samples = 0
-    for n in workers:
-        with pool(n) as executor:
-            runs = []
-            for r in range(rounds + 1):
-                t = time.perf_counter()
-                samples = sum(executor.map(_partition_task, [str(root)] * len(partitions), partitions))
-                if r:
-                    runs.append(time.perf_counter() - t)
-        seconds[n] = float(np.median(runs))
-    return seconds, samples, len(partitions)
+    for r in range(rounds + 1):
+        t = time.perf_counter()
+        samples = fast_recompute(root, {}, PricingPolicy(), runner=runner).samples
+        if r:
+            runs.append(time.perf_counter() - t)
+    return float(np.median(runs)), samples
 
 
 def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
                     progress: Callable[[int], None] | None = None, workers: list[int] | None = None) -> AuditBench:
     root = workdir / f"bench-archive-{uuid.uuid4().hex[:8]}"
-    by_workers: dict[int, float] = {}
-    by_processes: dict[int, float] = {}
-    partitions = 0
+    by_workers: dict[str, dict[str, float]] = {}
     try:
         jobs = write_simulated_archive(root, blocks, progress=progress)
-        files = ParquetArchive(root).files()
+        view = ParquetArchive(root)
+        files = view.files()
+        row_groups = sum(len(view.row_groups(f)) for f in files)
         archive_mb = round(sum(f.stat().st_size for f in files) / 1e6, 1)
         scan, runs, result = _timed_rounds(root, rounds)
-        if workers:
-            by_workers, spread_samples, partitions = _timed_pools(root, workers, max(3, rounds // 2), _dask_pool)
+        tasks = len(plan_chunks(view, in_process().tasks))
+        single_s, single_samples = _timed(root, in_process(1), max(3, rounds // 2))
+        single = single_samples / single_s
+        for n in workers or []:
+            with dask_client(workers=n) as client:
+                runner = on_dask(client)
+                seconds, spread_samples = _timed(root, runner, max(3, rounds // 2))
             if spread_samples != result.samples:
-                raise RuntimeError(f"the partitions' tasks checked {spread_samples} samples, one process "
-                                   f"{result.samples}")
-            by_processes = _timed_pools(root, workers, max(3, rounds // 2), _plain_pool)[0]
+                raise RuntimeError(f"{n} workers' tasks checked {spread_samples} samples, one process {result.samples}")
+            rate = spread_samples / seconds
+            by_workers[str(n)] = {"samples_per_s": round(rate), "efficiency": round(rate / (n * single), 3),
+                                  "tasks": len(plan_chunks(view, runner.tasks))}
     finally:
         shutil.rmtree(root, ignore_errors=True)  # hundreds of MB at large sizes; the bench regenerates it
     if result.ineligible or len(result.charges) != jobs or result.parsed_rows:
@@ -238,18 +220,14 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
     ratios = [s / a for s, a in zip(scan, runs, strict=True)]
     samples = result.samples
     return AuditBench(
-        blocks=samples // 3, jobs=jobs, samples=samples, files=len(files),
+        blocks=samples // 3, jobs=jobs, samples=samples, files=len(files), row_groups=row_groups,
         archive_mb=archive_mb,
         audit_s=round(audit_s, 3), samples_per_s=round(samples / audit_s),
         scan_s=round(scan_s, 4), ratio_to_scan=round(float(np.median(ratios)), 4),
         ratio_range=(round(min(ratios), 4), round(max(ratios), 4)), rounds=rounds,
         machine=machine_stamp(),
         date=datetime.now(UTC).date().isoformat(),
-        samples_per_s_by_workers={str(n): round(samples / t) for n, t in by_workers.items()},
-        speedup_2_workers=round(by_workers[1] / by_workers[2], 3) if {1, 2} <= by_workers.keys() else None,
-        partitions=partitions,
-        samples_per_s_by_processes={str(n): round(samples / t) for n, t in by_processes.items()},
-        speedup_2_processes=round(by_processes[1] / by_processes[2], 3) if {1, 2} <= by_processes.keys() else None,
+        tasks=tasks, single_thread_samples_per_s=round(single), by_workers=by_workers,
+        speedup_2_workers=round(by_workers["2"]["samples_per_s"] / single, 3) if "2" in by_workers else None,
+        efficiency_1_worker=by_workers["1"]["efficiency"] if "1" in by_workers else None,
     )
-
-

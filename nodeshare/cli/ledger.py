@@ -45,12 +45,15 @@ def audit(
         "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)")],
     ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")],
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    threads: Annotated[int | None, typer.Option(
+        min=1, help="recompute on this many threads of this process (default: one per core); the archive's "
+        "row groups are cut into tasks, whatever its partitions")] = None,
     workers: Annotated[int | None, typer.Option(
-        min=1, help="recompute on a local Dask cluster of this many processes, one task per archive partition")]
+        min=1, help="recompute on a local Dask cluster of this many processes instead (the same tasks)")]
     = None,
     scheduler: Annotated[str | None, typer.Option(
         help="recompute on this Dask scheduler (tcp://host:8786), e.g. workers started as Slurm jobs by "
-        "dask-jobqueue; the archive and the ledger must be reachable from its workers")] = None,
+        "dask-jobqueue; the archive must be reachable from its workers (the ledger is read here)")] = None,
     ended_from: Annotated[str | None, typer.Option(
         "--from", help="only jobs that ended from this time (YYYY-MM-DD[THH:MM[:SS]], UTC)")] = None,
     ended_to: Annotated[str | None, typer.Option(
@@ -75,16 +78,20 @@ def audit(
     if workers is not None and scheduler is not None:
         err.print("[red]audit[/red]: --workers starts a local cluster, --scheduler uses one: give one of them")
         raise typer.Exit(2)
+    if threads is not None and (workers is not None or scheduler is not None):
+        err.print("[red]audit[/red]: --threads is this process's; a Dask cluster (--workers, --scheduler) runs "
+                  "the tasks on its own workers: give one of them")
+        raise typer.Exit(2)
     try:
         with dask_client(workers, scheduler) as client, progress_bar() as bar:
-            task = bar.add_task("partitions audited", total=None, visible=client is not None)
+            task = bar.add_task("archive chunks folded", total=None, visible=err.is_terminal)
 
             def progress(done: int, total: int, samples: int) -> None:
                 bar.update(task, completed=done, total=total,
-                           description=f"partitions ({samples / 1e6:.1f} M samples)")
+                           description=f"archive chunks folded ({samples / 1e6:.1f} M samples)")
             root = archive if "://" in archive else Path(archive).resolve()
             report = run_audit(root, ledger.resolve(), settings.policy(), client=client,
-                               progress=progress, window=window)
+                               progress=progress, window=window, threads=threads)
     except FileNotFoundError as exc:
         err.print(f"[red]audit failed[/red]: {exc}")
         raise typer.Exit(2) from None

@@ -13,7 +13,9 @@ import pytest
 from factories import POLICY, build
 from slurm_cluster import local_slurm, missing
 
+from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.audit import audit
+from nodeshare.sinks.fast_audit import plan_chunks
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(missing() is not None, reason=str(missing()))]
@@ -40,4 +42,6 @@ def test_dask_workers_started_as_slurm_jobs_audit_as_one_process(tmp_path: Path,
                 calls: list[tuple[int, int, int]] = []
                 spread = audit(archive, ledger, POLICY, client=client, progress=lambda *a: calls.append(a))
     assert spread.as_dict() == single.as_dict() and single.ok and single.charges_checked == n
-    assert len(calls) == 4  # one task per partition, each reported done
+    # two chunks per worker slot (as many as the archive's row groups allow), each reported done once
+    tasks = len(plan_chunks(ParquetArchive(archive), 4))
+    assert tasks > 1 and [(d, t) for d, t, _ in calls] == [(i + 1, tasks) for i in range(tasks)]

@@ -1,21 +1,25 @@
-"""The audit beyond one process (issue 29): one Dask task per archive partition on a LocalCluster
-of real worker processes gives the report the single process gives, field by field, on clean and
-tampered simulated archives; each tampering is found by the task whose partition holds the job.
-(Mutations: a task comparing every ledger row instead of its own jobs' double-counts and fails the
-equality; dropping the jobs no partition holds loses their mismatch.)"""
+"""The audit as tasks (issues 29, 38): the archive's row groups are cut into chunks, whatever its
+partitions; each task folds its chunk, the folds add up per stream, and the order check holds
+across the cuts. In this process on one thread or several, or on a LocalCluster of real Dask
+worker processes, the report is the same, field by field, on clean and tampered archives.
+(Mutations: a merge that keeps one chunk's first cycle instead of the stream's, or an order
+check that only looks inside chunks, fail the cut-stream tests; a task comparing every ledger
+row instead of the audit comparing once double-counts and fails the equality.)"""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from factories import POLICY, build
+from factories import POLICY, archive_records, block, build, job_event, left
 
-from nodeshare.schemas import encode
+from nodeshare.schemas import JobState, encode
 from nodeshare.sinks.archive import ParquetArchive
-from nodeshare.sinks.audit import audit, audit_partitions, dask_client
+from nodeshare.sinks.audit import archived_messages, audit, dask_client, on_dask, recompute
+from nodeshare.sinks.fast_audit import fast_recompute, fold_chunk, in_process, plan_chunks
 from nodeshare.sinks.ledger import Ledger
 
 PARTITIONS = 4
@@ -29,25 +33,34 @@ def client():
 
 def _both(archive, ledger, client):
     calls: list[tuple[int, int, int]] = []
-    single = audit(archive, ledger, POLICY)
+    single = audit(archive, ledger, POLICY, threads=1)
+    threaded = audit(archive, ledger, POLICY, threads=3)
     spread = audit(archive, ledger, POLICY, client=client, progress=lambda *a: calls.append(a))
-    assert spread.as_dict() == single.as_dict()  # the same report, field by field, the same order
-    assert spread.mismatches == single.mismatches
-    held = ParquetArchive(archive).partitions_held(["node.ipc", "jobs.lifecycle"])
-    assert [(d, t) for d, t, _ in calls] == [(i + 1, len(held)) for i in range(len(held))]  # one task each
+    assert spread.as_dict() == single.as_dict() == threaded.as_dict()  # the same report, field by field
+    assert spread.mismatches == single.mismatches == threaded.mismatches
+    tasks = len(plan_chunks(ParquetArchive(archive), on_dask(client).tasks))
+    assert [(d, t) for d, t, _ in calls] == [(i + 1, tasks) for i in range(tasks)]  # each chunk once
     return single, calls
+
+
+def _row_groups(archive, rows):
+    """Every node.ipc file rewritten with row groups of ``rows`` rows: many chunks from few jobs."""
+    for f in (archive / "topic=node.ipc").rglob("*.parquet"):
+        pq.write_table(pq.read_table(f), f, row_group_size=rows)
 
 
 def test_a_clean_archive_on_four_partitions_audits_the_same_in_tasks(tmp_path, client):
     archive, ledger, n = build(tmp_path, partitions=PARTITIONS, jobs=16)
     assert ParquetArchive(archive).partitions_held(["node.ipc"]) == list(range(PARTITIONS))
+    _row_groups(archive, 3)
     report, calls = _both(archive, ledger, client)
     assert report.ok and report.charges_checked == report.matches == n == 16
     assert report.fast_path_jobs == 16
-    assert calls[-1][2] > 0  # samples checked, as the progress bar shows them
+    assert len(calls) > PARTITIONS  # more tasks than partitions: the row groups, not the partitions, set them
+    assert calls[-1][2] > 0  # samples folded, as the progress bar shows them
 
 
-def test_tampering_is_found_by_the_task_that_owns_the_job(tmp_path, client):
+def test_tampering_is_found_by_the_task_whose_chunk_holds_the_event(tmp_path, client):
     archive, ledger, _ = build(tmp_path, partitions=PARTITIONS, jobs=16)
     con = duckdb.connect(str(ledger))
     edited = con.execute("SELECT job_id FROM charges ORDER BY job_id LIMIT 1").fetchone()[0]
@@ -61,17 +74,18 @@ def test_tampering_is_found_by_the_task_that_owns_the_job(tmp_path, client):
     rec = json.loads(values[row])
     rec["during"]["instructions"][0] *= 2
     values[row] = json.dumps(rec).encode()
-    pq.write_table(table.set_column(table.schema.get_field_index("value"), "value", [values]), f)
+    pq.write_table(table.set_column(table.schema.get_field_index("value"), "value", [values]), f, row_group_size=3)
     report, _ = _both(archive, ledger, client)
     assert not report.ok and {m.job_id for m in report.mismatches} == {edited, rec["job_id"]}
-    # the task of partition 3 alone finds the edited event, and holds none of the other partitions' jobs
-    part = audit_partitions(str(archive), str(ledger), (3,), set(), POLICY, True)
-    assert rec["job_id"] in part.held
-    assert {key[0] for key, diffs in part.checked if diffs} >= {rec["job_id"]}
-    assert all(key[0] in part.held for key, _ in part.checked)
+    # the one task whose chunk holds that row names its job; no other task does
+    view = ParquetArchive(archive)
+    naming = [c for c in plan_chunks(view, 12)
+              if rec["job_id"] in fold_chunk(archive, c, {}, POLICY.delta).suspects.jobs]
+    assert len(naming) == 1
+    assert any(part[0] == f and (part[2] is None or part[1] <= row < part[2]) for part in naming[0].parts)
 
 
-def test_a_ledger_row_no_partition_holds_is_reported_as_in_one_process(tmp_path, client):
+def test_a_ledger_row_no_chunk_holds_is_reported_as_in_one_process(tmp_path, client):
     archive, ledger, n = build(tmp_path, partitions=PARTITIONS, jobs=8)
     with Ledger(ledger) as led:
         c = led.charges()[0]
@@ -83,28 +97,80 @@ def test_a_ledger_row_no_partition_holds_is_reported_as_in_one_process(tmp_path,
     assert report.charges_checked == n + 1
 
 
-def test_the_cli_audits_on_local_workers_with_the_same_json(tmp_path):
+def test_the_cli_audits_on_threads_and_local_workers_with_the_same_json(tmp_path):
     from typer.testing import CliRunner
 
     from nodeshare.cli import app
 
     archive, ledger, _ = build(tmp_path, partitions=PARTITIONS, jobs=8)
     args = ["audit", "--archive", str(archive), "--ledger", str(ledger), "--json"]
-    single = CliRunner().invoke(app, args)
+    single = CliRunner().invoke(app, [*args, "--threads", "1"])
+    threaded = CliRunner().invoke(app, args)
     spread = CliRunner().invoke(app, [*args, "--workers", "2"])
-    assert single.exit_code == spread.exit_code == 0, spread.output
-    assert json.loads(spread.stdout) == json.loads(single.stdout)
+    assert single.exit_code == threaded.exit_code == spread.exit_code == 0, spread.output
+    assert json.loads(spread.stdout) == json.loads(single.stdout) == json.loads(threaded.stdout)
     both = CliRunner().invoke(app, [*args, "--workers", "2", "--scheduler", "tcp://127.0.0.1:1"])
     assert both.exit_code == 2 and "give one of them" in both.output
+    threads_and_workers = CliRunner().invoke(app, [*args, "--workers", "2", "--threads", "2"])
+    assert threads_and_workers.exit_code == 2 and "give one of them" in threads_and_workers.output
 
 
-def test_partitions_are_handed_out_largest_first(tmp_path):
-    """Longest processing time first: on 2 workers the last task to start is a small one."""
+def test_the_plan_covers_every_row_once_in_balanced_chunks_largest_first(tmp_path):
     archive, _, _ = build(tmp_path, partitions=PARTITIONS, jobs=16)
+    _row_groups(archive, 5)
     view = ParquetArchive(archive)
-    topics = ["node.ipc", "jobs.lifecycle"]
-    size = {p: sum(f.stat().st_size for t in topics for f in ParquetArchive(archive, (p,)).files(t))
-            for p in view.partitions_held(topics)}
-    order = view.largest_partitions_first(topics)
-    assert sorted(order) == sorted(size) and [size[p] for p in order] == sorted(size.values(), reverse=True)
-    assert len(set(size.values())) > 1  # the sizes differ, so the order says something
+    files = view.files("node.ipc")
+    rows = {f: pq.ParquetFile(f).metadata.num_rows for f in files}
+    for tasks in (1, 3, 8, 1000):
+        chunks = plan_chunks(view, tasks)
+        covered = {f: [] for f in files}
+        for chunk in chunks:
+            for f, start, end in chunk.parts:
+                covered[f].append((start, rows[f] if end is None else end))
+        for f, ranges in covered.items():  # each file's rows exactly once, cut at row-group boundaries
+            ranges.sort()
+            assert ranges[0][0] == 0 and ranges[-1][1] == rows[f]
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+            assert all(start % 5 == 0 for start, _ in ranges)
+        sizes = [c.size for c in chunks]
+        assert sizes == sorted(sizes, reverse=True)
+        groups = sum(-(-n // 5) for n in rows.values())
+        assert len(chunks) <= min(groups, tasks + 1)
+        if tasks == 8:  # about 8 chunks of about equal bytes: none above twice the mean
+            assert 6 <= len(chunks) <= 9 and max(sizes) <= 2 * sum(sizes) / len(sizes)
+    assert len(plan_chunks(view, 1000)) == groups  # never finer than a row group
+    assert all(end is None for c in plan_chunks(view, 1) for _, _, end in c.parts)  # whole files: no row filter
+
+
+def _cut_stream_archive(tmp_path, cycles):
+    """One job on one node whose blocks carry these cycles, in this offset order, in row groups of 2
+    rows (a chunk boundary after every second block), and a clean job beside it."""
+    records = [*(block(1.0, 1.4, 1.02, job="j", cycle=c) for c in cycles), left("j", "n1", len(cycles), max(cycles)),
+               job_event("j", JobState.ENDED),
+               *(block(1.0, 1.3, 1.01, job="k", cycle=c) for c in range(6)), left("k", "n1", 6, 5),
+               job_event("k", JobState.ENDED)]
+    archive, ledger, _ = archive_records(tmp_path, records)
+    _row_groups(archive, 2)
+    return archive, ledger
+
+
+@pytest.mark.parametrize("cycles", [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 4, 3, 5, 6, 7], [0, 1, 2, 3, 3, 5],
+                                    [0, 1, 3, 2, 4, 5]])
+def test_a_stream_cut_across_chunks_folds_and_checks_as_one(tmp_path, cycles):
+    """Cycles 4 then 3, or 3 then 3, sit on either side of a chunk boundary (offsets 3 and 4): only
+    the check across chunks sees them; 3 then 2 (offsets 2 and 3) sit inside one chunk. Cut or
+    whole, the fast path gives the same charges and the same ineligible job as on one thread, and
+    a fast charge equals the reference's bit for bit."""
+    archive, ledger = _cut_stream_archive(tmp_path, cycles)
+    one = fast_recompute(archive, {}, POLICY, runner=in_process(1))
+    many = fast_recompute(archive, {}, POLICY, runner=in_process(3))
+    view = ParquetArchive(archive)
+    groups = sum(len(view.row_groups(f)) for f in view.files("node.ipc"))
+    assert len(plan_chunks(view, in_process(3).tasks)) == groups  # a chunk per row group of 2 rows
+    assert many.charges == one.charges and many.ineligible == one.ineligible and many.samples == one.samples
+    increasing = cycles == sorted(set(cycles))
+    assert one.ineligible == (set() if increasing else {"j"})
+    reference = recompute(archived_messages(ParquetArchive(archive)), {}, POLICY)
+    assert all(reference[key] == charge for key, charge in many.charges.items())
+    assert audit(archive, ledger, POLICY, threads=3).ok
+

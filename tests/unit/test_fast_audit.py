@@ -146,15 +146,18 @@ def test_bench_audit_runs_and_reports_its_figures(tmp_path):
     # (audit_s is rounded to the millisecond)
     t = body["audit_s"]
     assert body["samples"] / (t + 5e-4) - 1 <= body["samples_per_s"] <= body["samples"] / max(t - 5e-4, 1e-9) + 1
-    # the same audit as one Dask task per partition on 1 and 2 local workers (default --workers 1,2)
+    # the same audit on one thread, and on 1 and 2 local Dask workers (default --workers 1,2)
     import pytest
 
-    rates = body["samples_per_s_by_workers"]
-    assert set(rates) == {"1", "2"} and body["partitions"] == 4
-    assert body["speedup_2_workers"] == pytest.approx(rates["2"] / rates["1"], rel=1e-3)
-    plain = body["samples_per_s_by_processes"]  # the machine's yardstick: a plain pool, no Dask
-    assert set(plain) == {"1", "2"} and body["speedup_2_processes"] == pytest.approx(plain["2"] / plain["1"], rel=1e-3)
-    assert body["bench"] == "audit" and body["targets"]["speedup_2_workers"] == ">= 1.7"
+    single, scaling = body["single_thread_samples_per_s"], body["by_workers"]
+    assert single > 0 and set(scaling) == {"1", "2"} and body["tasks"] >= 1 and body["row_groups"] >= body["files"]
+    for n, row in scaling.items():
+        assert row["efficiency"] == pytest.approx(row["samples_per_s"] / (int(n) * single), abs=2e-3)
+        assert row["tasks"] >= 1
+    assert body["speedup_2_workers"] == pytest.approx(scaling["2"]["samples_per_s"] / single, rel=1e-3)
+    assert body["efficiency_1_worker"] == scaling["1"]["efficiency"]
+    assert body["bench"] == "audit" and body["targets"]["speedup_2_workers"] == ">= 1.5"
+    assert body["targets"]["efficiency_1_worker"] == ">= 0.8"
 
 
 # ---------------------------------------------------------------- typed archive columns
