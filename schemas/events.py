@@ -71,9 +71,12 @@ MAX_BATCH_BLOCKS = 4096
 #: Counts at or above this are not exact in float64, so no IPC computed from them is trusted.
 MAX_EXACT_COUNT = 2**53
 
-JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$")]
-NodeName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
-Name = Annotated[str, Field(min_length=1, max_length=256)]
+#: What a job id and a node name may hold (the fast audit checks the same in SQL).
+JOB_ID_CHARS, NODE_NAME_CHARS = r"[A-Za-z0-9_.:\-\[\]]", r"[A-Za-z0-9_.\-]"
+ID_MAX_LENGTH, NAME_MAX_LENGTH = 128, 256
+JobId = Annotated[str, Field(min_length=1, max_length=ID_MAX_LENGTH, pattern=f"^{JOB_ID_CHARS}+$")]
+NodeName = Annotated[str, Field(min_length=1, max_length=ID_MAX_LENGTH, pattern=f"^{NODE_NAME_CHARS}+$")]
+Name = Annotated[str, Field(min_length=1, max_length=NAME_MAX_LENGTH)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(gt=0)]
 Fraction01 = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -85,7 +88,7 @@ class Record(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-    event_id: Annotated[str, Field(min_length=1, max_length=128)]
+    event_id: Annotated[str, Field(min_length=1, max_length=ID_MAX_LENGTH)]
     schema_version: int = SCHEMA_VERSION
     source: Name
     event_time: AwareDatetime

@@ -60,6 +60,8 @@ class AuditReport:
     #: yields: a node's block stream is still open or was never seen (sinks/pending.py)
     missing_charges: list[PendingJob] = field(default_factory=list)
     outside_window: int = 0  # ledger rows of jobs that ended outside --from/--to: not compared
+    #: records archived twice (overlapping files) with different contents: "topic[partition]@offset"
+    conflicting_copies: list[str] = field(default_factory=list)
 
     @property
     def conservation_ok(self) -> bool:
@@ -68,7 +70,7 @@ class AuditReport:
     @property
     def ok(self) -> bool:
         return (not self.mismatches and not self.missing_in_ledger and not self.missing_charges and self.chain_ok
-                and self.conservation_ok)
+                and self.conservation_ok and not self.conflicting_copies)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +90,8 @@ class AuditReport:
             "reference_path_jobs": self.reference_path_jobs,
             "mismatch_details": [m.__dict__ for m in self.mismatches[:50]],
             "missing_details": self.missing_in_ledger[:50],
+            "conflicting_copies": len(self.conflicting_copies),
+            "conflicting_copy_details": self.conflicting_copies[:50],
             "missing_charges": len(self.missing_charges),
             "missing_charge_details": [p.as_dict() for p in self.missing_charges[:50]],
         }
@@ -295,6 +299,8 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
         report.mismatches += diffs
         report.matches += not diffs
     report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(part.missing)]
+    report.conflicting_copies = [f"{t}[{p}]@{o}" + (f" (epoch {e})" if e else "")
+                                 for t, p, e, o in archive.conflicting_copies([NODE_IPC.name, JOBS_LIFECYCLE.name])]
     # ended jobs with no charge anywhere: the fold above yields none, so no comparison can miss them
     latest: dict[str, int] = {}
     for job, revision in all_rows:

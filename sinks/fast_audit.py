@@ -39,13 +39,30 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from nodeshare.schemas import BY_NAME, Charge, DecodeError, JobEvent, clock_problem, decode
+from nodeshare.schemas import (
+    BY_NAME,
+    SCHEMA_VERSION,
+    Charge,
+    CounterSource,
+    DecodeError,
+    JobEvent,
+    clock_problem,
+    decode,
+)
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.schemas.events import EARLIEST_EVENT_TIME, MAX_AHEAD_OF_BROKER_S, MAX_BATCH_BLOCKS
+from nodeshare.schemas.events import (
+    EARLIEST_EVENT_TIME,
+    ID_MAX_LENGTH,
+    JOB_ID_CHARS,
+    MAX_AHEAD_OF_BROKER_S,
+    MAX_BATCH_BLOCKS,
+    NAME_MAX_LENGTH,
+    NODE_NAME_CHARS,
+)
 from nodeshare.streams.core.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
 from nodeshare.streams.core.degradation import MIXED_S, SECOND_MOMENTS, estimate_from_totals
 
-from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_range, file_span, typed_columns_sql
+from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_span, overlapping, typed_columns_sql
 
 _EXACT_INT = 2**53  # int64 -> float64 is exact below this
 
@@ -94,13 +111,15 @@ def canonical_ipc_sql() -> str:
     left_fields = [*common, "blocks_sent", "last_cycle", "paused_us"]
     # a list with a null element (a value that is no integer) prints without it: never canonical
     no_null_elements = " AND ".join(f"list_count({n}) = len({n})" for n in _LISTS)
+    # a K = 1 block prints its lists' first elements only: any other element would be unnested unseen
+    one_element = " AND ".join(f"len({n}) = 1" for n in _LISTS)
 
     def unless_null(names: list[str], sql: str, extra: str = "true") -> str:
         return (f"CASE WHEN {' OR '.join(f'{n} IS NULL' for n in names)} OR NOT ({extra}) THEN NULL "
                 f"ELSE encode({sql}) END")
 
     return f"""CASE kind WHEN 'shutter_batch' THEN {unless_null(batch_fields, batch, no_null_elements)}
-                         WHEN 'shutter_block' THEN {unless_null(block_fields, block)}
+                         WHEN 'shutter_block' THEN {unless_null(block_fields, block, one_element)}
                          WHEN 'job_left_node' THEN {unless_null(left_fields, left,
                                                                 'schema_version < 4 OR alone_us IS NOT NULL')} END"""
 
@@ -173,17 +192,33 @@ def _source_sql(archive: ParquetArchive, files: list[PurePath], dedupe: bool, re
         plain = ", ".join(f'"{f.name}"' for f in ARCHIVE_SCHEMA)  # older typed columns are not trusted
         source = f"(SELECT {plain}, {nulls} FROM {read})"
     if dedupe:
-        source = f'(SELECT * FROM {source} QUALIFY row_number() OVER (PARTITION BY "partition", "offset") = 1)'
+        # the copy archived.events keeps too (differing copies fail the audit: conflicting_copies)
+        source = (f'(SELECT * FROM {source} QUALIFY row_number() OVER (PARTITION BY "partition", "offset" '
+                  f'ORDER BY key, value, timestamp_ms) = 1)')
     return source
 
 
 _WHEN = "epoch(TRY_CAST(event_time AS TIMESTAMPTZ))"
-#: A message keyed by its job, with a plausible clock (``schemas.clock_problem``): checked once per
-#: message, before its blocks are unnested.
-_MESSAGE_OK = f"""(coalesce(key = encode(job_id), false)  -- bytes: no UTF-8 decode per row
-                   AND coalesce({_WHEN} >= {EARLIEST_EVENT_TIME.timestamp()}
-                                AND (timestamp_ms <= 0 OR {_WHEN} <= timestamp_ms / 1000 + {MAX_AHEAD_OF_BROKER_S}),
-                                false))"""
+_COUNTERS = ", ".join(f"'{c.value}'" for c in CounterSource)
+#: An event time as the encoder writes it, with its time zone (pydantic's AwareDatetime refuses
+#: one without; DuckDB's cast would read it as UTC). Any other spelling goes to the reference path.
+_ISO_TIME = (r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])T([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?"
+             r"(Z|[+-]([01]\d|2[0-3]):[0-5]\d)")
+#: A message the reference decoder accepts as far as its fields go (the byte check has proven the
+#: typed columns are its fields: no field missing, none extra, every one of its type), keyed by its
+#: job, with a plausible clock (``schemas.clock_problem``): every rule of the models that the
+#: fold's block checks do not cover. Checked once per message, before its blocks are unnested.
+_MESSAGE_OK = f"""coalesce(key = encode(job_id)  -- bytes: no UTF-8 decode per row
+                   AND schema_version BETWEEN 1 AND {SCHEMA_VERSION}
+                   AND length(event_id) BETWEEN 1 AND {ID_MAX_LENGTH} AND length(source) BETWEEN 1 AND {NAME_MAX_LENGTH}
+                   AND regexp_full_match(job_id, '{JOB_ID_CHARS}{{1,{ID_MAX_LENGTH}}}')
+                   AND regexp_full_match(node, '{NODE_NAME_CHARS}{{1,{ID_MAX_LENGTH}}}')
+                   AND regexp_full_match(event_time, '{_ISO_TIME}')
+                   AND CASE kind WHEN 'job_left_node' THEN paused_us >= 0
+                                 WHEN 'shutter_batch' THEN seq >= 0 AND counter IN ({_COUNTERS})
+                                 ELSE counter IN ({_COUNTERS}) END
+                   AND {_WHEN} >= {EARLIEST_EVENT_TIME.timestamp()}
+                   AND (timestamp_ms <= 0 OR {_WHEN} <= timestamp_ms / 1000 + {MAX_AHEAD_OF_BROKER_S}), false)"""
 
 
 def _unnested_sql(rows: str) -> str:
@@ -285,19 +320,22 @@ def order_edges(con: duckdb.DuckDBPyConnection, source: str) -> list[Edge]:
     must be above the previous row's offset and last cycle, and a batch's own cycles must strictly
     increase; a row that fails is an edge marked backwards. Every run's first and last rows are
     edges too, for the comparison across runs."""
-    same = "{0}job_id IS NOT DISTINCT FROM job_id AND {0}node IS NOT DISTINCT FROM node"
+    # a run goes on while the stream does and its offsets do not go down
+    same = ('{0}job_id IS NOT DISTINCT FROM job_id AND {0}node IS NOT DISTINCT FROM node '
+            'AND coalesce({1}, false)')
     return [tuple(row) for row in con.execute(f"""
         WITH scan AS (  -- a streaming window: the order the scan produces, no sort
             SELECT job_id, node, "offset", cycle, top, inside, lag(job_id) OVER () AS p_job_id,
                    lag(node) OVER () AS p_node, lead(job_id) OVER () AS n_job_id, lead(node) OVER () AS n_node,
-                   lag("offset") OVER () AS p_offset, lag(top) OVER () AS p_top
+                   lag("offset") OVER () AS p_offset, lead("offset") OVER () AS n_offset, lag(top) OVER () AS p_top
             FROM (SELECT job_id, node, "offset", l_cycle[1] AS cycle, l_cycle[-1] AS top,
                          -- a batch's own cycles strictly increase
                          l_cycle = list_sort(l_cycle) AND len(list_distinct(l_cycle)) = len(l_cycle) AS inside
                   FROM {source} WHERE kind IN ('shutter_block', 'shutter_batch')))
         SELECT job_id, node, "offset", cycle, top, first, last,
                NOT coalesce(inside, false) OR (NOT first AND NOT ("offset" > p_offset AND cycle > p_top))
-        FROM (SELECT *, NOT ({same.format("p_")}) AS first, NOT ({same.format("n_")}) AS last FROM scan)
+        FROM (SELECT *, NOT ({same.format("p_", 'p_offset <= "offset"')}) AS first,
+                        NOT ({same.format("n_", 'n_offset >= "offset"')}) AS last FROM scan)
         WHERE first OR last OR NOT ("offset" > p_offset AND cycle > p_top) OR NOT coalesce(inside, false)
     """).fetchall()]
 
@@ -438,7 +476,7 @@ def plan_chunks(archive: ParquetArchive, tasks: int) -> list[Chunk]:
     files = archive.files(NODE_IPC.name)
     if not files:
         return []
-    if _overlapping(files):  # copies are found by offset across files: one task sees them all
+    if overlapping(files):  # copies are found by offset across files: one task sees them all
         return [Chunk(tuple((f, 0, None) for f in files), 0, dedupe=True)]
     groups = {f: archive.row_groups(f) for f in files}
     target = sum(size for g in groups.values() for _, size in g) / max(1, tasks)
@@ -473,17 +511,24 @@ def _whole_files(parts: list[tuple[PurePath, int, int | None]], f: PurePath, tot
 
 
 def _read_sql(archive: ParquetArchive, parts: Iterable[tuple[PurePath, int, int | None]]) -> str:
-    """The rows of a chunk's parts as one relation: whole files in one scan, a file's row range by
-    its row numbers (DuckDB skips the row groups outside it)."""
+    """The rows of a chunk's parts as one relation, in the parts' order (the order check compares
+    neighbouring rows): consecutive whole files in one scan, a file's row range by its row numbers
+    (DuckDB skips the row groups outside it)."""
     def quoted(f: PurePath) -> str:
         return "'" + archive.uri(f).replace("'", "''") + "'"
 
-    parts = list(parts)
-    whole = [f for f, _, end in parts if end is None]
-    reads = [f"SELECT * FROM read_parquet([{', '.join(map(quoted, whole))}], union_by_name = true)"] if whole else []
-    reads += [f"SELECT * EXCLUDE (file_row_number) FROM read_parquet({quoted(f)}, file_row_number = true) "
-              f"WHERE file_row_number >= {start} AND file_row_number < {end}" for f, start, end in parts
-              if end is not None]
+    reads: list[str] = []
+    whole: list[PurePath] = []
+    for f, start, end in [*parts, (PurePath(), 0, -1)]:  # a last range flushes the whole files before it
+        if end is None:
+            whole.append(f)
+            continue
+        if whole:
+            reads.append(f"SELECT * FROM read_parquet([{', '.join(map(quoted, whole))}], union_by_name = true)")
+            whole = []
+        if end >= 0:
+            reads.append(f"SELECT * EXCLUDE (file_row_number) FROM read_parquet({quoted(f)}, file_row_number = true) "
+                         f"WHERE file_row_number >= {start} AND file_row_number < {end}")
     return "(" + " UNION ALL BY NAME ".join(reads) + ")"
 
 
@@ -638,7 +683,7 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     parsed = 0
     if suspects.rows:
         files = archive.files(NODE_IPC.name)
-        source = _source_sql(archive, files, _overlapping(files))
+        source = _source_sql(archive, files, overlapping(files))
         con = con if con is not None else archive.connect()
         delta, join = _delta_sql(con, deltas, default_delta)
         con.register("suspects", pa.table({"key": pa.array(sorted(suspects.keys), pa.binary())}))
@@ -649,13 +694,6 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
         streams += [s for s in again if s.job in suspects.jobs]
         parsed = total - typed
     return streams, suspects.verified_rows, parsed
-
-
-def _overlapping(files: list[PurePath]) -> bool:
-    """Whether two archive files hold the same offsets (a compaction in progress): only then are
-    copies removed row by row."""
-    ranges = sorted(r for r in map(file_range, files) if r)  # by partition, then first offset
-    return any(a[0] == b[0] and b[1] <= a[2] for a, b in itertools.pairwise(ranges))
 
 
 def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | None = None

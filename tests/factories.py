@@ -203,3 +203,14 @@ def resctrl_tree(root: Path, ways: int = 11, caches: int = 2, mba: bool = True) 
     (root / "schemata").write_text("\n".join(lines) + "\n")
     (root / "tasks").write_text("1\n")
     return root
+
+
+def scan_order(rows):
+    """A relation of node.ipc rows (job, node, offset, cycle or a batch's cycles) in exactly this scan order."""
+    def cycles(c):
+        return list(c) if isinstance(c, tuple) else [c]
+
+    values = ", ".join(f"({i}, '{'shutter_batch' if isinstance(c, tuple) else 'shutter_block'}', '{j}', '{n}', {o}, "
+                       f"{cycles(c)}::BIGINT[])" for i, (j, n, o, c) in enumerate(rows))
+    return f'(SELECT kind, job_id, node, "offset", l_cycle FROM (VALUES {values}) t(i, kind, job_id, node, ' \
+           f'"offset", l_cycle) ORDER BY i)'

@@ -122,6 +122,9 @@ def audit(
             out.print(f"  {p.job_id} ({p.state} {p.end_time:%Y-%m-%d %H:%M:%S}): {p.reason}")
         for m in report.mismatches[:20]:
             out.print(f"  {m.job_id}#{m.revision} {m.field}: ledger {m.ledger!r} != recomputed {m.recomputed!r}")
+        if report.conflicting_copies:
+            out.print(f"[red]{len(report.conflicting_copies)} archived records have copies that differ[/red] "
+                      f"(overlapping files): {', '.join(report.conflicting_copies[:20])}")
         out.print("hash chain: " + ("intact" if report.chain_ok else f"[red]broken[/red]: {report.chain_error}"))
         out.print("conservation (SOP = charged + dividend, 0 <= price <= SOP): "
                   + ("holds" if report.conservation_ok else "[red]violated[/red]"))

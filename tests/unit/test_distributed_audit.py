@@ -14,12 +14,12 @@ import json
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from factories import POLICY, archive_records, block, build, job_event, left
+from factories import POLICY, archive_records, block, build, job_event, left, scan_order
 
 from nodeshare.schemas import JobState, encode
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.audit import archived_messages, audit, dask_client, on_dask, recompute
-from nodeshare.sinks.fast_audit import fast_recompute, fold_chunk, in_process, plan_chunks
+from nodeshare.sinks.fast_audit import fast_recompute, fold_chunk, in_process, out_of_order_streams, plan_chunks
 from nodeshare.sinks.ledger import Ledger
 
 PARTITIONS = 4
@@ -174,3 +174,63 @@ def test_a_stream_cut_across_chunks_folds_and_checks_as_one(tmp_path, cycles):
     assert all(reference[key] == charge for key, charge in many.charges.items())
     assert audit(archive, ledger, POLICY, threads=3).ok
 
+
+
+def test_a_chunk_of_a_files_tail_and_the_next_whole_file_reads_them_in_order(tmp_path):
+    """Files of 10 records in 1-row row groups: on 2 threads one chunk is the tail of the first file
+    and the whole second file. Read in that order, the clean job stays on the fast path on 1, 2 and
+    3 threads, the same report each time (read whole files first, it went to the reference path
+    on 2 threads only). Found by a hostile review."""
+    records = [*(block(1.0, 1.4, 1.02, job="j", cycle=c) for c in range(11)), left("j", "n1", 11, 10),
+               job_event("j", JobState.ENDED)]
+    archive, ledger, _ = archive_records(tmp_path, records, batch=10)
+    _row_groups(archive, 1)
+    mixed = [c for c in plan_chunks(ParquetArchive(archive), 4)
+             if any(end is None for _, _, end in c.parts) and any(end is not None for _, _, end in c.parts)]
+    assert mixed  # the case: a row range of one file, then a whole file
+    reports = [audit(archive, ledger, POLICY, threads=n) for n in (1, 2, 3)]
+    assert all(r.as_dict() == reports[0].as_dict() for r in reports)
+    assert reports[0].ok and reports[0].fast_path_jobs == 1
+
+
+def test_files_in_any_row_order_are_still_checked_on_the_fast_path(tmp_path):
+    """An offset going down starts a new run (a file not sorted by offset, e.g. written by another
+    tool): the same records in reversed row order keep every job on the fast path, the same
+    charges; a block repeated across the reversal is still refused."""
+    archive, _, n = build(tmp_path)
+    before = fast_recompute(archive, {}, POLICY)
+    for f in (archive / "topic=node.ipc").rglob("*.parquet"):
+        table = pq.read_table(f)
+        pq.write_table(table.take(list(range(table.num_rows - 1, -1, -1))), f)
+    after = fast_recompute(archive, {}, POLICY, runner=in_process(3))
+    assert not after.ineligible and after.charges == before.charges and len(after.charges) == n
+    rows = [("j", "a", 3, 7), ("j", "a", 2, 6), ("j", "a", 1, 5)]  # reversed, increasing: three runs, fine
+    con = duckdb.connect(config={"threads": 1})
+    assert out_of_order_streams(con, scan_order(rows)) == set()
+    assert out_of_order_streams(con, scan_order([("j", "a", 3, 7), ("j", "a", 2, 7)])) == {("j", "a")}
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_copies_of_a_record_in_overlapping_files_must_be_equal(tmp_path, differ):
+    """An interrupted compaction leaves two files holding the same offsets: equal copies are one
+    record; copies that differ (one edited, value and typed columns alike) fail the audit and are
+    named, whichever copy a reader keeps. (Before, each path kept an arbitrary copy: the
+    reference-only audit passed or failed from run to run.)"""
+    import pyarrow as pa
+
+    archive, ledger, _ = build(tmp_path)
+    f = sorted((archive / "topic=node.ipc").rglob("*.parquet"))[0]
+    table = pq.read_table(f)
+    rows = table.to_pylist()
+    i = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_batch")
+    if differ:
+        rec = json.loads(rows[i]["value"])
+        rec["during"]["instructions"][0] *= 3
+        rows[i]["value"] = json.dumps(rec, separators=(",", ":")).encode()
+        rows[i]["l_d_instructions"][0] *= 3
+    copy = f.parent / (f.stem.rsplit("-", 1)[0] + "-999999999999.parquet")  # the same first offset: overlapping
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), copy)
+    for fast in (True, False):
+        report = audit(archive, ledger, POLICY, fast=fast, threads=2)
+        assert report.ok is not differ
+        assert report.conflicting_copies == ([f"node.ipc[0]@{rows[i]['offset']}"] if differ else [])

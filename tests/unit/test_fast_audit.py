@@ -6,7 +6,8 @@ import itertools
 from collections import defaultdict
 from datetime import timedelta
 
-from factories import POLICY, T0, archive_records, batch, block, build, job_event, left
+import pytest
+from factories import POLICY, T0, archive_records, batch, block, build, job_event, left, scan_order
 
 from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.schemas import JobState, encode
@@ -272,23 +273,12 @@ def samples_of(instructions, cycles):
 # ---------------------------------------------------------------- the order check and the two passes
 
 
-def _scan_order(rows):
-    """A relation of node.ipc rows (job, node, offset, cycle or a batch's cycles) in exactly this scan order."""
-    def cycles(c):
-        return list(c) if isinstance(c, tuple) else [c]
-
-    values = ", ".join(f"({i}, '{'shutter_batch' if isinstance(c, tuple) else 'shutter_block'}', '{j}', '{n}', {o}, "
-                       f"{cycles(c)}::BIGINT[])" for i, (j, n, o, c) in enumerate(rows))
-    return f'(SELECT kind, job_id, node, "offset", l_cycle FROM (VALUES {values}) t(i, kind, job_id, node, ' \
-           f'"offset", l_cycle) ORDER BY i)'
-
-
 def _backwards(rows):
     import duckdb
 
     from nodeshare.sinks.fast_audit import out_of_order_streams
 
-    return out_of_order_streams(duckdb.connect(config={"threads": 1}), _scan_order(rows))
+    return out_of_order_streams(duckdb.connect(config={"threads": 1}), scan_order(rows))
 
 
 def test_the_order_check_by_hand():
@@ -490,3 +480,66 @@ def test_a_co_located_ipc_below_the_fixed_point_is_left_to_the_reference(tmp_pat
     fast, reference = _both(archive)
     assert reference[("j1", 0)].degradation_filtered == 0.5000000004656634
     assert "j1" in fast.ineligible and ("j1", 0) not in fast.charges
+
+
+def _patched(record, **fields):
+    """A record's bytes with some fields set to what its model refuses, keyed by its job."""
+    import json
+
+    body = json.loads(encode(record))
+    body.update(fields)
+    return "node.ipc", record.job_id.encode(), json.dumps(body, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("case", ["event_id_empty", "event_id_long", "source_empty", "counter", "schema_version",
+                                  "naive_time", "space_in_time", "seq", "paused_us", "job_id_chars"])
+def test_a_record_its_model_refuses_is_never_folded_by_the_fast_path(tmp_path, case):
+    """The byte check proves the typed columns are the value's fields, not that the model accepts
+    them: every rule of the models the block checks do not cover (lengths, patterns, the counter's
+    values, the schema version, a time zone, seq and paused_us >= 0) is checked too, so the fast
+    path never counts a record the reference decoder refuses. Found by a hostile review: a ledger
+    forged to the fast result passed the default audit."""
+    job = "j"
+    blocks = [block(1.0, 1.8, 1.0, job=job, cycle=0), block(1.0, 1.5, 1.0, job=job, cycle=1)]
+    patch = {"event_id_empty": {"event_id": ""}, "event_id_long": {"event_id": "x" * 129},
+             "source_empty": {"source": ""}, "counter": {"counter": "bogus"}, "schema_version": {"schema_version": 99},
+             "naive_time": {"event_time": "2026-03-01T12:00:01"},
+             "space_in_time": {"event_time": "2026-03-01 12:00:01+00:00"},
+             "job_id_chars": {"job_id": "j/1"}}.get(case)
+    if case == "seq":
+        records = [_patched(batch(*blocks), seq=-1), left(job, "n1", 2, 1)]
+    elif case == "paused_us":
+        records = [*blocks, _patched(left(job, "n1", 2, 1), paused_us=-5)]
+    else:
+        records = [blocks[0], _patched(blocks[1], **patch), left(job, "n1", 2, 1)]
+    if case == "job_id_chars":
+        records[1] = ("node.ipc", b"j/1", records[1][2])
+    archive, _, _ = archive_records(tmp_path, [*records, job_event(job, JobState.ENDED)])
+    fast, reference = _both(archive)
+    refused = "j/1" if case == "job_id_chars" else job  # that record is keyed by the id it claims
+    assert refused in fast.ineligible and (refused, 0) not in fast.charges
+    assert all(reference[k] == c for k, c in fast.charges.items())
+
+
+def test_extra_elements_in_a_single_blocks_typed_lists_are_not_folded(tmp_path):
+    """A version-1/2 block prints its lists' first elements: typed columns edited to hold a second,
+    made-up block must fail the byte check (the row is parsed from its value), not be unnested.
+    Found by a hostile review."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    archive, _, _ = archive_records(tmp_path, [block(1.0, 2.0, 1.0, job="j", cycle=0), left("j", "n1", 1, 0),
+                                               job_event("j", JobState.ENDED)])
+    f = _ipc_files(archive)[0]
+    table = pq.read_table(f)
+    rows = table.to_pylist()
+    row = next(r for r in rows if r["kind"] == "shutter_block")
+    row["l_cycle"] = [0, 1]
+    for name in ("b", "d", "a"):
+        for field in ("instructions", "cycles", "threads"):
+            row[f"l_{name}_{field}"] = row[f"l_{name}_{field}"] * 2
+    row["l_d_instructions"][1] *= 9
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), f)
+    fast, reference = _both(archive)
+    assert fast.parsed_rows == 1 and fast.charges == reference
+    assert reference[("j", 0)].blocks_used + reference[("j", 0)].blocks_rejected == 1
