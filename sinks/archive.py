@@ -535,23 +535,31 @@ class ParquetArchive:
         for topic, kt, p, o, ts, k, v in rows:
             yield topic, ArchivedEvent(kt, p, o, ts, k, v)
 
-    def conflicting_copies(self, topics: Iterable[str]) -> list[tuple[str, int, int, int]]:
-        """(topic, partition, epoch, offset) of every record archived twice with different contents
-        (key, value or broker timestamp): overlapping files must hold copies of one record, so a
-        difference is an edit or a corruption that no reader's choice of copy may hide. Reads only
-        the topics whose files overlap."""
-        wanted = [t for t in topics if overlapping(self.files(t))]
+    def duplicates(self, topics: Iterable[str]) -> list[tuple[str, int, int, int, bool]]:
+        """Every (topic, partition, epoch, offset) archived more than once, from the offsets the files
+        hold (not their names, which may lie), and whether its copies differ (key, value or broker
+        timestamp). Equal copies are one record (a compaction in progress); copies that differ are an
+        edit or a corruption, which no reader's choice of copy may hide (the audit fails on them).
+        Reads the narrow columns once; the contents only of the offsets held twice."""
+        wanted = [t for t in topics if self.files(t)]
         if not wanted:
             return []
-        globs = ", ".join(self.sources_sql(t) for t in wanted)
-        rows = self.connect().execute(
-            f"""SELECT topic, "partition", epoch, "offset" FROM (
-                    SELECT *, coalesce(TRY_CAST(regexp_extract(filename, '{_EPOCH_IN_NAME}', 1) AS INTEGER), 0)
+        con = self.connect()
+        rows = (f"""SELECT *, coalesce(TRY_CAST(regexp_extract(filename, '{_EPOCH_IN_NAME}', 1) AS INTEGER), 0)
                               AS epoch
-                    FROM read_parquet([{globs}], hive_partitioning = true, union_by_name = true, filename = true))
-                GROUP BY ALL HAVING count(DISTINCT (key, value, timestamp_ms)) > 1
-                ORDER BY ALL""").fetchall()
-        return [(t, int(p), int(e), int(o)) for t, p, e, o in rows]
+                    FROM read_parquet([{", ".join(self.sources_sql(t) for t in wanted)}], hive_partitioning = true,
+                                      union_by_name = true, filename = true)""")
+        held_twice = con.execute(f"""SELECT topic, "partition", epoch, "offset" FROM ({rows})
+                                     GROUP BY ALL HAVING count(*) > 1""").fetchall()
+        if not held_twice:
+            return []
+        con.register("held_twice", pa.table({n: [r[i] for r in held_twice] for i, n in
+                                             enumerate(("topic", "partition", "epoch", "offset"))}))
+        return [(t, int(p), int(e), int(o), bool(differ)) for t, p, e, o, differ in con.execute(f"""
+            SELECT r.topic, r."partition", r.epoch, r."offset", count(DISTINCT (key, value, timestamp_ms)) > 1
+            FROM ({rows}) r SEMI JOIN held_twice h
+              ON r.topic = h.topic AND r."partition" = h."partition" AND r.epoch = h.epoch AND r."offset" = h."offset"
+            GROUP BY ALL ORDER BY ALL""").fetchall()]
 
     def compact(self, *, min_rows: int = 100_000, row_group_rows: int | None = None) -> tuple[int, int]:
         """Merge each (topic, date, partition)'s small files into files of at least ``min_rows`` rows,
@@ -773,12 +781,6 @@ def broker_watermarks(settings: Settings, topics: Iterable[str], timeout_s: floa
         return out
     finally:
         consumer.close()
-
-
-def overlapping(files: Iterable[PurePath]) -> bool:
-    """Whether two archive files hold the same offsets of a partition (a compaction in progress)."""
-    ranges = sorted(r for r in map(file_range, files) if r)  # by partition, then first offset
-    return any(a[0] == b[0] and b[1] <= a[2] for a, b in itertools.pairwise(ranges))
 
 
 #: Temporary names (not matched by the *.parquet globs readers use): the sink's files, and compaction's

@@ -60,7 +60,7 @@ class AuditReport:
     #: yields: a node's block stream is still open or was never seen (sinks/pending.py)
     missing_charges: list[PendingJob] = field(default_factory=list)
     outside_window: int = 0  # ledger rows of jobs that ended outside --from/--to: not compared
-    #: records archived twice (overlapping files) with different contents: "topic[partition]@offset"
+    #: records archived more than once with different contents: "topic[partition]@offset"
     conflicting_copies: list[str] = field(default_factory=list)
 
     @property
@@ -163,6 +163,8 @@ class JobsAudit:
     fast_path_jobs: int = 0
     reference_path_jobs: int = 0
     samples: int = 0  # shutter samples the fast path checked
+    #: records archived more than once (ParquetArchive.duplicates): (topic, partition, epoch, offset, differ)
+    duplicates: list[tuple[str, int, int, int, bool]] = field(default_factory=list)
 
 
 def reference_task(location: Path | str, keys: list[bytes] | None, policies: dict[str, PricingPolicy],
@@ -189,10 +191,11 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
     recomputed: dict[tuple[str, int], Charge] = {}
     reference_jobs: set[str] | None = None  # None: every job
     samples = 0
+    duplicates = None
     if fast:
         result = fast_recompute(archive.location, policies, default, archive.partitions, archive.threads,
                                 runner=runner, progress=progress)
-        samples = result.samples
+        samples, duplicates = result.samples, result.duplicates
         reference_jobs = set(result.ineligible)
         for key, charge in result.charges.items():
             row = ledger_rows.get(key)
@@ -217,7 +220,9 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
             recomputed.setdefault(key, charge)
         superseded.update(replaced)
         folded += jobs
-    part = JobsAudit(fast_path_jobs=len(fast_jobs), reference_path_jobs=folded, samples=samples)
+    part = JobsAudit(fast_path_jobs=len(fast_jobs), reference_path_jobs=folded, samples=samples,
+                     duplicates=duplicates if duplicates is not None
+                     else archive.duplicates([NODE_IPC.name, JOBS_LIFECYCLE.name]))
     for key, row in ledger_rows.items():
         again = recomputed.get(key, superseded.get(key))
         part.checked.append((key, [Mismatch(key[0], key[1], "*", "charged", "no charge from the archive")]
@@ -300,7 +305,7 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
         report.matches += not diffs
     report.missing_in_ledger = [f"{j}#{r}" for (j, r) in sorted(part.missing)]
     report.conflicting_copies = [f"{t}[{p}]@{o}" + (f" (epoch {e})" if e else "")
-                                 for t, p, e, o in archive.conflicting_copies([NODE_IPC.name, JOBS_LIFECYCLE.name])]
+                                 for t, p, e, o, differ in part.duplicates if differ]
     # ended jobs with no charge anywhere: the fold above yields none, so no comparison can miss them
     latest: dict[str, int] = {}
     for job, revision in all_rows:

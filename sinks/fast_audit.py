@@ -4,17 +4,19 @@ Longer than 500 lines because its eligibility checks, its SQL fold and the charg
 the fold's rows are one contract with the reference fold, bit for bit.
 
 It reads the same raw bytes as the reference path, so an edited archive event is seen by
-both. Two passes (``read_streams``): every row's typed columns are re-encoded and compared with
-its value, which only names the *suspect* rows (edited, another encoder's bytes, or files from
-before typed columns); jobs without one are folded from the typed columns alone and their cycle
-order checked in one streaming pass; jobs with one are folded again, parsing the value's JSON
-where the typed columns do not reproduce it. It handles the common, clean case: K = 1 samples,
-every record well formed and with a plausible clock (``schemas.clock_problem``), block cycles
-increasing per node, every node stream closed once, and one terminal event. A job that does not
-fit is *ineligible* and goes to the reference path (``streams.core.accounting.process_message``), and
-so does any job whose fast result differs from the ledger. A fast "match" therefore always
-means the reference functions agree too. The test suite proves the two paths equal on the same
-events.
+both. In tasks over chunks of the files' row groups (``read_streams``): every row's typed columns
+are re-encoded and compared with its value, which names the *suspect* rows (edited, another
+encoder's bytes, or files from before typed columns), and every row is checked against the rules
+of its model that the bytes do not prove; jobs without a suspect row are folded from the typed
+columns alone and their cycle order checked across the chunks; jobs with one go to the reference
+path, which decodes every value with the models (parsing JSON in SQL would accept what they
+refuse: strings for integers, extra or repeated keys). It handles the common, clean case: K = 1
+samples, every record well formed and with a plausible clock (``schemas.clock_problem``), block
+cycles increasing per node, each offset held once or in equal copies, every node stream closed
+once, and one terminal event. A job that does not fit is *ineligible* and goes to the reference
+path (``streams.core.accounting.process_message``), and so does any job whose fast result differs
+from the ledger. A fast "match" therefore always means the reference functions agree too. The
+test suite proves the two paths equal on the same events.
 
 Exactness: IPC is instructions / cycles in float64 (exact conversion below 2**53, which
 eligibility checks), Alg. 4's comparisons are the same float operations, and every sum is
@@ -62,7 +64,7 @@ from nodeshare.schemas.events import (
 from nodeshare.streams.core.accounting import NodeStream, PricingPolicy, TerminalEvent, build_charge
 from nodeshare.streams.core.degradation import MIXED_S, SECOND_MOMENTS, estimate_from_totals
 
-from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_span, overlapping, typed_columns_sql
+from .archive import ARCHIVE_SCHEMA, IPC_FIELDS, IPC_LISTS, ParquetArchive, file_span
 
 _EXACT_INT = 2**53  # int64 -> float64 is exact below this
 
@@ -170,7 +172,11 @@ class FastResult:
     ineligible: set[str] = field(default_factory=set)
     samples: int = 0
     typed_rows: int = 0  # node.ipc rows read from typed columns that reproduce the value's bytes
-    parsed_rows: int = 0  # rows parsed from the value's JSON (no typed columns, or they disagree)
+    #: node.ipc rows whose typed columns do not reproduce the value's bytes (edited, another encoder,
+    #: files from before typed columns): their jobs go to the reference path
+    suspect_rows: int = 0
+    #: (topic, partition, epoch, offset, copies differ) of every record archived more than once
+    duplicates: list[tuple[str, int, int, int, bool]] = field(default_factory=list)
 
 
 def _source_sql(archive: ParquetArchive, files: list[PurePath], dedupe: bool, read: str | None = None) -> str:
@@ -218,7 +224,8 @@ _MESSAGE_OK = f"""coalesce(key = encode(job_id)  -- bytes: no UTF-8 decode per r
                                  WHEN 'shutter_batch' THEN seq >= 0 AND counter IN ({_COUNTERS})
                                  ELSE counter IN ({_COUNTERS}) END
                    AND {_WHEN} >= {EARLIEST_EVENT_TIME.timestamp()}
-                   AND (timestamp_ms <= 0 OR {_WHEN} <= timestamp_ms / 1000 + {MAX_AHEAD_OF_BROKER_S}), false)"""
+                   -- the operations of clock_problem: (event time - broker time) > max is refused
+                   AND (timestamp_ms <= 0 OR {_WHEN} - timestamp_ms / 1000 <= {MAX_AHEAD_OF_BROKER_S}), false)"""
 
 
 def _unnested_sql(rows: str) -> str:
@@ -250,24 +257,6 @@ def _typed_rows_sql(source: str) -> str:
     """Every node.ipc row with the fields of its typed columns, unchecked: the fold over them is
     kept only for jobs none of whose rows ``_suspects`` names."""
     return _unnested_sql(f"SELECT *, true AS typed, true AS single FROM {source}")
-
-
-def _rows_sql(source: str) -> str:
-    """Every node.ipc row with its fields: from its typed columns where they reproduce the value's
-    bytes, else parsed from the value's JSON; rows that are neither are left out. A version-1/2
-    block parsed must have one sample per region."""
-    pick = ", ".join(f"CASE WHEN typed THEN {c} ELSE p_{c} END AS {c}" for c in [*_SCALARS, *_LISTS])
-    parsed, f = typed_columns_sql("v", prefix="p_")
-    return _unnested_sql(f"""
-        SELECT "partition", "offset", timestamp_ms, key, typed, {pick},
-               typed OR p_kind <> 'shutter_block' OR (json_extract(v, '$.before[1]') IS NULL
-                   AND json_extract(v, '$.during[1]') IS NULL AND json_extract(v, '$.after[1]') IS NULL) AS single
-        FROM (
-            SELECT *, {parsed} FROM (
-                SELECT *, {f} AS f FROM (
-                    SELECT *, CASE WHEN typed THEN NULL ELSE try(decode(value)) END AS v
-                    FROM (SELECT *, coalesce(({canonical_ipc_sql()}) = value, false) AS typed FROM {source}))))
-        WHERE typed OR p_kind IS NOT NULL""")
 
 
 @dataclass(frozen=True)
@@ -362,8 +351,8 @@ def backwards(edges: Iterable[Edge]) -> set[tuple[str, str]]:
         for before, edge in itertools.pairwise(rows):
             # a run starts right after a run ended, at a higher cycle (a null cycle is no verdict here:
             # its row failed the check inside its run)
-            if edge[5] and (not before[6] or (before[4] is not None and edge[3] is not None
-                                               and not before[4] < edge[3])):
+            if edge[5] and (not before[6] or not before[2] < edge[2]  # an offset held twice: a copy
+                            or (before[4] is not None and edge[3] is not None and not before[4] < edge[3])):
                 bad.add(stream)
                 break
     return bad
@@ -375,11 +364,9 @@ def out_of_order_streams(con: duckdb.DuckDBPyConnection, source: str) -> set[tup
     return backwards(order_edges(con, source))
 
 
-def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, step: str
-          ) -> tuple[list[StreamRow], int, int]:
+def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str) -> list[StreamRow]:
     """Rows folded per (job, node) stream: the checks that make a job eligible, Alg. 4's verdicts
-    (with each job's delta) and exact sums; ``step`` is the block's cycle minus the one before it
-    in the stream (NULL: checked elsewhere). Returns the streams, typed rows and all rows."""
+    (with each job's delta) and exact sums. The order of the blocks is checked apart (``order_edges``)."""
     scale = f"{2.0**FIXED_POINT_BITS:.1f}"
     block = "kind IN ('shutter_block', 'shutter_batch')"
     # every check of streams.core.blocks.CHECKS, so the fast path counts exactly the blocks the reference does
@@ -426,13 +413,11 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
             SELECT *, is_block AND ({in_range}) AS exact FROM m0
         ),
         m AS (
-            SELECT *, exact AND abs(b - a) < delta AND b < d AND a < d AS keep, 0.5 * (b + a) AS co,
-                   CASE WHEN is_block THEN {step} END AS step
-            FROM m1
+            SELECT *, exact AND abs(b - a) < delta AND b < d AND a < d AS keep, 0.5 * (b + a) AS co FROM m1
         )
         SELECT job_id, node, min("partition"), max("partition"),
                bool_and(row_ok AND (NOT is_block OR exact)),
-               coalesce(bool_and(step IS NULL OR step > 0) FILTER (WHERE is_block), true),
+               true,  -- increasing: the order check's (order_edges, backwards)
                count(*) FILTER (WHERE is_block), count(*) FILTER (WHERE is_left),
                min("offset"), max("offset"),
                max("offset") FILTER (WHERE is_left), max(blocks_sent) FILTER (WHERE is_left),
@@ -440,7 +425,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
                arg_min(cycle, pos) FILTER (WHERE is_block), arg_max(cycle, pos) FILTER (WHERE is_block),
                count(*) FILTER (WHERE keep), count(*) FILTER (WHERE is_block AND NOT keep),
                {sums},
-               coalesce(sum(typed::INT) FILTER (WHERE idx = 0), 0), count(*) FILTER (WHERE idx = 0),  -- messages
+               0, 0,
                any_value(sample_us) FILTER (WHERE is_block),
                min(pos) FILTER (WHERE is_block), max(pos) FILTER (WHERE is_block)
         FROM m
@@ -448,14 +433,8 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str, 
     """).fetchall()
     names = [f.name for f in fields(StreamRow)][:18]  # the fields before the sums, in the query's order
     n = len(fixed)
-    streams = [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[18:18 + n]),
-                         sample_us=r[20 + n], first_pos=r[21 + n], last_pos=r[22 + n]) for r in rows]
-    return streams, sum(int(r[18 + n]) for r in rows), sum(int(r[19 + n]) for r in rows)
-
-
-#: The general fold's order check: a window over the stream (ordered by offset alone: a job on two
-#: partitions fails the one-partition check).
-_STEP_WINDOW = "cycle - lag(cycle) OVER (PARTITION BY job_id, node ORDER BY pos)"
+    return [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[18:18 + n]),
+                      sample_us=r[20 + n], first_pos=r[21 + n], last_pos=r[22 + n]) for r in rows]
 
 
 @dataclass(frozen=True)
@@ -469,14 +448,16 @@ class Chunk:
     dedupe: bool = False
 
 
-def plan_chunks(archive: ParquetArchive, tasks: int) -> list[Chunk]:
+def plan_chunks(archive: ParquetArchive, tasks: int, dedupe: bool = False) -> list[Chunk]:
     """The node.ipc files cut at row-group boundaries into about ``tasks`` chunks of equal bytes,
     largest first (the last task to start is a small one). Any number of partitions, any layout:
-    a job's rows may be in several chunks, whose folds add up (``merge_streams``)."""
+    a job's rows may be in several chunks, whose folds add up (``merge_streams``). With ``dedupe``
+    (an offset held twice: ``ParquetArchive.duplicates``), one chunk of every file, which keeps one
+    copy of each offset."""
     files = archive.files(NODE_IPC.name)
     if not files:
         return []
-    if overlapping(files):  # copies are found by offset across files: one task sees them all
+    if dedupe:  # copies are found by offset across files: one task sees them all
         return [Chunk(tuple((f, 0, None) for f in files), 0, dedupe=True)]
     groups = {f: archive.row_groups(f) for f in files}
     target = sum(size for g in groups.values() for _, size in g) / max(1, tasks)
@@ -576,7 +557,7 @@ def fold_chunk(location: Path | str, chunk: Chunk, deltas: dict[str, float], def
     in_file_order = f'(SELECT * FROM {source} ORDER BY job_id, node, "offset")' if chunk.dedupe else source
     delta, join = _delta_sql(con, deltas, default_delta)
     suspects = _suspects(con, source)
-    folded, _, _ = _fold(con, _typed_rows_sql(source), delta, join, "NULL")
+    folded = _fold(con, _typed_rows_sql(source), delta, join)
     return ChunkFold(folded, order_edges(con, in_file_order), suspects, sum(r.blocks for r in folded))
 
 
@@ -653,47 +634,29 @@ Progress = Callable[[int, int, int], None]
 
 
 def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delta: float,
-                 con: duckdb.DuckDBPyConnection | None = None, runner: Runner | None = None,
-                 progress: Progress | None = None) -> tuple[list[StreamRow], int, int]:
-    """The archive's node.ipc records folded per (job, node) stream, in two passes.
-
-    First, tasks (``runner``: default, threads of this process) each take a chunk of the files'
-    row groups: every row's typed columns are re-encoded and compared with its value
-    (``_suspects``), the rows are folded from their typed columns and their order's edges taken;
-    the chunks' folds add up per stream and the edges are checked across chunks. For jobs with no
-    suspect row, the typed columns *are* the values' fields, so that fold stands. The few jobs
-    with a suspect row are folded again, here, from the rows their keys or job ids name, each
-    field from its typed column where that reproduces the value and parsed from the value's JSON
-    otherwise. Returns the streams and the counts of typed and parsed rows. ``con``: a cursor of an
-    open in-memory database for the second pass (default: a new one)."""
+                 runner: Runner | None = None, progress: Progress | None = None, dedupe: bool = False
+                 ) -> tuple[list[StreamRow], Suspects]:
+    """The archive's node.ipc records folded per (job, node) stream by tasks (``runner``: default,
+    threads of this process), each on a chunk of the files' row groups: every row's typed columns
+    are re-encoded and compared with its value (``_suspects``), the rows are folded from their
+    typed columns and their order's edges taken; the chunks' folds add up per stream and the edges
+    are checked across chunks. For jobs with no suspect row the typed columns *are* the values'
+    fields, so that fold stands; the streams of jobs a suspect row may belong to are left out (the
+    reference path, which decodes every value with the models, recomputes them). Returns the
+    streams and the suspects."""
     runner = runner if runner is not None else in_process(archive.threads)
-    chunks = plan_chunks(archive, runner.tasks)
+    chunks = plan_chunks(archive, runner.tasks, dedupe)
     folds: list[ChunkFold] = []
     for fold in runner.map(fold_chunk, [(archive.location, c, deltas, default_delta) for c in chunks]):
         folds.append(fold)
         if progress is not None:
             progress(len(folds), len(chunks), 3 * sum(f.blocks for f in folds))
-    if not folds:
-        return [], 0, 0
     suspects = Suspects(set().union(*(f.suspects.keys for f in folds)), set().union(*(f.suspects.jobs for f in folds)),
                         sum(f.suspects.rows for f in folds), sum(f.suspects.verified_rows for f in folds))
     out_of_order = backwards(e for f in folds for e in f.edges)
-    streams = [replace(s, increasing=s.increasing and (s.job, s.node) not in out_of_order)
+    streams = [replace(s, increasing=(s.job, s.node) not in out_of_order)
                for s in merge_streams(r for f in folds for r in f.streams) if s.job not in suspects.jobs]
-    parsed = 0
-    if suspects.rows:
-        files = archive.files(NODE_IPC.name)
-        source = _source_sql(archive, files, overlapping(files))
-        con = con if con is not None else archive.connect()
-        delta, join = _delta_sql(con, deltas, default_delta)
-        con.register("suspects", pa.table({"key": pa.array(sorted(suspects.keys), pa.binary())}))
-        con.register("suspect_jobs", pa.table({"job": pa.array(sorted(suspects.jobs), pa.string())}))
-        named = (f"(SELECT * FROM {source} WHERE key IN (SELECT key FROM suspects) "
-                 f"OR job_id IN (SELECT job FROM suspect_jobs))")
-        again, typed, total = _fold(con, _rows_sql(named), delta, join, _STEP_WINDOW)
-        streams += [s for s in again if s.job in suspects.jobs]
-        parsed = total - typed
-    return streams, suspects.verified_rows, parsed
+    return streams, suspects
 
 
 def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | None = None
@@ -727,21 +690,21 @@ def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy],
     common = Counter(p.delta for p in policies.values()).most_common(1)
     default_delta = common[0][0] if common else default.delta
     deltas = {job: p.delta for job, p in policies.items() if p.delta != default_delta}
-    # The lifecycle events are decoded in Python while the tasks fold node.ipc (DuckDB releases the
-    # GIL). One in-memory database here for the lifecycle and the suspects' second pass (opening one
-    # costs 15-30 ms), a cursor per thread.
+    # The lifecycle events are decoded in Python while the tasks fold node.ipc (DuckDB releases the GIL).
     if any((span := file_span(f)) is not None and span.epoch for t in (NODE_IPC.name, JOBS_LIFECYCLE.name)
            for f in archive.files(t)):
         # A topic restarted (a new epoch reuses offsets): the queries here key rows by offset, so the
         # reference path, which reads each epoch's offsets apart, recomputes every job.
         ends, _ = terminal_events(archive)
         return FastResult(ineligible=set(ends) | set(archive.keys([NODE_IPC.name])))
-    con = archive.connect()
+    duplicates = archive.duplicates([NODE_IPC.name, JOBS_LIFECYCLE.name])
+    dedupe = any(topic == NODE_IPC.name for topic, *_ in duplicates)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        terminals = pool.submit(terminal_events, archive, con.cursor())
-        streams, typed, parsed = read_streams(archive, deltas, default_delta, con.cursor(), runner, progress)
+        terminals = pool.submit(terminal_events, archive, archive.connect())
+        streams, suspects = read_streams(archive, deltas, default_delta, runner, progress, dedupe)
         ends, wrong_clock = terminals.result()
-    result = FastResult(typed_rows=typed, parsed_rows=parsed)
+    result = FastResult(typed_rows=suspects.verified_rows, suspect_rows=suspects.rows, duplicates=duplicates,
+                        ineligible=set(suspects.jobs))
     by_job: dict[str, dict[str | None, list[StreamRow]]] = defaultdict(lambda: defaultdict(list))
     for row in streams:
         by_job[row.job][row.node].append(row)  # a row per S of the node's blocks, and one for its marker

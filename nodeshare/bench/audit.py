@@ -212,10 +212,10 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
                                   "tasks": len(plan_chunks(view, runner.tasks))}
     finally:
         shutil.rmtree(root, ignore_errors=True)  # hundreds of MB at large sizes; the bench regenerates it
-    if result.ineligible or len(result.charges) != jobs or result.parsed_rows:
+    if result.ineligible or len(result.charges) != jobs or result.suspect_rows:
         raise RuntimeError(f"the simulated archive must be all clean and read from its typed columns: "
                            f"{len(result.charges)} charges of {jobs} jobs, {len(result.ineligible)} ineligible, "
-                           f"{result.parsed_rows} rows parsed")
+                           f"{result.suspect_rows} rows whose typed columns are not their values")
     audit_s, scan_s = float(np.median(runs)), float(np.median(scan))
     ratios = [s / a for s, a in zip(scan, runs, strict=True)]
     samples = result.samples

@@ -19,7 +19,14 @@ from factories import POLICY, archive_records, block, build, job_event, left, sc
 from nodeshare.schemas import JobState, encode
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.audit import archived_messages, audit, dask_client, on_dask, recompute
-from nodeshare.sinks.fast_audit import fast_recompute, fold_chunk, in_process, out_of_order_streams, plan_chunks
+from nodeshare.sinks.fast_audit import (
+    _read_sql,
+    fast_recompute,
+    fold_chunk,
+    in_process,
+    out_of_order_streams,
+    plan_chunks,
+)
 from nodeshare.sinks.ledger import Ledger
 
 PARTITIONS = 4
@@ -185,9 +192,14 @@ def test_a_chunk_of_a_files_tail_and_the_next_whole_file_reads_them_in_order(tmp
                job_event("j", JobState.ENDED)]
     archive, ledger, _ = archive_records(tmp_path, records, batch=10)
     _row_groups(archive, 1)
-    mixed = [c for c in plan_chunks(ParquetArchive(archive), 4)
+    view = ParquetArchive(archive)
+    mixed = [c for c in plan_chunks(view, 4)
              if any(end is None for _, _, end in c.parts) and any(end is not None for _, _, end in c.parts)]
     assert mixed  # the case: a row range of one file, then a whole file
+    for chunk in mixed:  # read in the parts' order: the offsets go up
+        offsets = [o for (o,) in duckdb.connect().execute(f'SELECT "offset" FROM {_read_sql(view, chunk.parts)}'
+                                                          ).fetchall()]
+        assert offsets == sorted(offsets)
     reports = [audit(archive, ledger, POLICY, threads=n) for n in (1, 2, 3)]
     assert all(r.as_dict() == reports[0].as_dict() for r in reports)
     assert reports[0].ok and reports[0].fast_path_jobs == 1
@@ -234,3 +246,35 @@ def test_copies_of_a_record_in_overlapping_files_must_be_equal(tmp_path, differ)
         report = audit(archive, ledger, POLICY, fast=fast, threads=2)
         assert report.ok is not differ
         assert report.conflicting_copies == ([f"node.ipc[0]@{rows[i]['offset']}"] if differ else [])
+    # every reader keeps the same copy: the lowest (key, value, broker timestamp)
+    kept = [ev.value for _, ev in ParquetArchive(archive).events(["node.ipc"]) if ev.offset == rows[i]["offset"]]
+    assert kept == [min(table.column("value")[i].as_py(), rows[i]["value"])]
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_a_copy_in_the_same_file_is_found_by_its_offset_not_by_file_names(tmp_path, differ):
+    """An offset held twice inside one file (or in a file whose name hides it) is found from the
+    offsets the files hold: an equal copy is counted once by both paths, a different one (a higher
+    cycle, in a run of its own, which the order check alone would let through) fails the audit.
+    Found by a hostile review."""
+    import pyarrow as pa
+
+    archive, ledger, _ = build(tmp_path)
+    f = sorted((archive / "topic=node.ipc").rglob("*.parquet"))[0]
+    table = pq.read_table(f)
+    rows = table.to_pylist()
+    i = next(i for i, r in enumerate(rows) if r["kind"] == "shutter_batch")
+    copy = dict(rows[i])
+    if differ:
+        rec = json.loads(copy["value"])
+        rec["cycle"] = [c + 100_000 for c in rec["cycle"]]
+        copy["value"] = json.dumps(rec, separators=(",", ":")).encode()
+        copy["l_cycle"] = rec["cycle"]
+    pq.write_table(pa.Table.from_pylist([*rows, copy], schema=table.schema), f)
+    fast = fast_recompute(archive, {}, POLICY, runner=in_process(2))
+    assert [d[:4] for d in fast.duplicates] == [("node.ipc", 0, 0, rows[i]["offset"])]
+    assert fast.duplicates[0][4] is differ
+    reference = recompute(archived_messages(ParquetArchive(archive)), {}, POLICY)
+    assert all(reference[k] == c for k, c in fast.charges.items())
+    report = audit(archive, ledger, POLICY, threads=2)
+    assert report.ok is not differ and len(report.conflicting_copies) == int(differ)
