@@ -697,11 +697,14 @@ def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy],
         # reference path, which reads each epoch's offsets apart, recomputes every job.
         ends, _ = terminal_events(archive)
         return FastResult(ineligible=set(ends) | set(archive.keys([NODE_IPC.name])))
-    duplicates = archive.duplicates([NODE_IPC.name, JOBS_LIFECYCLE.name])
-    dedupe = any(topic == NODE_IPC.name for topic, *_ in duplicates)
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        held_twice = pool.submit(archive.duplicates, [NODE_IPC.name, JOBS_LIFECYCLE.name])
         terminals = pool.submit(terminal_events, archive, archive.connect())
-        streams, suspects = read_streams(archive, deltas, default_delta, runner, progress, dedupe)
+        # folded as if every offset were held once (the common case), while the check runs beside
+        streams, suspects = read_streams(archive, deltas, default_delta, runner, progress)
+        duplicates = held_twice.result()
+        if any(topic == NODE_IPC.name for topic, *_ in duplicates):  # copies: folded again, one of each offset
+            streams, suspects = read_streams(archive, deltas, default_delta, runner, progress, dedupe=True)
         ends, wrong_clock = terminals.result()
     result = FastResult(typed_rows=suspects.verified_rows, suspect_rows=suspects.rows, duplicates=duplicates,
                         ineligible=set(suspects.jobs))
