@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import pyarrow as pa
@@ -240,7 +240,7 @@ def _unnested_sql(rows: str) -> str:
     # Every per-message expression is computed below the unnest, once per message: an expression
     # beside the unnest would be evaluated once per block.
     return f"""SELECT * REPLACE ({absent}) FROM (
-               SELECT "partition", "offset", timestamp_ms, key, typed, kind, job_id, node, event_time, sample_us,
+               SELECT "partition", "offset", timestamp_ms, key, kind, job_id, node, event_time, sample_us,
                       message_ok, k, paused_us, alone_us, blocks_sent, last_cycle, single,
                       unnest(range(greatest(n, 1))) AS idx, {lists}
                FROM (SELECT * REPLACE (coalesce(k, -1) AS k, coalesce(paused_us, -1) AS paused_us,
@@ -256,7 +256,7 @@ def _unnested_sql(rows: str) -> str:
 def _typed_rows_sql(source: str) -> str:
     """Every node.ipc row with the fields of its typed columns, unchecked: the fold over them is
     kept only for jobs none of whose rows ``_suspects`` names."""
-    return _unnested_sql(f"SELECT *, true AS typed, true AS single FROM {source}")
+    return _unnested_sql(f"SELECT *, true AS single FROM {source}")
 
 
 @dataclass(frozen=True)
@@ -293,9 +293,17 @@ def _suspects(con: duckdb.DuckDBPyConnection, source: str) -> Suspects:
     return Suspects(keys, jobs, rows, verified)
 
 
-#: The first and last rows of a run, and any row out of order inside one (``order_edges``):
-#: (job, node, offset, first cycle, last cycle, first of its run, last of its run, backwards).
-Edge = tuple[str, str, int, int | None, int | None, bool, bool, bool]
+class Edge(NamedTuple):
+    """The first or last row of a run, or a row out of order inside one (``order_edges``)."""
+
+    job: str
+    node: str
+    offset: int
+    cycle: int | None  # the row's first cycle
+    top: int | None  # its last cycle
+    first: bool  # first of its run
+    last: bool  # last of its run
+    backwards: bool
 
 
 def order_edges(con: duckdb.DuckDBPyConnection, source: str) -> list[Edge]:
@@ -312,7 +320,7 @@ def order_edges(con: duckdb.DuckDBPyConnection, source: str) -> list[Edge]:
     # a run goes on while the stream does and its offsets do not go down
     same = ('{0}job_id IS NOT DISTINCT FROM job_id AND {0}node IS NOT DISTINCT FROM node '
             'AND coalesce({1}, false)')
-    return [tuple(row) for row in con.execute(f"""
+    return [Edge(*row) for row in con.execute(f"""
         WITH scan AS (  -- a streaming window: the order the scan produces, no sort
             SELECT job_id, node, "offset", cycle, top, inside, lag(job_id) OVER () AS p_job_id,
                    lag(node) OVER () AS p_node, lead(job_id) OVER () AS n_job_id, lead(node) OVER () AS n_node,
@@ -341,18 +349,19 @@ def backwards(edges: Iterable[Edge]) -> set[tuple[str, str]]:
     by_stream: dict[tuple[str, str], list[Edge]] = defaultdict(list)
     bad: set[tuple[str, str]] = set()
     for edge in edges:
-        if edge[7]:
-            bad.add((edge[0], edge[1]))
-        by_stream[(edge[0], edge[1])].append(edge)
+        if edge.backwards:
+            bad.add((edge.job, edge.node))
+        by_stream[(edge.job, edge.node)].append(edge)
     for stream, rows in by_stream.items():
         if stream in bad:
             continue
-        rows.sort(key=lambda e: e[2])
+        rows.sort(key=lambda e: e.offset)
         for before, edge in itertools.pairwise(rows):
             # a run starts right after a run ended, at a higher cycle (a null cycle is no verdict here:
             # its row failed the check inside its run)
-            if edge[5] and (not before[6] or not before[2] < edge[2]  # an offset held twice: a copy
-                            or (before[4] is not None and edge[3] is not None and not before[4] < edge[3])):
+            if edge.first and (not before.last or not before.offset < edge.offset  # an offset held twice: a copy
+                               or (before.top is not None and edge.cycle is not None
+                                   and not before.top < edge.cycle)):
                 bad.add(stream)
                 break
     return bad
@@ -395,7 +404,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str) 
         m0 AS (
             SELECT r."partition", r."offset", r.idx, {_POSITION} AS pos, r.job_id, r.node, r.sample_us, r.cycle,
                    r.paused_us,
-                   r.alone_us, r.blocks_sent, r.typed,
+                   r.alone_us, r.blocks_sent,
                    r.{block} AS is_block, r.kind = 'job_left_node' AS is_left,
                    {delta} AS delta,
                    r.message_ok
@@ -425,7 +434,6 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str) 
                arg_min(cycle, pos) FILTER (WHERE is_block), arg_max(cycle, pos) FILTER (WHERE is_block),
                count(*) FILTER (WHERE keep), count(*) FILTER (WHERE is_block AND NOT keep),
                {sums},
-               0, 0,
                any_value(sample_us) FILTER (WHERE is_block),
                min(pos) FILTER (WHERE is_block), max(pos) FILTER (WHERE is_block)
         FROM m
@@ -434,7 +442,7 @@ def _fold(con: duckdb.DuckDBPyConnection, rows_sql: str, delta: str, join: str) 
     names = [f.name for f in fields(StreamRow)][:18]  # the fields before the sums, in the query's order
     n = len(fixed)
     return [StreamRow(**dict(zip(names, r, strict=False)), sums=tuple(int(x) for x in r[18:18 + n]),
-                      sample_us=r[20 + n], first_pos=r[21 + n], last_pos=r[22 + n]) for r in rows]
+                      sample_us=r[18 + n], first_pos=r[19 + n], last_pos=r[20 + n]) for r in rows]
 
 
 @dataclass(frozen=True)
@@ -521,7 +529,10 @@ class ChunkFold:
     streams: list[StreamRow]
     edges: list[Edge]
     suspects: Suspects
-    blocks: int
+
+    @property
+    def blocks(self) -> int:
+        return sum(r.blocks for r in self.streams)
 
 
 _local = threading.local()
@@ -558,7 +569,7 @@ def fold_chunk(location: Path | str, chunk: Chunk, deltas: dict[str, float], def
     delta, join = _delta_sql(con, deltas, default_delta)
     suspects = _suspects(con, source)
     folded = _fold(con, _typed_rows_sql(source), delta, join)
-    return ChunkFold(folded, order_edges(con, in_file_order), suspects, sum(r.blocks for r in folded))
+    return ChunkFold(folded, order_edges(con, in_file_order), suspects)
 
 
 def merge_streams(rows: Iterable[StreamRow]) -> list[StreamRow]:
