@@ -4,7 +4,8 @@ Every unit used to share one credential, so any node could write any topic: forg
 shutter batches, write ``ledger.charges`` before the worker, or ``decisions.power`` that agents
 apply. With a principal per role (and per node for agents), the broker refuses a write outside the
 role's topics: agents write ``node.*`` and read ``decisions.*`` and ``jobs.lifecycle``; the Slurm
-source writes ``jobs.lifecycle``; the Slurm adapter writes ``cluster.inventory``; only the worker
+source writes ``jobs.lifecycle`` and, for a NODE_FAIL job's lost node, a ``NodeDown`` on
+``node.ipc``; the Slurm adapter writes ``cluster.inventory``; only the worker
 writes derived topics; sinks read. ``GRANTS`` is that table (docs/deployment.md prints it).
 
 What ACLs cannot say is *which node* an agent may speak for: every agent writes ``node.ipc``.
@@ -25,11 +26,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
     DECISIONS_PLACEMENT,
     DECISIONS_POWER,
+    DECISIONS_POWER_NODES,
     DLQ,
     INPUT_TOPICS,
     INTERNAL_TOPICS,
@@ -70,11 +72,13 @@ def grants(settings: Settings) -> list[Grant]:
 
     # agents (one principal per node): measurements out, decisions and lifecycle in
     topics("agent", "write", [NODE_IPC.name, NODE_SHUTTER.name, NODE_LLC.name, NODE_POWER.name])
-    topics("agent", "read", [DECISIONS_POWER.name, DECISIONS_PLACEMENT.name, JOBS_LIFECYCLE.name])
+    topics("agent", "read", [DECISIONS_POWER.name, DECISIONS_POWER_NODES.name, DECISIONS_PLACEMENT.name,
+                             JOBS_LIFECYCLE.name])
     out.append(Grant("agent", "group", f"{app}-agent-", "read", prefixed=True))
-    topics("slurm-source", "write", [JOBS_LIFECYCLE.name])
+    # the Slurm source: lifecycle, and a NodeDown on node.ipc for each node a NODE_FAIL job lost
+    topics("slurm-source", "write", [JOBS_LIFECYCLE.name, NODE_IPC.name])
     topics("slurm-scheduler", "write", [CLUSTER_INVENTORY.name, DLQ.name])
-    topics("slurm-scheduler", "read", [DECISIONS_PLACEMENT.name])
+    topics("slurm-scheduler", "read", [DECISIONS_PLACEMENT.name, DECISIONS_POWER.name])  # placements, power gates
     out.append(Grant("slurm-scheduler", "group", f"{app}-slurm-scheduler-sink", "read"))
     # the worker: every input in, every derived topic out, its internal topics and faust's own
     topics("worker", "read", [s.name for s in INPUT_TOPICS] + list(INTERNAL_TOPICS))
@@ -126,7 +130,7 @@ _CHILD = """
 import json, sys
 from confluent_kafka.admin import (AclBinding, AclOperation, AclPermissionType, AdminClient, ResourcePatternType,
                                    ResourceType)
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 wanted = json.load(sys.stdin)
 admin = AdminClient(Settings().client_config())
 bindings = [AclBinding(ResourceType[w["resource"].upper()], w["name"],

@@ -43,26 +43,30 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
-# The Slurm integration test needs a real Slurm (Debian 12: 22.05); install it once when we can.
-install_slurm() {
-  command -v slurmctld >/dev/null && return 0
+# install_once COMMAND WHAT PACKAGES...: install Debian packages for a test unless COMMAND is there
+# (needs root and apt-get; otherwise, or if apt-get fails, the test that needs them is skipped).
+install_once() {
+  local have="$1" what="$2"
+  shift 2
+  command -v "$have" >/dev/null && return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    echo "Slurm is not installed and cannot be (needs root and apt-get): its integration test will be skipped" >&2
+    echo "$have is not installed and cannot be (needs root and apt-get): the $what will be skipped" >&2
     return 0
   fi
-  echo "installing Slurm and munge from Debian for the Slurm integration test" >&2
-  local pkgs="slurmctld slurmd munge slurm-client"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >/dev/null 2>&1 || {
+  echo "installing $* from Debian for the $what" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1 || {
     apt-get update -qq >/dev/null 2>&1 &&
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >/dev/null 2>&1
-  } || echo "apt-get could not install Slurm: its integration test will be skipped" >&2
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1
+  } || echo "apt-get could not install $*: the $what will be skipped" >&2
 }
 
 case "$cmd" in
   test)
     shift
     cd "$root"
-    install_slurm
+    # a real Slurm (Debian 12: 22.05); npm for s3rver, the durable broker's storage (deploy/local_s3.py)
+    install_once slurmctld "Slurm integration tests" slurmctld slurmd munge slurm-client
+    install_once npm "durable-broker tests" npm
     exec "$venv/bin/python" -m pytest "$@"
     ;;
   demo)

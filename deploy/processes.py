@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 
 _PR_SET_PDEATHSIG = 1
 

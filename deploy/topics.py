@@ -14,20 +14,21 @@ from collections.abc import Mapping
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import TOPICS
 from nodeshare.schemas.catalog import INTERNAL_CLEANUP, INTERNAL_TOPICS
+from nodeshare.streams.worker.copartition import copartition_problem
 from nodeshare.streams.worker.cursor import accounting_topics
-from nodeshare.streams.worker.fold_consumer import copartition_problem
 
 DAY_MS = 86_400_000
 #: ``retention.ms`` each topic is created with (-1: kept for ever), by catalog name. Why each value,
 #: and how to change one on a running cluster: docs/operations.md, "Topic retention".
 RETENTION_MS: dict[str, int] = {
-    # The charge fold rebuilds a partition from offset 0 and refuses one whose head was deleted
-    # (docs/reliability.md): the two input topics it folds must keep everything.
-    "node.ipc": -1,
-    "jobs.lifecycle": -1,
+    # The charge fold rebuilds a partition from its newest snapshot (accounting.snapshots, every
+    # 50,000 messages or 600 s) and refuses one whose log no longer holds what follows it
+    # (docs/reliability.md): 30 days outlive a snapshot, the archive sink's outage and a worker's.
+    "node.ipc": 30 * DAY_MS,
+    "jobs.lifecycle": 30 * DAY_MS,
     # Read by the sinks (archived, co-runner counts) and the placement manager: a week covers a sink's outage.
     "node.shutter": 7 * DAY_MS,
     "node.llc": 7 * DAY_MS,
@@ -36,6 +37,7 @@ RETENTION_MS: dict[str, int] = {
     "cluster.inventory": -1,
     "estimates.degradation": -1,
     "profiles.program": -1,
+    "decisions.power.nodes": -1,  # each node's latest caps: an agent starting after decisions.power's retention
     # Folded from their beginning at each start (agents) or rebalance (the managers): longer than the
     # longest job may run, or a restart forgets a running job's caps or booking.
     "decisions.power": 30 * DAY_MS,
@@ -45,6 +47,7 @@ RETENTION_MS: dict[str, int] = {
     # Compacted: each manager's latest snapshot (streams/core/snapshot.py) is its state; kept for ever.
     "power.machine.snapshots": -1,
     "placement.cluster.snapshots": -1,
+    "accounting.snapshots": -1,  # the charge fold's accounts per input partition (compacted)
     # The ledger and the dead-letter report read these; the ledger is the record.
     "ledger.charges": 30 * DAY_MS,
     "dlq": 30 * DAY_MS,

@@ -14,13 +14,13 @@ from typing import Any, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nodeshare.config import Settings
-from nodeshare.consumer import run_in_thread
 from nodeshare.deploy.broker import broker_for
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import JobTruth
+from nodeshare.runtime.config import Settings
+from nodeshare.runtime.consumer import run_in_thread
 from nodeshare.schemas import Charge, Record, ShutterWindow
 from nodeshare.schemas.catalog import NODE_SHUTTER
 from nodeshare.sinks.archive import ArchiveSink

@@ -10,7 +10,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, Message, Producer
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import TOPIC_OF_RECORD, Record, encode, key_of
 
 DeliveryCallback = Callable[[KafkaError | None, Message], None]

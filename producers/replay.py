@@ -20,7 +20,7 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import INPUT_TOPICS
 from nodeshare.sinks.archive import ParquetArchive
 

@@ -15,7 +15,8 @@ network, always exit 0 (a failing PrologSlurmctld would hold the job). The sourc
 * submissions: no hook sees them, so ``squeue`` is polled;
 * a job Slurm ended with NODE_FAIL: besides its terminal event, a ``NodeDown`` on node.ipc for each
   of its nodes that ``sinfo`` reports down, failed or not responding, so the job is charged from
-  what that node sent before it went (``streams.core.accounting``) rather than never.
+  what that node sent before it went (``streams.core.accounting``) rather than never; its nodes
+  that do not read lost yet are asked about again for a while (``slurm_lost_nodes``).
 
 Slurm versions with jobcomp/kafka (23.02+) send one JSON record per finished job;
 ``from_jobcomp_json`` parses one, but no command consumes that topic: jobcomp/script is the path.
@@ -37,8 +38,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from nodeshare import metrics
-from nodeshare.logs import fields
+from nodeshare.producers.slurm_lost_nodes import DEFAULT_WAIT_S, WATCH_FILE, LostNodeWatch, nodes_down, watch_key
+from nodeshare.runtime import metrics
+from nodeshare.runtime.logs import fields
 from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState, NodeDown
 
 log = logging.getLogger("nodeshare.slurm")
@@ -272,7 +274,10 @@ class SlurmCommands:
     env: dict[str, str] | None = None
 
     def _run(self, *args: str) -> str:
-        out = subprocess.run(list(args), capture_output=True, text=True, timeout=30, env=self.env)
+        try:
+            out = subprocess.run(list(args), capture_output=True, text=True, timeout=30, env=self.env)
+        except subprocess.TimeoutExpired:  # a controller that does not answer: not reached, tried again
+            raise RuntimeError(f"{' '.join(args)} did not answer within 30 s (Socket timed out)") from None
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
         return out.stdout
@@ -303,27 +308,6 @@ class SlurmCommands:
         keys = ("job_id", "user", "account", "program", "cores", "submit", "state")
         text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%j|%C|%V|%T")
         return [dict(zip(keys, line.split("|", 6), strict=True)) for line in text.splitlines() if line.count("|") == 6]
-
-
-#: sinfo states of a node that is gone: Slurm took it down or failed it, or it stopped answering
-#: (the trailing ``*``). A job Slurm ended with NODE_FAIL lost these of its nodes.
-_LOST_NODE_STATES = frozenset({"down", "fail", "failing"})
-
-
-def node_lost(state: str) -> bool:
-    """Whether a node in this sinfo state (%T) is down, failed or not responding."""
-    return state.endswith("*") or state.rstrip("*~#!%$@^-").split("+")[0] in _LOST_NODE_STATES
-
-
-def nodes_down(event: JobEvent, states: Mapping[str, str]) -> list[NodeDown]:
-    """For a job Slurm ended with NODE_FAIL, a ``NodeDown`` per node of it in a lost state (sorted).
-    Its id names the job and node, so a hook file processed twice sends a copy that changes nothing."""
-    assert event.end_time is not None  # a terminal event of a job that ran
-    cluster = event.source.removeprefix("slurm/")
-    return [NodeDown(event_id=f"slurm/{cluster}/{event.job_id}/node_down/{node}", source=event.source,
-                     event_time=event.end_time, job_id=event.job_id, node=node,
-                     reason=f"Slurm ended the job with NODE_FAIL; node state {states[node]}")
-            for node in sorted(event.nodes) if node_lost(states.get(node, ""))]
 
 
 def submitted_event(row: Mapping[str, str], cluster: str) -> JobEvent:
@@ -358,6 +342,9 @@ class SlurmSource:
     seen_submitted: set[str] = field(default_factory=set)
     started: dict[str, datetime] = field(default_factory=dict)
     state_file: Path | None = None
+    #: how long the nodes of a NODE_FAIL job that do not read lost yet are watched (``slurm_lost_nodes``)
+    lost_wait_s: float = DEFAULT_WAIT_S
+    watch: LostNodeWatch = field(init=False, repr=False)
     #: jobs whose terminal event is not yet acknowledged: they leave ``started`` in ``done()``
     _ended: set[str] = field(default_factory=set, init=False, repr=False)
 
@@ -365,6 +352,7 @@ class SlurmSource:
         if self.state_file is None:
             self.state_file = self.events_dir / STARTED_FILE
         self.started = {**load_started(self.state_file), **self.started}
+        self.watch = LostNodeWatch(self.events_dir / WATCH_FILE, self.lost_wait_s)
 
     def step(self, poll_queue: bool = True) -> tuple[list[JobEvent | NodeDown], list[Path]]:
         events: list[JobEvent | NodeDown] = []
@@ -406,17 +394,19 @@ class SlurmSource:
                 elif event.state in TERMINAL_STATES:
                     self._ended.add(event.job_id)
             files.append(path)
+        # nodes of NODE_FAIL jobs that did not read lost when their end was read (not those read now)
+        if self.watch.jobs:
+            events += self.watch.poll(self.commands.node_states,
+                                      skip={watch_key(e) for e in events if isinstance(e, JobEvent) and e.end_time})
         return events, files
 
     def _lost(self, hook: HookEvent, event: JobEvent | None) -> list[NodeDown]:
         """The node-down records of a job Slurm ended with NODE_FAIL (none for any other)."""
         if event is None or hook.hook != "jobcomp" or not hook.env.get("JOBSTATE", "").startswith("NODE_FAIL"):
             return []
-        lost = nodes_down(event, self.commands.node_states(event.nodes))
-        if not lost:
-            log.error("job %s ended with NODE_FAIL but Slurm reports none of its nodes %s down: its charge waits "
-                      "for their markers, or for `nodeshare nodes down`", event.job_id, ",".join(event.nodes),
-                      extra=fields(job_id=event.job_id))
+        states = self.commands.node_states(event.nodes)
+        lost = nodes_down(event, states)
+        self.watch.add(event, states, found=bool(lost))
         return lost
 
     def done(self, files: list[Path]) -> None:
@@ -426,6 +416,7 @@ class SlurmSource:
         epilog without its start)."""
         if self.terminal_from_epilog and self.state_file is not None:
             save_started(self.state_file, self.started)
+        self.watch.settle()  # durable before the NODE_FAIL files that started it are gone
         for path in files:
             path.unlink(missing_ok=True)
         metrics.SLURM_HOOK_EVENTS.labels("published").inc(len(files))
@@ -457,7 +448,7 @@ def load_started(path: Path) -> dict[str, datetime]:
 def save_started(path: Path, started: Mapping[str, datetime]) -> None:
     """Write the started map whole or not at all, durably (a temporary, fsynced, renamed over the
     file, the directory fsynced): the archive's one way of doing it."""
-    from nodeshare.sinks.archive import atomic_write_bytes
+    from nodeshare.runtime.files import atomic_write_bytes
 
     atomic_write_bytes(json.dumps({job: at.isoformat() for job, at in sorted(started.items())}).encode(), path)
 

@@ -17,6 +17,7 @@ from .events import (
     LlcSample,
     NodeDown,
     NodeInventory,
+    NodePowerState,
     PlacementDecision,
     PowerDecision,
     PowerReading,
@@ -92,6 +93,10 @@ DECISIONS_POWER = TopicSpec(
     "decisions.power", "job_id", PowerDecision, Role.OUTPUT, "delete",
     "power budgets and per-processor caps",
 )
+DECISIONS_POWER_NODES = TopicSpec(
+    "decisions.power.nodes", "node", NodePowerState, Role.OUTPUT, "compact",
+    "each node's caps as the power manager last stated them: what an agent holds after retention",
+)
 DECISIONS_PLACEMENT = TopicSpec(
     "decisions.placement", "job_id", PlacementDecision, Role.OUTPUT, "delete",
     "scale factor, nodes, pairing or delay",
@@ -107,7 +112,7 @@ DLQ = TopicSpec(
 
 TOPICS: tuple[TopicSpec, ...] = (
     NODE_IPC, NODE_SHUTTER, NODE_LLC, NODE_POWER, JOBS_LIFECYCLE, CLUSTER_INVENTORY,
-    ESTIMATES_DEGRADATION, PROFILES_PROGRAM, DECISIONS_POWER, DECISIONS_PLACEMENT,
+    ESTIMATES_DEGRADATION, PROFILES_PROGRAM, DECISIONS_POWER, DECISIONS_POWER_NODES, DECISIONS_PLACEMENT,
     LEDGER_CHARGES, DLQ,
 )
 INPUT_TOPICS: tuple[TopicSpec, ...] = tuple(t for t in TOPICS if t.role is Role.INPUT)
@@ -123,9 +128,13 @@ PLACEMENT_LOG = "placement.cluster"
 #: Each manager's latest state and the log offset it is after (streams.core.snapshot), compacted:
 #: a rebuild folds only the log after it, so the logs' retention loses nothing.
 SNAPSHOTS: dict[str, str] = {POWER_LOG: "power.machine.snapshots", PLACEMENT_LOG: "placement.cluster.snapshots"}
-INTERNAL_TOPICS: dict[str, int] = {POWER_LOG: 1, PLACEMENT_LOG: 1, **dict.fromkeys(SNAPSHOTS.values(), 1)}
+#: The charge fold's job accounts per input partition, with the offsets they are after
+#: (streams.core.fold_snapshot), compacted: a rebuild folds only the input records after them.
+FOLD_SNAPSHOTS = "accounting.snapshots"
+INTERNAL_TOPICS: dict[str, int] = {POWER_LOG: 1, PLACEMENT_LOG: 1, **dict.fromkeys(SNAPSHOTS.values(), 1),
+                                   FOLD_SNAPSHOTS: 1}
 #: cleanup.policy of the internal topics (delete unless named)
-INTERNAL_CLEANUP: dict[str, str] = dict.fromkeys(SNAPSHOTS.values(), "compact")
+INTERNAL_CLEANUP: dict[str, str] = dict.fromkeys([*SNAPSHOTS.values(), FOLD_SNAPSHOTS], "compact")
 
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {t.name: TypeAdapter(t.value) for t in TOPICS}
 

@@ -53,7 +53,7 @@ from pydantic import (
 #:   and every cap the node must hold after it (``node_caps``): an agent keeps the newest by sequence,
 #:   whatever order the partitions of ``decisions.power`` arrive in. A ``suspend`` decision gates a
 #:   started job the budget cannot hold at its processors' min power.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -616,6 +616,23 @@ class PowerDecision(Record):
     resumes: bool = False
 
 
+class NodePowerState(Record):
+    """A node's caps as the power manager last stated them (``decisions.power.nodes``, compacted
+    by node): the ``node_caps`` entry of the newest decision that changed them, so an agent that
+    starts after retention deleted that decision from ``decisions.power`` still holds them."""
+
+    kind: Literal["node_power_state"] = "node_power_state"
+    node: NodeName
+    state: NodeCapState
+    decided_by: Annotated[str, Field(min_length=1, max_length=ID_MAX_LENGTH)]  # the decision's event id
+
+    @model_validator(mode="after")
+    def _one_node(self) -> NodePowerState:
+        if self.state.node != self.node:
+            raise ValueError(f"the state of node {self.state.node!r} published as node {self.node!r}")
+        return self
+
+
 # --------------------------------------------------------------------------- decisions.placement
 
 
@@ -792,6 +809,11 @@ class Charge(Record):
     confidence: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     priced_at: Literal["estimate", "upper_bound"] = "estimate"
     prior_degradation_high: Fraction01 | None = None
+    #: The interval's margin for the estimator's bias (version 7): the interval is widened by
+    #: ``interval_margin_abs + interval_margin_rel * D`` beyond its t term. None: an earlier
+    #: version's charge, whose interval had no margin.
+    interval_margin_abs: Fraction01 | None = None
+    interval_margin_rel: Fraction01 | None = None
     #: ``mixed_s`` only (version 6): the evidence per sample length S, by S, at most
     #: ``MAX_CHARGE_LEVELS``; empty for the other estimators.
     levels: tuple[LevelEvidence, ...] = ()
@@ -822,7 +844,8 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
     Charge: {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
              "evidence_problems": 5, "node_summary": 5, "degradation_point": 6, "degradation_low": 6,
              "degradation_high": 6, "interval_method": 6, "interval_blocks": 6, "confidence": 6,
-             "priced_at": 6, "prior_degradation_high": 6, "levels": 6},
+             "priced_at": 6, "prior_degradation_high": 6, "levels": 6,
+             "interval_margin_abs": 7, "interval_margin_rel": 7},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

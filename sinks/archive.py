@@ -41,7 +41,6 @@ import bisect
 import itertools
 import json
 import logging
-import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -56,8 +55,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
-from nodeshare.config import Settings
-from nodeshare.consumer import BatchSink, position
+from nodeshare.runtime.config import Settings
+from nodeshare.runtime.consumer import BatchSink, position
+from nodeshare.runtime.files import atomic_write_bytes, publish_file
 from nodeshare.schemas import INPUT_TOPICS, spec_for_topic
 
 log = logging.getLogger(__name__)
@@ -796,26 +796,7 @@ ROW_GROUP_ROWS = 1024
 def _atomic_write(table: pa.Table, path: Path, row_group_rows: int | None = None, suffix: str = SINK_TMP) -> None:
     tmp = path.with_name(path.name + suffix)
     pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_rows or ROW_GROUP_ROWS)
-    _publish(tmp, path)
-
-
-def atomic_write_bytes(data: bytes, path: Path) -> None:
-    """``data`` into ``path`` whole or not at all, durably (also the Slurm source's state file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    _publish(tmp, path)
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """fsync ``tmp``, rename it to ``path`` and fsync the directory: ``path`` is whole or absent."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    publish_file(tmp, path)
 
 
 class ArchiveSink(BatchSink):

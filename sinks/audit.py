@@ -109,21 +109,32 @@ def archived_messages(archive: ParquetArchive, keys: set[bytes] | None = None) -
 
 def recompute(messages: dict[bytes | None, list[Message]], policies: dict[str, PricingPolicy],
               default: PricingPolicy, superseded: dict[tuple[str, int], Charge] | None = None,
+              revision_policies: dict[tuple[str, int], PricingPolicy] | None = None,
               ) -> dict[tuple[str, int], Charge]:
-    """Every charge the archived messages yield, per (job, revision). ``superseded``, when given,
-    receives the revisions a correction superseded before their nodes closed: a ledger row of one
-    is checked against it, and its absence is no finding."""
+    """Every charge the archived messages yield, per (job, revision), priced under the job's policy
+    in ``policies`` (its newest ledger row's). A revision in ``revision_policies`` whose row was
+    priced under another policy (an upgrade or a policy change between two revisions of one job)
+    is recomputed under its own: the job is folded once more per such policy. ``superseded``, when
+    given, receives the revisions a correction superseded before their nodes closed: a ledger row
+    of one is checked against it, and its absence is no finding."""
     out: dict[tuple[str, int], Charge] = {}
+    by_job: dict[str, dict[int, PricingPolicy]] = defaultdict(dict)
+    for (j, r), p in (revision_policies or {}).items():
+        by_job[j][r] = p
     for key, msgs in messages.items():
         job = key.decode(errors="replace") if key is not None else ""
         policy = policies.get(job, default)
-        accounts, produced = fold_states(msgs, policy)
-        for o in produced:
-            c = decode_model(Charge, o.value)
-            out.setdefault((c.job_id, c.revision), c)
-        if superseded is not None:
-            for account in accounts.values():
-                superseded.update(((c.job_id, c.revision), c) for c in account.superseded_charges(policy))
+        own = {r: p for r, p in by_job.get(job, {}).items() if p != policy}
+        for fold_policy in [policy, *dict.fromkeys(own.values())]:  # each revision under the policy it was priced by
+            accounts, produced = fold_states(msgs, fold_policy)
+            for o in produced:
+                c = decode_model(Charge, o.value)
+                if own.get(c.revision, policy) == fold_policy:
+                    out.setdefault((c.job_id, c.revision), c)
+            if superseded is not None:
+                for account in accounts.values():
+                    superseded.update(((c.job_id, c.revision), c) for c in account.superseded_charges(fold_policy)
+                                      if own.get(c.revision, policy) == fold_policy)
     return out
 
 
@@ -143,14 +154,15 @@ EVERY_JOB = Window()
 
 def policy_of(charge: Charge) -> PricingPolicy:
     """The policy a charge was priced under, from what it records (a charge before version 6 was
-    priced at its point estimate)."""
+    priced at its point estimate; one before version 7 had no interval margin)."""
     bound = charge.priced_at == "upper_bound"
     return PricingPolicy(rate_per_core_hour=charge.rate_per_core_hour, delta=charge.delta,
                          rate_function=charge.rate_function, estimator=charge.estimator,
                          confidence=charge.confidence or DEFAULT_CONFIDENCE, price_at_bound=bound,
                          prior_high=DEFAULT_PRIOR_HIGH if charge.prior_degradation_high is None
                          else charge.prior_degradation_high,
-                         prior_without_evidence=charge.confidence is not None)
+                         prior_without_evidence=charge.confidence is not None,
+                         margin_abs=charge.interval_margin_abs or 0.0, margin_rel=charge.interval_margin_rel or 0.0)
 
 
 @dataclass
@@ -168,13 +180,14 @@ class JobsAudit:
 
 
 def reference_task(location: Path | str, keys: list[bytes] | None, policies: dict[str, PricingPolicy],
-                   default: PricingPolicy) -> tuple[dict[tuple[str, int], Charge], dict[tuple[str, int], Charge], int]:
+                   default: PricingPolicy, revision_policies: dict[tuple[str, int], PricingPolicy] | None = None,
+                   ) -> tuple[dict[tuple[str, int], Charge], dict[tuple[str, int], Charge], int]:
     """One task of the reference path: these jobs' archived messages (None: every message) folded by
     the stream's own functions. Returns their charges, the revisions a correction superseded, and
     the jobs (message keys) folded."""
     messages = archived_messages(ParquetArchive(location), None if keys is None else set(keys))
     superseded: dict[tuple[str, int], Charge] = {}
-    return recompute(messages, policies, default, superseded), superseded, len(messages)
+    return recompute(messages, policies, default, superseded, revision_policies), superseded, len(messages)
 
 
 def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charge], beyond: set[str],
@@ -187,7 +200,10 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
     threads of this process): the vectorized fold in chunks of the archive's row groups, the
     reference fold (pure Python) in groups of jobs on a runner of processes, in one task here."""
     runner = runner if runner is not None else in_process(archive.threads)
-    policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}
+    policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}  # the newest revision's
+    # a revision priced under another policy than its job's newest (an upgrade, a changed margin or
+    # rate): the reference fold recomputes it under its own
+    mixed = {key: p for key, c in ledger_rows.items() if (p := policy_of(c)) != policies[key[0]]}
     recomputed: dict[tuple[str, int], Charge] = {}
     reference_jobs: set[str] | None = None  # None: every job
     samples = 0
@@ -206,12 +222,13 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
         reference_jobs |= {job for (job, revision) in ledger_rows if (job, revision) not in recomputed}
         recomputed = {k: c for k, c in recomputed.items() if k[0] not in reference_jobs}
         reference_jobs -= beyond  # their partial events would only re-fold to a charge that is not compared
-    calls: list[tuple[Any, ...]] = [(archive.location, None, policies, default)]  # every message, whatever its key
+    calls: list[tuple[Any, ...]] = [(archive.location, None, policies, default, mixed)]  # every message
     if reference_jobs is not None:
         keys = sorted(reference_jobs)
         groups = runner.slots if runner.processes else 1
         calls = [(archive.location, [k.encode() for k in group], {k: policies[k] for k in group if k in policies},
-                  default) for group in (keys[i::groups] for i in range(groups)) if group]
+                  default, {key: p for key, p in mixed.items() if key[0] in members})
+                 for group in (keys[i::groups] for i in range(groups)) if group for members in [set(group)]]
     fast_jobs = {k[0] for k in recomputed}
     superseded: dict[tuple[str, int], Charge] = {}
     folded = 0

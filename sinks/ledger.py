@@ -26,9 +26,9 @@ import duckdb
 import pyarrow as pa
 from confluent_kafka import Message
 
-from nodeshare import metrics
-from nodeshare.config import Settings
-from nodeshare.consumer import BatchSink, position
+from nodeshare.runtime import metrics
+from nodeshare.runtime.config import Settings
+from nodeshare.runtime.consumer import BatchSink, position
 from nodeshare.schemas import Charge, DecodeError, ShutterWindow, decode, decode_model
 from nodeshare.schemas.catalog import LEDGER_CHARGES, NODE_SHUTTER
 from nodeshare.schemas.dead_letters import dead_letter
@@ -179,6 +179,7 @@ class Ledger:
         ``divergent`` (the charge, its bytes and origin, and the fields that differ) for the caller
         to dead-letter. Returns how many rows were new."""
         self.divergent: list[tuple[tuple[Charge, bytes, int | None, int | None], list[str]]] = []
+        self.repriced = 0  # copies that differ from their row only by the interval margin (margin_only)
         if not rows:  # most of the sink's batches are shutter windows only
             return 0
         self.con.execute("BEGIN TRANSACTION")
@@ -194,9 +195,12 @@ class Ledger:
                 key = (charge.job_id, charge.revision)
                 if key in held:
                     if held[key] != raw.decode():
-                        fields = [f for f, _, _ in charge_differences(Charge.model_validate_json(held[key]), charge)]
-                        if fields:
+                        kept = Charge.model_validate_json(held[key])
+                        fields = [f for f, _, _ in charge_differences(kept, charge)]
+                        if fields and not margin_only(kept, charge, fields):
                             self.divergent.append((row, fields))
+                        elif fields:
+                            self.repriced += 1
                     continue
                 record = held[key] = raw.decode()
                 row_hash = chain_hash(prev, record)
@@ -327,6 +331,19 @@ def charge_differences(held: Charge, copy: Charge, provenance: frozenset[str] = 
     return [(f, a[f], b.get(f)) for f in a if f not in provenance and carried(held, f) and a[f] != b.get(f)]
 
 
+#: The fields an interval margin moves when the charge is priced at its point estimate.
+_INTERVAL_ENDS = frozenset({"degradation_low", "degradation_high"})
+
+
+def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
+    """Whether ``copy`` differs from ``held`` only in its interval's ends, because it was priced under
+    another interval margin (a worker upgraded across schema 7 re-sending a charge the older build
+    wrote, or a changed margin): the same price, the same point estimate, a stated policy change.
+    Anything else that differs (a price above all) is a divergent row."""
+    margins = (held.interval_margin_abs, held.interval_margin_rel)
+    return set(fields) <= _INTERVAL_ENDS and margins != (copy.interval_margin_abs, copy.interval_margin_rel)
+
+
 def _sql_value(v: Any) -> Any:
     return v.value if hasattr(v, "value") else v  # enums as their string values
 
@@ -372,6 +389,10 @@ class LedgerSink(BatchSink):
         with self._lock, self._open() as ledger:
             new = ledger.append(rows)
             divergent = ledger.divergent
+            if ledger.repriced:
+                log.warning("%d re-sent charges differ from their ledger rows only in the interval's ends, priced "
+                            "under another interval margin (a worker upgraded across schema 7): the rows stay as "
+                            "billed, and the audit checks each under its own", ledger.repriced)
             ledger.count_shutters(windows)
             due = self.snapshot is not None and (self._snapshot_at is None
                                                  or time.monotonic() - self._snapshot_at >= self.snapshot_every_s)

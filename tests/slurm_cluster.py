@@ -109,6 +109,7 @@ def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None =
         _wait(lambda: (t / "run" / "munge.socket.2").exists(), 10, "munged")
         procs.append(subprocess.Popen(["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
+        _DAEMONS[env["SLURM_CONF"]] = procs
         procs.append(subprocess.Popen(["slurmd", "-D"], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
 
@@ -118,6 +119,7 @@ def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None =
         _wait(idle, 30, "an idle Slurm node")
         yield env
     finally:
+        _DAEMONS.pop(env["SLURM_CONF"], None)
         for p in reversed(procs):
             p.send_signal(signal.SIGTERM)
         for p in reversed(procs):
@@ -126,6 +128,23 @@ def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None =
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+#: each running local Slurm's daemons (munged, slurmctld, slurmd), by its SLURM_CONF
+_DAEMONS: dict[str, list[subprocess.Popen[bytes]]] = {}
+
+
+def restart_controller(env: dict[str, str], down_s: float = 2.0) -> None:
+    """Stop this local Slurm's slurmctld (SIGTERM: it saves its state), keep it down ``down_s``, and
+    start it again on its saved state (jobs keep running under slurmd meanwhile); returns once it
+    answers."""
+    procs = _DAEMONS[env["SLURM_CONF"]]
+    procs[1].send_signal(signal.SIGTERM)
+    procs[1].wait(30)
+    time.sleep(down_s)
+    procs[1] = subprocess.Popen(["slurmctld", "-D"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait(lambda: subprocess.run(["squeue", "-h"], env=env, capture_output=True).returncode == 0, 30,
+          "slurmctld after its restart")
 
 
 def squeue_states(env: dict[str, str], job_ids: list[str]) -> list[str]:
@@ -143,3 +162,38 @@ def run_agent_until_idle(env: dict[str, str], settings_env: dict[str, str], spoo
         env={**env, "NODESHARE_CONFIG": "", **settings_env, **SHUTTER}, capture_output=True, text=True, timeout=120)
     assert agent.returncode == 0, agent.stderr
     return agent
+
+
+def wait_running(env: dict[str, str], job_ids: list[str], timeout_s: float = 30.0) -> None:
+    """Until every job runs at once (the node is shared)."""
+    deadline = time.monotonic() + timeout_s
+    while squeue_states(env, job_ids) != ["RUNNING"] * len(job_ids):
+        assert time.monotonic() < deadline, squeue_states(env, job_ids)
+        time.sleep(0.1)
+
+
+@contextmanager
+def lifecycle_source(settings: object, events: Path, env: dict[str, str]) -> Iterator[list[int]]:
+    """The Slurm source publishing this Slurm's lifecycle (the hooks' files in ``events``, squeue) in
+    a thread until the block ends; the list it yields then holds how many events it published."""
+    import threading
+
+    from nodeshare.producers.kafka_producer import EventProducer
+    from nodeshare.producers.slurm import SlurmCommands, SlurmSource, run_source
+
+    stop = threading.Event()
+    source = SlurmSource(events, SlurmCommands(env), "nodeshare-test")
+    published: list[int] = []
+    with EventProducer(settings, client_id="nodeshare-slurm") as producer:  # type: ignore[arg-type]
+        def publish(batch: list) -> None:
+            producer.send_all(batch)
+            producer.flush(30)
+
+        thread = threading.Thread(target=lambda: published.append(
+            run_source(source, publish, poll_s=0.5, stop=stop.is_set)))
+        thread.start()
+        try:
+            yield published
+        finally:
+            stop.set()
+            thread.join(30)

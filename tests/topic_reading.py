@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, Message
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 
 
 def read_until(settings: Settings, topic: str, done: Callable[[list[Message]], bool],

@@ -39,8 +39,6 @@ from confluent_kafka import Consumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodeshare.bench.machine import machine_stamp
-from nodeshare.config import Settings
-from nodeshare.consumer import run_in_thread
 from nodeshare.deploy.broker import broker_for, free_port
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
@@ -49,6 +47,8 @@ from nodeshare.producers.calibrated import CalibratedConfig, run_cluster
 from nodeshare.producers.calibrated_records import RecordSink
 from nodeshare.producers.job_mix import cluster_specs, library
 from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.runtime.config import Settings
+from nodeshare.runtime.consumer import run_in_thread
 from nodeshare.schemas import SCHEMA_VERSION, JobLeftNode, ShutterBatch, encode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, key_of
 from nodeshare.sinks.archive import ArchiveSink

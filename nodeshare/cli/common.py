@@ -28,7 +28,7 @@ def _global_options(
         "--config", help="TOML configuration file (default: NODESHARE_CONFIG); environment variables win over it",
         dir_okay=False)] = None,
 ) -> None:
-    from nodeshare.config import CONFIG_FILE
+    from nodeshare.runtime.config import CONFIG_FILE
 
     CONFIG_FILE.set(config)  # None: fall back to NODESHARE_CONFIG
     # The choice lasts for this command only: a process that runs several (tests, an embedding
@@ -37,7 +37,7 @@ def _global_options(
 
 
 def load_settings(**overrides: Any) -> Any:
-    from nodeshare.config import Settings, config_file
+    from nodeshare.runtime.config import Settings, config_file
 
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})

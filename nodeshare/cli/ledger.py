@@ -101,7 +101,7 @@ def audit(
     if metrics_file is not None:
         import time
 
-        from nodeshare.metrics import write_audit_metrics
+        from nodeshare.runtime.metrics import write_audit_metrics
 
         write_audit_metrics(str(metrics_file), {
             "nodeshare_audit_ok": float(report.ok), "nodeshare_audit_mismatches": len(report.mismatches),

@@ -62,12 +62,12 @@ def agent(
     """Run the node agent: POPPA's shutters on this node's real jobs; events go through a local spool."""
     import socket
 
-    from nodeshare import logs, metrics
     from nodeshare.producers.agent.agent import AgentOptions, build
     from nodeshare.producers.agent.jobs import JobFileError
     from nodeshare.producers.agent.processes import Refused
     from nodeshare.producers.agent.resctrl import ResctrlUnavailable
     from nodeshare.producers.agent.watchdog import WatchdogLost
+    from nodeshare.runtime import logs, metrics
 
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
@@ -169,14 +169,18 @@ def slurm_source(
     duration: Annotated[float | None, typer.Option(min=0.0, help="stop after this many seconds")] = None,
     terminal_from_epilog: Annotated[bool, typer.Option(
         help="take job ends from EpilogSlurmctld (when jobcomp/script is not configured)")] = False,
+    lost_node_wait: Annotated[float, typer.Option(
+        min=0.0, max=86_400.0, help="seconds after a NODE_FAIL job's end to keep asking sinfo about its nodes "
+                                    "that do not read lost yet (0: ask once)")] = 600.0,
     bootstrap: Bootstrap = None,
 ) -> None:
-    """Publish Slurm job lifecycle events (hooks and squeue) to jobs.lifecycle."""
+    """Publish Slurm job lifecycle events (hooks and squeue) to jobs.lifecycle, and a NodeDown for each
+    node a job Slurm ended with NODE_FAIL lost."""
     import time
 
-    from nodeshare import logs, metrics
     from nodeshare.producers.kafka_producer import EventProducer
     from nodeshare.producers.slurm import SlurmCommands, SlurmSource, run_source
+    from nodeshare.runtime import logs, metrics
 
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
@@ -185,7 +189,8 @@ def slurm_source(
         err.print(f"[red]slurm source[/red]: no events directory {events_dir}: run `nodeshare slurm install-hooks`")
         raise typer.Exit(2)
     commands = SlurmCommands()
-    source = SlurmSource(events_dir, commands, commands.cluster_name(), terminal_from_epilog)
+    source = SlurmSource(events_dir, commands, commands.cluster_name(), terminal_from_epilog,
+                         lost_wait_s=lost_node_wait)
     metrics.serve(settings.metrics_port, settings.metrics_addr)  # hook files published and refused
     end = None if duration is None else time.monotonic() + duration
     signal.signal(signal.SIGTERM, exit_on_sigterm)
@@ -205,15 +210,22 @@ def slurm_scheduler(
     mem_bandwidth_gbps: Annotated[float, typer.Option(
         min=0.1, help="memory bandwidth of each node, GB/s (Slurm does not know)")] = 50.0,
     duration: Annotated[float | None, typer.Option(min=0.0, help="stop after this many seconds")] = None,
+    state_file: Annotated[Path, typer.Option(
+        help="the jobs this adapter suspended (power-gated), so it resumes only those; decided.json next "
+             "to it keeps the jobs the placement manager answered (fail-open): keep both across restarts "
+             "(the systemd unit's StateDirectory)")]
+    = Path("/var/lib/nodeshare-slurm-scheduler/suspended.json"),
     bootstrap: Bootstrap = None,
 ) -> None:
     """Apply decisions.placement to Slurm: held jobs are pinned to the decided nodes and released.
 
     Submit jobs held (sbatch --hold or a job_submit rule); publishes Slurm's nodes on
-    cluster.inventory first. While it is down, jobs stay held and no decision is lost."""
+    cluster.inventory first. A job held with no decision for NODESHARE_PLACEMENT_RELEASE_AFTER_S
+    (600 s) is released to Slurm's own scheduling. While it is down, jobs stay held and no
+    decision is lost."""
 
-    from nodeshare import logs, metrics
     from nodeshare.producers.slurm_scheduler import SchedulerCommands, run_scheduler
+    from nodeshare.runtime import logs, metrics
 
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
@@ -227,8 +239,8 @@ def slurm_scheduler(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         done = run_scheduler(settings, SchedulerCommands(), stop, llc_ways=llc_ways,
-                             mem_bandwidth_gbps=mem_bandwidth_gbps)
-    except RuntimeError as exc:  # a Slurm command failed (not reachable, not allowed)
+                             mem_bandwidth_gbps=mem_bandwidth_gbps, state_file=state_file)
+    except (RuntimeError, OSError) as exc:  # a Slurm command failed (not reachable, not allowed); the book
         err.print(f"[red]slurm scheduler[/red]: {exc}")
         raise typer.Exit(3) from None
     out.print(", ".join(f"{n} {k.replace('_', ' ')}" for k, n in done.outcomes.items()))

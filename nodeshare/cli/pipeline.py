@@ -99,7 +99,7 @@ def print_charges(charges: list[Any]) -> None:
 @config_app.command("show")
 def config_show(as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
     """Print the effective configuration (defaults < config file < environment), secrets masked."""
-    from nodeshare.config import config_file
+    from nodeshare.runtime.config import config_file
 
     data = load_settings().masked()
     if as_json:
@@ -170,16 +170,42 @@ def demo(
 
 
 @app.command()
-def broker(port: Annotated[int | None, typer.Option(help="port on 127.0.0.1 (default: a free one)")] = None) -> None:
-    """Run the bundled Tansu broker in the foreground (in-memory storage) until Ctrl-C."""
-    from nodeshare.deploy.broker import BundledBroker
+def broker(port: Annotated[int | None, typer.Option(
+               help="port on 127.0.0.1 (default: a free one; with --data, the one it had last time)")] = None,
+           data: Annotated[Path | None, typer.Option(
+               help="keep topics, records and committed offsets in this directory across restarts (Tansu's S3 "
+                    "engine on a local s3rver, installed with npm on first use); default: in memory, lost at exit")]
+           = None,
+           ) -> None:
+    """Run the bundled Tansu broker in the foreground until Ctrl-C."""
+    from nodeshare.deploy.broker import BrokerError, BundledBroker
+    from nodeshare.runtime.files import atomic_write_bytes
 
-    with BundledBroker(port=port) as b:
-        out.print(f"Tansu broker on {b.bootstrap} (pid {b.pid}); export NODESHARE_BOOTSTRAP={b.bootstrap}")
+    saved = data / "port" if data is not None else None
+    from_file = False
+    try:
+        if port is None and saved is not None and saved.exists():
+            port, from_file = int(saved.read_text()), True  # the address clients were given last time
+        b = BundledBroker(port=port, data_dir=data).start()
+        if saved is not None:
+            atomic_write_bytes(f"{b.port}\n".encode(), saved)
+    except (BrokerError, OSError, ValueError) as exc:
+        in_use = from_file and "in use" in str(exc)
+        hint = f" (the port from {saved}: pass --port, or delete the file)" if in_use else ""
+        err.print(f"[red]broker[/red]: {exc}{hint}")
+        raise typer.Exit(2) from exc
+    try:
+        where = "in memory" if data is None else f"durable in {data}"
+        out.print(f"Tansu broker on {b.bootstrap} (pid {b.pid}, {where}); export NODESHARE_BOOTSTRAP={b.bootstrap}")
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         with contextlib.suppress(KeyboardInterrupt):
-            stop.wait()
+            while not stop.wait(1.0):
+                if not b.alive():
+                    err.print(f"[red]broker[/red]: it stopped (Tansu or its storage server); see {b.log_path}")
+                    raise typer.Exit(1)
+    finally:
+        b.stop()
 
 
 @topics_app.command("create")
@@ -330,7 +356,7 @@ def worker(
 
 
 def _run_sink(sink: Any) -> None:
-    from nodeshare import logs, metrics
+    from nodeshare.runtime import logs, metrics
 
     logs.configure(sink.settings, f"{sink.name}-sink")
     metrics.serve(sink.settings.metrics_port, sink.settings.metrics_addr)

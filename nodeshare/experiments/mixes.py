@@ -12,7 +12,10 @@ by job. The report per mix and overall:
 * ``run_time_mae_pct``, ``run_time_max_abs_err_pct``: ``pairwise``'s run-time prediction error;
 * ``overcharged_jobs`` (price > solo baseline L x C x T_solo), ``overcharged_jobs_over_0_5pct``
   (price > 1.005 x baseline), ``coverage`` (share of jobs whose D_true lies in the charge's
-  [degradation_low, degradation_high]; null when charges carry no interval),
+  [degradation_low, degradation_high]; null when charges carry no interval), ``coverage_clamped``
+  (the same with D_true clamped to [0, 1], the range of a charge's D: a job that ran faster shared
+  than alone has D_true < 0, which no interval of D holds), ``above_interval`` (share of jobs whose
+  D_true is above ``degradation_high``: the side that overcharges when priced at the bound),
   ``revenue_vs_oracle_pp`` (sum of prices against the sum of oracle prices, in points of the
   oracle's), ``charged_vs_solo_baseline`` (sum of prices over the sum of solo baselines).
 """
@@ -70,7 +73,14 @@ def job_row(mix: str, t: JobTruth, c: Charge) -> dict[str, Any]:
         "solo_baseline": base, "price": c.price, "standard_price": c.standard_price, "oracle": oracle_price(c, t),
         "degradation_low": low, "degradation_high": high,
         "covered": None if low is None or high is None else bool(low <= d_true <= high),
+        "covered_clamped": None if low is None or high is None else bool(low <= min(1.0, max(0.0, d_true)) <= high),
+        "above_interval": None if high is None else bool(d_true > high),
     }
+
+
+def _share(flags: Sequence[bool | None]) -> float | None:
+    """The share of true flags; None when any is unknown (charges without an interval)."""
+    return None if any(f is None for f in flags) else float(np.mean([bool(f) for f in flags]))
 
 
 def mix_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -91,7 +101,9 @@ def mix_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "run_time_mae_pct": float(np.abs(rt).mean()), "run_time_max_abs_err_pct": float(np.abs(rt).max()),
         "overcharged_jobs": int((price > base).sum()),
         "overcharged_jobs_over_0_5pct": int((price > (1.0 + OVER_TOLERANCE) * base).sum()),
-        "coverage": None if any(c is None for c in covered) else float(np.mean(covered)),
+        "coverage": _share(covered),
+        "coverage_clamped": _share([r["covered_clamped"] for r in rows]),
+        "above_interval": _share([r["above_interval"] for r in rows]),
         "revenue_vs_oracle_pp": float(100.0 * (price.sum() - oracle.sum()) / oracle.sum()),
         "charged_vs_solo_baseline": float(price.sum() / base.sum()),
         "oracle_vs_solo_baseline": float(oracle.sum() / base.sum()),
@@ -198,16 +210,18 @@ def experiment_mixes(kind: str, mix: str, seed: int = 7, iterations: int = 5, sa
 def mixes_table(r: dict[str, Any]) -> list[str]:
     """The human-readable table of a mixes report, one line per mix and one overall."""
     head = (f"{'mix':13s} {'jobs':>6s} {'MAE pp':>7s} {'max pp':>7s} {'over':>5s} {'>0.5%':>6s} {'cover':>6s} "
-            f"{'rev-orc pp':>10s} {'chg/solo':>8s}")
+            f"{'above':>6s} {'rev-orc pp':>10s} {'chg/solo':>8s}")
     lines = [head]
     for name, m in [*r["mixes"].items(), ("overall", r["overall"])]:
         if not m.get("jobs"):
             lines.append(f"{name:13s} {0:>6d}")
             continue
-        cov = "n/a" if m["coverage"] is None else f"{100 * m['coverage']:.1f}%"
+        cov, above = ("n/a" if m.get(k) is None else f"{100 * m[k]:.1f}%"
+                      for k in ("coverage_clamped", "above_interval"))
         lines.append(f"{name:13s} {m['jobs']:>6d} {m['mae_pct']:>7.2f} {m['max_abs_err_pct']:>7.2f} "
-                     f"{m['overcharged_jobs']:>5d} {m['overcharged_jobs_over_0_5pct']:>6d} {cov:>6s} "
+                     f"{m['overcharged_jobs']:>5d} {m['overcharged_jobs_over_0_5pct']:>6d} {cov:>6s} {above:>6s} "
                      f"{m['revenue_vs_oracle_pp']:>+10.2f} {m['charged_vs_solo_baseline']:>8.4f}")
+    lines.append("cover: D_true (clamped to [0, 1]) within the charge's interval; above: D_true above its upper end")
     lines.append(f"error: |D - D_true| in points, D_true = {r['degradation_truth']}; estimator {r['estimator']}, "
                  f"S {r['sample_us']} us, P {r['period_ms']} ms")
     lines.extend(f"skipped {k}: {v}" for k, v in r.get("skipped", {}).items())

@@ -15,6 +15,7 @@ which split across modules would be a protocol between them instead of one readi
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import math
@@ -30,9 +31,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from nodeshare import metrics
-from nodeshare.logs import fields
 from nodeshare.producers.batching import Batcher, FlushPolicy
+from nodeshare.runtime import metrics
+from nodeshare.runtime.logs import fields
 from nodeshare.schemas import (
     TOPIC_OF_RECORD,
     IpcSample,
@@ -223,6 +224,7 @@ class Agent:
         self.stats = Stats()
         self.source_name = f"agent/{options.node}"
         self._hw_reason = hardware_counters_unavailable() if options.hardware_counters else "disabled"
+        self._told_coarse: set[int | None] = set()  # the causes _coarse has told
         if self._hw_reason:
             log.info("hardware counters unavailable (%s): application progress counters only", self._hw_reason)
         self._power = rapl.package_domains()
@@ -289,7 +291,9 @@ class Agent:
             try:
                 if ids is None:
                     raise ProgressRefused(0, f"progress file {job.progress}: the job's user is unknown (no process)")
-                return ApplicationCounter(job.progress, sorted(p.pid for p in job.procs), uid=ids[0], gid=ids[1])
+                counter = ApplicationCounter(job.progress, sorted(p.pid for p in job.procs), uid=ids[0], gid=ids[1])
+                self._coarse(job.job_id, counter.coarse_error)
+                return counter
             except FileNotFoundError:
                 pass  # not written yet: tried again at the next rescan
             except ProgressRefused as e:
@@ -298,12 +302,28 @@ class Agent:
                 self._refused.add(job.job_id)
                 log.warning("job %s: %s: refused, the job is measured without its progress file", job.job_id,
                             e.strerror, extra=fields(job_id=job.job_id))
+            except OSError as e:  # the agent's own limits (out of descriptors): tried again at the next rescan
+                log.warning("job %s: its progress file could not be opened (%s): tried again at the next rescan",
+                            job.job_id, e, extra=fields(job_id=job.job_id))
+                return None
         if not self._hw_reason:
             try:
                 return HardwareCounter(sorted(p.pid for p in job.procs))
             except OSError as e:
                 log.warning("job %s: hardware counters failed (%s)", job.job_id, e, extra=fields(job_id=job.job_id))
         return None
+
+    def _coarse(self, job_id: str, error: OSError | None) -> None:
+        """Say once per cause that a job's application counter is timed by the tick-granular process
+        clock (``progress.TaskClock`` could not open); a job whose threads all exited meanwhile is no
+        cause for the operator."""
+        if error is None or error.errno == errno.ESRCH or error.errno in self._told_coarse:
+            return
+        self._told_coarse.add(error.errno)
+        log.warning("job %s: the task clock is unavailable (%s): its application counter is timed by the process "
+                    "CPU clock, which moves in scheduler ticks, so windows shorter than a few ticks measure noise "
+                    "(the agent needs root with CAP_SYS_PTRACE, and CAP_PERFMON where perf_event_paranoid > 1); "
+                    "said once for this cause", job_id, error, extra=fields(job_id=job_id))
 
     def rescan(self) -> None:
         try:
@@ -663,10 +683,28 @@ class Agent:
         self.spool.close()
 
 
+def raise_open_files_limit() -> int:
+    """The soft limit of open descriptors raised to the hard one (a task clock holds one per thread
+    of every job: systemd's and container runtimes' soft default, 1024, is a few jobs of many
+    threads). Returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit from %d to %d (%s)", soft, hard, e)
+    return soft
+
+
 def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm: bool,
           progress_dir: Path) -> Agent:
     """An agent on the configured broker, for a static job file or for Slurm."""
     from nodeshare.producers.kafka_producer import EventProducer
+
+    raise_open_files_limit()
 
     from .jobs import SlurmJobs, StaticJobs, load_job_file
 

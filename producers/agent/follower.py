@@ -37,7 +37,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from prometheus_client import Counter, Gauge
 
-from nodeshare.consumer import _next_offsets as next_offsets
+from nodeshare.runtime.consumer import next_offsets
 
 from .watchdog import WatchdogLost
 
@@ -68,6 +68,8 @@ class Follower:
     and ``settle()`` (act on what the history ends with)."""
 
     topic_name = ""
+    #: more topics read the same way (a fold of several topics: ``handle`` is told which)
+    also_topics: tuple[str, ...] = ()
     purpose = ""
     #: False: a fold of the whole history, every start (nothing committed; the history is folded
     #: without acting). True: events acted on once each, resumed after the committed offsets.
@@ -82,7 +84,8 @@ class Follower:
         self.failure: BaseException | None = None  # what stopped the follower, if anything did
         self._answered = False  # the broker answered since the last attempt began
 
-    def handle(self, value: bytes | None, write: bool) -> None:
+    def handle(self, value: bytes | None, write: bool, topic: str | None = None) -> None:
+        """Fold one record of ``topic`` (a catalog name, unprefixed; None: ``topic_name``)."""
         raise NotImplementedError
 
     def settle(self) -> None:
@@ -135,30 +138,38 @@ class Follower:
                 raise FollowerStopped(what) from f.failure
 
     def _follow(self) -> None:
-        topic = self.settings.topic(self.topic_name)
+        names = {self.settings.topic(n): n for n in (self.topic_name, *self.also_topics)}
         consumer = Consumer(self.settings.client_config(**{
             "group.id": f"{self.settings.app_id}-agent-{self.node}-{self.purpose}",  # committed only if ``commits``
             "enable.auto.commit": False, "fetch.wait.max.ms": 100}))
         try:
             # short waits: the loop retries every RETRY_S, and the agent's exit waits for this thread
             # (10 s each kept an agent without a broker 10 s longer at every exit)
-            partitions = consumer.list_topics(topic, timeout=ASK_S).topics[topic].partitions
+            parts = []
+            for t, name in names.items():
+                meta = consumer.list_topics(t, timeout=ASK_S).topics[t]
+                error = getattr(meta, "error", None)
+                if name != self.topic_name and (error is not None or not meta.partitions):
+                    log.error("%s: no topic %s (%s): followed without it until the agent restarts; run "
+                              "`nodeshare topics create` (docs/upgrades.md)", self.topic_name, t, error)
+                parts += [TopicPartition(t, p) for p in meta.partitions]
             self._answered = True
             FOLLOWER_CONNECTED.labels(self.purpose).set(1)
-            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=ASK_S) for p in partitions}
-            starts = {p: OFFSET_BEGINNING for p in partitions}
+            ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=ASK_S) for tp in parts}
+            starts = {key: OFFSET_BEGINNING for key in ends}
             if self.commits:  # resume after what the group committed (a negative offset: nothing committed)
-                starts.update({tp.partition: tp.offset for tp in consumer.committed(
-                    [TopicPartition(topic, p) for p in partitions], timeout=ASK_S) if tp.offset >= 0})
-            behind = {p: high for p, (low, high) in ends.items() if high > max(low, starts[p])}  # history still to read
-            consumer.assign([TopicPartition(topic, p, starts[p]) for p in partitions])
+                starts.update({(tp.topic, tp.partition): tp.offset
+                               for tp in consumer.committed(parts, timeout=ASK_S) if tp.offset >= 0})
+            behind = {key: high for key, (low, high) in ends.items() if high > max(low, starts[key])}  # history to read
+            consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in ends])
             while not self._stop.is_set():
                 self.idle()
                 batch = [m for m in consumer.consume(500, timeout=0.2) if m.error() is None]
                 for m in batch:
-                    self.handle(m.value(), write=self.commits or self.caught_up.is_set())
-                    if behind.get(m.partition(), 0) <= (m.offset() or 0) + 1:
-                        behind.pop(m.partition(), None)
+                    self.handle(m.value(), write=self.commits or self.caught_up.is_set(), topic=names[m.topic()])
+                    key = (str(m.topic()), int(m.partition() or 0))
+                    if behind.get(key, 0) <= (m.offset() or 0) + 1:
+                        behind.pop(key, None)
                 if self.commits and batch:
                     consumer.commit(offsets=next_offsets(batch), asynchronous=False)
                 if not self.caught_up.is_set() and not behind and not batch:

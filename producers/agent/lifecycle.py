@@ -109,7 +109,7 @@ class LifecycleFollower(Follower):
         super().__init__(settings, node)
         self.on_event = on_event
 
-    def handle(self, value: bytes | None, write: bool) -> None:
+    def handle(self, value: bytes | None, write: bool, topic: str | None = None) -> None:
         try:
             event = decode_model(JobEvent, value)
         except DecodeError as exc:  # the worker dead-letters it; here it is skipped

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from nodeshare import metrics
+from nodeshare.runtime import metrics
 from nodeshare.schemas import DecodeError, PlacementDecision, decode_model
 from nodeshare.schemas.catalog import DECISIONS_PLACEMENT
 from nodeshare.streams.core.placement.resctrl import NodeShares, default_mask, layout
@@ -45,7 +45,7 @@ class LlcFollower(Follower):
         self.refused: set[str] = set()
         self.unplaced: set[str] = set()  # jobs with a share that found no room (said once each)
 
-    def handle(self, value: bytes | None, write: bool) -> None:
+    def handle(self, value: bytes | None, write: bool, topic: str | None = None) -> None:
         try:
             decision = decode_model(PlacementDecision, value)
         except DecodeError as exc:

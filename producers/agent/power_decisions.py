@@ -9,7 +9,9 @@ watchdog is gone) stops the follower: every limit is restored and the agent exit
 The fold is ``streams.core.power.caps.CapFold``: ``decisions.power`` has several partitions (keyed
 by job) and Kafka orders records only within one, so each decision carries, per node it changes,
 the node's sequence number and all its caps after it; the newest state wins whatever the
-interleaving (and whatever retention deleted).
+interleaving. The same states are on the compacted ``decisions.power.nodes`` (keyed by node), which
+the follower reads too: a node whose caps did not change within ``decisions.power``'s retention
+still starts with them.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from nodeshare import metrics
-from nodeshare.schemas import DecodeError, PowerDecision, decode_model
-from nodeshare.schemas.catalog import DECISIONS_POWER
+from nodeshare.runtime import metrics
+from nodeshare.schemas import DecodeError, NodePowerState, PowerDecision, decode_model
+from nodeshare.schemas.catalog import DECISIONS_POWER, DECISIONS_POWER_NODES
 from nodeshare.streams.core.power.caps import CapChanges, CapFold
 
 from .follower import Follower
@@ -32,6 +34,7 @@ class CapFollower(Follower):
     """Folds ``decisions.power`` for ``node`` and writes its caps through ``powercap``."""
 
     topic_name = DECISIONS_POWER.name
+    also_topics = (DECISIONS_POWER_NODES.name,)  # each node's latest state, kept past decisions.power's retention
     purpose = "power"
 
     def __init__(self, settings: Any, node: str, powercap: Powercap) -> None:
@@ -41,11 +44,15 @@ class CapFollower(Follower):
         self.applied = 0
         self.refused: list[str] = []
 
-    def handle(self, value: bytes | None, write: bool) -> None:
+    def handle(self, value: bytes | None, write: bool, topic: str | None = None) -> None:
+        topic = topic or DECISIONS_POWER.name
+        if value is None:
+            return  # a tombstone: compaction's, nothing to fold
+        model = NodePowerState if topic == DECISIONS_POWER_NODES.name else PowerDecision
         try:
-            decision = decode_model(PowerDecision, value)
+            decision = decode_model(model, value)
         except DecodeError as exc:  # the worker dead-letters its own input; here a bad record is skipped
-            log.warning("decisions.power: skipped a record that does not decode: %s", exc.reason)
+            log.warning("%s: skipped a record that does not decode: %s", topic, exc.reason)
             return
         changes = self.caps.apply(decision)
         if write:

@@ -12,7 +12,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import TOPICS, DeadLetter, DecodeError, decode_model
 
 

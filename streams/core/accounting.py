@@ -28,14 +28,13 @@ import hashlib
 import math
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Annotated, Any, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, PrivateAttr, TypeAdapter
 
-from nodeshare import __version__
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, spec_for_topic
 from nodeshare.schemas.dead_letters import NODESHARE_NAMESPACE, dead_letter
 from nodeshare.schemas.events import (
@@ -62,7 +61,14 @@ from nodeshare.schemas.events import (
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
 
 from .blocks import block_rows, prior_max
-from .confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH, PRIOR, degradation_interval
+from .confidence import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_MARGIN_ABS,
+    DEFAULT_MARGIN_REL,
+    DEFAULT_PRIOR_HIGH,
+    PRIOR,
+    degradation_interval,
+)
 from .degradation import (
     DEFAULT_DELTA,
     DEFAULT_ESTIMATOR,
@@ -79,6 +85,11 @@ from .pricing import POPPA_EQ4, alone_time, billed_time, fair_charge, job_degrad
 SOURCE = "nodeshare.streams.accounting"  # the producer named in every record: a contract, kept as first released
 
 
+#: ``Charge.code_version`` of charges priced under a policy no shell stamped (tests, experiments, the
+#: audit's recomputation from a row's own policy)
+UNSTAMPED_VERSION = "unstamped"
+
+
 @dataclass(frozen=True)
 class PricingPolicy:
     rate_per_core_hour: float = 1.0  # L
@@ -90,9 +101,17 @@ class PricingPolicy:
     confidence: float = DEFAULT_CONFIDENCE
     price_at_bound: bool = False
     prior_high: float = DEFAULT_PRIOR_HIGH
+    #: The interval's margin for the estimator's bias, margin_abs + margin_rel * D (schema 7;
+    #: streams.core.confidence says how it was calibrated). An older row is audited with 0.
+    margin_abs: float = DEFAULT_MARGIN_ABS
+    margin_rel: float = DEFAULT_MARGIN_REL
     #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the
     #: standard price (how the audit reprices an older row).
     prior_without_evidence: bool = True
+    #: The build that prices (``Charge.code_version``): provenance, stamped by the shell that runs
+    #: the fold (``Settings.policy``), so the pure core needs no package metadata; not part of the
+    #: policy's identity. Empty: ``UNSTAMPED_VERSION``.
+    code_version: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -803,7 +822,8 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     # The blocks measure D while the job shared a node; its time alone (never shuttered) was undisturbed.
     billed_s = billed_time(run_time_s, credit_s)
     alone_s = alone_time([s.alone_us / 1e6 for _, s in streams], len(end.nodes), billed_s)
-    interval = degradation_interval(degradation, policy.confidence, policy.prior_high)
+    interval = degradation_interval(degradation, policy.confidence, policy.prior_high, policy.margin_abs,
+                                    policy.margin_rel)
     point, low, high = (job_degradation(d, alone_s, billed_s)
                         for d in (degradation.degradation, interval.low, interval.high))
     # At the point estimate by default; a job that shared without any estimate is always priced at
@@ -850,8 +870,9 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         degradation_point=point, degradation_low=low, degradation_high=high,
         interval_method=interval.method, interval_blocks=interval.blocks, confidence=policy.confidence,
         priced_at="upper_bound" if policy.price_at_bound else "estimate", prior_degradation_high=policy.prior_high,
+        interval_margin_abs=policy.margin_abs, interval_margin_rel=policy.margin_rel,
         levels=level_evidence(degradation),
-        code_version=__version__,
+        code_version=policy.code_version or UNSTAMPED_VERSION,
     )
 
 
@@ -949,11 +970,13 @@ def process_message(
 Message = tuple[Origin, bytes | None, bytes | None, float]  # (origin, key, value, timestamp in s)
 
 
-def fold_states(messages: Iterable[Message], policy: PricingPolicy,
-                prefix: str = "") -> tuple[dict[bytes | None, JobAccount], list[Outgoing]]:
-    """Fold raw input messages (in the order given) exactly as the stream worker does: every job's
-    final account, and the charge messages the fold produced (a re-sent charge appears again)."""
-    accounts: dict[bytes | None, JobAccount] = {}
+def fold_states(messages: Iterable[Message], policy: PricingPolicy, prefix: str = "",
+                accounts: dict[bytes | None, JobAccount] | None = None,
+                ) -> tuple[dict[bytes | None, JobAccount], list[Outgoing]]:
+    """Fold raw input messages (in the order given) exactly as the stream worker does, onto
+    ``accounts`` (a snapshot's; changed in place) or nothing: every job's final account, and the
+    charge messages the fold produced (a re-sent charge appears again)."""
+    accounts = {} if accounts is None else accounts
     charges: list[Outgoing] = []
     for origin, key, value, ts in messages:
         # no running estimates: only charges are kept, and one per batch over all nodes is O(nodes)

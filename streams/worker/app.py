@@ -28,12 +28,13 @@ from typing import Any
 import faust
 from confluent_kafka import KafkaException
 
-from nodeshare import logs, metrics
-from nodeshare.config import Settings
+from nodeshare.runtime import logs, metrics
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
     DECISIONS_PLACEMENT,
     DECISIONS_POWER,
+    DECISIONS_POWER_NODES,
     DLQ,
     JOBS_LIFECYCLE,
     NODE_IPC,
@@ -52,9 +53,11 @@ from nodeshare.schemas.serde import encode
 from ..core import snapshot
 from ..core.accounting import Message, Origin
 from ..core.placement.stream import ROUTED, PlacementManager
+from ..core.power.caps import node_states
 from ..core.power.stream import PowerManager, envelope, open_envelope, screen
+from .copartition import NotCoPartitioned, input_partitions
 from .cursor import Cursor, blocking, committed_offsets, latest_snapshot, read_range
-from .fold_consumer import FoldConsumer, FoldThread, NotCoPartitioned, input_partitions
+from .fold_consumer import FoldConsumer, FoldThread
 from .kafka_security import faust_credentials
 from .transport import use_short_fetch_wait
 
@@ -154,12 +157,14 @@ class _Fold:
 
 def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: str, inputs: Any,
                     screened: tuple[TopicSpec, ...], fresh: Callable[[], Any],
-                    publish: Callable[[Any], Awaitable[None]], cursors: list[Cursor]) -> None:
+                    publish: Callable[[Any], Awaitable[None]], cursors: list[Cursor],
+                    restate: Callable[[Any], Awaitable[None]] | None = None) -> None:
     """A decision maker that needs the whole cluster in one place: ``<name>-router`` forwards
     every record of ``inputs`` (bad ones of the ``screened`` topics go to the dead-letter topic
     instead) to the single-partition ``log_topic``, and ``<name>-manager`` folds that log with
     ``fresh().apply(topic, value)`` and publishes what each step returns. After a start or a
-    rebalance the manager first re-folds the log up to where it resumes, without publishing."""
+    rebalance the manager first re-folds the log up to where it resumes, without publishing
+    (``restate``, when given, then publishes what the rebuilt manager holds)."""
     log_name = settings.topic(log_topic)
     log_ = app.topic(log_name, partitions=1)
     dlq = app.topic(settings.topic(DLQ.name))
@@ -234,6 +239,8 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
                         f"its snapshot at offset {start}" if start else "nothing", len(history),
                         extra=logs.fields(topic=topic, partition=partition))
         held.fold, held.after, held.unsaved = m, offset, 0
+        if restate is not None:
+            await restate(m)
         manager.start(topic, partition, offset)
 
     cursors += [router, manager]
@@ -244,18 +251,26 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
 def add_power_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:
     """PPartition needs the whole machine in one place: lifecycle, power and inventory records go
     through the single-partition ``power.machine`` log to the PowerManager (streams.core.power.stream),
-    which publishes ``decisions.power``."""
+    which publishes ``decisions.power``, and each node state a decision states on the compacted
+    ``decisions.power.nodes`` (keyed by node: what an agent holds once retention deleted the decision)."""
     inputs = app.topic(*[settings.topic(t.name) for t in (JOBS_LIFECYCLE, NODE_POWER, CLUSTER_INVENTORY)])
     decisions = app.topic(settings.topic(DECISIONS_POWER.name))
+    nodes = app.topic(settings.topic(DECISIONS_POWER_NODES.name))
 
     async def publish(decision: Any) -> None:
         await decisions.send(key=decision.job_id.encode(), value=encode(decision))
+        for state in node_states(decision):
+            await nodes.send(key=state.node.encode(), value=encode(state))
         metrics.EVENTS_OUT.labels(settings.topic(DECISIONS_POWER.name)).inc()
         metrics.POWER_DECISIONS.labels(decision.action.value).inc()
 
+    async def restate(manager: PowerManager) -> None:  # caps decided before decisions.power.nodes existed
+        for state in manager.restatement():
+            await nodes.send(key=state.node.encode(), value=encode(state))
+
     add_log_manager(app, settings, "power", POWER_LOG, inputs, (NODE_POWER, CLUSTER_INVENTORY),
                     lambda: PowerManager(settings.power_budget_watts, settings.power_policy(), settings.topic_prefix),
-                    publish, cursors)
+                    publish, cursors, restate)
 
 
 def add_placement_agents(app: faust.App, settings: Settings, cursors: list[Cursor]) -> None:

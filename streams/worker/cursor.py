@@ -22,10 +22,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from nodeshare import logs, metrics
-from nodeshare.config import Settings
+from nodeshare.runtime import logs, metrics
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
     ESTIMATES_DEGRADATION,
@@ -237,6 +237,46 @@ def latest_snapshot(settings: Settings, topic: str, idle_s: float = 1.0, timeout
     finally:
         consumer.close()
     return None if best is None else best[1]
+
+
+#: Consumer errors that end a read of a topic (the others, librdkafka retries)
+_UNREADABLE = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION,
+                         KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED})
+
+
+def read_compacted(settings: Settings, topic: str, idle_s: float = 1.0,
+                   timeout_s: float = 120.0) -> list[tuple[bytes | None, bytes | None]]:
+    """Every (key, value) of a single-partition (compacted) topic in offset order, tombstones (None)
+    included. Reads at least up to the high watermark seen at the start, then until ``idle_s`` passes
+    without a message (the bundled broker's end offset can be one batch short: docs/broker.md), so a
+    slow first fetch is waited for rather than taken for an empty topic. Raises KafkaException on a
+    consumer error (a missing or unauthorized topic), RuntimeError when not done after ``timeout_s``."""
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"{settings.app_id}-snapshots", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    out: list[tuple[bytes | None, bytes | None]] = []
+    tp = TopicPartition(topic, 0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        low, high = consumer.get_watermark_offsets(tp, timeout=10)
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        quiet_since = time.monotonic()
+        while True:
+            for m in consumer.consume(1000, timeout=min(idle_s, 0.5)):
+                err = m.error()
+                if err is not None:
+                    if err.fatal() or err.code() in _UNREADABLE:
+                        raise KafkaException(err)
+                    continue  # end of partition, or a transport error librdkafka retries itself
+                out.append((m.key(), m.value()))
+                quiet_since = time.monotonic()
+            [now] = consumer.position([tp])
+            caught_up = high <= low or now.offset >= high
+            if caught_up and time.monotonic() - quiet_since >= idle_s:
+                return out
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{topic}: read {len(out)} messages in {timeout_s:.0f} s, not yet to offset {high}")
+    finally:
+        consumer.close()
 
 
 def accounting_group(settings: Settings) -> str:

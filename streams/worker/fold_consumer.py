@@ -9,13 +9,17 @@ the worker (issue 24, item 6), with the same guarantees faust's agent had:
 * **Co-partitioned.** One consumer group of its own (``<app_id>-accounting``: faust's group uses
   faust's assignor) with the range assignor, which gives a member partition p of both topics.
 * **Rebuilt on assignment, resumed where the rebuild stopped** (issue 44). Before consuming a
-  partition, its job states are folded from offset 0 up to the group's committed offsets, read
-  once (in-memory state, no changelog), and the charges they complete are sent again (the ledger's
-  key absorbs copies). The partition is then assigned at those very offsets: a commit landing
-  during the rebuild (a member that lost the partition) cannot move where consumption starts, and
-  the next commit puts the group's offsets back where the state is. A log whose head was deleted
-  (retention) is never rebuilt from what is left: the partition is refused and kept paused, with
-  an error logged and ``nodeshare_fold_partitions_refused`` above 0 (docs/reliability.md).
+  partition, its job states are folded from its newest complete snapshot (or offset 0) up to the
+  group's committed offsets, read once, and the charges the folded records complete are sent again
+  (the ledger's key absorbs copies). The partition is then assigned at those very offsets (or at
+  the snapshot's, where it is ahead of the commit): a commit landing during the rebuild (a member
+  that lost the partition) cannot move where consumption starts, and the next commit puts the
+  group's offsets back where the state is. A log whose head was deleted (retention) before what
+  the rebuild needs is never rebuilt from what is left: the partition is refused and kept paused,
+  with an error logged and ``nodeshare_fold_partitions_refused`` above 0 (docs/reliability.md).
+* **Snapshots bound the rebuild** (``streams.core.fold_snapshot``): at a commit, once the outputs
+  are durable, a partition that folded enough writes its accounts and positions to the compacted
+  ``accounting.snapshots``, so the input topics' retention only has to outlive a snapshot.
 * **Commits only what it owns.** A commit carries explicit offsets of assigned partitions only;
   what could not be committed on a revoke is dropped with the partitions (the next owner re-reads
   it), never committed later over the next owner's progress.
@@ -41,28 +45,29 @@ the worker (issue 24, item 6), with the same guarantees faust's agent had:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from functools import lru_cache
 
-from aiokafka.partitioner import murmur2
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
-from confluent_kafka.admin import AdminClient
 from prometheus_client import Gauge
 
-from nodeshare import logs, metrics
-from nodeshare.config import Settings
 from nodeshare.producers.kafka_producer import EventProducer
-from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES
+from nodeshare.runtime import logs, metrics
+from nodeshare.runtime.config import Settings
+from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, NODE_IPC
 from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.serde import encode
 
+from ..core import fold_snapshot
 from ..core.accounting import SOURCE, JobAccount, Message, Origin, Outgoing, apply_message, fold_states
+from .copartition import NotCoPartitioned, input_partitions, routing_problem
 from .cursor import LogHeadGone, accounting_group, accounting_topics, read_range
+from .fold_snapshots import Snapshots
 
 log = logging.getLogger(__name__)
 
@@ -102,58 +107,6 @@ def owned_offsets(pending: Mapping[tuple[str, int], int], owned: set[tuple[str, 
 MISROUTED = "misrouted"
 
 
-class NotCoPartitioned(RuntimeError):
-    """The charge fold's input topics have different partition counts."""
-
-
-def copartition_problem(counts: Mapping[str, int]) -> str | None:
-    """Why the charge fold cannot run on input topics with these partition counts (topic name ->
-    count, for the topics that exist), or None when they agree. The fold keeps a job's account
-    by partition number: with different counts a job's two topics put it on different numbers,
-    and it would never be charged."""
-    if len(set(counts.values())) < 2:
-        return None
-    most = max(counts.values())
-    said = " and ".join(f"{topic} has {n} partitions" for topic, n in counts.items())
-    grow = " and ".join(f"{topic} from {n}" for topic, n in counts.items() if n < most)
-    return (f"{said}: the charge fold needs them co-partitioned (the same count), or a job whose two topics "
-            f"put it on different partition numbers is never charged. Grow {grow} to {most} partitions "
-            f"(deploy/SCALING.md, Adding partitions), then start the worker again")
-
-
-@lru_cache(maxsize=1 << 16)
-def kafka_partition(key: bytes, partitions: int) -> int:
-    """The partition Kafka's default partitioner (Java's, librdkafka's ``murmur2_random``, faust's)
-    gives ``key`` among ``partitions``. Cached: a job's id comes back with each of its batches."""
-    return (murmur2(key) & 0x7FFFFFFF) % partitions
-
-
-def routing_problem(key: bytes | None, partition: int, partitions: int) -> str | None:
-    """Why a record read from ``partition`` (of ``partitions``) cannot be folded there, or None.
-    A record without a key is left to the reducer, which refuses it (its key is not its job id)."""
-    if key is None:
-        return None
-    expected = kafka_partition(key, partitions)
-    if expected == partition:
-        return None
-    return (f"misrouted: key {key[:64]!r} hashes (murmur2) to partition {expected} of {partitions}, "
-            f"read from partition {partition}; its producer does not partition as Kafka's default does: "
-            f"re-publish these bytes with a murmur2 partitioner")
-
-
-def input_partitions(settings: Settings, client: Consumer | AdminClient | None = None,
-                     timeout_s: float = 30.0) -> dict[str, int]:
-    """The partition count of each input topic of the charge fold that exists on the broker now;
-    raises NotCoPartitioned when they differ (KafkaException without metadata). Reads every topic's
-    metadata: asking for one by name may create it on a broker that creates topics on demand."""
-    topics = (client or AdminClient(settings.client_config())).list_topics(timeout=timeout_s).topics
-    counts = {t: len(topics[t].partitions) for t in accounting_topics(settings) if t in topics}
-    problem = copartition_problem(counts)
-    if problem is not None:
-        raise NotCoPartitioned(problem)
-    return counts
-
-
 def _job_id(key: bytes | None) -> str | None:
     """A message key as a log field: input keys are job ids, but a bad message's key may be anything."""
     return None if key is None else key[:64].decode("utf-8", "replace")
@@ -191,6 +144,8 @@ class FoldConsumer:
         #: Partition numbers assigned but refused (their log's head is gone): paused, never committed.
         self.refused: set[int] = set()
         self.rebuilds = 0
+        self.snapshots = Snapshots(settings)  # of the partitions' accounts (streams.worker.fold_snapshots)
+        self.snapshot_config = fold_snapshot.config_of(self.policy)
         #: Jobs whose blocks changed since their last published estimate, by partition and key.
         self._changed: dict[tuple[int, bytes | None], JobAccount] = {}
         #: Partition count of each input topic, from the broker's metadata at start and at each assignment.
@@ -218,20 +173,30 @@ class FoldConsumer:
             raise
         except KafkaException as exc:  # no metadata yet: checked at the first assignment instead
             log.warning("accounting: could not read the input topics' partition counts: %s", exc)
+        with contextlib.suppress(KafkaException):  # else assumed there; a failed snapshot is tried again later
+            self.snapshots.on = self.snapshots.topic in consumer.list_topics(timeout=30).topics
+        if not self.snapshots.on:
+            log.error("accounting: no topic %s: the charge fold takes no snapshots and rebuilds every partition "
+                      "from offset 0 (node.ipc and jobs.lifecycle must then keep everything); run `nodeshare topics "
+                      "create` and restart the worker", self.snapshots.topic)
         consumer.subscribe(accounting_topics(self.settings), on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_lost)
         committed_at = lag_at = time.monotonic()
         try:
             while not stop.is_set():
                 self.take(consumer.consume(self.max_messages, timeout=0.2))
-                if self._pending and time.monotonic() - committed_at >= self.commit_interval_s:
-                    self.commit_or_rejoin(consumer)
+                if time.monotonic() - committed_at >= self.commit_interval_s:
+                    if self._pending:
+                        self.commit_or_rejoin(consumer)
+                    else:  # idle: a partition may still be due a snapshot by the time rule
+                        self.save_snapshots()
                     committed_at = time.monotonic()
                 if time.monotonic() - lag_at >= metrics.LAG_INTERVAL_S:
                     metrics.report_lag(consumer, "accounting", {k: p for k, p in self._position.items()
                                                                 if k in self._owned})
                     lag_at = time.monotonic()
             self.commit(consumer)
+            self.producer.flush(FLUSH_TIMEOUT_S)  # the tombstones of replaced snapshots too
         finally:
             consumer.close()  # leaves the group: the other members take the partitions at once
 
@@ -251,6 +216,7 @@ class FoldConsumer:
             assert topic is not None and partition is not None and offset is not None
             self.apply((Origin(topic, partition, offset), msg.key(), msg.value(), msg.timestamp()[1] / 1000))
             self._pending[(topic, partition)] = self._position[(topic, partition)] = offset + 1
+            self.snapshots.note(partition)
 
     def apply(self, message: Message) -> None:
         """One input message through the reducer; what it produced goes to the producer's queue."""
@@ -337,6 +303,7 @@ class FoldConsumer:
         if not self._pending:
             return
         self.producer.flush(FLUSH_TIMEOUT_S)  # raises DeliveryError if the broker did not take every output
+        self.save_snapshots()
         offsets = owned_offsets(self._pending, self._owned)
         if len(offsets) < len(self._pending):  # forgotten with their partitions: never reached here
             log.warning("accounting: not committing offsets of partitions not assigned here: %s",
@@ -344,6 +311,13 @@ class FoldConsumer:
         if offsets:
             consumer.commit(offsets=offsets, asynchronous=False)
         self._pending.clear()
+
+    def save_snapshots(self) -> None:
+        """Snapshot the owned partitions that are due (``streams.worker.fold_snapshots``), once what
+        their messages produced is durable."""
+        self.snapshots.save(self.producer, self.states, self._position, {p for _, p in self._owned},
+                            self._partitions.get(self.settings.topic(NODE_IPC.name)), self.snapshot_config,
+                            FLUSH_TIMEOUT_S)
 
     def commit_or_rejoin(self, consumer: Consumer) -> None:
         """``commit``; when the group no longer knows this member (a broker restarted with the group's
@@ -371,6 +345,7 @@ class FoldConsumer:
         self._partitions = input_partitions(self.settings, consumer)  # a count may have changed (so a rebalance)
         stops = resume_offsets(consumer.committed(partitions, timeout=30))
         parked, self._parked = self._parked, {}
+        snapshots: list[tuple[bytes | None, bytes | None]] | None = None  # read once, if a partition needs them
         for partition in sorted({p for _, p in stops}):
             mine = {t: s for (t, p), s in stops.items() if p == partition}
             if partition in parked and parked[partition][1] == mine:  # nobody consumed it meanwhile
@@ -378,8 +353,11 @@ class FoldConsumer:
                 for key, account in self.states[partition].items():
                     self._note_awaiting(partition, key, account)
             else:
+                if snapshots is None:
+                    snapshots = self.snapshots.read()
                 try:
-                    self._rebuild(partition, mine)
+                    mine = self._rebuild(partition, mine, snapshots)
+                    stops.update({(t, partition): o for t, o in mine.items()})
                 except LogHeadGone as exc:
                     self.refused.add(partition)
                     log.error("accounting: refusing partition %d: %s. It stays paused (nothing folded, nothing "
@@ -396,25 +374,37 @@ class FoldConsumer:
             consumer.pause([tp for tp in start if tp.partition in self.refused])
         REFUSED.set(len(self.refused))
 
-    def _rebuild(self, partition: int, stops: dict[str, int]) -> None:
-        """The job states of ``partition`` folded from offset 0 up to ``stops`` (per topic); the
-        charges they complete go to the producer. Raises LogHeadGone when a topic's log no longer
-        starts at 0 (a truncated history would charge less than the fold did)."""
+    def _rebuild(self, partition: int, stops: dict[str, int],
+                 snapshots: list[tuple[bytes | None, bytes | None]]) -> dict[str, int]:
+        """The job states of ``partition``: its newest complete snapshot among ``snapshots`` (or
+        nothing), with the records after it folded up to ``stops`` (per topic); the charges those
+        records complete go to the producer. Returns where consumption resumes (``stops``, or the
+        snapshot's offset where it is ahead). Raises LogHeadGone when a topic's log no longer starts
+        where the rebuild must read from (a truncated history would charge less than the fold did)."""
+        partitions = self._partitions.get(self.settings.topic(NODE_IPC.name), 0)
+        snap, problems = fold_snapshot.best(snapshots, partition, partitions, self.snapshot_config)
+        for problem in problems:
+            log.warning("accounting: partition %d: %s", partition, problem, extra=logs.fields(partition=partition))
+        start, resume = fold_snapshot.resume(snap, stops)
         messages: list[Message] = []
         for topic, stop in sorted(stops.items()):  # what the live fold dead-lettered as misrouted it skips here too
-            messages += [m for m in read_range(self.settings, topic, partition, 0, stop)
+            messages += [m for m in read_range(self.settings, topic, partition, start[topic], stop)
                          if self.misrouted(m[0], m[1]) is None]
-        rebuilt, charges = fold_states(messages, self.policy, self.prefix)
+        rebuilt, charges = fold_states(messages, self.policy, self.prefix, snap.accounts if snap else None)
         self.states[partition] = rebuilt
+        oldest = min((m[3] for m in messages if m[3] > 0), default=None)  # broker time of the first record folded
+        self.snapshots.loaded(partition, snapshots, len(messages), oldest)
         for key, account in rebuilt.items():
             self._note_awaiting(partition, key, account)
         self.rebuilds += 1
-        log.warning("accounting: rebuilt %d job states of partition %d from %d input messages (up to %s); "
-                    "re-sending %d charges", len(rebuilt), partition, len(messages),
-                    ", ".join(f"{t}@{s}" for t, s in sorted(stops.items())), len(charges),
+        log.warning("accounting: rebuilt %d job states of partition %d from %s and %d input messages (%s); "
+                    "re-sending %d charges", len(rebuilt), partition,
+                    f"snapshot {snap.snapshot_id}" if snap else "nothing", len(messages),
+                    ", ".join(f"{t} {start[t]}..{resume[t]}" for t in sorted(stops)), len(charges),
                     extra=logs.fields(partition=partition))
         for o in charges:
             self.producer.send_raw(self.settings.topic(o.topic), o.key, o.value)
+        return resume
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Everything consumed was applied (callbacks run inside ``consume``): make it durable and
@@ -443,6 +433,7 @@ class FoldConsumer:
         self.refused -= gone
         REFUSED.set(len(self.refused))
         self._changed = {k: a for k, a in self._changed.items() if k[0] not in gone}
+        self.snapshots.forget(gone, park)
         with self._awaiting_lock:
             self._awaiting = {k: t for k, t in self._awaiting.items() if k[0] not in gone}
         for p in gone:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeshare.config import Settings
 from nodeshare.deploy.broker import BundledBroker, wait_for_metadata
+from nodeshare.runtime.config import Settings
 
 
 def _docker_answers() -> bool:

@@ -18,9 +18,9 @@ from factories import limit, placement, powercap_tree, resctrl_tree
 from factories import power_decision as decision
 from factories import power_plan as plan
 
-from nodeshare.config import Settings
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas.events import PowerAction
 
 pytestmark = pytest.mark.integration
@@ -45,6 +45,17 @@ def write_jobs(tmp_path: Path, *ids: str) -> None:
     (tmp_path / "jobs.toml").write_text(text)
 
 
+def capping_agent(tmp_path: Path, settings: Settings, root: Path) -> subprocess.Popen:
+    """An agent of node n1 running job j1, capping the powercap tree at ``root``."""
+    write_jobs(tmp_path, "j1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
+         "--spool", str(tmp_path / "spool.db"), "--progress-dir", str(tmp_path / "progress"),
+         "--power-caps", "--powercap-root", str(root), "--drain-timeout", "5"],
+        env={**os.environ, "NODESHARE_CONFIG": "", **settings.as_env()},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
 @pytest.mark.parametrize("ending", ["sigterm", "sigkill"])
 def test_the_agent_caps_its_processors_and_every_ending_restores_them(kafka_bootstrap: str, tmp_path: Path,
                                                                       ending: str) -> None:
@@ -57,13 +68,7 @@ def test_the_agent_caps_its_processors_and_every_ending_restores_them(kafka_boot
                   decision("a", PowerAction.RELEASE),
                   decision("b", PowerAction.START, plan("b", ("n1", 1, 95.5), ("n2", 0, 70.0)))):
             producer.send(d)
-    write_jobs(tmp_path, "j1")
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",
-         "--spool", str(tmp_path / "spool.db"), "--progress-dir", str(tmp_path / "progress"),
-         "--power-caps", "--powercap-root", str(root), "--drain-timeout", "5"],
-        env={**os.environ, "NODESHARE_CONFIG": "", **settings.as_env()},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    agent = capping_agent(tmp_path, settings, root)
     try:
         _wait("b's cap on processor 1", lambda: limit(root, 1) == 95_500_000)
         assert limit(root, 0) == 125_000_000  # a's cap was superseded before the agent started: never written
@@ -83,6 +88,38 @@ def test_the_agent_caps_its_processors_and_every_ending_restores_them(kafka_boot
         assert agent.returncode == 128 + signal.SIGTERM, output
         assert "restored 2 power limits" in output, output
         assert not (tmp_path / "spool.db.caps.json").exists()
+
+
+def test_an_agent_holds_caps_whose_decision_retention_deleted(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """decisions.power is deleted after 30 days; a node whose caps did not change since keeps its
+    state on the compacted decisions.power.nodes, which the agent folds too (issue 43: before, an
+    agent restarted without them while the manager counted them)."""
+    from datetime import UTC, datetime
+
+    from nodeshare.schemas.events import HeldCap, NodeCapState, NodePowerState
+
+    tag = uuid.uuid4().hex[:8]
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=f"pn{tag}.", app_id=f"nodeshare-pn{tag}")
+    create_topics(settings)
+    root = powercap_tree(tmp_path / "powercap", packages=2)
+    state = NodeCapState(node="n1", sequence=7, caps=(HeldCap(processor=1, job_id="old", cap_watts=85.0),))
+    with EventProducer(settings) as producer:  # decisions.power itself is empty: its records expired
+        producer.send(NodePowerState(event_id="s7", source="test", event_time=datetime.now(UTC), node="n1",
+                                     state=state, decided_by="expired"))
+        producer.send(NodePowerState(event_id="s7b", source="test", event_time=datetime.now(UTC), node="n2",
+                                     state=state.model_copy(update={"node": "n2"}), decided_by="expired"))
+    agent = capping_agent(tmp_path, settings, root)
+    try:
+        _wait("the expired decision's cap on processor 1", lambda: limit(root, 1) == 85_000_000)
+        assert limit(root, 0) == 125_000_000  # n2's state is not n1's
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        output = agent.communicate(timeout=30)[0]
+        subprocess.run(["pkill", "-f", f"{tmp_path}"], check=False)
+    assert (limit(root, 0), limit(root, 1)) == (125_000_000, 125_000_000), output
 
 
 @pytest.mark.parametrize("ending", ["sigterm", "sigkill"])

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from topic_reading import read_until
 
-from nodeshare.config import Settings
 from nodeshare.deploy.broker import BundledBroker
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.runtime.config import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,18 +15,20 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
 from nodeshare.deploy.broker import free_port
 from nodeshare.deploy.topics import create_topics
-from nodeshare.schemas.events import Charge
+from nodeshare.runtime.config import Settings
+from nodeshare.schemas.events import Charge, EstimateStatus
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
 
 # This machine has 2 cores for everything. When the application counter's time was wall-clock
 # time, a job descheduled for a window read as slowed by its co-runner (fresh-clone CI saw 0.99);
-# its time is now the job's CPU time. 20 ms windows span several scheduler slices, and the worker
-# starts only once the jobs have ended. A node that gives each job its own cores needs neither.
+# its time is now the job's CPU time (each thread's task clock: the process CPU clock moved in
+# 4 ms ticks, and read 0.96 for a 3.2 ms window). 20 ms windows span several scheduler slices,
+# and the worker starts only once the jobs have ended. A node that gives each job its own cores
+# needs neither.
 SHUTTER = {"NODESHARE_SAMPLE_US": "20000", "NODESHARE_PERIOD_MS": "100", "NODESHARE_SHUTTER_SCHEDULE": "fixed"}
 #: Even so, one run in three of this test once saw a job 90% slower next to its co-runner for a
 #: whole run (unfiltered too), before application counters were timed by CPU time. A degradation
@@ -62,9 +64,15 @@ def scrape_while_running(proc: subprocess.Popen[str], port: int) -> dict[str, fl
     return found
 
 
+def _f(v: float | None) -> str:
+    return "none" if v is None else f"{v:.3f}"  # Alg. 4 accepted no block: no filtered estimate
+
+
 def run_two_jobs(settings: Settings, tmp_path: Path) -> dict[str, Charge]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    job = [sys.executable, "-m", "nodeshare", "workload", "--seconds", "6"]
+    # 10 s: Alg. 4 rejects 60-85% of the blocks on these two loaded cores (their before and after
+    # differ by more than delta), and a 6 s job once had none accepted (fresh-clone CI, 2026-11-26)
+    job = [sys.executable, "-m", "nodeshare", "workload", "--seconds", "10"]
     (tmp_path / "jobs.toml").write_text(
         f'[[jobs]]\nid = "stream-1"\ncommand = {[*job, "--kind", "stream"]!r}\nprogram = "stream"\nuser = "ana"\n'
         f'[[jobs]]\nid = "compute-2"\ncommand = {[*job, "--kind", "compute"]!r}\nprogram = "compute"\n'
@@ -96,8 +104,8 @@ def run_two_jobs(settings: Settings, tmp_path: Path) -> dict[str, Charge]:
     assert charges.keys() == {"stream-1", "compute-2"}
     for c in charges.values():
         print(f"{c.job_id}: {c.blocks_used} blocks used, {c.blocks_rejected} rejected, degradation "
-              f"{c.degradation:.3f} "
-              f"(Alg. 4 {c.degradation_filtered:.3f}, unfiltered {c.degradation_unfiltered:.3f}), "
+              f"{c.degradation:.3f} ({c.estimate_status}; Alg. 4 {_f(c.degradation_filtered)}, "
+              f"unfiltered {_f(c.degradation_unfiltered)}), "
               f"run {c.run_time_s:.2f} s, paused {c.pause_credit_s:.3f} s, price {c.price:.6f}")
         assert c.nodes[0].node == "n1" and 5.0 < c.run_time_s < 30.0
         assert c.blocks_used + c.blocks_rejected >= 10  # about one block per job per 0.2 s
@@ -115,8 +123,17 @@ def test_two_real_jobs_shuttered_by_the_agent_are_charged(settings: Settings, tm
     print(f"steal time during the run: {100 * steal:.1f}% of the CPUs")
     # two jobs on two cores next to the agent, the worker and the broker: slowed, not stopped
     # the measured estimate (the price applies its interval's upper end, wider on a loaded machine)
-    out = {c.job_id: round(c.degradation_point, 3) for c in charges.values()
-           if c.degradation_point is None or not 0.0 <= c.degradation_point < 0.6}
+    # A job Alg. 4 accepted no block of (1.2% of runs at its 15% acceptance here) has no estimate and
+    # is priced at the stated prior over the time it shared: that is checked instead; one of the two
+    # jobs must be measured.
+    unmeasured = [c for c in charges.values() if c.estimate_status is EstimateStatus.NO_ACCEPTED_BLOCKS]
+    assert len(unmeasured) < 2, [(c.job_id, c.blocks_used, c.blocks_rejected) for c in unmeasured]
+    for c in unmeasured:
+        assert c.degradation_point is None and c.interval_method == "prior"
+        assert 0.0 < c.degradation <= settings.prior_high
+    out = {c.job_id: None if c.degradation_point is None else round(c.degradation_point, 3)
+           for c in charges.values() if c not in unmeasured
+           and (c.degradation_point is None or not 0.0 <= c.degradation_point < 0.6)}
     if out and steal >= STEAL_LIMIT:
         pytest.xfail(f"degradations {out} out of [0, 0.6) while the hypervisor stole {100 * steal:.1f}% of the CPUs")
     assert not out, f"degradations {out} out of [0, 0.6) (steal time {100 * steal:.1f}%)"

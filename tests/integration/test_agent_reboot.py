@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from topic_reading import read_until
 
-from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.runtime.config import Settings
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.agent.agent import Agent, AgentOptions, build
 from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import JobEvent, JobState
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE
 from nodeshare.sinks.ledger import Ledger

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from nodeshare.config import Settings
 from nodeshare.deploy.broker import BundledBroker, wait_for_metadata
 from nodeshare.deploy.processes import pid_alive
 from nodeshare.deploy.topics import create_topics
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import TOPICS
 from nodeshare.schemas.catalog import INTERNAL_TOPICS
 

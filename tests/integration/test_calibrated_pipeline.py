@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from nodeshare.config import Settings
 from nodeshare.demo import run_demo
 from nodeshare.experiments.poppa import charges_of
 from nodeshare.producers.simulator import JobTruth
+from nodeshare.runtime.config import Settings
 from nodeshare.scenarios import ClusterChoice, build, source
 
 pytestmark = pytest.mark.integration

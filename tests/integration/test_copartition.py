@@ -18,16 +18,17 @@ import pytest
 from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from nodeshare.config import Settings
 from nodeshare.deploy.processes import start_worker, stop_process
 from nodeshare.deploy.topics import TopicsError, create_topics
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import SimConfig, simulate
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
 from nodeshare.schemas.serde import decode_model
 from nodeshare.sinks.analysis.inspect import read_dead_letters
 from nodeshare.streams.core.accounting import Origin, fold_messages
-from nodeshare.streams.worker.fold_consumer import FoldConsumer, NotCoPartitioned, input_partitions, kafka_partition
+from nodeshare.streams.worker.copartition import NotCoPartitioned, input_partitions, kafka_partition
+from nodeshare.streams.worker.fold_consumer import FoldConsumer
 
 pytestmark = pytest.mark.integration
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,22 +19,23 @@ import pyarrow.parquet as pq
 import pytest
 from topic_reading import read_until
 
-from nodeshare import metrics
-from nodeshare.config import Settings
 from nodeshare.demo import publish, running_pipeline
-from nodeshare.deploy.broker import BundledBroker
+from nodeshare.deploy.broker import BrokerError, BundledBroker
+from nodeshare.deploy.local_s3 import s3rver_binary
 from nodeshare.deploy.processes import start_nodeshare, start_worker, stop_process
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.batching import FlushPolicy
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import SimConfig, simulate
+from nodeshare.runtime import metrics
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
 from nodeshare.schemas.catalog import Role
 from nodeshare.schemas.serde import decode_model
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.accounting import Origin, fold_messages
-from nodeshare.streams.worker.fold_consumer import kafka_partition
+from nodeshare.streams.worker.copartition import kafka_partition
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -232,8 +236,9 @@ def test_four_partitions_two_workers_one_killed_mid_fold_and_restarted_charge_ea
     revision) must be in the ledger exactly once, equal field for field, event ranges included, to
     one uninterrupted fold of the same records on the same partitions and offsets; every copy the
     workers published must be that row (no divergent copy); and the offline audit must find 0
-    mismatches and nothing missing."""
-    settings = _settings(kafka_bootstrap, "m", partitions=4)
+    mismatches and nothing missing. Each partition is snapshotted every 20 messages, so the
+    rebuilds fold a snapshot and the records after it (issue 44: rebuilds bounded by snapshots)."""
+    settings = _settings(kafka_bootstrap, "m", partitions=4).model_copy(update={"fold_snapshot_every_records": 20})
     sim = simulate(SimConfig(nodes=12, jobs=90, seed=44, flush=FlushPolicy(max_blocks=4)))
     expected = _partitioned_reference(sim, settings)
     spread = {kafka_partition(job.encode(), 4) for job, _ in expected}
@@ -291,6 +296,9 @@ def test_four_partitions_two_workers_one_killed_mid_fold_and_restarted_charge_ea
     assert 0 < killed_at < len(expected), "the kill did not land while charges were being made"
     assert held and taken == {0, 1, 2, 3} - held, "the second worker did not take over the killed one's partitions"
     assert restarted, "the restarted worker was given no partition back"
+    rebuilds = re.findall("rebuilt .* job states .*", first_log.read_text(errors="replace") + second_log.read_text(
+        errors="replace"))
+    assert any("from snapshot" in line for line in rebuilds), rebuilds  # a rebuild read a snapshot, not offset 0
 
     with Ledger(pipeline.ledger_path, read_only=True) as ledger:
         rows = ledger.charges()
@@ -387,21 +395,31 @@ def test_sinks_killed_mid_write_leave_no_partial_file_and_no_duplicate(kafka_boo
 OUTAGE_S = 30.0
 
 
+@contextmanager
+def _first_half_charged(broker: BundledBroker, tmp_path: Path, letter: str, seed: int) -> Iterator[tuple]:
+    """The pipeline running on this broker, the simulator's first half acknowledged and 3 charged:
+    (settings, sim, half, pipeline, producer), for a broker fault in the middle of a run."""
+    settings = _settings(broker.bootstrap, letter)
+    sim = simulate(SimConfig(nodes=8, jobs=60, seed=seed))
+    half = len(sim.events) // 2
+    with running_pipeline(settings, tmp_path) as pipeline, \
+            EventProducer(settings, client_id="nodeshare-simulator") as producer:
+        producer.send_all(sim.events[:half])
+        producer.flush()
+        deadline = time.monotonic() + 120
+        while pipeline.ledger_sink.rows_inserted < 3:
+            assert time.monotonic() < deadline, "no charge of the first half"
+            time.sleep(0.05)
+        yield settings, sim, half, pipeline, producer
+
+
 def test_broker_stopped_30s_mid_run_loses_nothing(tmp_path: Path) -> None:
     """The broker process is SIGSTOPped for 30 s while the simulator publishes and the worker and
     both sinks run; the producer buffers, everyone reconnects, and the charges are those of an
     uninterrupted run."""
     # a broker of its own: stopping the shared one would stall every other test
     with BundledBroker(log_path=tmp_path / "tansu.log") as broker:
-        settings = _settings(broker.bootstrap, "b")
-        sim = simulate(SimConfig(nodes=8, jobs=60, seed=43))
-        half = len(sim.events) // 2
-        with running_pipeline(settings, tmp_path) as pipeline, \
-                EventProducer(settings, client_id="nodeshare-simulator") as producer:
-            producer.send_all(sim.events[:half])
-            producer.flush()
-            while pipeline.ledger_sink.rows_inserted < 3:
-                time.sleep(0.05)
+        with _first_half_charged(broker, tmp_path, "b", 43) as (settings, sim, half, pipeline, producer):
             assert broker.pid is not None
             os.kill(broker.pid, signal.SIGSTOP)
             try:
@@ -419,3 +437,66 @@ def test_broker_stopped_30s_mid_run_loses_nothing(tmp_path: Path) -> None:
               f"{len(sim.events) - half} events buffered by the producer; caught up {caught_up:.1f} s after SIGCONT")
         assert producer.delivered == len(sim.events) and not producer.failed
         _check(pipeline, sim, settings, 0)
+
+
+_NO_S3 = pytest.mark.skipif(shutil.which("npm") is None and not s3rver_binary(install=False).exists(),
+                            reason="no npm to install s3rver with (deploy/local.sh test installs it when it can)")
+
+
+@_NO_S3
+def test_a_durable_broker_killed_and_restarted_mid_run_loses_nothing(tmp_path: Path) -> None:
+    """Issue 39: the bundled broker on durable storage (``nodeshare broker --data``) is SIGKILLed
+    mid-run, between the simulator's two halves, while the worker and both sinks run, and started
+    again on the same storage: every topic and acknowledged record is there, and the charges are
+    those of an uninterrupted run. The restarted broker forgets the groups' members: the sinks'
+    refused commits are kept and land later (none left pending). (With the second half in flight
+    at the kill the run is not right yet: docs/broker.md.)"""
+    with BundledBroker(log_path=tmp_path / "tansu.log", data_dir=tmp_path / "data") as broker:
+        with _first_half_charged(broker, tmp_path, "d", 47) as (settings, sim, half, pipeline, producer):
+            before = broker.pid
+            broker.kill_and_restart()
+            assert broker.pid != before
+            producer.send_all(sim.events[half:])
+            producer.flush(120)
+            pipeline.wait(len(sim.truth), len(sim.events), 240, lambda *_: None)
+            deadline = time.monotonic() + 30  # a refused commit is retried within COMMIT_RETRY_S
+            while pipeline.ledger_sink.pending_offsets or pipeline.archive_sink.pending_offsets:
+                assert time.monotonic() < deadline, (pipeline.ledger_sink.pending_offsets,
+                                                     pipeline.archive_sink.pending_offsets)
+                time.sleep(0.2)
+        print(f"broker SIGKILLed and restarted with {half}/{len(sim.events)} events acknowledged")
+        assert producer.delivered == len(sim.events) and not producer.failed
+        _check(pipeline, sim, settings, 0)
+
+
+def test_the_memory_broker_loses_its_topics_when_restarted(tmp_path: Path) -> None:
+    """Why ``--data`` exists: the same restart in memory leaves no topic behind."""
+    with BundledBroker(log_path=tmp_path / "tansu.log") as broker:
+        settings = _settings(broker.bootstrap, "m")
+        create_topics(settings)
+        assert _topics(broker.bootstrap, settings)
+        broker.kill_and_restart()
+        assert not _topics(broker.bootstrap, settings)
+
+
+@_NO_S3
+def test_the_durable_broker_keeps_its_topics_and_its_directory_is_its_own(tmp_path: Path) -> None:
+    with BundledBroker(log_path=tmp_path / "tansu.log", data_dir=tmp_path / "data") as broker:
+        settings = _settings(broker.bootstrap, "k")
+        create_topics(settings)
+        names = _topics(broker.bootstrap, settings)
+        broker.kill_and_restart()
+        assert _topics(broker.bootstrap, settings) == names and names
+        assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700
+        with pytest.raises(BrokerError, match="another broker uses"):
+            BundledBroker(log_path=tmp_path / "second.log", data_dir=tmp_path / "data").start()
+        with pytest.raises(BrokerError, match="is in use"):  # the port of a running broker
+            BundledBroker(port=broker.port, log_path=tmp_path / "third.log").start()
+        assert broker.alive()
+
+
+def _topics(bootstrap: str, settings: Settings) -> set[str]:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    return {t for t in admin.list_topics(timeout=10).topics if t.startswith(settings.topic_prefix)}

@@ -11,9 +11,9 @@ import pytest
 from power_events import scenario
 from topic_reading import read_until
 
-from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
 from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import DECISIONS_POWER, POWER_LOG, SNAPSHOTS
 from nodeshare.schemas.serde import decode
 from nodeshare.streams.core import snapshot

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeshare.config import Settings
 from nodeshare.demo import publish, running_pipeline
 from nodeshare.deploy.broker import free_port
 from nodeshare.producers.simulator import SimConfig, simulate
+from nodeshare.runtime.config import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -69,9 +69,9 @@ def test_the_sinks_and_the_charge_fold_measure_their_lag_in_their_loops(settings
 
     from prometheus_client import REGISTRY
 
-    from nodeshare import metrics
-    from nodeshare.consumer import run_in_thread
     from nodeshare.deploy.topics import create_topics
+    from nodeshare.runtime import metrics
+    from nodeshare.runtime.consumer import run_in_thread
     from nodeshare.sinks.ledger import LedgerSink
     from nodeshare.streams.worker.fold_consumer import FoldConsumer, FoldThread
 

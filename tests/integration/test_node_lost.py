@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from factories import block, job_event, left
 
-from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
 from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import EstimateStatus, JobState, Record
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from topic_reading import read_until
 
-from nodeshare.config import Settings
 from nodeshare.demo import DemoResult, from_events, run_demo
 from nodeshare.producers.simulator import SimConfig, simulate
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import BY_NAME, DeadLetter, ShutterBatch, ShutterBlock, decode, decode_model
 from nodeshare.sinks.analysis.report import co_runner_counts
 from nodeshare.sinks.archive import ParquetArchive

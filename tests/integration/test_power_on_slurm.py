@@ -9,6 +9,7 @@ manager to the agent and the adapter: docs/decisions.md), which is measured and 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,11 +24,11 @@ from factories import limit, powercap_tree
 from slurm_cluster import local_slurm, missing
 from topic_reading import read_until
 
-from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.slurm import SlurmCommands, SlurmSource, install_hooks, run_source
 from nodeshare.producers.slurm_scheduler import SchedulerCommands, run_scheduler
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import DECISIONS_POWER
 from nodeshare.schemas.events import PowerAction
 from nodeshare.schemas.serde import decode
@@ -76,14 +77,16 @@ def test_jobs_on_slurm_are_capped_where_they_run_gated_over_budget_and_every_cap
 
             def sample() -> None:
                 while not stop.wait(0.1):
-                    if ids:
-                        samples.append((time.monotonic(), squeue_states(env, ids), (limit(root, 0), limit(root, 1))))
+                    now = list(ids)  # both held jobs submitted (a sample between the two sbatch had one state)
+                    if len(now) == 2:
+                        samples.append((time.monotonic(), squeue_states(env, now), (limit(root, 0), limit(root, 1))))
 
             threads = [
                 threading.Thread(target=run_source, args=(source, publish),
                                  kwargs={"poll_s": 0.5, "stop": stop.is_set}),
                 threading.Thread(target=run_scheduler, args=(settings, commands, stop),
                                  kwargs={"llc_ways": 11, "mem_bandwidth_gbps": 20.0,
+                                         "state_file": tmp_path / "scheduler" / "suspended.json",
                                          "on_plan": lambda d, p: plans.append((d.job_id, d.action, p.outcome, p.why))}),
                 threading.Thread(target=sample),
             ]
@@ -123,6 +126,10 @@ def test_jobs_on_slurm_are_capped_where_they_run_gated_over_budget_and_every_cap
     gated = second if (second, PowerAction.SUSPEND) in said else first
     assert any(d.job_id == gated and d.action is PowerAction.START and d.resumes for d in decisions.values()), said
     assert any(s[1][ids.index(gated)] == "SUSPENDED" for s in samples), plans  # Slurm suspended it
+    # ... and the adapter resumed it because its book (Slurm's suspend time, from squeue --json) says
+    # it suspended it; the book is empty again
+    assert [p[2] for p in plans if p[0] == gated and p[1] is PowerAction.START] == ["applied"], plans
+    assert json.loads((tmp_path / "scheduler" / "suspended.json").read_text()) == {}
     # Each job capped on the node's processors, within their limits.
     starts = [d for d in decisions.values() if d.action is PowerAction.START and d.plan]
     assert {d.job_id for d in starts} == set(ids)

@@ -12,10 +12,10 @@ from topic_reading import read_until
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
 from nodeshare.producers.kafka_producer import EventProducer
-from nodeshare.schemas.catalog import DECISIONS_POWER
+from nodeshare.runtime.config import Settings
+from nodeshare.schemas.catalog import DECISIONS_POWER, DECISIONS_POWER_NODES
 from nodeshare.schemas.serde import decode
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,14 @@ def test_power_decisions_flow_from_events_through_the_worker(kafka_bootstrap: st
         except AssertionError:
             seen = read_until(settings, DECISIONS_POWER.name, lambda _: True, 10)
             raise AssertionError([(d.job_id, d.action.value, d.reason) for d in distinct(seen).values()]) from None
-    decisions = list(distinct(sorted(got, key=lambda m: (m.partition(), m.offset()))).values())
+        decisions = list(distinct(sorted(got, key=lambda m: (m.partition(), m.offset()))).values())
+        stated = {(s.node, s.sequence): s for d in decisions for s in d.node_caps}
+        # ... and every node state a decision stated is on the compacted decisions.power.nodes too
+        # (keyed by node), what an agent holds once decisions.power's retention deleted the decision
+        nodes = read_until(settings, DECISIONS_POWER_NODES.name, lambda msgs: len(msgs) >= len(stated), 30)
+    published = [decode(DECISIONS_POWER_NODES, m.value()) for m in nodes]
+    assert stated and {(p.node, p.state.sequence): p.state for p in published} == stated
+    assert all(m.key() == decode(DECISIONS_POWER_NODES, m.value()).node.encode() for m in nodes)
     # The worker's log has one order: lifecycle, power and inventory records as the router forwarded
     # them (jobs may arrive before the inventory: deferred, then started when processors appear).
     # Whatever that order, the bound holds at every decision.

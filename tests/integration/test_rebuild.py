@@ -15,17 +15,18 @@ from contextlib import contextmanager
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from nodeshare.config import Settings
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.batching import FlushPolicy
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.simulator import SimConfig, simulate
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, ShutterBatch, ShutterBlock, encode
 from nodeshare.schemas.serde import decode_model
 from nodeshare.streams.core.accounting import Message, Origin, fold_messages
 from nodeshare.streams.worker import fold_consumer
+from nodeshare.streams.worker.copartition import kafka_partition
 from nodeshare.streams.worker.cursor import accounting_group, committed_offsets
-from nodeshare.streams.worker.fold_consumer import FoldConsumer, FoldThread, kafka_partition
+from nodeshare.streams.worker.fold_consumer import FoldConsumer, FoldThread
 
 pytestmark = pytest.mark.integration
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from slurm_cluster import local_slurm, missing, run_agent_until_idle, squeue_states
 
-from nodeshare.config import Settings
 from nodeshare.demo import running_pipeline
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.producers.slurm import SlurmCommands, SlurmSource, install_hooks, run_source
 from nodeshare.producers.slurm_scheduler import Plan, SchedulerCommands, SlurmJob, run_scheduler
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import JobState, PlacementDecision
 from nodeshare.schemas.events import PlacementAction
 from nodeshare.sinks.audit import audit
@@ -93,3 +93,39 @@ def test_held_slurm_jobs_are_placed_by_the_placement_manager_then_shuttered_and_
         assert c.final_state is JobState.ENDED and c.cores == 1
         assert c.blocks_used + c.blocks_rejected >= 10  # they shared the node: the agent shuttered both
     assert audit(pipeline.archive_path, pipeline.ledger_path, settings.policy()).ok
+
+
+def test_with_no_stream_worker_a_held_job_is_released_to_slurm_after_the_stated_time(
+        settings: Settings, tmp_path: Path) -> None:
+    """Placement fails open: the broker is up but nothing decides (no worker). A job submitted held
+    waits the stated time (4 s here) after the adapter first saw it held, then the adapter releases
+    it and Slurm runs it; an operator's hold stays."""
+    install_hooks(tmp_path / "hooks", tmp_path / "events")
+    create_topics(settings)
+    settings = settings.model_copy(update={"placement_release_after_s": 4.0})
+    stop = threading.Event()
+    with local_slurm(tmp_path / "hooks") as env:
+        ids = [subprocess.run(["sbatch", "--parsable", "--hold", "-n", "1", "-o", str(tmp_path / f"{n}.out"),
+                               "--wrap", "sleep 1"], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip().split(";")[0] for n in range(2)]
+        subprocess.run(["scontrol", "hold", ids[1]], env=env, check=True, capture_output=True)  # JobHeldAdmin
+        commands = SchedulerCommands(env)
+        assert [(w.reason, w.single) for w in commands.waiting() if w.job_id in ids] == [
+            ("JobHeldUser", True), ("JobHeldAdmin", True)]
+        result: list = []
+        adapter = threading.Thread(target=lambda: result.append(run_scheduler(
+            settings, commands, stop, llc_ways=11, mem_bandwidth_gbps=20.0, sweep_every_s=0.5)))
+        started = time.monotonic()
+        adapter.start()
+        try:
+            deadline = started + 60
+            while squeue_states(env, ids[:1]) != ["COMPLETED"]:
+                assert time.monotonic() < deadline, squeue_states(env, ids)
+                time.sleep(0.2)
+            released_after = time.monotonic() - started
+        finally:
+            stop.set()
+            adapter.join(60)
+        assert squeue_states(env, ids[1:]) == ["PENDING"]  # the operator's hold is the operator's
+    assert released_after >= 4.0
+    assert result[0].outcomes["released_unplaced"] == 1 and result[0].outcomes["applied"] == 0

@@ -10,9 +10,9 @@ import pytest
 from confluent_kafka.admin import AdminClient
 from tls_proxy import TlsProxy, make_certificates
 
-from nodeshare.config import Settings
 from nodeshare.demo import run_demo
 from nodeshare.deploy.broker import BundledBroker, free_port
+from nodeshare.runtime.config import Settings
 from nodeshare.scenarios import ClusterChoice, source
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.config import Settings
 from nodeshare.deploy.acls import ROLES, grants, kafka_acls_commands, parse_principals, writers
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import INPUT_TOPICS, INTERNAL_TOPICS, TOPICS, Role
 
 S = Settings(topic_prefix="p.", app_id="ns")
@@ -19,8 +19,9 @@ def test_who_may_write_each_topic():
     w = writers(S)
     assert w["p.ledger.charges"] == {"worker"}  # nobody writes a charge before the worker does
     assert w["p.decisions.power"] == w["p.decisions.placement"] == {"worker"}  # nor a decision agents apply
-    for topic in ("node.ipc", "node.shutter", "node.power", "node.llc"):
+    for topic in ("node.shutter", "node.power", "node.llc"):
         assert w[f"p.{topic}"] == {"agent"}
+    assert w["p.node.ipc"] == {"agent", "slurm-source"}  # the source's NodeDown for a NODE_FAIL job's lost node
     assert w["p.jobs.lifecycle"] == {"slurm-source"}
     assert w["p.cluster.inventory"] == {"slurm-scheduler"}
     assert w["p.dlq"] == {"worker", "ledger-sink", "slurm-scheduler"}
@@ -34,13 +35,15 @@ def test_every_input_is_read_by_the_worker_and_the_archive():
     for spec in INPUT_TOPICS:
         assert ("worker", f"p.{spec.name}") in read and ("archive-sink", f"p.{spec.name}") in read
     outputs = {f"p.{t.name}" for t in TOPICS if t.role is Role.OUTPUT}
-    assert not {name for role, name in read if role == "agent"} & (outputs - {"p.decisions.power",
-                                                                              "p.decisions.placement"})
+    assert not {name for role, name in read if role == "agent"} & (outputs - {
+        "p.decisions.power", "p.decisions.power.nodes", "p.decisions.placement"})
+    assert {name for role, name in read if role == "slurm-scheduler"} == {"p.decisions.placement",
+                                                                          "p.decisions.power"}
 
 
 def test_groups_are_the_ones_the_code_joins():
     groups = {(g.role, g.name, g.prefixed) for g in grants(S) if g.resource == "group"}
-    # producers/agent/follower.py: <app>-agent-<node>-<purpose>; nodeshare/consumer.py: <app>-<name>-sink
+    # producers/agent/follower.py: <app>-agent-<node>-<purpose>; runtime/consumer.py: <app>-<name>-sink
     assert ("agent", "ns-agent-", True) in groups
     assert ("ledger-sink", "ns-ledger-sink", False) in groups and ("archive-sink", "ns-archive-sink", False) in groups
     assert ("slurm-scheduler", "ns-slurm-scheduler-sink", False) in groups

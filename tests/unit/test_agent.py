@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -193,6 +194,96 @@ def test_an_application_counters_time_is_the_jobs_cpu_time(tmp_path: Path) -> No
         busy.wait()
     assert reader.read()[1] >= ran[1]  # exited: its time stays counted
     reader.close()
+
+
+def test_an_application_counters_cpu_time_is_exact_between_scheduler_ticks(tmp_path: Path) -> None:
+    """A single-threaded job cannot run longer than the wall time between two readings. The
+    process CPU clock of another process moves in whole scheduler ticks (4 ms at HZ=250), so
+    1 ms apart it reads 0 or 4 ms and breaks that bound by 3 ms; the task clock is exact (to the
+    few microseconds by which the processors' scheduler clocks and CLOCK_MONOTONIC differ)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        ProgressFile(tmp_path / "job").close()
+        reader = ApplicationCounter(tmp_path / "job", [busy.pid])
+        assert reader.coarse_error is None
+        time.sleep(0.1)
+        over = []
+        start, (_, first, _) = time.monotonic_ns(), reader.read()
+        before, cpu = start, first
+        for _ in range(100):
+            time.sleep(0.001)
+            (_, now, _), after = reader.read(), time.monotonic_ns()
+            if not 0 <= now - cpu <= after - before + 100_000:  # 0.1 ms of clock skew
+                over.append((now - cpu, after - before))
+            before, cpu = time.monotonic_ns(), now
+        assert not over
+        assert cpu - first > 0.1 * (after - start)  # and it does move: the busy process ran
+    finally:
+        busy.kill()
+        busy.wait()
+    reader.close()
+
+
+def test_an_application_counter_times_threads_and_processes_the_job_starts_later(tmp_path: Path) -> None:
+    """A job forks after the agent opened its counter: the child's time counts too (the task
+    clock is inherited), though the agent only knew the first process. Each process prints its
+    own CPU time when done; the counter, read after both exited, holds the child's and the
+    parent's (less the interpreter's start, before the counter opened)."""
+    # one write(2) a line: two print()s to one pipe interleaved their pieces in a CI run
+    script = ("import os, time\ntime.sleep(0.3)\nchild = os.fork()\nend = time.monotonic() + 1.0\n"
+              "while time.monotonic() < end: pass\n"
+              "os.write(1, f\"{'child' if child == 0 else 'parent'} {time.process_time_ns()}\\n\".encode())\n"
+              "if child: os.waitpid(child, 0)\n")
+    job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    ProgressFile(tmp_path / "job").close()
+    reader = ApplicationCounter(tmp_path / "job", [job.pid])
+    out, _ = job.communicate(timeout=30)
+    own = {who: int(ns) for who, ns in (line.split() for line in out.splitlines())}
+    counted = reader.read()[1]
+    reader.close()
+    assert own["child"] > 50_000_000  # it ran
+    # the upper end allows for both interpreters' exit, after they printed (about 10 ms here)
+    assert own["parent"] + 0.5 * own["child"] < counted <= own["parent"] + own["child"] + 50_000_000
+
+
+def test_a_job_is_timed_once_per_thread_and_too_many_threads_fall_back_to_the_process_clock(tmp_path, monkeypatch):
+    """A pid listed twice (or a thread id next to its process) is one thread group, counted once;
+    a job with more threads than a task clock may hold descriptors for is timed by the process
+    clock, and says why."""
+    from nodeshare.producers.agent import progress
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        ProgressFile(tmp_path / "job").close()
+        once, twice = (ApplicationCounter(tmp_path / "job", pids) for pids in ([busy.pid], [busy.pid, busy.pid]))
+        a0, b0 = once.read()[1], twice.read()[1]
+        time.sleep(0.3)
+        a1, b1 = once.read()[1], twice.read()[1]
+        assert abs((b1 - b0) - (a1 - a0)) < 0.2 * (a1 - a0)
+        monkeypatch.setattr(progress, "MAX_TASK_CLOCK_THREADS", 0)
+        many = ApplicationCounter(tmp_path / "job", [busy.pid])
+        assert many.coarse_error is not None and many.coarse_error.errno == errno.EMFILE
+    finally:
+        busy.kill()
+        busy.wait()
+    for c in (once, twice, many):
+        c.close()
+
+
+def test_out_of_descriptors_is_no_refused_progress_file(tmp_path, monkeypatch):
+    """EMFILE is the agent's own limit, not the file's fault: the job is not measured without its
+    progress file for good (its counter is opened at a later rescan)."""
+    from nodeshare.producers.agent import progress
+
+    ProgressFile(tmp_path / "job").close()
+
+    def out_of_descriptors(*_args, **_kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(progress.os, "open", out_of_descriptors)
+    with pytest.raises(OSError) as raised:
+        progress.open_progress(tmp_path / "job", os.geteuid())
+    assert raised.value.errno == errno.EMFILE and not isinstance(raised.value, progress.ProgressRefused)
 
 
 def test_the_spool_keeps_order_and_its_bound_and_survives_a_restart(tmp_path: Path) -> None:

@@ -121,6 +121,9 @@ class _Msg:
     def partition(self) -> int:
         return 0
 
+    def topic(self) -> str:
+        return "decisions.power"
+
     def offset(self) -> int:
         return self._offset
 
@@ -374,3 +377,33 @@ def test_the_next_start_gives_the_default_group_back_what_a_killed_agent_narrowe
     assert _schemata(root)[0] == "L3:0=7f0;1=7f0"
     again = Resctrl(root)
     assert again.remove_all() == 1 and _schemata(root)[0] == "L3:0=7ff;1=7ff"
+
+
+def test_a_follower_says_so_when_a_topic_it_also_folds_is_missing_and_still_applies_the_rest(
+        tmp_path, monkeypatch, caplog):
+    """decisions.power.nodes not created since the upgrade (docs/upgrades.md): the agent's caps
+    still come from decisions.power, and an error says what to run. (A review found it silent.)"""
+    live = [decision("a", PowerAction.START, plan("a", ("n1", 0, 80.0)))]
+    consumer = _fake_consumer(live, [True, True])
+
+    class Missing(consumer):  # type: ignore[misc, valid-type]
+        def list_topics(self, topic: str, timeout: float) -> SimpleNamespace:
+            missing = topic.endswith("decisions.power.nodes")
+            return SimpleNamespace(topics={topic: SimpleNamespace(
+                partitions={} if missing else {0: None}, error="UNKNOWN_TOPIC_OR_PART" if missing else None)})
+
+    monkeypatch.setattr(follower_mod, "Consumer", Missing)
+    root = powercap_tree(tmp_path / "pc")
+    pc = Powercap(tmp_path / "caps.json", root)
+    config = SimpleNamespace(topic=lambda n: n, client_config=lambda **k: k, app_id="t")
+    follower = CapFollower(config, "n1", pc)
+    with caplog.at_level(logging.ERROR, logger="nodeshare.producers.agent.follower"):
+        follower.start()
+        deadline = time.monotonic() + 5
+        while limit(root, 0) != 80_000_000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        follower.stop()
+    assert limit(root, 0) == 80_000_000
+    assert any("no topic decisions.power.nodes" in r.getMessage() and "topics create" in r.getMessage()
+               for r in caplog.records)
+    pc.restore_all()

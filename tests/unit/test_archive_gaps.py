@@ -15,7 +15,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicP
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.sinks import archive as archive_mod
 from nodeshare.sinks.archive import (
     ARCHIVE_SCHEMA,

@@ -11,7 +11,7 @@ from confluent_kafka import TopicPartition
 from factories import T0, block, job_event, left
 from prometheus_client import REGISTRY
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import JobState, NodeDown, Record, encode
 from nodeshare.streams.core.accounting import Origin
 from nodeshare.streams.worker import fold_consumer

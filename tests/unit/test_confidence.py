@@ -19,6 +19,7 @@ from nodeshare.streams.core.confidence import (
     NO_INTERVAL,
     PRIOR,
     T_RATIO,
+    Interval,
     degradation_interval,
     t_quantile,
 )
@@ -27,6 +28,7 @@ from nodeshare.streams.core.degradation import (
     MIXED_S,
     POPPA_ALG4,
     REFILL_CORRECTED,
+    DegradationResult,
     DegradationSums,
     estimate,
     filtered_degradation,
@@ -131,7 +133,7 @@ def test_the_interval_covers_the_true_degradation_at_its_confidence():
         result = estimate(sums, "unfiltered")  # the blocks' during is solo + 0.06: unfiltered is d_true's own
         # what unfiltered measures here: 1 - co / (solo + 0.06) on average
         target = 1 - (1 - d_true) * 1.2 / 1.26
-        iv = degradation_interval(result, 0.95)
+        iv = degradation_interval(result, 0.95, margin_abs=0.0, margin_rel=0.0)  # the t term alone
         assert iv.method == T_RATIO
         inside += iv.low <= target <= iv.high
     assert 0.93 <= inside / 500 <= 0.97, inside
@@ -155,10 +157,48 @@ def test_a_charge_carries_its_interval_and_is_priced_at_its_upper_end():
     # Eq. 4 at the bound, by hand: L * C * T * (1 - D)^2 with L = 1, C = 4, T = 1 h
     assert bound.price == pytest.approx(4 * (1 - bound.degradation_high) ** 2, rel=1e-12)
     assert bound.price < point.price and bound.price + bound.dividend == pytest.approx(bound.standard_price)
-    # the half-width is t(0.975, 59) standard errors of the estimate
+    # the half-width is t(0.975, 59) standard errors of the estimate, plus the bias margin
     result = filtered_degradation(blocks, estimator=BOUND.estimator)
-    half = t_quantile(0.975, 59) * result.standard_error
+    half = t_quantile(0.975, 59) * result.standard_error + 0.01 + 0.05 * result.degradation
+    assert (bound.interval_margin_abs, bound.interval_margin_rel) == (0.01, 0.05)
     assert bound.degradation_high - bound.degradation_point == pytest.approx(half, rel=1e-9)
+
+
+def test_the_bias_margin_widens_the_t_interval_by_hand():
+    """D = 0.1 from 20 blocks with SE 0.01: t(0.975, 19) = 2.093 (tables), so the half-width is
+    0.02093 + 0.01 + 0.05 x 0.1 = 0.03593; with too few blocks the prior's upper end is at least
+    D + m (0.3 + 0.01 + 0.015 = 0.325 above a prior of 0.25)."""
+    def result(d: float, blocks: int) -> DegradationResult:
+        return DegradationResult(EstimateStatus.OK, d, d, d, blocks, 0, corrected=d, estimator=REFILL_CORRECTED,
+                                 standard_error=0.01, interval_blocks=blocks)
+
+    iv = degradation_interval(result(0.1, 20), 0.95)
+    assert (iv.low, iv.high) == pytest.approx((0.1 - 0.03593, 0.1 + 0.03593), abs=2e-5)
+    bare = degradation_interval(result(0.1, 20), 0.95, margin_abs=0.0, margin_rel=0.0)
+    assert iv.high - bare.high == pytest.approx(0.015, abs=1e-12) and bare.low - iv.low == pytest.approx(0.015)
+    prior = degradation_interval(result(0.3, MIN_INTERVAL_BLOCKS - 1), 0.95, prior_high=0.25)
+    assert (prior.method, prior.low, prior.high) == (PRIOR, 0.0, pytest.approx(0.325))
+    assert degradation_interval(result(0.01, MIN_INTERVAL_BLOCKS - 1), 0.95, prior_high=0.25).high == 0.25
+    # no estimate at all: no estimator, so no margin (a site's prior_high = 0 gives no discount from nothing)
+    for status in (EstimateStatus.NO_BLOCKS, EstimateStatus.NO_ACCEPTED_BLOCKS):
+        none = DegradationResult(status, 0.0, None, None, 0, 0, estimator=REFILL_CORRECTED)
+        assert degradation_interval(none, 0.95, prior_high=0.0) == Interval(0.0, 0.0, PRIOR, 0)
+    with pytest.raises(ValueError, match="margin_rel"):
+        degradation_interval(result(0.1, 20), 0.95, margin_rel=-0.1)
+
+
+def test_a_charge_before_the_margin_is_audited_without_one_and_a_sites_margin_is_audited_as_recorded():
+    rng = np.random.default_rng(12)
+    blocks = _blocks(rng, 40, 0.12, 0.02)
+    site = PricingPolicy(estimator=REFILL_CORRECTED, price_at_bound=True, margin_abs=0.02, margin_rel=0.1)
+    charge = _charge(blocks, site)
+    assert policy_of(charge) == site and (charge.interval_margin_abs, charge.interval_margin_rel) == (0.02, 0.1)
+    # a version-6 row records no margin: its interval had none, and the audit recomputes it so
+    bare = PricingPolicy(estimator=REFILL_CORRECTED, price_at_bound=True, margin_abs=0.0, margin_rel=0.0)
+    old = _charge(blocks, bare).model_copy(update={"interval_margin_abs": None, "interval_margin_rel": None,
+                                                   "schema_version": 6})
+    assert policy_of(old) == bare
+    assert _charge(blocks, policy_of(old)).degradation_high == old.degradation_high < charge.degradation_high
 
 
 def test_time_alone_scales_the_interval_as_it_scales_the_estimate():
@@ -229,3 +269,34 @@ def test_a_charge_made_before_intervals_is_audited_at_its_point_estimate(tmp_pat
         ledger.append([(row, v5, 0, 0)])
     for fast in (True, False):
         assert audit(archive, path, BOUND, fast=fast).ok
+
+
+def test_a_job_corrected_after_the_upgrade_audits_each_revision_under_the_policy_it_was_priced_by(tmp_path):
+    """Revision 0 priced by a schema-6 build (no margin), revision 1 after the upgrade (the default
+    margin): the audit, fast path and reference fold alike, recomputes each under its own policy.
+    (It recomputed both under the newest row's, and revision 0's interval ends mismatched.)"""
+    from datetime import timedelta
+
+    from factories import T0
+
+    old_build, new_build = PricingPolicy(margin_abs=0.0, margin_rel=0.0), PricingPolicy()
+    blocks = _blocks(np.random.default_rng(4), 30, 0.1, 0.02)
+    end = job_event("j1", JobState.ENDED, cores=4)
+    fix = end.model_copy(update={"event_id": "fix", "end_time": T0 + timedelta(seconds=1800),
+                                 "event_time": T0 + timedelta(seconds=3700)})
+    records = [batch(*blocks), left("j1", "n1", 30, 29), end, fix]
+    archive, _, _ = archive_records(tmp_path, records)
+    ipc = as_messages(records[:2], IPC)
+    [rev0] = fold_messages(ipc + as_messages([end], LIFE), old_build)
+    v6 = as_version(rev0, 6)
+    [rev1] = [c for c in fold_messages(ipc + as_messages([end, fix], LIFE), new_build) if c.revision == 1]
+    with Ledger(tmp_path / "upgraded.duckdb") as ledger:  # archive_records wrote its own ledger.duckdb
+        ledger.append([(decode_model(Charge, v6), v6, 0, 0), (rev1, encode(rev1), 0, 1)])
+    for fast in (True, False):
+        result = audit(archive, tmp_path / "upgraded.duckdb", new_build, fast=fast)
+        assert result.ok and result.charges_checked == result.matches == 2, (fast, result.mismatches)
+    # and a row that really differs is still found
+    forged = rev1.model_copy(update={"revision": 0, "price": rev1.price * 0.5})
+    with Ledger(tmp_path / "forged.duckdb") as ledger:
+        ledger.append([(forged, encode(forged), 0, 0), (rev1, encode(rev1), 0, 1)])
+    assert not audit(archive, tmp_path / "forged.duckdb", new_build, fast=False).ok

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 
 runner = CliRunner()
 

@@ -10,19 +10,14 @@ from pathlib import Path
 import pytest
 from factories import batch, block, job_event, left
 
-from nodeshare import metrics
-from nodeshare.config import Settings
 from nodeshare.deploy.topics import TopicsError, input_partition_count
+from nodeshare.runtime import metrics
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import DeadLetter, JobState, encode
 from nodeshare.schemas.serde import decode_model
 from nodeshare.streams.core.accounting import Origin, Outgoing
-from nodeshare.streams.worker.fold_consumer import (
-    MISROUTED,
-    FoldConsumer,
-    copartition_problem,
-    kafka_partition,
-    routing_problem,
-)
+from nodeshare.streams.worker.copartition import copartition_problem, kafka_partition, routing_problem
+from nodeshare.streams.worker.fold_consumer import MISROUTED, FoldConsumer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.streams.core.accounting import Message, Origin
 from nodeshare.streams.worker import cursor as cursor_module
 from nodeshare.streams.worker.cursor import Cursor

@@ -95,7 +95,7 @@ class _Sent:
 def test_the_worker_gauges_jobs_awaiting_a_node_and_the_oldest_ones_age():
     from prometheus_client import REGISTRY
 
-    from nodeshare.config import Settings
+    from nodeshare.runtime.config import Settings
     from nodeshare.schemas import encode
     from nodeshare.streams.core.accounting import Origin
     from nodeshare.streams.worker.fold_consumer import FoldConsumer
@@ -130,7 +130,7 @@ def test_a_version_bump_leaves_the_audit_clean(tmp_path, monkeypatch):
     from nodeshare.streams.core import accounting
 
     archive, ledger, _ = _demo_like(tmp_path)
-    monkeypatch.setattr(accounting, "__version__", "99.0.0")
+    monkeypatch.setattr(accounting, "UNSTAMPED_VERSION", "99.0.0")  # what the audit's recomputation carries
     for fast in (True, False):
         report = audit(archive, ledger, POLICY, fast=fast)
         assert report.ok and report.mismatches == [] and report.matches > 0, report.as_dict()
@@ -261,8 +261,8 @@ def _defined_metric_names() -> set[str]:
     imported, and the audit's textfile gauges."""
     from prometheus_client import REGISTRY
 
-    import nodeshare.metrics as m
     import nodeshare.producers.agent.follower
+    import nodeshare.runtime.metrics as m
     import nodeshare.streams.worker.fold_consumer  # noqa: F401
 
     names = {n for names in REGISTRY._collector_to_names.values() for n in names}  # type: ignore[attr-defined]
@@ -288,7 +288,8 @@ def test_every_metric_the_alert_rules_and_the_dashboard_use_is_defined_in_code()
     # what the issue asks to alert on, each by a rule
     for needed in ("NodeshareAgentDown", "NodeshareAgentSpoolFilling", "NodeshareAgentShuttersSkipped",
                    "NodeshareJobsAwaitingNodes", "NodeshareNoLedgerRow", "NodeshareConsumerLag",
-                   "NodeshareDeadLetters", "NodeshareSlurmHookEventsRefused", "NodeshareAuditFailed"):
+                   "NodeshareDeadLetters", "NodeshareSlurmHookEventsRefused", "NodeshareAuditFailed",
+                   "NodeshareFoldSnapshotsStale"):
         assert needed in alerts
 
 
@@ -328,7 +329,7 @@ def test_consumer_lag_is_the_high_watermarks_minus_the_positions_and_kept_when_t
     from confluent_kafka import KafkaError, KafkaException
     from prometheus_client import REGISTRY
 
-    from nodeshare.metrics import report_lag
+    from nodeshare.runtime.metrics import report_lag
 
     class Consumer:
         away = False
@@ -414,7 +415,7 @@ def test_audit_from_to_compares_and_looks_for_the_jobs_that_ended_in_the_window(
 WRITER = """
 import sys
 from pathlib import Path
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.schemas import Charge, encode
 from nodeshare.sinks.ledger import LedgerSink
 
@@ -511,13 +512,17 @@ def test_ledger_verify_head_catches_a_ledger_rewritten_with_a_recomputed_chain(t
     assert caught.exit_code == 1 and "the chain does not lead to" in caught.output
 
 
-def test_every_topic_has_a_retention_and_the_fold_inputs_keep_everything():
+def test_every_topic_has_a_retention_and_the_fold_inputs_outlive_its_snapshots():
     from nodeshare.deploy.topics import RETENTION_MS, topic_config
+    from nodeshare.runtime.config import Settings
     from nodeshare.schemas import TOPICS
-    from nodeshare.schemas.catalog import INTERNAL_TOPICS
+    from nodeshare.schemas.catalog import FOLD_SNAPSHOTS, INTERNAL_CLEANUP, INTERNAL_TOPICS
 
     assert set(RETENTION_MS) == {t.name for t in TOPICS} | set(INTERNAL_TOPICS)
-    assert RETENTION_MS["node.ipc"] == RETENTION_MS["jobs.lifecycle"] == -1  # the fold rebuilds from offset 0
+    # the fold rebuilds from its newest snapshot (kept, compacted), not from offset 0 (issue 44)
+    assert RETENTION_MS[FOLD_SNAPSHOTS] == -1 and INTERNAL_CLEANUP[FOLD_SNAPSHOTS] == "compact"
+    every_s = Settings().fold_snapshot_every_s
+    assert RETENTION_MS["node.ipc"] == RETENTION_MS["jobs.lifecycle"] == 30 * 86_400_000 > 100 * every_s * 1000
     assert all(RETENTION_MS[t.name] == -1 for t in TOPICS if t.cleanup_policy == "compact")
     assert topic_config("dlq", "delete") == {"cleanup.policy": "delete", "retention.ms": str(30 * 86_400_000)}
 
@@ -567,7 +572,7 @@ def test_an_analyst_on_the_snapshot_never_holds_up_the_sink(tmp_path):
 
     import pytest
 
-    from nodeshare.config import Settings
+    from nodeshare.runtime.config import Settings
     from nodeshare.schemas import encode
     from nodeshare.sinks.ledger import LedgerSink
 
@@ -615,7 +620,7 @@ def test_an_analyst_on_the_snapshot_never_holds_up_the_sink(tmp_path):
 def test_the_ledger_sink_logs_its_chain_head(tmp_path, caplog):
     import logging
 
-    from nodeshare.config import Settings
+    from nodeshare.runtime.config import Settings
     from nodeshare.schemas import encode
     from nodeshare.sinks.ledger import LedgerSink
     from nodeshare.sinks.ledger_tools import chain_head

@@ -53,7 +53,7 @@ def test_grafana_dashboard_queries_only_metrics_the_code_exports():
 
     from prometheus_client.metrics import MetricWrapperBase
 
-    import nodeshare.metrics as m
+    import nodeshare.runtime.metrics as m
 
     families = {v._name for v in vars(m).values() if isinstance(v, MetricWrapperBase)}
     families |= {name for name, _ in m.AUDIT_METRICS}  # written by `nodeshare audit --metrics-file`

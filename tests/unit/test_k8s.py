@@ -8,7 +8,7 @@ import yaml
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 
 MANIFEST = Path(__file__).parents[2] / "deploy" / "k8s" / "nodeshare.yaml"
 DOCKERFILE = Path(__file__).parents[2] / "deploy" / "Dockerfile"
@@ -24,7 +24,7 @@ def config(docs, tmp_path_factory) -> Settings:
     toml = docs[("ConfigMap", "nodeshare-config")]["data"]["nodeshare.toml"]
     path = tmp_path_factory.mktemp("k8s") / "nodeshare.toml"
     path.write_text(toml)
-    from nodeshare.config import CONFIG_FILE
+    from nodeshare.runtime.config import CONFIG_FILE
 
     token = CONFIG_FILE.set(path)
     try:
@@ -97,7 +97,7 @@ def test_the_agent_gets_what_it_needs_and_no_more(docs):
     assert ds["hostPID"] is True and not ds.get("hostNetwork")  # sees the jobs; keeps its own network
     sc = agent["securityContext"]
     assert sc["privileged"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "PERFMON", "SETUID", "SETGID"]}
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "PERFMON", "SYS_PTRACE", "SETUID", "SETGID"]}
     assert agent["command"][3:5] == ["agent", "--slurm"]
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     host = {v["name"]: v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v}

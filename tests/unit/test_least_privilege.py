@@ -91,7 +91,7 @@ def directories_the_units_use() -> set[str]:
         for flag, value in itertools.pairwise(words):
             if flag in ("--progress-dir", "--events-dir", "--datadir", "--archive"):
                 used.add(value)
-            elif flag in ("--spool", "--ledger"):
+            elif flag in ("--spool", "--ledger", "--state-file"):
                 used.add(str(Path(value).parent))
     return used
 
@@ -114,6 +114,7 @@ def test_every_directory_a_unit_uses_has_a_tmpfiles_line_with_owner_and_mode():
     missing = directories_the_units_use() - {p for p, (kind, *_rest) in lines.items() if kind == "d"}
     assert not missing, f"no tmpfiles.d line for {sorted(missing)}"
     owners = {"/var/lib/nodeshare-worker": "nodeshare", "/var/lib/nodeshare-ledger": "nodeshare",
+              "/var/lib/nodeshare-slurm-scheduler": "slurm",
               "/var/spool/nodeshare/slurm-events": "slurm", "/var/lib/nodeshare": "root"}
     for path, user in owners.items():
         assert lines[path][2] == user, path

@@ -116,7 +116,7 @@ def test_archive_layout_resume_point_and_no_temporary_files(tmp_path):
 def test_a_restarted_sink_removes_the_half_written_files_of_its_partitions_only(tmp_path):
     from confluent_kafka import TopicPartition
 
-    from nodeshare.config import Settings
+    from nodeshare.runtime.config import Settings
     from nodeshare.sinks.archive import ArchiveSink
 
     archive, _, _ = build(tmp_path, batch=100)
@@ -306,7 +306,7 @@ def _reader(path: Path, hold_s: float):
 def test_the_ledger_sink_waits_for_a_readers_lock_and_names_a_reader_that_never_lets_go(tmp_path):
     import time
 
-    from nodeshare.config import Settings
+    from nodeshare.runtime.config import Settings
     from nodeshare.sinks.ledger import LedgerSink
 
     path = tmp_path / "ledger.duckdb"
@@ -401,8 +401,8 @@ def test_a_second_different_row_for_a_job_revision_is_a_dead_letter_and_a_metric
     """A re-sent copy of a charge is absorbed; a copy of the same (job, revision) with another price
     (a recomputation that disagrees, or a forged row) is kept out of the ledger, counted and
     dead-lettered with the fields that differ. A copy made by another code version is a copy."""
-    from nodeshare import metrics
-    from nodeshare.config import Settings
+    from nodeshare.runtime import metrics
+    from nodeshare.runtime.config import Settings
     from nodeshare.schemas import DeadLetter
     from nodeshare.sinks.ledger import LedgerSink
 
@@ -443,3 +443,37 @@ def test_a_copy_re_sent_after_an_upgrade_differs_only_in_fields_the_held_row_pre
     newer = charge.model_copy(update={"evidence_problems": ("node n1: 1 of the 5 blocks never arrived",)})
     assert charge_differences(old, newer) == []
     assert [f for f, _, _ in charge_differences(charge, newer)] == ["evidence_problems"]
+
+
+def test_a_copy_re_sent_across_the_margin_upgrade_is_no_divergent_row_but_a_changed_price_is(tmp_path):
+    """The ledger holds a schema-6 row (no interval margin); the upgraded worker re-sends it with the
+    margin: the interval's ends differ, the price does not. A policy change stated in the row, not a
+    divergent charge (no critical alert); a different price stays divergent."""
+    from nodeshare.runtime import metrics
+    from nodeshare.runtime.config import Settings
+    from nodeshare.sinks.ledger import LedgerSink, charge_differences, margin_only
+
+    _, ledger_path, _ = build(tmp_path)
+    with Ledger(ledger_path, read_only=True) as ledger:
+        charge = ledger.charges()[0]
+    held = charge.model_copy(update={"schema_version": 6, "interval_margin_abs": None, "interval_margin_rel": None})
+    copy = charge.model_copy(update={"degradation_high": min(1.0, (charge.degradation_high or 0.0) + 0.01)})
+    fields = [f for f, _, _ in charge_differences(held, copy)]
+    assert fields == ["degradation_high"] and margin_only(held, copy, fields)
+    assert not margin_only(charge, copy, fields)  # the same margin: a real divergence
+    priced = copy.model_copy(update={"price": copy.price * 0.9})
+    assert not margin_only(held, priced, [f for f, _, _ in charge_differences(held, priced)])
+    sent: list = []
+
+    class Letters:
+        def send(self, record):
+            sent.append(record)
+
+        def flush(self) -> None:
+            pass
+
+    sink = LedgerSink(Settings.model_validate({}), tmp_path / "sink.duckdb", dead_letters=Letters())
+    before = metrics.DIVERGENT_CHARGES._value.get()
+    sink.write([_Msg("ledger.charges", encode(c), i) for i, c in enumerate([held, copy, priced])])
+    assert sink.rows_inserted == 1 and metrics.DIVERGENT_CHARGES._value.get() == before + 1
+    assert [dl.origin_offset for dl in sent] == [2]  # only the copy with another price

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from nodeshare import logs
-from nodeshare.config import Settings
+from nodeshare.runtime import logs
+from nodeshare.runtime.config import Settings
 
 SECRET = "pw-Zq81-never-print"
 

@@ -258,7 +258,7 @@ def test_the_fast_audit_groups_by_s_and_prices_mixed_s_as_the_fold(tmp_path):
 
 
 def test_the_settings_choose_mixed_s_and_the_adaptive_schedule_by_default():
-    from nodeshare.config import Settings
+    from nodeshare.runtime.config import Settings
     from nodeshare.scenarios import ClusterChoice, ScenarioError
 
     fixed = Settings(estimator="refill_corrected", shutter_schedule="fixed")

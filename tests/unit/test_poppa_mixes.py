@@ -29,7 +29,7 @@ from nodeshare.schemas import Charge, JobLeftNode
 #: Every program's run shortened, so a mix simulates in seconds.
 FAST = {k: replace(w, solo_s=8.0) for k, w in BUILTIN.items()}
 KEYS = {"jobs", "mae_pct", "max_abs_err_pct", "overcharged_jobs", "overcharged_jobs_over_0_5pct", "coverage",
-        "revenue_vs_oracle_pp", "charged_vs_solo_baseline"}
+        "coverage_clamped", "above_interval", "revenue_vs_oracle_pp", "charged_vs_solo_baseline"}
 
 
 def swf(path: Path) -> Path:
@@ -111,6 +111,12 @@ def test_all_mixes_json_per_mix_and_overall_and_overcharges_from_rows(tmp_path: 
         assert m["overcharged_jobs_over_0_5pct"] == sum(x["price"] > 1.005 * x["solo_baseline"] for x in rows)
         assert m["max_abs_err_pct"] == pytest.approx(max(abs(x["err_pp"]) for x in rows))
         assert (m["coverage"] is None) is not has_interval
+        clamped = [x["degradation_low"] <= min(1.0, max(0.0, x["true_degradation"])) <= x["degradation_high"]
+                   for x in rows]
+        assert m["coverage_clamped"] == pytest.approx(sum(clamped) / len(rows))
+        assert m["coverage_clamped"] >= m["coverage"]
+        assert m["above_interval"] == pytest.approx(sum(x["true_degradation"] > x["degradation_high"]
+                                                        for x in rows) / len(rows))
     assert r["mixes"]["trace-times"]["jobs"] == 2 and r["mixes"]["arrivals"]["jobs"] == 2
     assert max(x["solo_time_s"] for x in r["job_rows"] if x["mix"] == "trace-times") < 21  # capped (+ run noise)
     text = CliRunner().invoke(app, ["experiment", "pairwise", "--png", str(tmp_path / "w.png"), "--mix", "thrashing",

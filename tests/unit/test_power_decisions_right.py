@@ -11,16 +11,20 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nodeshare.producers.slurm_scheduler import inventory as slurm_inventory
-from nodeshare.producers.slurm_scheduler import parse_nodes
+from nodeshare.producers.slurm_nodes import inventory as slurm_inventory
+from nodeshare.producers.slurm_nodes import parse_nodes
 from nodeshare.schemas.catalog import TOPIC_OF_RECORD
 from nodeshare.schemas.events import (
+    HeldCap,
     JobEvent,
     JobState,
+    NodeCapState,
     NodeInventory,
+    NodePowerState,
     PowerAction,
     PowerDecision,
     PowerReading,
@@ -30,7 +34,7 @@ from nodeshare.schemas.events import (
 from nodeshare.schemas.serde import encode
 from nodeshare.streams.core.lifecycle import JobPhases
 from nodeshare.streams.core.placement.stream import PlacementManager
-from nodeshare.streams.core.power.caps import CapFold
+from nodeshare.streams.core.power.caps import CapFold, node_states
 from nodeshare.streams.core.power.curves import MIN_CAP_MW
 from nodeshare.streams.core.power.ppartition import _occupied, check
 from nodeshare.streams.core.power.stream import PowerManager
@@ -499,3 +503,68 @@ def test_a_manager_rebuilt_without_its_snapshot_is_not_ignored_by_the_agents():
         site.agents["A"].apply(d)
     stated = {c.processor: c.cap_watts for d in decided for s in d.node_caps if s.node == "A" for c in s.caps}
     assert decided and site.agents["A"].caps() == stated and site.agents["A"].jobs() == {"b"}
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seq=events, budget=st.sampled_from([450.0, 800.0]), known=st.lists(inventories, min_size=1, max_size=3),
+       rnd=st.randoms(use_true_random=False))
+def test_an_agent_starting_after_retention_deleted_any_head_of_decisions_power_holds_the_managers_caps(
+        seq, budget, known, rnd):
+    """Retention deleted a head of each of ``decisions.power``'s 4 partitions (any length, up to all);
+    the compacted ``decisions.power.nodes`` kept each node's newest state and, not yet compacted,
+    some older ones. An agent folding what is left of both, in any order, holds the manager's caps.
+    (Before: an agent read only ``decisions.power``; a node whose caps last changed in the deleted
+    head restarted with none while the manager counted them: issue 43, "state lost to retention".)"""
+    site = Site(budget)
+    for i, ev in enumerate([*known, *seq]):
+        site.feed(build(i, ev))
+    log = site.decisions
+    parts = [[d for d in log if _partition(d.job_id) == p] for p in range(4)]
+    kept: list[PowerDecision | NodePowerState] = [d for p in parts for d in p[rnd.randint(0, len(p)):]]
+    published = [s for d in log for s in node_states(d)]
+    newest = {s.node: s for s in published}
+    kept += list(newest.values()) + [s for s in published if s is not newest[s.node] and rnd.random() < 0.3]
+    rnd.shuffle(kept)
+    agents = {n: CapFold(n) for n in NODES}
+    for record in kept:
+        for a in agents.values():
+            a.apply(record)
+    assert {(n, p): w for n, a in agents.items() for p, w in a.caps().items()} == site.held()
+
+
+def test_a_node_state_names_one_node_and_its_id_stays_short():
+    from nodeshare.schemas import decode
+
+    site = Site(400.0)
+    site.feed(inv("A", 4), job("a", JobState.STARTED, 12, ("A",)))
+    [d] = [d for d in site.decisions if d.node_caps]
+    [s] = node_states(d)
+    assert (s.node, s.state, s.decided_by) == ("A", d.node_caps[0], d.event_id) and len(s.event_id) == 36
+    assert decode(TOPIC_OF_RECORD[NodePowerState], encode(s)) == s
+    assert node_states(d.model_copy(update={"event_id": "x" * 128})) != []  # a long id: a fixed-length one
+    with pytest.raises(ValueError, match="published as node"):
+        NodePowerState(event_id="e", source="t", event_time=s.event_time, node="B", state=s.state, decided_by="d")
+
+
+def test_caps_decided_before_decisions_power_nodes_existed_are_restated_after_a_rebuild():
+    """An upgrade: the manager decided caps before it published node states; after its rebuild it
+    restates every node it stated (empty ones too), so an agent folding decisions.power.nodes alone,
+    once decisions.power's records expired, holds the manager's caps. (A review found them missing.)"""
+    from nodeshare.streams.core.power.stream import RESTATED
+
+    site = Site(400.0)
+    site.feed(inv("A", 4), inv("B", 4), job("a", JobState.STARTED, 12, ("A",)), job("b", JobState.STARTED, 12, ("B",)),
+              job("b", JobState.ENDED, 12, ("B",), at=5))
+    restated = site.pm.restatement()
+    assert {s.node for s in restated} == {"A", "B"} and all(s.decided_by == RESTATED for s in restated)
+    assert [s.state.caps for s in restated if s.node == "B"] == [()]  # B held caps once: stated empty
+    agents = {n: CapFold(n) for n in NODES}
+    stale = NodePowerState(event_id="old", source="t", event_time=restated[0].event_time, node="B",
+                           state=NodeCapState(node="B", sequence=1, caps=(HeldCap(processor=0, job_id="x",
+                                                                                  cap_watts=70.0),)),
+                           decided_by="older")
+    for record in (stale, *restated):
+        for a in agents.values():
+            a.apply(record)
+    assert {(n, p): w for n, a in agents.items() for p, w in a.caps().items()} == site.held()
+    assert restated == site.pm.restatement()  # the same records (and ids) each time: nothing changed

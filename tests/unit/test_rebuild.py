@@ -10,9 +10,9 @@ import logging
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.streams.core.accounting import Message
-from nodeshare.streams.worker import fold_consumer
+from nodeshare.streams.worker import fold_consumer, fold_snapshots
 from nodeshare.streams.worker.cursor import LogHeadGone, head_deleted
 from nodeshare.streams.worker.fold_consumer import REFUSED, FoldConsumer, owned_offsets, resume_offsets
 
@@ -59,6 +59,7 @@ def _fold(monkeypatch: pytest.MonkeyPatch, read: object) -> FoldConsumer:
     settings = Settings.model_validate({"bootstrap": "127.0.0.1:1", "topic_prefix": "t."})
     monkeypatch.setattr(fold_consumer, "input_partitions", lambda *a, **k: {IPC: 2, LIFE: 2})
     monkeypatch.setattr(fold_consumer, "read_range", read)
+    monkeypatch.setattr(fold_snapshots, "read_compacted", lambda *a, **k: [])  # no snapshot: folded from offset 0
     fold = FoldConsumer(settings)
     fold.producer = _Producer()  # type: ignore[assignment]
     return fold

@@ -50,15 +50,15 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
     return json.dumps(d).encode()
 
 
-def test_this_build_writes_version_6_and_reads_1_to_6():
-    assert SCHEMA_VERSION == 6
+def test_this_build_writes_version_7_and_reads_1_to_7():
+    assert SCHEMA_VERSION == 7
     assert ADDED_IN[PowerDecision] == {"node_caps": 6, "resumes": 6}
     assert ADDED_IN[NodeInventory] == {"usable": 5, "processors_only": 6}
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
                                 "evidence_problems": 5, "node_summary": 5, "degradation_point": 6,
                                 "degradation_low": 6, "degradation_high": 6, "interval_method": 6,
                                 "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6,
-                                "levels": 6}
+                                "levels": 6, "interval_margin_abs": 7, "interval_margin_rel": 7}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
 
@@ -150,7 +150,7 @@ def test_version_6_adds_the_node_down_record_and_a_version_5_run_is_charged_as_t
     assert report.ok and report.matches == 1, report.as_dict()
     down = NodeDown(event_id="d", source="slurm/c", event_time=RUN[-1].event_time, job_id="old", node="n1",
                     reason="NODE_FAIL")
-    assert adapter(NODE_IPC).validate_json(encode(down)) == down and down.schema_version == 6
+    assert adapter(NODE_IPC).validate_json(encode(down)) == down and down.schema_version == SCHEMA_VERSION
 
 
 def _power_log() -> list[PowerDecision]:
@@ -200,7 +200,7 @@ def test_a_version_5_power_decision_reads_without_node_caps_and_is_folded_in_arr
 def test_a_version_6_power_decision_carries_the_changed_nodes_sequence_and_caps():
     first = _power_log()[0]
     d = json.loads(encode(first))
-    assert d["schema_version"] == 6
+    assert d["schema_version"] == SCHEMA_VERSION
     # the sequence starts at the decision's time in microseconds (it grows across manager restarts)
     micros = int(first.event_time.timestamp()) * 1_000_000 + first.event_time.microsecond
     assert d["node_caps"] == [{"node": "A", "sequence": micros, "caps": [

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.config import Settings, is_secret, masked_value
-from nodeshare.logs import TextFormatter
+from nodeshare.runtime.config import Settings, is_secret, masked_value
+from nodeshare.runtime.logs import TextFormatter
 
 runner = CliRunner()
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -167,7 +168,7 @@ def test_a_node_fail_end_sends_a_node_down_record_for_each_node_slurm_reports_lo
                                              ("down+drain", True), ("idle", False), ("mixed", False),
                                              ("drained", False), ("allocated", False)])
 def test_which_sinfo_states_are_a_lost_node(state: str, lost: bool) -> None:
-    from nodeshare.producers.slurm import node_lost
+    from nodeshare.producers.slurm_lost_nodes import node_lost
 
     assert node_lost(state) is lost
 
@@ -184,3 +185,163 @@ def test_a_node_fail_end_with_no_node_down_sends_no_record_and_one_sinfo_failure
     broken.fails, broken.states = False, {"n1": "down"}
     published, files = source.step()
     assert [getattr(e, "node", None) for e in published] == [None, "n1"] and broken.asked == 2 and len(files) == 1
+
+
+def _watching(events: Path, slurm: FailedNodes, **kw: float) -> SlurmSource:
+    source = SlurmSource(events, slurm, **kw)  # type: ignore[arg-type]
+    source.watch.ask_every_s = 0  # every poll asks sinfo (30 s apart in service)
+    ended = datetime.fromtimestamp(int(recorded("jobcomp").env["END"]), UTC)  # the hook file's job
+    source.watch.clock = lambda: ended + timedelta(seconds=1)  # read at once
+    return source
+
+
+def _at(source: SlurmSource, end: JobEvent, seconds: float) -> None:
+    assert end.end_time is not None
+    source.watch.clock = lambda: end.end_time + timedelta(seconds=seconds)  # type: ignore[operator]
+
+
+def test_a_node_fail_job_whose_nodes_read_fine_is_watched_until_sinfo_names_them_lost(tmp_path: Path) -> None:
+    """A node that dies while slurmd's answer to a launch is in flight is returned to service by it
+    and reads idle until SlurmdTimeout: the source asks again, across a restart, until it reads lost;
+    each node of a job on two is sent when it reads lost, the second later than the first."""
+    from nodeshare.producers.slurm_lost_nodes import WATCH_FILE
+
+    events = tmp_path / "events"
+    node_fail_file(events)
+    slurm = FailedNodes()
+    source = _watching(events, slurm)
+    published, files = source.step()
+    assert [type(e).__name__ for e in published] == ["JobEvent"] and len(source.watch.jobs) == 1
+    end = published[0]
+    source.done(files)
+    assert (events / WATCH_FILE).exists() and not (events / "123-jobcomp-9").exists()
+    restarted = _watching(events, slurm)
+    _at(restarted, end, 100)
+    assert restarted.step() == ([], []) and slurm.asked == 2  # still fine: asked, nothing sent
+    slurm.states = {"n2": "idle*"}  # SlurmdTimeout passed: not responding
+    published, files = restarted.step()
+    assert [(d.job_id, d.node, d.event_time) for d in published] == [("1", "n2", end.end_time)]
+    assert published[0].event_id == "slurm/slurm/1/node_down/n2" and files == []
+    restarted.done([])
+    _at(restarted, end, 300)
+    slurm.states = {"n1": "down", "n2": "idle*"}  # the other node, later
+    published, _ = restarted.step()
+    assert [d.node for d in published] == ["n1"]  # n2 was sent and acknowledged: not again
+    restarted.done([])
+    assert restarted.watch.jobs == {} and not (events / WATCH_FILE).exists()
+    assert restarted.step() == ([], []) and slurm.asked == 4
+
+
+def test_a_node_lost_at_once_is_sent_with_the_end_and_its_partner_when_it_reads_lost(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    node_fail_file(events)
+    slurm = FailedNodes({"n1": "down*"})
+    source = _watching(events, slurm)
+    published, files = source.step()
+    assert [getattr(e, "node", None) for e in published] == [None, "n1"]
+    source.done(files)
+    slurm.states = {"n1": "down*", "n2": "down"}  # a rack: the second node goes too
+    assert [d.node for d in source.step()[0]] == ["n2"]
+
+
+def test_a_record_whose_publish_failed_is_sent_again_even_after_a_poll_that_found_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(A hostile review: the failed poll's records were settled by the next, empty, step.)"""
+    events = tmp_path / "events"
+    node_fail_file(events)
+    slurm = FailedNodes()
+    source = _watching(events, slurm)
+    with caplog.at_level(logging.WARNING, logger="nodeshare.slurm"):
+        source.step()  # the broker refuses the end: its file is read again
+        source.done(source.step()[1])
+    assert caplog.text.count("nodes not reading lost yet") == 1  # watched once, said once
+    slurm.states = {"n2": "idle*"}
+    assert [d.node for d in source.step()[0]] == ["n2"]  # the broker refuses it: done() is not called
+    slurm.fails = True
+    assert [d.node for d in source.step()[0]] == ["n2"]  # seen lost: sent again, sinfo or not
+    slurm.states, slurm.fails = {"n2": "idle"}, False  # the node reads fine again for a while
+    assert [d.node for d in source.step()[0]] == ["n2"]
+    source.done([])  # now acknowledged
+    assert source.step() == ([], []) and source.watch.jobs and source.watch.jobs.popitem()[1].pending == {"n1"}
+
+
+def test_two_runs_of_a_requeued_job_are_watched_apart(tmp_path: Path) -> None:
+    from nodeshare.producers.slurm_lost_nodes import LostNodeWatch
+
+    first = event_from_hook(recorded("jobcomp", JOBSTATE="NODE_FAIL", NODES="n1"), one_node)
+    second = event_from_hook(recorded("jobcomp", JOBSTATE="NODE_FAIL", NODES="n2",
+                                      END=str(int(first.end_time.timestamp()) + 60)), one_node)  # type: ignore[union-attr]
+    assert first is not None and second is not None and first.job_id == second.job_id
+    watch = LostNodeWatch(None, ask_every_s=0, clock=lambda: second.end_time)  # type: ignore[arg-type, return-value]
+    watch.add(first, {}, found=False)
+    watch.add(second, {}, found=False)
+    assert len(watch.jobs) == 2
+    down = watch.poll(lambda nodes: {n: "down" for n in nodes})
+    assert sorted((d.node, d.event_time) for d in down) == [("n1", first.end_time), ("n2", second.end_time)]
+
+
+def test_a_watched_job_is_given_up_once_after_the_wait_and_a_failing_sinfo_changes_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    events = tmp_path / "events"
+    node_fail_file(events)
+    slurm = FailedNodes()
+    source = _watching(events, slurm, lost_wait_s=60)
+    (end,), files = source.step()
+    source.done(files)
+    slurm.fails = True
+    _at(source, end, 30)
+    with caplog.at_level(logging.ERROR, logger="nodeshare.slurm"):
+        assert source.step() == ([], []) and source.step() == ([], [])  # sinfo failed: kept
+        assert len(source.watch.jobs) == 1 and caplog.text.count("until it answers") == 1  # said once
+        slurm.fails = False
+        _at(source, end, 61)
+        assert source.step() == ([], []) and source.step() == ([], [])  # past the wait: not asked
+        assert slurm.asked == 3 and len(source.watch.jobs) == 1  # nor forgotten before a done()
+        source.done([])
+    assert source.watch.jobs == {}
+    assert caplog.text.count("job 1 ended with NODE_FAIL but Slurm reports none of its nodes down "
+                             "(n1 fine, n2 fine) within 60 s of its end") == 1
+    slurm.states = {"n1": "down"}
+    assert source.step() == ([], [])  # forgotten: a later failure of the node is not this job's
+
+
+def test_a_run_read_after_its_wait_is_given_up_once_though_its_file_is_read_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    events = tmp_path / "events"
+    node_fail_file(events)
+    source = _watching(events, FailedNodes(), lost_wait_s=60)
+    ended = datetime.fromtimestamp(int(recorded("jobcomp").env["END"]), UTC)
+    source.watch.clock = lambda: ended + timedelta(hours=2)  # a source catching up
+    with caplog.at_level(logging.ERROR, logger="nodeshare.slurm"):
+        for _ in range(3):  # the broker down: the file is read again at each step
+            assert [type(e).__name__ for e in source.step()[0]] == ["JobEvent"]
+    assert source.watch.jobs == {} and caplog.text.count("so it is not watched") == 1
+
+
+def test_a_zero_wait_asks_once_a_bad_wait_is_refused_and_an_unreadable_watch_is_moved_aside(tmp_path: Path) -> None:
+    from nodeshare.producers.slurm_lost_nodes import WATCH_FILE
+
+    events = tmp_path / "events"
+    node_fail_file(events)
+    source = SlurmSource(events, FailedNodes(), lost_wait_s=0)  # type: ignore[arg-type]
+    assert [type(e).__name__ for e in source.step()[0]] == ["JobEvent"] and source.watch.jobs == {}
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="lost-node wait"):
+            SlurmSource(events, FailedNodes(), lost_wait_s=bad)  # type: ignore[arg-type]
+    (events / WATCH_FILE).write_text("{not json")
+    assert SlurmSource(events, FailedNodes()).watch.jobs == {}  # type: ignore[arg-type]
+    (aside,) = events.glob(f"{WATCH_FILE}.unreadable-*")
+    assert aside.read_text() == "{not json"
+
+
+def test_the_cli_s_lost_node_wait_is_the_watch_s() -> None:
+    """The command line keeps the domain out of its imports, so it writes the default and bound
+    again: they must stay the watch's."""
+    import typer.main
+
+    from nodeshare.cli import app
+    from nodeshare.producers.slurm_lost_nodes import DEFAULT_WAIT_S, MAX_WAIT_S
+
+    slurm = typer.main.get_command(app).commands["slurm"].commands["source"]  # type: ignore[attr-defined]
+    (option,) = [p for p in slurm.params if p.name == "lost_node_wait"]
+    assert option.default == DEFAULT_WAIT_S and option.max == MAX_WAIT_S

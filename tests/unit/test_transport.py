@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from nodeshare.config import Settings
+from nodeshare.runtime.config import Settings
 from nodeshare.streams.worker.app import make_app
 from nodeshare.streams.worker.transport import FETCH_MAX_WAIT_MS, Transport
 

@@ -35,6 +35,7 @@ from nodeshare.schemas.events import (
     JobState,
     NodeCapState,
     NodeInventory,
+    NodePowerState,
     PowerAction,
     PowerDecision,
     PowerInputs,
@@ -61,6 +62,8 @@ from .ppartition import (
 )
 
 NAMESPACE = uuid.UUID("0d0e5a1c-9a8c-4772-62f0-02c6b0000004")
+#: ``decided_by`` of a node state the manager restated after a rebuild rather than decided
+RESTATED = "restated"
 SOURCE = "nodeshare/power"
 
 
@@ -189,6 +192,17 @@ class PowerManager:
                 return []  # never started: nothing was decided for it
             return [self._record(o, job.event_time) for o in release(self.machine, job.job_id, job.event_id)]
         return []  # submitted: not placed yet, no processors to cap
+
+    def restatement(self) -> list[NodePowerState]:
+        """Every node's caps as this manager last stated them, at the sequence it stated them with
+        (``decisions.power.nodes``): published after each rebuild, so a node whose state was decided
+        before that topic existed (an upgrade), or whose record was lost, has one there. An agent
+        already holding that sequence changes nothing."""
+        at = self.clock or _EPOCH
+        return [NodePowerState(
+            event_id=str(uuid.uuid5(NAMESPACE, f"restated/{node}/{seq}")), source=SOURCE, event_time=at, node=node,
+            state=NodeCapState(node=node, sequence=seq, caps=self.stated.get(node, ())), decided_by=RESTATED)
+            for node, seq in sorted(self.sequences.items())]
 
     def _plan(self, plan: Plan) -> JobPowerPlan:
         return JobPowerPlan(job_id=plan.job_id, budget_watts=to_w(plan.budget_mw), predicted_gips=round(plan.ips, 6),

@@ -24,6 +24,9 @@ REFETCHED = Counter("nodeshare_messages_refetched_total",
                     "Input messages the stream skipped that the worker read back from the broker", ["agent"])
 POWER_DECISIONS = Counter("nodeshare_power_decisions_total", "Power decisions published, by action", ["action"])
 SINK_ROWS = Counter("nodeshare_sink_rows_total", "Messages made durable by a sink", ["sink"])
+SINK_COMMITS_FAILED = Counter("nodeshare_sink_commits_failed_total",
+                              "Offset commits of durable batches the broker refused (the batch is read again "
+                              "and absorbed), by sink and Kafka error", ["sink", "error"])
 LEDGER_ROWS = Counter("nodeshare_ledger_rows_total", "New ledger rows (redelivered charges excluded)")
 DIVERGENT_CHARGES = Counter("nodeshare_ledger_divergent_charges_total",
                             "Copies of a (job, revision) that differ from the ledger's row (dead-lettered, never kept)")
@@ -48,8 +51,10 @@ RESCTRL = Counter("nodeshare_agent_resctrl_total",
                   "Per-job resctrl groups (LLC ways, memory bandwidth) the agent set, by outcome (applied, removed, "
                   "refused)", ["outcome"])
 SLURM_PLACEMENTS = Counter("nodeshare_slurm_placements_total",
-                           "Placement decisions the Slurm adapter handled, by outcome (applied, kept_held, skipped, "
-                           "undecodable)", ["outcome"])
+                           "Placement and gating power decisions the Slurm adapter handled, by outcome (applied, "
+                           "kept_held, kept_suspended, skipped, undecodable, refused), and held jobs it released "
+                           "with no decision (released_unplaced)",
+                           ["outcome"])
 SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters not taken, by reason", ["reason"])
 
 LEDGER_LAST_ROW = Gauge("nodeshare_ledger_last_row_timestamp_seconds",

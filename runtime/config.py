@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 if TYPE_CHECKING:  # the policy types, for the methods' signatures only
@@ -118,6 +118,12 @@ class Settings(BaseSettings):
     # below the logs' retention (7 days by default): a rebuild needs the log after the snapshot.
     snapshot_every_records: Annotated[int, Field(ge=1)] = 10_000
     snapshot_every_s: Annotated[float, Field(gt=0.0)] = 600.0
+    # How often the charge fold snapshots each input partition's job accounts (streams.core.fold_snapshot):
+    # after this many input messages of the partition, or this many seconds after one not yet in a
+    # snapshot. A rebuild folds only the messages after the newest snapshot, so node.ipc and
+    # jobs.lifecycle may delete what is older (docs/operations.md, retention).
+    fold_snapshot_every_records: Annotated[int, Field(ge=1)] = 50_000
+    fold_snapshot_every_s: Annotated[float, Field(gt=0.0)] = 600.0
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
     delta: Annotated[float, Field(gt=0.0)] = 0.05  # streams.core.degradation.DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = "poppa_eq4"  # streams.core.pricing.RATE_FUNCTIONS
@@ -128,6 +134,9 @@ class Settings(BaseSettings):
     confidence: Annotated[float, Field(gt=0.0, le=0.99)] = 0.95  # streams.core.confidence.MAX_CONFIDENCE
     price_at_bound: bool = False
     prior_high: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25
+    # the interval's margin for the estimator's bias, margin_abs + margin_rel x D (docs/charges.md)
+    margin_abs: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01  # confidence.DEFAULT_MARGIN_ABS
+    margin_rel: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05  # confidence.DEFAULT_MARGIN_REL
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
@@ -148,9 +157,19 @@ class Settings(BaseSettings):
     placement_pairing: Literal["blossom", "greedy", "off"] = "blossom"  # Seed 003 pairs of waiting jobs
     # longer waits block younger jobs (streams.core.placement.sns.DEFAULT_AGE_LIMIT_S)
     placement_age_limit_s: Annotated[float, Field(gt=0.0)] = 3600.0
+    # the Slurm adapter releases a job it holds with no placement decision after this long (0: never;
+    # producers.slurm_scheduler, placement fails open)
+    placement_release_after_s: Annotated[float, Field(ge=0.0)] = 600.0
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None  # Prometheus endpoint; off when unset
     metrics_addr: str = "127.0.0.1"
-    log_format: Literal["text", "json"] = "text"  # nodeshare.logs: "json" writes one JSON object per line
+    log_format: Literal["text", "json"] = "text"  # nodeshare.runtime.logs: "json" writes one JSON object per line
+
+    @field_validator("placement_release_after_s")
+    @classmethod
+    def _release_after(cls, v: float) -> float:
+        if 0.0 < v < 1.0:
+            raise ValueError("0 (never release) or at least 1 s: the placement manager needs time to answer")
+        return v
 
     @classmethod
     def settings_customise_sources(
@@ -170,12 +189,14 @@ class Settings(BaseSettings):
         return f"{self.topic_prefix}{name}"
 
     def policy(self) -> PricingPolicy:
+        from nodeshare import __version__
         from nodeshare.streams.core.accounting import PricingPolicy
 
         return PricingPolicy(rate_per_core_hour=self.rate_per_core_hour, delta=self.delta,
                              rate_function=self.rate_function, estimator=self.estimator,
                              confidence=self.confidence, price_at_bound=self.price_at_bound,
-                             prior_high=self.prior_high)
+                             prior_high=self.prior_high, margin_abs=self.margin_abs, margin_rel=self.margin_rel,
+                             code_version=__version__)
 
     def shutter_policy(self) -> ShutterPolicy | None:
         """The adaptive schedule ``shutter_schedule`` names (ladder S, 4 S, 16 S at K and P), or None."""
@@ -202,7 +223,7 @@ class Settings(BaseSettings):
         if not self.bootstrap:
             raise RuntimeError("no Kafka bootstrap server: set NODESHARE_BOOTSTRAP or start the bundled broker")
         # An idle connection closed by the broker is normal (e.g. at shutdown), not worth a log line.
-        # librdkafka's own log lines go through Python logging (nodeshare.logs: the operator's format,
+        # librdkafka's own log lines go through Python logging (nodeshare.runtime.logs: the operator's format,
         # secrets masked) rather than straight to stderr.
         return {"bootstrap.servers": self.bootstrap, "log.connection.close": False, "logger": KAFKA_LOG,
                 **self.kafka, **extra}
@@ -232,7 +253,7 @@ class Settings(BaseSettings):
         return env
 
     def secret_values(self) -> list[str]:
-        """The values that must never be printed or logged (nodeshare.logs masks them)."""
+        """The values that must never be printed or logged (nodeshare.runtime.logs masks them)."""
         return secret_values(self.model_dump())
 
     def masked(self) -> dict[str, Any]:

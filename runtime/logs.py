@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nodeshare.config import Settings
+    from nodeshare.runtime.config import Settings
 
 #: Structured fields a record may carry, in the order they are printed.
 FIELDS = ("component", "node", "job_id", "topic", "partition", "kind")
