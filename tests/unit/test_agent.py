@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -22,7 +23,13 @@ from nodeshare.producers.agent.agent import Agent, AgentOptions
 from nodeshare.producers.agent.jobs import JobFileError, JobSpec, LocalJob, load_job_file, parse_listpids
 from nodeshare.producers.agent.pausing import FREEZER_ROOT, Pauser, Target, check_cgroup
 from nodeshare.producers.agent.processes import Guard, Proc, Refused, identity, state
-from nodeshare.producers.agent.progress import ApplicationCounter, ProgressFile, sample_between
+from nodeshare.producers.agent.progress import (
+    COUNTER,
+    REREADS,
+    ApplicationCounter,
+    ProgressFile,
+    sample_between,
+)
 from nodeshare.producers.agent.shutter import next_lone, shutter_window
 from nodeshare.producers.agent.spool import Spool, SpoolFull
 from nodeshare.producers.agent.watchdog import Watchdog
@@ -170,6 +177,69 @@ def test_an_application_counter_is_read_through_shared_memory(tmp_path: Path) ->
     writer.close()
     reader.close()
     assert ProgressFile(tmp_path / "p" / "job").value == 1000  # a restarted job continues its count
+
+
+def _count_for(path: Path, seconds: float) -> None:
+    counter, deadline = ProgressFile(path), time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(64):
+            counter.add()
+    counter.close()
+
+
+def test_a_progress_file_is_never_seen_half_written(tmp_path: Path) -> None:
+    """Each update is one store: a reader never sees the count go back (with struct.pack_into,
+    which zeroes the word first, this read 7,200-11,300 counts lower in a second)."""
+    path = tmp_path / "job"
+    ProgressFile(path).close()
+    writer = multiprocessing.get_context("spawn").Process(target=_count_for, args=(path, 1.5))
+    writer.start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while COUNTER.unpack(os.pread(fd, 8, 0))[0] == 0:  # the writer has begun
+            time.sleep(0.001)
+        last, lower, deadline = 0, 0, time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            count = COUNTER.unpack(os.pread(fd, 8, 0))[0]
+            lower += count < last
+            last = max(last, count)
+    finally:
+        os.close(fd)
+        writer.join()
+    assert lower == 0 and last > 0
+
+
+def test_a_count_read_lower_than_the_last_is_read_again_and_a_real_reset_is_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pread that returns zeros once (seen on a Firecracker guest) is not a reset followed by a
+    window of the whole job's work; a count that stays lower is a reset, read as no work once."""
+    writer = ProgressFile(tmp_path / "job")
+    reader = ApplicationCounter(tmp_path / "job")
+    writer.add(5000)
+    assert reader.read()[0] == 5000
+    real_pread, zeros = os.pread, [1]
+
+    def flaky(fd: int, n: int, offset: int) -> bytes:
+        if zeros[0]:
+            zeros[0] -= 1
+            return bytes(n)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", flaky)
+    writer.add(100)
+    assert reader.read()[0] == 5100  # the zero was read again, not taken
+    zeros[0] = REREADS + 1  # zeros on every re-read: taken as the reset it looks like
+    first = reader.read()
+    assert first[0] == 0
+    writer.add(7)
+    second = reader.read()
+    assert sample_between(first, second).instructions == 5107  # after a reset, the count's value
+    writer.value = 0
+    writer.add(3)  # the job began its count again: taken after the re-reads
+    third = reader.read()
+    assert third[0] == 3 and sample_between(second, third).instructions == 0
+    writer.close()
+    reader.close()
 
 
 def test_an_application_counters_time_is_the_jobs_cpu_time(tmp_path: Path) -> None:
