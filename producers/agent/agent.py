@@ -130,6 +130,7 @@ class Stats:
     skipped_spool_full: int = 0
     skipped_freeze: int = 0  # cycles abandoned or skipped because a job's freezer stayed FREEZING
     skipped_schedule: int = 0  # turns the adaptive schedule passed (not due, or over a co-runner's pause budget)
+    blocks_dropped: int = 0  # shutters whose block was not sent: the lone job's progress count went back
     shutter_total_s: float = 0.0  # a sum, not a list: an agent runs for months
 
     @property
@@ -485,6 +486,7 @@ class Agent:
                 metrics.SHUTTERS_SKIPPED.labels("schedule").inc()
                 return False
             k, sample_us = choice.k, choice.sample_us
+        counter.went_back()  # cleared: only this block's readings count
         before = self._windows(counter, k, sample_us)
         paused: list[Target] = []
         with _signals_held():
@@ -522,16 +524,28 @@ class Agent:
         metrics.SHUTTER_SECONDS.observe((t1 - t0) / 1e9)
         window = shutter_window(node=self.options.node, source=self.source_name, cycle=self.cycle, lone=lone,
                                 paused=[t.job_id for t in others], start=start, end=end)
-        full = self.batcher.add(
-            job_id=lone, node=self.options.node, source=self.source_name, cycle=self.cycle, k=k,
-            sample_us=sample_us, counter=counter.source, before=triples(before),
-            during=triples(during), after=triples(after), at=_now())
         st = self.state[lone]
         kept = st.blocks, st.last_cycle
-        st.blocks, st.last_cycle = st.blocks + 1, self.cycle
+        # A count that went back (ApplicationCounter.read) makes the block no measurement: it is not
+        # sent; the pause happened, and its window is.
+        measured = not counter.went_back()
+        full = []
+        if measured:
+            full = self.batcher.add(
+                job_id=lone, node=self.options.node, source=self.source_name, cycle=self.cycle, k=k,
+                sample_us=sample_us, counter=counter.source, before=triples(before),
+                during=triples(during), after=triples(after), at=_now())
+            st.blocks, st.last_cycle = st.blocks + 1, self.cycle
+        else:
+            self.stats.blocks_dropped += 1
+            metrics.AGENT_BLOCKS_DROPPED.labels("counter_went_back").inc()
+            if self.stats.blocks_dropped == 1:
+                log.warning("job %s: its progress count went back during a shutter: the block is not sent (the "
+                            "application must write its count in one 8-byte store; see docs/deployment.md); "
+                            "said once", lone, extra=fields(job_id=lone))
         for target in others:  # the pause happened whether or not its record is kept
             self.state[target.job_id].paused_us += paused_us
-        if choice is not None:  # the schedule saw the block whether or not its record is kept
+        if choice is not None and measured:  # the schedule saw the block whether or not its record is kept
             self.levels.setdefault(lone, {}).setdefault(sample_us, LevelStats()).add(
                 mean_ipc(before), mean_ipc(during), mean_ipc(after))
             self.due[lone] = time.monotonic() + choice.period_ms / 1000

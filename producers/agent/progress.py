@@ -49,8 +49,10 @@ from nodeshare.schemas import CounterSource, IpcSample
 
 COUNTER = struct.Struct("<Q")
 _LITTLE = sys.byteorder == "little"
-#: Times a count lower than the last one is read again before it is taken as a reset (see read).
+#: Times a count lower than the last one taken is read again at once (ApplicationCounter.read).
 REREADS = 3
+#: How long a count must stay lower than the last one taken to be the job beginning its count again.
+RESET_AFTER_S = 1.0
 
 
 class Counter(Protocol):
@@ -58,6 +60,11 @@ class Counter(Protocol):
 
     def read(self) -> tuple[int, int, int]:
         """(work, time, threads): cumulative work and time, and the threads they were summed over."""
+        ...
+
+    def went_back(self) -> bool:
+        """Whether the work read went back since the last call (application counters; see
+        ``ApplicationCounter.read``): the windows read meanwhile are no measurement."""
         ...
 
     def close(self) -> None: ...
@@ -172,7 +179,10 @@ class ApplicationCounter:
         if fd is None:
             raise FileNotFoundError(errno.ENOENT, f"progress file {path}: absent or shorter than {COUNTER.size} bytes")
         self._fd = fd
-        self._work = 0
+        self._work = 0  # the work reported: never goes back
+        self._raw = 0  # the last count taken
+        self._low_since: float | None = None  # when a count lower than ``_raw`` was first read, if one is
+        self._went_back = False
         pids = sorted(set(pids))
         self._clock: TaskClock | None = None
         #: why the exact task clock could not be used (None when it is): the agent says so once
@@ -191,18 +201,32 @@ class ApplicationCounter:
 
     def read(self) -> tuple[int, int, int]:
         count = self._count()
-        # A count below the last one is read again: a writer that clears the word before it writes
-        # it (CPython's struct.pack_into does, and ProgressFile used it until 2026-11-26) shows
-        # zeros in between, about 1 read in 1,000 here. Taken as read, one such zero made a window
-        # of no work and the next a window of the whole job's work: one block priced a real job
-        # 0.92-0.98 degraded (fresh-clone CI, 2026-11-26). A count still lower after the re-reads
-        # is a real reset (the job began its count again) and is taken.
+        # The work is a count that never goes back. A count read lower than the last one taken is
+        # read again at once, and if it stays lower the work is held where it was (no work) and the
+        # counter says so (``went_back``): the agent drops that block. A writer that clears the word
+        # before it writes it (CPython's struct.pack_into does, and ProgressFile used it until
+        # 2026-11-26) shows zeros in between, for as long as it is descheduled there: taken as read,
+        # one zero made a window of no work and the next a window of the job's whole count, and
+        # priced a real job 0.92-0.98 degraded (fresh-clone CI, 2026-11-26). Only a count that has
+        # stayed lower for RESET_AFTER_S is the job beginning its count again: the work goes on from
+        # there (what it counted since is credited at once, in a window that is dropped too).
         for _ in range(REREADS):
-            if count is None or count >= self._work:
+            if count is None or count >= self._raw:
                 break
             count = self._count()
-        if count is not None:  # truncated by the job: no work until it writes again
-            self._work = count
+        if count is None:  # truncated by the job: no work until it writes again
+            pass
+        elif count >= self._raw:
+            self._work += count - self._raw
+            self._raw, self._low_since = count, None
+        else:
+            self._went_back = True
+            now = time.monotonic()
+            if self._low_since is None:
+                self._low_since = now
+            elif now - self._low_since >= RESET_AFTER_S:
+                self._work += count
+                self._raw, self._low_since = count, None
         work = self._work
         if self._clock is not None:
             return work, self._clock.read(), 1
@@ -217,6 +241,12 @@ class ApplicationCounter:
         if gone:
             self._live = [(pid, clock) for pid, clock in self._live if pid not in gone]
         return work, sum(self._cpu_ns.values()), 1
+
+    def went_back(self) -> bool:
+        """Whether a count lower than the last one taken was read since the last call (the windows
+        read meanwhile are no measurement); clears the flag."""
+        went, self._went_back = self._went_back, False
+        return went
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -339,6 +369,9 @@ class HardwareCounter:
             instructions += ins
             cycles += cyc
         return instructions, cycles, max(len(self._leaders), 1)
+
+    def went_back(self) -> bool:
+        return False  # a hardware counter that wraps reads as no work for one window (sample_between)
 
     def close(self) -> None:
         for fd in self._fds:

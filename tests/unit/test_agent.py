@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -26,7 +25,9 @@ from nodeshare.producers.agent.processes import Guard, Proc, Refused, identity, 
 from nodeshare.producers.agent.progress import (
     COUNTER,
     REREADS,
+    RESET_AFTER_S,
     ApplicationCounter,
+    Counter,
     ProgressFile,
     sample_between,
 )
@@ -179,24 +180,29 @@ def test_an_application_counter_is_read_through_shared_memory(tmp_path: Path) ->
     assert ProgressFile(tmp_path / "p" / "job").value == 1000  # a restarted job continues its count
 
 
-def _count_for(path: Path, seconds: float) -> None:
-    counter, deadline = ProgressFile(path), time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        for _ in range(64):
-            counter.add()
-    counter.close()
+WRITER = """
+import sys, time
+from pathlib import Path
+from nodeshare.producers.agent.progress import ProgressFile
+counter, deadline = ProgressFile(Path(sys.argv[1])), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    for _ in range(64):
+        counter.add()
+counter.close()
+"""
 
 
 def test_a_progress_file_is_never_seen_half_written(tmp_path: Path) -> None:
     """Each update is one store: a reader never sees the count go back (with struct.pack_into,
-    which zeroes the word first, this read 7,200-11,300 counts lower in a second)."""
+    which zeroes the word first, this read 7,200-20,000 counts lower in a second)."""
     path = tmp_path / "job"
     ProgressFile(path).close()
-    writer = multiprocessing.get_context("spawn").Process(target=_count_for, args=(path, 1.5))
-    writer.start()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "1.5"])
     fd = os.open(path, os.O_RDONLY)
     try:
+        deadline = time.monotonic() + 30
         while COUNTER.unpack(os.pread(fd, 8, 0))[0] == 0:  # the writer has begun
+            assert writer.poll() is None and time.monotonic() < deadline, "the writer never counted"
             time.sleep(0.001)
         last, lower, deadline = 0, 0, time.monotonic() + 1.0
         while time.monotonic() < deadline:
@@ -205,18 +211,21 @@ def test_a_progress_file_is_never_seen_half_written(tmp_path: Path) -> None:
             last = max(last, count)
     finally:
         os.close(fd)
-        writer.join()
-    assert lower == 0 and last > 0
+        assert writer.wait(timeout=30) == 0
+    assert lower == 0
 
 
-def test_a_count_read_lower_than_the_last_is_read_again_and_a_real_reset_is_taken(
+def test_a_count_read_lower_is_held_and_flagged_and_only_a_lasting_one_is_a_reset(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pread that returns zeros once (seen on a Firecracker guest) is not a reset followed by a
-    window of the whole job's work; a count that stays lower is a reset, read as no work once."""
+    """A writer that clears its word and is descheduled before it writes it shows a zero for
+    milliseconds: the agent's work never goes back, never leaps by the whole count, and the
+    windows read meanwhile are flagged (the agent drops their block). A count that stays lower
+    for RESET_AFTER_S is the job starting over."""
     writer = ProgressFile(tmp_path / "job")
     reader = ApplicationCounter(tmp_path / "job")
     writer.add(5000)
-    assert reader.read()[0] == 5000
+    first = reader.read()
+    assert first[0] == 5000 and not reader.went_back()
     real_pread, zeros = os.pread, [1]
 
     def flaky(fd: int, n: int, offset: int) -> bytes:
@@ -227,17 +236,23 @@ def test_a_count_read_lower_than_the_last_is_read_again_and_a_real_reset_is_take
 
     monkeypatch.setattr(os, "pread", flaky)
     writer.add(100)
-    assert reader.read()[0] == 5100  # the zero was read again, not taken
-    zeros[0] = REREADS + 1  # zeros on every re-read: taken as the reset it looks like
-    first = reader.read()
-    assert first[0] == 0
+    assert reader.read()[0] == 5100 and not reader.went_back()  # one zero: read again at once
+    zeros[0] = 2 * (REREADS + 1)  # the writer stays descheduled over two windows
+    held = [reader.read(), reader.read()]
     writer.add(7)
-    second = reader.read()
-    assert sample_between(first, second).instructions == 5107  # after a reset, the count's value
+    back = reader.read()
+    assert [r[0] for r in held] == [5100, 5100] and back[0] == 5107  # no leap, nothing lost
+    assert reader.went_back() and not reader.went_back()  # flagged once, then cleared
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     writer.value = 0
-    writer.add(3)  # the job began its count again: taken after the re-reads
-    third = reader.read()
-    assert third[0] == 3 and sample_between(second, third).instructions == 0
+    writer.add(3)  # the job began its count again
+    assert reader.read()[0] == 5107  # lower: held...
+    now[0] += RESET_AFTER_S
+    writer.add(2)
+    assert reader.read()[0] == 5107 + 5 and reader.went_back()  # ...until it lasted: a reset, credited at once
+    writer.add(4)
+    assert reader.read()[0] == 5116 and not reader.went_back()  # then counted from there
     writer.close()
     reader.close()
 
@@ -620,6 +635,42 @@ def test_a_cycle_the_full_spool_refused_is_not_counted(tmp_path: Path, two_jobs:
     # ...but not kept: no block counted, the cycle number free again, the pause still credited
     assert books == {"a": (0, -1), "b": (0, -1)} and agent.cycle == 0 and max(paused) > 0
     assert all(state(p) != "T" for job in two_jobs.values() for p in job.procs)
+
+
+class _WentBack:
+    """A job's counter whose count went back during its first shutter (the agent asks twice a
+    shutter: to clear the flag before the windows, and after them)."""
+
+    def __init__(self, inner: Counter) -> None:
+        self.inner, self.source, self.calls = inner, inner.source, 0
+
+    def read(self) -> tuple[int, int, int]:
+        return self.inner.read()
+
+    def went_back(self) -> bool:
+        self.calls += 1
+        return self.inner.went_back() or self.calls == 2
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_block_whose_count_went_back_is_not_sent_but_its_pause_is_credited(
+        tmp_path: Path, two_jobs: dict[str, LocalJob]) -> None:
+    agent = agent_on(tmp_path, FakeSource(two_jobs, {}), flush=FlushPolicy(max_blocks=1))
+    agent.rescan()
+    agent.counters["a"] = _WentBack(agent.counters["a"])
+    dropped = REGISTRY.get_sample_value("nodeshare_agent_blocks_dropped_total", {"reason": "counter_went_back"}) or 0.0
+    assert agent.shutter() and agent.shutter() and agent.shutter()  # a (went back), b, a
+    assert agent.stats.blocks_dropped == 1 and agent.cycle == 3
+    assert REGISTRY.get_sample_value("nodeshare_agent_blocks_dropped_total",
+                                     {"reason": "counter_went_back"}) == dropped + 1
+    assert (agent.state["a"].blocks, agent.state["a"].last_cycle) == (1, 2)
+    assert agent.state["b"].paused_us > 0 and agent.state["a"].paused_us > 0
+    agent.close(0)
+    events = spooled(tmp_path)
+    assert [(e["job_id"], e["cycle"]) for e in events if e["kind"] == "shutter_batch"] == [("b", [1]), ("a", [2])]
+    assert [e["cycle"] for e in events if e["kind"] == "shutter_window"] == [0, 1, 2]  # every pause is said
 
 
 def test_the_time_a_job_is_the_nodes_only_job_is_said_in_its_marker(tmp_path: Path,
