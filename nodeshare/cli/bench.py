@@ -175,3 +175,28 @@ def bench_simulate(
         result = run(nodes=nodes, hours=hours, out_dir=keep,
                      progress=lambda t, _span: bar.update(task, completed=round(t)))
     write_bench("simulate", result, out_file)
+
+
+@bench_app.command("sizing")
+def bench_sizing(
+    nodes: Annotated[int, typer.Option(min=2, help="nodes of the simulated cluster")] = 16,
+    hours: Annotated[float, typer.Option(min=0.05, max=24.0, help="simulated time (the first fifth is warm-up)")
+                     ] = 1.0,
+    clusters: Annotated[str, typer.Option(help="cluster sizes (nodes) to scale the figures to")] = "100,1000,10000",
+    fold_blocks_per_s: Annotated[float, typer.Option(min=1.0, help="blocks one stream worker folds per second "
+                                                                   "(`bench stream` on your machine)")] = 188_928.0,
+    audit_samples_per_s: Annotated[float, typer.Option(min=1.0, help="samples one audit thread recomputes per "
+                                                                     "second (`bench audit`)")] = 1_890_000.0,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/sizing.json"),
+) -> None:
+    """What a cluster asks of the pipeline per node-hour (messages, bytes, blocks, archive growth,
+    worker state per job), from a full simulated cluster, scaled to the cluster sizes given."""
+    from nodeshare.bench.sizing import run_sizing_bench
+
+    sizes = tuple(comma_numbers(clusters, int, "--clusters"))
+    with progress_bar() as bar:
+        task = bar.add_task("simulated seconds", total=round(hours * 3600))
+        result = run_sizing_bench(nodes=nodes, hours=hours, clusters=sizes, fold_blocks_per_s=fold_blocks_per_s,
+                                  audit_samples_per_s=audit_samples_per_s,
+                                  progress=lambda t, _total: bar.update(task, completed=round(t)))
+    write_bench("sizing", result, out_file)
