@@ -187,6 +187,8 @@ def bench_sizing(
                                                                    "(`bench stream` on your machine)")] = 188_928.0,
     audit_samples_per_s: Annotated[float, typer.Option(min=1.0, help="samples one audit thread recomputes per "
                                                                      "second (`bench audit`)")] = 1_890_000.0,
+    ledger_windows_per_s: Annotated[float, typer.Option(min=1.0, help="shutter windows the ledger sink counts per "
+                                                                      "second (`bench ledger`)")] = 39_315.0,
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/sizing.json"),
 ) -> None:
     """What a cluster asks of the pipeline per node-hour (messages, bytes, blocks, archive growth,
@@ -197,6 +199,6 @@ def bench_sizing(
     with progress_bar() as bar:
         task = bar.add_task("simulated seconds", total=round(hours * 3600))
         result = run_sizing_bench(nodes=nodes, hours=hours, clusters=sizes, fold_blocks_per_s=fold_blocks_per_s,
-                                  audit_samples_per_s=audit_samples_per_s,
+                                  audit_samples_per_s=audit_samples_per_s, ledger_windows_per_s=ledger_windows_per_s,
                                   progress=lambda t, _total: bar.update(task, completed=round(t)))
     write_bench("sizing", result, out_file)

@@ -1,0 +1,227 @@
+"""`nodeshare bench sizing` (issue 42, item 7): what a cluster asks of the pipeline, per node-hour,
+measured on a calibrated simulated cluster, and scaled to 100, 1,000 and 10,000 nodes.
+
+Measured here, on the records the node agents and the resource manager would send:
+* messages and encoded bytes per topic and node-hour (after a warm-up, once the cluster is full);
+* the Parquet archive's bytes per node-hour, per topic, as the archive sink writes them and
+  ``archive compact`` merges them;
+* the stream worker's state per job: each account's changelog record (the bytes a rebuild reads)
+  and its size in memory, for jobs still running and for jobs already charged (the worker keeps
+  both until the job's partition moves: issue 42, item 6).
+
+Taken from other benchmarks (their figures are inputs, named in the result): the blocks per second
+one stream worker folds (``bench stream``), the samples per second one audit thread recomputes
+(``bench audit``) and the shutter windows per second the ledger sink counts (``bench ledger``).
+Scaling is linear in nodes, which holds for the per-job and per-block work the figures measure;
+the broker's own limits are not measured here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import tracemalloc
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from nodeshare.bench.machine import machine_stamp
+from nodeshare.producers.batching import FlushPolicy
+from nodeshare.producers.calibrated import CalibratedConfig, run_cluster
+from nodeshare.producers.calibrated_records import RecordSink
+from nodeshare.producers.job_mix import cluster_specs, library
+from nodeshare.schemas import JobEvent, Record, ShutterBatch, encode
+from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, NODE_SHUTTER, TOPIC_OF_RECORD, key_of
+from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
+from nodeshare.streams.core.accounting import JobAccount, Origin, PricingPolicy, fold_states
+
+#: ``bench stream`` on this machine (README, 2026-11-26): blocks per second one worker folds (the
+#: CLI's default is the same figure; give your machine's).
+FOLD_BLOCKS_PER_S = 188_928.0
+#: ``bench audit`` on this machine (README, 2026-11-26): samples per second on one thread (1.89-2.15 M).
+AUDIT_SAMPLES_PER_S = 1_890_000.0
+#: ``bench ledger`` on this machine (README, 2026-11-22): shutter windows per second the ledger sink
+#: counts into its co-runner table.
+LEDGER_WINDOWS_PER_S = 39_315.0
+CLUSTERS = (100, 1_000, 10_000)
+#: Accounts rebuilt in memory to weigh them (each kind: running, charged).
+WEIGHED = 200
+
+Progress = Callable[[float, float], None]  # (simulated seconds done, total)
+
+
+def simulate(nodes: int, seconds: float, seed: int, progress: Progress | None = None,
+             ) -> list[tuple[float, Record]]:
+    """Every record a full calibrated cluster of ``nodes`` sends in ``seconds``, with its time (s)."""
+    cfg = CalibratedConfig(nodes=nodes, seed=seed)
+    # jobs of 10 minutes on average, twice as many as the slots: the cluster stays full
+    specs = cluster_specs(cfg, 16 * nodes * max(1, round(seconds / 600)), mean_work_s=600.0, span_s=seconds / 2)
+    programs, _ = library()
+    sink = RecordSink(cfg, FlushPolicy())
+    out: list[tuple[float, Record]] = []
+
+    def take(t: float) -> None:
+        out.extend(((r.event_time - cfg.start).total_seconds(), r) for r in sink.drain())
+        if progress:
+            progress(min(t, seconds), seconds)
+
+    run_cluster(cfg, specs, programs, sink, until_s=seconds, progress=take)
+    take(seconds)
+    return out
+
+
+def traffic(records: list[tuple[float, Record]], since_s: float) -> dict[str, dict[str, int]]:
+    """Per topic: messages, encoded value bytes and key bytes, and blocks, of the records from ``since_s``."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"messages": 0, "value_bytes": 0, "key_bytes": 0,
+                                                          "blocks": 0})
+    for t, r in records:
+        if t < since_s:
+            continue
+        row = out[TOPIC_OF_RECORD[type(r)].name]
+        row["messages"] += 1
+        row["value_bytes"] += len(encode(r))
+        row["key_bytes"] += len(key_of(r))
+        row["blocks"] += len(r.cycle) if isinstance(r, ShutterBatch) else 0
+    return dict(out)
+
+
+def archive_bytes(records: list[tuple[float, Record]], since_s: float, root: Path) -> dict[str, int]:
+    """Bytes on disk per topic of the records from ``since_s``, archived and compacted as the sink does."""
+    archive = ParquetArchive(root)
+    by_topic: dict[str, list[ArchivedEvent]] = defaultdict(list)
+    for t, r in records:
+        if t < since_s:
+            continue
+        topic = TOPIC_OF_RECORD[type(r)].name
+        rows = by_topic[topic]
+        rows.append(ArchivedEvent(kafka_topic=topic, partition=0, offset=len(rows),
+                                  timestamp_ms=round(r.event_time.timestamp() * 1000), key=key_of(r), value=encode(r)))
+    for topic, rows in by_topic.items():
+        for i in range(0, len(rows), 5_000):  # the sink writes what it consumed since its last flush
+            archive.write(topic, rows[i:i + 5_000])
+    archive.compact()
+    return {topic: sum(f.stat().st_size for f in (root / f"topic={topic}").rglob("*.parquet"))
+            for topic in by_topic}
+
+
+def _weigh(accounts: list[JobAccount]) -> int:
+    """Mean bytes in memory of these accounts, rebuilt from their changelog records."""
+    if not accounts:
+        return 0
+    raw = [(a.dumps(), a.job_id) for a in accounts]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = [JobAccount.loads(r, j) for r, j in raw]
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del kept
+    return round((after - before) / len(raw))
+
+
+def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
+    """The fold's accounts after every record: changelog and memory bytes per running and per
+    charged job, and running jobs per node."""
+    offsets: dict[str, int] = defaultdict(int)
+    messages = []
+    for _, r in records:
+        topic = TOPIC_OF_RECORD[type(r)].name
+        if topic not in (NODE_IPC.name, JOBS_LIFECYCLE.name):
+            continue
+        messages.append((Origin(topic, 0, offsets[topic]), key_of(r), encode(r), r.event_time.timestamp()))
+        offsets[topic] += 1
+    accounts, _ = fold_states(messages, PricingPolicy())
+    # running: blocks arrived, no charge yet; queued: only its submitted (or started) event so far
+    running = [a for a in accounts.values() if a.revision < 0 and a.nodes]
+    charged = [a for a in accounts.values() if a.revision >= 0]
+    queued = [a for a in accounts.values() if a.revision < 0 and not a.nodes]  # a submitted event: an account
+    nodes = {r.node for _, r in records if isinstance(r, ShutterBatch)}
+
+    def mean_dump(accs: list[JobAccount]) -> float:
+        return round(sum(len(a.dumps()) for a in accs) / len(accs)) if accs else 0.0
+
+    return {
+        "accounts": len(accounts), "running_jobs": len(running), "charged_jobs": len(charged),
+        "queued_jobs": len(queued), "queued_memory_bytes": _weigh(queued[:WEIGHED]),
+        "running_jobs_per_node": round(len(running) / max(1, len(nodes)), 2),
+        "running_changelog_bytes": mean_dump(running), "charged_changelog_bytes": mean_dump(charged),
+        "running_memory_bytes": _weigh(running[:WEIGHED]), "charged_memory_bytes": _weigh(charged[:WEIGHED]),
+    }
+
+
+def scale(per_node_hour: dict[str, float], state: dict[str, float], clusters: tuple[int, ...],
+          fold_blocks_per_s: float, audit_samples_per_s: float, job_ends_per_node_hour: float,
+          ledger_windows_per_s: float = LEDGER_WINDOWS_PER_S) -> list[dict[str, Any]]:
+    """The figures of a cluster of each size in ``clusters`` (linear in nodes)."""
+    out = []
+    for n in clusters:
+        blocks_per_s = per_node_hour["blocks"] * n / 3600
+        running = state["running_jobs_per_node"] * n
+        out.append({
+            "nodes": n,
+            "messages_per_s": round(per_node_hour["messages"] * n / 3600, 1),
+            "ingest_mb_per_s": round(per_node_hour["bytes"] * n / 3600 / 1e6, 3),
+            "blocks_per_s": round(blocks_per_s),
+            "worker_cores": round(blocks_per_s / fold_blocks_per_s, 3),
+            "shutter_windows_per_s": round(per_node_hour["windows"] * n / 3600),
+            # the ledger sink counts every window into its co-runner table, in one process
+            "ledger_sink_load": round(per_node_hour["windows"] * n / 3600 / ledger_windows_per_s, 3),
+            "archive_gb_per_day": round(per_node_hour["archive_bytes"] * n * 24 / 1e9, 2),
+            "running_jobs": round(running),
+            "worker_state_running_mb": round(running * state["running_memory_bytes"] / 1e6, 1),
+            "changelog_running_mb": round(running * state["running_changelog_bytes"] / 1e6, 1),
+            # what the worker holds today after a day: every job charged since its partition last moved
+            "worker_state_charged_mb_per_day": round(
+                job_ends_per_node_hour * n * 24 * state["charged_memory_bytes"] / 1e6, 1),
+            "audit_core_hours_per_day": round(per_node_hour["samples"] * n * 24 / audit_samples_per_s / 3600, 2),
+        })
+    return out
+
+
+def run_sizing_bench(nodes: int = 16, hours: float = 1.0, seed: int = 7, clusters: tuple[int, ...] = CLUSTERS,
+                     fold_blocks_per_s: float = FOLD_BLOCKS_PER_S, audit_samples_per_s: float = AUDIT_SAMPLES_PER_S,
+                     ledger_windows_per_s: float = LEDGER_WINDOWS_PER_S, progress: Progress | None = None,
+                     ) -> dict[str, Any]:
+    """The sizing figures of a simulated cluster of ``nodes`` over ``hours`` (the first fifth is
+    warm-up, left out of the rates)."""
+    seconds = hours * 3600
+    records = simulate(nodes, seconds, seed, progress)
+    warm = seconds / 5
+    node_hours = nodes * (seconds - warm) / 3600
+    flows = traffic(records, warm)
+    work_dir = Path(tempfile.mkdtemp(prefix="nodeshare-sizing-"))
+    try:
+        stored = archive_bytes(records, warm, work_dir / "archive")
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(work_dir)
+    state = worker_state(records)
+    ends = sum(1 for t, r in records if t >= warm and isinstance(r, JobEvent) and r.ran)
+    per_node_hour = {
+        "messages": sum(f["messages"] for f in flows.values()) / node_hours,
+        "bytes": sum(f["value_bytes"] + f["key_bytes"] for f in flows.values()) / node_hours,
+        "blocks": sum(f["blocks"] for f in flows.values()) / node_hours,
+        "samples": 3 * sum(f["blocks"] for f in flows.values()) / node_hours,  # K = 1: before, during, after
+        "archive_bytes": sum(stored.values()) / node_hours,
+        "job_ends": ends / node_hours,
+        "windows": flows.get(NODE_SHUTTER.name, {}).get("messages", 0) / node_hours,
+    }
+    return {
+        "simulated_nodes": nodes, "simulated_hours": hours, "warm_up_hours": round(warm / 3600, 3), "seed": seed,
+        "per_node_hour": {k: round(v, 1) for k, v in per_node_hour.items()},
+        "per_topic_per_node_hour": {
+            topic: {"messages": round(f["messages"] / node_hours, 1),
+                    "bytes": round((f["value_bytes"] + f["key_bytes"]) / node_hours),
+                    "archive_bytes": round(stored.get(topic, 0) / node_hours)}
+            for topic, f in sorted(flows.items())},
+        "worker_state": state,
+        "inputs": {"fold_blocks_per_s": fold_blocks_per_s, "audit_samples_per_s": audit_samples_per_s,
+                   "ledger_windows_per_s": ledger_windows_per_s},
+        "clusters": scale(per_node_hour, state, clusters, fold_blocks_per_s, audit_samples_per_s,
+                          per_node_hour["job_ends"], ledger_windows_per_s),
+        "machine": machine_stamp(), "date": date.today().isoformat(),
+    }

@@ -1,0 +1,82 @@
+"""`nodeshare bench sizing` (issue 42, item 7): the scaling arithmetic against figures worked out
+by hand, what it counts on a few records, and a small simulated cluster's block rate against the
+shutter schedule's."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from nodeshare.bench.sizing import (
+    AUDIT_SAMPLES_PER_S,
+    FOLD_BLOCKS_PER_S,
+    LEDGER_WINDOWS_PER_S,
+    run_sizing_bench,
+    scale,
+    traffic,
+)
+from nodeshare.schemas import JobEvent, JobLeftNode, JobState, Record, encode
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_the_figures_scale_linearly_with_nodes_as_worked_out_by_hand() -> None:
+    per_node_hour = {"messages": 7200.0, "bytes": 3.6e6, "blocks": 3600.0, "samples": 10800.0,
+                     "archive_bytes": 1e6, "windows": 7200.0}
+    state = {"running_jobs_per_node": 2.0, "running_memory_bytes": 10_000, "running_changelog_bytes": 2_000,
+             "charged_memory_bytes": 5_000}
+    small, big = scale(per_node_hour, state, (100, 10_000), fold_blocks_per_s=50.0, audit_samples_per_s=300.0,
+                       job_ends_per_node_hour=1.0, ledger_windows_per_s=400.0)
+    # 100 nodes: 2 messages and 1 block a second each; 1,000 bytes a second each
+    assert small["messages_per_s"] == 200.0 and small["blocks_per_s"] == 100 and small["ingest_mb_per_s"] == 0.1
+    assert small["worker_cores"] == 2.0  # 100 blocks/s at 50 a core
+    assert small["shutter_windows_per_s"] == 200 and small["ledger_sink_load"] == 0.5  # 200 of 400 a second
+    assert small["archive_gb_per_day"] == 2.4  # 1 MB x 100 nodes x 24 h
+    assert small["running_jobs"] == 200 and small["worker_state_running_mb"] == 2.0  # 200 x 10 kB
+    assert small["changelog_running_mb"] == 0.4
+    assert small["worker_state_charged_mb_per_day"] == 12.0  # 1 end a node-hour: 2,400 a day x 5 kB
+    assert small["audit_core_hours_per_day"] == 24.0  # 10,800 x 100 x 24 samples at 300/s: 86,400 s
+    assert big["blocks_per_s"] == 100 * small["blocks_per_s"] and big["archive_gb_per_day"] == 240.0
+
+
+def _end(job: str, at: datetime) -> JobEvent:
+    return JobEvent(event_id=f"{job}-end", source="t", event_time=at, job_id=job, state=JobState.ENDED, user="u",
+                    account="a", program="p", cores=1, nodes=("n1",), start_time=T0, end_time=at)
+
+
+def test_traffic_counts_each_topic_s_messages_and_bytes_after_the_warm_up() -> None:
+    left = JobLeftNode(event_id="l", source="t", event_time=T0, job_id="j1", node="n1", blocks_sent=0,
+                       last_cycle=-1)
+    records: list[tuple[float, Record]] = [(0.0, _end("j0", T0)), (10.0, _end("j1", T0)), (11.0, left)]
+    flows = traffic(records, since_s=5.0)
+    assert flows["jobs.lifecycle"]["messages"] == 1  # j0's end came in the warm-up
+    assert flows["jobs.lifecycle"]["value_bytes"] == len(encode(records[1][1]))
+    assert flows["jobs.lifecycle"]["key_bytes"] == 2 and flows["node.ipc"]["blocks"] == 0
+
+
+@pytest.mark.slow
+def test_a_small_cluster_sends_one_block_per_node_per_shutter_cycle() -> None:
+    """The calibrated agents shutter one job per node each cycle of 3 x S + P = 209.6 ms: 17,176
+    blocks a node-hour; the archive holds less than the wire carried (typed, compressed)."""
+    r = run_sizing_bench(nodes=2, hours=0.1, clusters=(100,))
+    per = r["per_node_hour"]
+    assert per["blocks"] == pytest.approx(3600 / 0.2096, rel=0.05)
+    assert per["samples"] == 3 * per["blocks"]
+    assert 0 < per["archive_bytes"] < per["bytes"]
+    assert r["worker_state"]["running_jobs"] > 0 and r["worker_state"]["running_memory_bytes"] > 0
+    assert r["clusters"][0]["nodes"] == 100
+
+
+def test_the_cli_s_defaults_are_the_module_s() -> None:
+    """The command line writes the two measured inputs again (it keeps the benches out of its
+    imports): they must stay the module's."""
+    import typer.main
+
+    from nodeshare.cli import app
+
+    sizing = typer.main.get_command(app).commands["bench"].commands["sizing"]  # type: ignore[attr-defined]
+    defaults = {p.name: p.default for p in sizing.params}
+    assert defaults["fold_blocks_per_s"] == FOLD_BLOCKS_PER_S
+    assert defaults["audit_samples_per_s"] == AUDIT_SAMPLES_PER_S
+    assert defaults["ledger_windows_per_s"] == LEDGER_WINDOWS_PER_S
