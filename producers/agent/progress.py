@@ -83,7 +83,8 @@ class ProgressFile:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a+b") as f:
-            if f.seek(0, os.SEEK_END) < COUNTER.size:
+            if f.seek(0, os.SEEK_END) < COUNTER.size:  # shorter than a count holds none: begun at 0
+                f.truncate(0)
                 f.write(b"\0" * COUNTER.size)
         self._file = path.open("r+b")
         self._map = mmap.mmap(self._file.fileno(), COUNTER.size)

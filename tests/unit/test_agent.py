@@ -180,6 +180,15 @@ def test_an_application_counter_is_read_through_shared_memory(tmp_path: Path) ->
     assert ProgressFile(tmp_path / "p" / "job").value == 1000  # a restarted job continues its count
 
 
+def test_a_progress_file_shorter_than_a_count_begins_at_zero(tmp_path: Path) -> None:
+    (tmp_path / "job").write_bytes(b"\x01\x02\x03")  # a partial write, or another program's file
+    counter = ProgressFile(tmp_path / "job")
+    assert counter.value == 0  # not 0x030201 with zeros appended after it
+    counter.add(5)
+    counter.close()
+    assert (tmp_path / "job").read_bytes() == COUNTER.pack(5)
+
+
 WRITER = """
 import sys, time
 from pathlib import Path
