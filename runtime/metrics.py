@@ -58,7 +58,8 @@ SLURM_PLACEMENTS = Counter("nodeshare_slurm_placements_total",
 SHUTTERS_SKIPPED = Counter("nodeshare_agent_shutters_skipped_total", "Shutters not taken, by reason", ["reason"])
 AGENT_BLOCKS_DROPPED = Counter("nodeshare_agent_blocks_dropped_total",
                                "Shutters taken whose block was not sent, by reason (counter_went_back: the lone "
-                               "job's application count read lower than before)", ["reason"])
+                               "job's application count read lower than before, or could not be read)", ["reason"])
+AGENT_BLOCKS_DROPPED.labels("counter_went_back")  # exported at 0 from the start: the first drop is an increase
 
 LEDGER_LAST_ROW = Gauge("nodeshare_ledger_last_row_timestamp_seconds",
                         "Unix time the ledger sink last inserted a new charge row (0: none since it started)")

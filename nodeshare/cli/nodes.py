@@ -92,7 +92,9 @@ def agent(
         err.print(f"[red]agent stopped[/red]: {exc}")
         raise typer.Exit(3) from None
     out.print(f"{stats.cycles} shutter cycles (mean pause {stats.mean_shutter_ms:.2f} ms); "
-              f"{stats.skipped_spool_full} skipped with a full spool")
+              f"{stats.skipped_spool_full} skipped with a full spool"
+              + (f"; {stats.blocks_dropped} blocks dropped (a progress count went back)" if stats.blocks_dropped
+                 else ""))
 
 
 slurm_app = typer.Typer(no_args_is_help=True, help="Job lifecycle from a real Slurm.")

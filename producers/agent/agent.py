@@ -214,6 +214,7 @@ class Agent:
         self.jobs: dict[str, LocalJob] = {}
         self.counters: dict[str, Counter] = {}
         self._refused: set[str] = set()  # jobs whose progress file was refused (progress.open_progress)
+        self._dropped: set[str] = set()  # jobs a dropped block was logged for (said once per job)
         self._told_sigstop = False  # the fallback from freezing to SIGSTOP is logged once
         self._unavailable = 0  # rescans in a row that could not read the job list
         self.lone: str | None = None
@@ -392,6 +393,7 @@ class Agent:
     def _job_left(self, job_id: str) -> None:
         st = self.state.pop(job_id)
         self._refused.discard(job_id)
+        self._dropped.discard(job_id)
         self.levels.pop(job_id, None)
         self.due.pop(job_id, None)
         counter = self.counters.pop(job_id, None)
@@ -526,10 +528,12 @@ class Agent:
                                 paused=[t.job_id for t in others], start=start, end=end)
         st = self.state[lone]
         kept = st.blocks, st.last_cycle
-        # A count that went back (ApplicationCounter.read) makes the block no measurement: it is not
-        # sent; the pause happened, and its window is.
+        # A read that cannot be trusted (ApplicationCounter.read: a count that went back, or none)
+        # makes the block no measurement: it is not sent; the pause happened, and its window is. One
+        # more read checks the last one (a torn count read too high is only seen by the read after it).
+        counter.read()
         measured = not counter.went_back()
-        full = []
+        full: list[Record] = []
         if measured:
             full = self.batcher.add(
                 job_id=lone, node=self.options.node, source=self.source_name, cycle=self.cycle, k=k,
@@ -539,16 +543,19 @@ class Agent:
         else:
             self.stats.blocks_dropped += 1
             metrics.AGENT_BLOCKS_DROPPED.labels("counter_went_back").inc()
-            if self.stats.blocks_dropped == 1:
-                log.warning("job %s: its progress count went back during a shutter: the block is not sent (the "
-                            "application must write its count in one 8-byte store; see docs/deployment.md); "
-                            "said once", lone, extra=fields(job_id=lone))
+            if lone not in self._dropped:
+                self._dropped.add(lone)
+                log.warning("job %s: its progress count went back, or could not be read, during a shutter: the "
+                            "block is not sent. The application must write its count in one 8-byte store, one "
+                            "file per job (docs/deployment.md); a job that began its count again is taken up "
+                            "after 1 s. Said once per job", lone, extra=fields(job_id=lone))
         for target in others:  # the pause happened whether or not its record is kept
             self.state[target.job_id].paused_us += paused_us
-        if choice is not None and measured:  # the schedule saw the block whether or not its record is kept
-            self.levels.setdefault(lone, {}).setdefault(sample_us, LevelStats()).add(
-                mean_ipc(before), mean_ipc(during), mean_ipc(after))
-            self.due[lone] = time.monotonic() + choice.period_ms / 1000
+        if choice is not None:
+            if measured:  # the schedule saw the block whether or not its record is kept
+                self.levels.setdefault(lone, {}).setdefault(sample_us, LevelStats()).add(
+                    mean_ipc(before), mean_ipc(during), mean_ipc(after))
+            self.due[lone] = time.monotonic() + choice.period_ms / 1000  # a dropped block waits its turn too
         self.cycle += 1
         self.lone = lone
         self.stats.cycles += 1

@@ -25,8 +25,8 @@ The agent runs as root and the progress file is the job's user's: it is opened a
 (``open_progress``): with the job's user's file access (setfsuid), O_NOFOLLOW (the file itself is
 no link), O_NONBLOCK (a FIFO in its place cannot hang the agent), a regular file only, owned by the
 job's user (a root-only file hard-linked in is refused), and only its first 8 bytes ever read
-(``pread``: a huge file costs nothing, and a file truncated under the agent reads as no work
-instead of the SIGBUS a mapping would raise).
+(``pread``: a huge file costs nothing, and a file truncated under the agent reads as no count,
+which drops that shutter's block, instead of the SIGBUS a mapping would raise).
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ class ApplicationCounter:
         self._fd = fd
         self._work = 0  # the work reported: never goes back
         self._raw = 0  # the last count taken
+        self._before = 0  # the count taken before the last rise
         self._low_since: float | None = None  # when a count lower than ``_raw`` was first read, if one is
         self._went_back = False
         pids = sorted(set(pids))
@@ -202,23 +203,32 @@ class ApplicationCounter:
 
     def read(self) -> tuple[int, int, int]:
         count = self._count()
-        # The work is a count that never goes back. A count read lower than the last one taken is
-        # read again at once, and if it stays lower the work is held where it was (no work) and the
-        # counter says so (``went_back``): the agent drops that block. A writer that clears the word
-        # before it writes it (CPython's struct.pack_into does, and ProgressFile used it until
-        # 2026-11-26) shows zeros in between, for as long as it is descheduled there: taken as read,
-        # one zero made a window of no work and the next a window of the job's whole count, and
-        # priced a real job 0.92-0.98 degraded (fresh-clone CI, 2026-11-26). Only a count that has
-        # stayed lower for RESET_AFTER_S is the job beginning its count again: the work goes on from
-        # there (what it counted since is credited at once, in a window that is dropped too).
+        # The work is a count that never goes back, and a read that cannot be trusted says so
+        # (``went_back``): the agent drops that shutter's block. A writer that clears the word before
+        # it writes it (CPython's struct.pack_into does, and ProgressFile used it until 2026-11-26)
+        # shows zeros in between, for as long as it is descheduled there; one that truncates the file
+        # and writes it again shows no count at all. Taken as read, one such zero made a window of no
+        # work and the next a window of the job's whole count, and priced a real job 0.92-0.98
+        # degraded (fresh-clone CI, 2026-11-26). So:
+        # * a count lower than the last one taken is read again at once (REREADS times);
+        # * no count (a file shorter than 8 bytes): the work is held, flagged;
+        # * a count still lower, but not below the one before the last rise: that rise was a torn
+        #   read (a writer that stores the high half first): flagged, and counted from here;
+        # * lower still: the work is held (no work), flagged, until the count is back at or above
+        #   the last one taken (nothing lost), or has stayed lower for RESET_AFTER_S: the job began
+        #   its count again, and the work goes on from there (what it counted since is credited at
+        #   once, in a window that is flagged too).
         for _ in range(REREADS):
             if count is None or count >= self._raw:
                 break
             count = self._count()
-        if count is None:  # truncated by the job: no work until it writes again
-            pass
+        if count is None:
+            self._went_back = True
         elif count >= self._raw:
             self._work += count - self._raw
+            self._before, self._raw, self._low_since = self._raw, count, None
+        elif count >= self._before:
+            self._went_back = True
             self._raw, self._low_since = count, None
         else:
             self._went_back = True
@@ -227,7 +237,7 @@ class ApplicationCounter:
                 self._low_since = now
             elif now - self._low_since >= RESET_AFTER_S:
                 self._work += count
-                self._raw, self._low_since = count, None
+                self._before, self._raw, self._low_since = 0, count, None
         work = self._work
         if self._clock is not None:
             return work, self._clock.read(), 1
@@ -244,8 +254,8 @@ class ApplicationCounter:
         return work, sum(self._cpu_ns.values()), 1
 
     def went_back(self) -> bool:
-        """Whether a count lower than the last one taken was read since the last call (the windows
-        read meanwhile are no measurement); clears the flag."""
+        """Whether a read since the last call could not be trusted (a count lower than the last
+        one taken, or no count): the windows read meanwhile are no measurement. Clears the flag."""
         went, self._went_back = self._went_back, False
         return went
 

@@ -213,7 +213,8 @@ def test_a_progress_file_is_never_seen_half_written(tmp_path: Path) -> None:
         while COUNTER.unpack(os.pread(fd, 8, 0))[0] == 0:  # the writer has begun
             assert writer.poll() is None and time.monotonic() < deadline, "the writer never counted"
             time.sleep(0.001)
-        last, lower, deadline = 0, 0, time.monotonic() + 1.0
+        first, last, lower, deadline = 0, 0, 0, time.monotonic() + 1.0
+        first = COUNTER.unpack(os.pread(fd, 8, 0))[0]
         while time.monotonic() < deadline:
             count = COUNTER.unpack(os.pread(fd, 8, 0))[0]
             lower += count < last
@@ -221,7 +222,7 @@ def test_a_progress_file_is_never_seen_half_written(tmp_path: Path) -> None:
     finally:
         os.close(fd)
         assert writer.wait(timeout=30) == 0
-    assert lower == 0
+    assert lower == 0 and last > first  # the count moved while it was read
 
 
 def test_a_count_read_lower_is_held_and_flagged_and_only_a_lasting_one_is_a_reset(
@@ -646,6 +647,31 @@ def test_a_cycle_the_full_spool_refused_is_not_counted(tmp_path: Path, two_jobs:
     assert all(state(p) != "T" for job in two_jobs.values() for p in job.procs)
 
 
+def test_a_file_with_no_count_or_a_count_torn_high_is_flagged(tmp_path: Path) -> None:
+    """A writer that truncates the file to write it again shows no count in between; one that
+    stores the high half first can show a count too high, seen by the read after it: both flag the
+    reads (the agent drops the block), and the work never leaps by the job's whole count."""
+    path = tmp_path / "job"
+    writer = ProgressFile(path)
+    reader = ApplicationCounter(path)
+    writer.add(1000)
+    assert reader.read()[0] == 1000 and not reader.went_back()
+    path.write_bytes(b"")  # truncated...
+    assert reader.read()[0] == 1000 and reader.went_back()  # ...no count: held, flagged
+    path.write_bytes(COUNTER.pack(2000))  # ...and written again
+    assert reader.read()[0] == 2000 and not reader.went_back()
+    path.write_bytes(COUNTER.pack(0x01FF_FFFF))  # 0x00FF_FFF8 -> 0x0100_0000 read with the new high half
+    torn = reader.read()
+    path.write_bytes(COUNTER.pack(2016))
+    after = reader.read()
+    assert reader.went_back()  # the read after the torn one is lower, not below the count before it
+    path.write_bytes(COUNTER.pack(2020))
+    assert reader.read()[0] - after[0] == 4 and not reader.went_back()  # counted from there at once
+    assert torn[0] > 2000  # (the torn rise itself is in the flagged block)
+    reader.close()
+    writer.close()
+
+
 class _WentBack:
     """A job's counter whose count went back during its first shutter (the agent asks twice a
     shutter: to clear the flag before the windows, and after them)."""
@@ -670,12 +696,14 @@ def test_a_block_whose_count_went_back_is_not_sent_but_its_pause_is_credited(
     agent.rescan()
     agent.counters["a"] = _WentBack(agent.counters["a"])
     dropped = REGISTRY.get_sample_value("nodeshare_agent_blocks_dropped_total", {"reason": "counter_went_back"}) or 0.0
-    assert agent.shutter() and agent.shutter() and agent.shutter()  # a (went back), b, a
+    assert agent.shutter()  # a's block: its count went back
+    assert agent.state["b"].paused_us > 0 and agent.state["a"].blocks == 0  # the pause credited, no block
+    assert agent.shutter() and agent.shutter()  # b, then a measured
     assert agent.stats.blocks_dropped == 1 and agent.cycle == 3
     assert REGISTRY.get_sample_value("nodeshare_agent_blocks_dropped_total",
                                      {"reason": "counter_went_back"}) == dropped + 1
     assert (agent.state["a"].blocks, agent.state["a"].last_cycle) == (1, 2)
-    assert agent.state["b"].paused_us > 0 and agent.state["a"].paused_us > 0
+    assert agent.state["a"].paused_us > 0
     agent.close(0)
     events = spooled(tmp_path)
     assert [(e["job_id"], e["cycle"]) for e in events if e["kind"] == "shutter_batch"] == [("b", [1]), ("a", [2])]
