@@ -3,22 +3,25 @@ measured on a calibrated simulated cluster, and scaled to 100, 1,000 and 10,000 
 
 Measured here, on the records the node agents and the resource manager would send:
 * messages and encoded bytes per topic and node-hour (after a warm-up, once the cluster is full);
-* the Parquet archive's bytes per node-hour, per topic, as the archive sink writes them and
-  ``archive compact`` merges them;
-* the stream worker's state per job: each account's changelog record (the bytes a rebuild reads)
-  and its size in memory, for jobs still running and for jobs already charged (the worker keeps
-  both until the job's partition moves: issue 42, item 6).
+* the Parquet archive's bytes per node-hour, per topic, in the default 4 partitions (murmur2 on
+  the key, as producers partition) after ``archive compact`` has merged the sink's small files;
+* the stream worker's state per job, for jobs running, charged and queued: its size in memory,
+  measured live (the drop in traced memory when the fold's accounts of that kind are let go), and
+  its JSON (what a fold snapshot holds for it, before compression). The worker never lets an
+  account go: charged and queued accounts are kept, and snapshots carry them (issue 42, item 6).
 
 Taken from other benchmarks (their figures are inputs, named in the result): the blocks per second
 one stream worker folds (``bench stream``), the samples per second one audit thread recomputes
 (``bench audit``) and the shutter windows per second the ledger sink counts (``bench ledger``).
-Scaling is linear in nodes, which holds for the per-job and per-block work the figures measure;
-the broker's own limits are not measured here.
+Scaling is linear in nodes for the per-block and per-job work; what grows with time instead (the
+accounts the worker keeps, the snapshots that carry them, the archive an audit reads whole) is
+given per day. The broker's own limits are not measured here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import shutil
 import tempfile
 import tracemalloc
@@ -30,25 +33,26 @@ from typing import Any
 
 from nodeshare.bench.machine import machine_stamp
 from nodeshare.producers.batching import FlushPolicy
-from nodeshare.producers.calibrated import CalibratedConfig, run_cluster
+from nodeshare.producers.calibrated import SLOTS, CalibratedConfig, run_cluster
 from nodeshare.producers.calibrated_records import RecordSink
 from nodeshare.producers.job_mix import cluster_specs, library
 from nodeshare.schemas import JobEvent, Record, ShutterBatch, encode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, NODE_SHUTTER, TOPIC_OF_RECORD, key_of
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
-from nodeshare.streams.core.accounting import JobAccount, Origin, PricingPolicy, fold_states
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_states
+from nodeshare.streams.worker.copartition import kafka_partition
 
 #: ``bench stream`` on this machine (README, 2026-11-26): blocks per second one worker folds (the
 #: CLI's default is the same figure; give your machine's).
 FOLD_BLOCKS_PER_S = 188_928.0
 #: ``bench audit`` on this machine (README, 2026-11-26): samples per second on one thread (1.89-2.15 M).
 AUDIT_SAMPLES_PER_S = 1_890_000.0
-#: ``bench ledger`` on this machine (README, 2026-11-22): shutter windows per second the ledger sink
+#: ``bench ledger`` on this machine (README, 2026-11-26): shutter windows per second the ledger sink
 #: counts into its co-runner table.
-LEDGER_WINDOWS_PER_S = 39_315.0
+LEDGER_WINDOWS_PER_S = 107_481.0
 CLUSTERS = (100, 1_000, 10_000)
-#: Accounts rebuilt in memory to weigh them (each kind: running, charged).
-WEIGHED = 200
+#: Partitions the archive is written in (the configured default).
+PARTITIONS = 4
 
 Progress = Callable[[float, float], None]  # (simulated seconds done, total)
 
@@ -57,8 +61,10 @@ def simulate(nodes: int, seconds: float, seed: int, progress: Progress | None = 
              ) -> list[tuple[float, Record]]:
     """Every record a full calibrated cluster of ``nodes`` sends in ``seconds``, with its time (s)."""
     cfg = CalibratedConfig(nodes=nodes, seed=seed)
-    # jobs of 10 minutes on average, twice as many as the slots: the cluster stays full
-    specs = cluster_specs(cfg, 16 * nodes * max(1, round(seconds / 600)), mean_work_s=600.0, span_s=seconds / 2)
+    # jobs of 10 minutes on average, twice as many as the slots can run in the time, arriving over
+    # its first half: the cluster stays full with a queue behind it
+    jobs = max(4, round(2 * SLOTS * nodes * max(1.0, seconds / 600)))
+    specs = cluster_specs(cfg, jobs, mean_work_s=600.0, span_s=seconds / 2)
     programs, _ = library()
     sink = RecordSink(cfg, FlushPolicy())
     out: list[tuple[float, Record]] = []
@@ -92,40 +98,29 @@ def archive_bytes(records: list[tuple[float, Record]], since_s: float, root: Pat
     """Bytes on disk per topic of the records from ``since_s``, archived and compacted as the sink does."""
     archive = ParquetArchive(root)
     by_topic: dict[str, list[ArchivedEvent]] = defaultdict(list)
+    offsets: dict[tuple[str, int], int] = defaultdict(int)
     for t, r in records:
         if t < since_s:
             continue
         topic = TOPIC_OF_RECORD[type(r)].name
+        key = key_of(r)
+        partition = kafka_partition(key, PARTITIONS)
         rows = by_topic[topic]
-        rows.append(ArchivedEvent(kafka_topic=topic, partition=0, offset=len(rows),
-                                  timestamp_ms=round(r.event_time.timestamp() * 1000), key=key_of(r), value=encode(r)))
+        rows.append(ArchivedEvent(kafka_topic=topic, partition=partition, offset=offsets[(topic, partition)],
+                                  timestamp_ms=round(r.event_time.timestamp() * 1000), key=key, value=encode(r)))
+        offsets[(topic, partition)] += 1
     for topic, rows in by_topic.items():
-        for i in range(0, len(rows), 5_000):  # the sink writes what it consumed since its last flush
+        for i in range(0, len(rows), 5_000):  # written in pieces, then merged as `archive compact` merges them
             archive.write(topic, rows[i:i + 5_000])
     archive.compact()
     return {topic: sum(f.stat().st_size for f in (root / f"topic={topic}").rglob("*.parquet"))
             for topic in by_topic}
 
 
-def _weigh(accounts: list[JobAccount]) -> int:
-    """Mean bytes in memory of these accounts, rebuilt from their changelog records."""
-    if not accounts:
-        return 0
-    raw = [(a.dumps(), a.job_id) for a in accounts]
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        kept = [JobAccount.loads(r, j) for r, j in raw]
-        after = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
-    del kept
-    return round((after - before) / len(raw))
-
-
 def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
-    """The fold's accounts after every record: changelog and memory bytes per running and per
-    charged job, and running jobs per node."""
+    """The fold's accounts after every record: per running, charged and queued job, bytes in
+    memory (live: the drop in traced memory when the accounts of that kind are let go) and JSON
+    bytes (what a fold snapshot holds, before compression); running jobs per node."""
     offsets: dict[str, int] = defaultdict(int)
     messages = []
     for _, r in records:
@@ -134,23 +129,33 @@ def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
             continue
         messages.append((Origin(topic, 0, offsets[topic]), key_of(r), encode(r), r.event_time.timestamp()))
         offsets[topic] += 1
-    accounts, _ = fold_states(messages, PricingPolicy())
-    # running: blocks arrived, no charge yet; queued: only its submitted (or started) event so far
-    running = [a for a in accounts.values() if a.revision < 0 and a.nodes]
-    charged = [a for a in accounts.values() if a.revision >= 0]
-    queued = [a for a in accounts.values() if a.revision < 0 and not a.nodes]  # a submitted event: an account
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        accounts, _ = fold_states(messages, PricingPolicy())
+        del messages
+        # running: blocks arrived, no charge yet; queued: no block yet (its submitted or started event only)
+        kinds = {"running": [k for k, a in accounts.items() if a.revision < 0 and a.nodes],
+                 "charged": [k for k, a in accounts.items() if a.revision >= 0],
+                 "queued": [k for k, a in accounts.items() if a.revision < 0 and not a.nodes]}
+        out: dict[str, float] = {"accounts": len(accounts)}
+        for kind, keys in kinds.items():
+            out[f"{kind}_jobs"] = len(keys)
+            out[f"{kind}_json_bytes"] = round(sum(len(accounts[k].dumps()) for k in keys) / len(keys)) if keys else 0
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            for k in keys:
+                del accounts[k]
+            gc.collect()
+            gone = before - tracemalloc.get_traced_memory()[0]
+            out[f"{kind}_memory_bytes"] = round(gone / len(keys)) if keys else 0
+    finally:
+        if started:
+            tracemalloc.stop()
     nodes = {r.node for _, r in records if isinstance(r, ShutterBatch)}
-
-    def mean_dump(accs: list[JobAccount]) -> float:
-        return round(sum(len(a.dumps()) for a in accs) / len(accs)) if accs else 0.0
-
-    return {
-        "accounts": len(accounts), "running_jobs": len(running), "charged_jobs": len(charged),
-        "queued_jobs": len(queued), "queued_memory_bytes": _weigh(queued[:WEIGHED]),
-        "running_jobs_per_node": round(len(running) / max(1, len(nodes)), 2),
-        "running_changelog_bytes": mean_dump(running), "charged_changelog_bytes": mean_dump(charged),
-        "running_memory_bytes": _weigh(running[:WEIGHED]), "charged_memory_bytes": _weigh(charged[:WEIGHED]),
-    }
+    out["running_jobs_per_node"] = round(out["running_jobs"] / max(1, len(nodes)), 2)
+    return out
 
 
 def scale(per_node_hour: dict[str, float], state: dict[str, float], clusters: tuple[int, ...],
@@ -173,11 +178,14 @@ def scale(per_node_hour: dict[str, float], state: dict[str, float], clusters: tu
             "archive_gb_per_day": round(per_node_hour["archive_bytes"] * n * 24 / 1e9, 2),
             "running_jobs": round(running),
             "worker_state_running_mb": round(running * state["running_memory_bytes"] / 1e6, 1),
-            "changelog_running_mb": round(running * state["running_changelog_bytes"] / 1e6, 1),
-            # what the worker holds today after a day: every job charged since its partition last moved
+            "running_json_mb": round(running * state["running_json_bytes"] / 1e6, 1),
+            # the worker never lets a charged account go (nor does a snapshot, a restart or a moved
+            # partition): this much more every day
             "worker_state_charged_mb_per_day": round(
                 job_ends_per_node_hour * n * 24 * state["charged_memory_bytes"] / 1e6, 1),
-            "audit_core_hours_per_day": round(per_node_hour["samples"] * n * 24 / audit_samples_per_s / 3600, 2),
+            # an audit reads the whole archive (node.ipc, jobs.lifecycle): this much per day it holds
+            "audit_core_hours_per_archived_day": round(
+                per_node_hour["samples"] * n * 24 / audit_samples_per_s / 3600, 2),
         })
     return out
 
@@ -210,7 +218,10 @@ def run_sizing_bench(nodes: int = 16, hours: float = 1.0, seed: int = 7, cluster
         "job_ends": ends / node_hours,
         "windows": flows.get(NODE_SHUTTER.name, {}).get("messages", 0) / node_hours,
     }
+    warnings = [] if state["charged_jobs"] else [
+        f"no job was charged in {hours} simulated hours on {nodes} nodes: the charged figures are 0; simulate longer"]
     return {
+        "warnings": warnings,
         "simulated_nodes": nodes, "simulated_hours": hours, "warm_up_hours": round(warm / 3600, 3), "seed": seed,
         "per_node_hour": {k: round(v, 1) for k, v in per_node_hour.items()},
         "per_topic_per_node_hour": {

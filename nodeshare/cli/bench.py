@@ -180,7 +180,8 @@ def bench_simulate(
 @bench_app.command("sizing")
 def bench_sizing(
     nodes: Annotated[int, typer.Option(min=2, help="nodes of the simulated cluster")] = 16,
-    hours: Annotated[float, typer.Option(min=0.05, max=24.0, help="simulated time (the first fifth is warm-up)")
+    hours: Annotated[float, typer.Option(min=0.5, max=4.0, help="simulated time (the first fifth is warm-up; "
+                                                                  "every record is held: about 1 GB per 10 node-hours)")
                      ] = 1.0,
     clusters: Annotated[str, typer.Option(help="cluster sizes (nodes) to scale the figures to")] = "100,1000,10000",
     fold_blocks_per_s: Annotated[float, typer.Option(min=1.0, help="blocks one stream worker folds per second "
@@ -188,7 +189,7 @@ def bench_sizing(
     audit_samples_per_s: Annotated[float, typer.Option(min=1.0, help="samples one audit thread recomputes per "
                                                                      "second (`bench audit`)")] = 1_890_000.0,
     ledger_windows_per_s: Annotated[float, typer.Option(min=1.0, help="shutter windows the ledger sink counts per "
-                                                                      "second (`bench ledger`)")] = 39_315.0,
+                                                                      "second (`bench ledger`)")] = 107_481.0,
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/sizing.json"),
 ) -> None:
     """What a cluster asks of the pipeline per node-hour (messages, bytes, blocks, archive growth,
@@ -196,6 +197,8 @@ def bench_sizing(
     from nodeshare.bench.sizing import run_sizing_bench
 
     sizes = tuple(comma_numbers(clusters, int, "--clusters"))
+    if min(sizes) < 1:
+        raise typer.BadParameter("cluster sizes are node counts, at least 1", param_hint="--clusters")
     with progress_bar() as bar:
         task = bar.add_task("simulated seconds", total=round(hours * 3600))
         result = run_sizing_bench(nodes=nodes, hours=hours, clusters=sizes, fold_blocks_per_s=fold_blocks_per_s,
