@@ -205,3 +205,21 @@ def bench_sizing(
                                   audit_samples_per_s=audit_samples_per_s, ledger_windows_per_s=ledger_windows_per_s,
                                   progress=lambda t, _total: bar.update(task, completed=round(t)))
     write_bench("sizing", result, out_file)
+
+
+@bench_app.command("broker-acks")
+def bench_broker_acks(
+    records: Annotated[int, typer.Option(min=100, help="numbered records sent; the broker is killed after half")]
+    = 4000,
+    workdir: Annotated[Path | None, typer.Option(help="the broker's storage and log (default: a new temporary "
+                                                      "directory, kept)")] = None,
+    out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/broker-acks.json"),
+) -> None:
+    """Whether the bundled broker on durable storage (`nodeshare broker --data`) keeps every record
+    it acknowledged when it is SIGKILLed mid-write and restarted on the same storage."""
+    from nodeshare.bench.broker_acks import run_broker_acks
+
+    with progress_bar() as bar:
+        task = bar.add_task("records sent", total=records)
+        result = run_broker_acks(records, workdir, progress=lambda n, _total: bar.update(task, completed=n))
+    write_bench("broker-acks", result, out_file, {"acknowledged_but_lost": ("<=", 0), "duplicates": ("<=", 0)})

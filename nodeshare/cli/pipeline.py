@@ -195,7 +195,9 @@ def broker(port: Annotated[int | None, typer.Option(
         err.print(f"[red]broker[/red]: {exc}{hint}")
         raise typer.Exit(2) from exc
     try:
-        where = "in memory" if data is None else f"durable in {data}"
+        where = "in memory" if data is None else (
+            f"stored in {data}: kept across a restart, but a crash while records are written loses acknowledged "
+            "ones (docs/broker.md)")
         out.print(f"Tansu broker on {b.bootstrap} (pid {b.pid}, {where}); export NODESHARE_BOOTSTRAP={b.bootstrap}")
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

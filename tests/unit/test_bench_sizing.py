@@ -84,3 +84,9 @@ def test_the_cli_s_defaults_are_the_module_s() -> None:
     assert defaults["fold_blocks_per_s"] == FOLD_BLOCKS_PER_S
     assert defaults["audit_samples_per_s"] == AUDIT_SAMPLES_PER_S
     assert defaults["ledger_windows_per_s"] == LEDGER_WINDOWS_PER_S
+
+
+def test_lost_records_are_told_as_runs() -> None:
+    from nodeshare.bench.broker_acks import ranges
+
+    assert ranges([7, 1, 3, 2]) == [(1, 3), (7, 7)] and ranges([]) == []
