@@ -540,15 +540,6 @@ class Agent:
                 sample_us=sample_us, counter=counter.source, before=triples(before),
                 during=triples(during), after=triples(after), at=_now())
             st.blocks, st.last_cycle = st.blocks + 1, self.cycle
-        else:
-            self.stats.blocks_dropped += 1
-            metrics.AGENT_BLOCKS_DROPPED.labels("counter_went_back").inc()
-            if lone not in self._dropped:
-                self._dropped.add(lone)
-                log.warning("job %s: its progress count went back, or could not be read, during a shutter: the "
-                            "block is not sent. The application must write its count in one 8-byte store, one "
-                            "file per job (docs/deployment.md); a job that began its count again is taken up "
-                            "after 1 s. Said once per job", lone, extra=fields(job_id=lone))
         for target in others:  # the pause happened whether or not its record is kept
             self.state[target.job_id].paused_us += paused_us
         if choice is not None:
@@ -566,7 +557,20 @@ class Agent:
             self.cycle -= 1
             self.batcher.restore(self.spool.meta("batches", {}))  # as last written: without this block
             log.error("%s", e)
+            return True
+        if not measured:  # its cycle was kept, without its block
+            self._block_dropped(lone)
         return True
+
+    def _block_dropped(self, job_id: str) -> None:
+        self.stats.blocks_dropped += 1
+        metrics.AGENT_BLOCKS_DROPPED.labels("counter_went_back").inc()
+        if job_id not in self._dropped:
+            self._dropped.add(job_id)
+            log.warning("job %s: its progress count went back, or could not be read, during a shutter: the "
+                        "block is not sent. The application must write its count in one 8-byte store, one "
+                        "file per job (docs/deployment.md); a job that began its count again is taken up "
+                        "after 1 s. Said once per job", job_id, extra=fields(job_id=job_id))
 
     def _resume(self) -> None:
         """Resume everything the pauser stopped, then tell the watchdog what stays stopped (nothing,

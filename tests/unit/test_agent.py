@@ -710,6 +710,16 @@ def test_a_block_whose_count_went_back_is_not_sent_but_its_pause_is_credited(
     assert [e["cycle"] for e in events if e["kind"] == "shutter_window"] == [0, 1, 2]  # every pause is said
 
 
+def test_a_dropped_block_whose_cycle_the_full_spool_refused_is_not_counted(
+        tmp_path: Path, two_jobs: dict[str, LocalJob]) -> None:
+    agent = agent_on(tmp_path, FakeSource(two_jobs, {}), max_bytes=1, flush=FlushPolicy(max_blocks=1))  # none fits
+    agent.rescan()
+    agent.counters["a"] = _WentBack(agent.counters["a"])
+    assert agent.shutter()  # a's count went back, and the spool refused its window too
+    assert agent.stats.blocks_dropped == 0 and agent.cycle == 0  # the cycle never happened as far as anyone knows
+    agent.close(0)
+
+
 def test_the_time_a_job_is_the_nodes_only_job_is_said_in_its_marker(tmp_path: Path,
                                                                     two_jobs: dict[str, LocalJob]) -> None:
     """A node with one job is never shuttered, so that time is undisturbed: the loop credits each
