@@ -1,7 +1,7 @@
 """`nodeshare bench broker-acks` (issue 39): does the bundled broker on durable storage keep every
 record it acknowledged when it is killed mid-write?
 
-A confluent-kafka producer (``acks=all``, idempotent) sends numbered records, one at a time, to
+The project's producer (``EventProducer``: idempotent, so ``acks=all``) sends numbered records to
 one partition of ``nodeshare broker --data``'s Tansu. Halfway, Tansu is SIGKILLed and started
 again on the same storage and port (``BundledBroker.kill_and_restart``), and the producer goes on.
 Then every record is read back from offset 0: each acknowledged number must be there once, at the
@@ -17,11 +17,13 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from nodeshare.bench.machine import machine_stamp
 from nodeshare.deploy.broker import BundledBroker
+from nodeshare.producers.kafka_producer import DeliveryError, EventProducer
+from nodeshare.runtime.config import Settings
 
 TOPIC = "acks"
 Progress = Callable[[int, int], None]  # (records sent, total)
@@ -75,19 +77,24 @@ def run_broker_acks(records: int = 4000, workdir: Path | None = None, progress: 
     with BundledBroker(log_path=root / "tansu.log", data_dir=root / "data") as broker:
         admin = AdminClient({"bootstrap.servers": broker.bootstrap})
         admin.create_topics([NewTopic(TOPIC, 1, 1)])[TOPIC].result(30)
-        producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all", "enable.idempotence": True,
-                             "linger.ms": 5, "message.timeout.ms": 120_000})
+        # the project's producer (idempotent, so acks=all), waiting out the restart
+        producer = EventProducer(Settings(bootstrap=broker.bootstrap), client_id="nodeshare-bench-acks",
+                                 **{"message.timeout.ms": 120_000})
         acked_at_kill = 0
         for n in range(records):
-            producer.produce(TOPIC, value=str(n).encode(), key=b"k", partition=0, on_delivery=delivered)
-            producer.poll(0)
+            producer.send_raw(TOPIC, b"k", str(n).encode(), partition=0, on_delivery=delivered)
             if n == records // 2:
                 acked_at_kill = len(acked)
                 broker.kill_and_restart()
             if progress is not None and n % 100 == 0:
                 progress(n, records)
             time.sleep(0.0005)  # records in flight at the kill, as a busy agent's would be
-        unflushed = producer.flush(180)
+        try:
+            producer.close(180)
+            unflushed = 0
+        except DeliveryError as exc:  # counted: each record's report says whether it was acknowledged
+            unflushed = records - len(acked) - len(failed)
+            failed.append((-1, str(exc)))
         seen = _read_all(broker.bootstrap, len(acked))
     numbers = [v for v, _ in seen]
     lost = sorted(set(acked) - set(numbers))
