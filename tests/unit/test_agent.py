@@ -213,8 +213,8 @@ def test_a_progress_file_is_never_seen_half_written(tmp_path: Path) -> None:
         while COUNTER.unpack(os.pread(fd, 8, 0))[0] == 0:  # the writer has begun
             assert writer.poll() is None and time.monotonic() < deadline, "the writer never counted"
             time.sleep(0.001)
-        first, last, lower, deadline = 0, 0, 0, time.monotonic() + 1.0
-        first = COUNTER.unpack(os.pread(fd, 8, 0))[0]
+        first, lower, deadline = COUNTER.unpack(os.pread(fd, 8, 0))[0], 0, time.monotonic() + 1.0
+        last = first
         while time.monotonic() < deadline:
             count = COUNTER.unpack(os.pread(fd, 8, 0))[0]
             lower += count < last
