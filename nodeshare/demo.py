@@ -188,14 +188,16 @@ def clean_outputs(out: Path) -> None:
 
 def run_demo(settings: Settings, source: Source, out: Path, *, timeout_s: float = 180.0,
              progress: Progress | None = None, truth: bool = True,
-             extra_inputs: Sequence[tuple[str, bytes | None, bytes | None]] = ()) -> DemoResult:
+             extra_inputs: Sequence[tuple[str, bytes | None, bytes | None]
+                                    | tuple[str, bytes | None, bytes | None, bytes | None]] = ()) -> DemoResult:
     """Run the pipeline on a simulated cluster's events and audit the result.
 
     The source publishes while the worker and sinks already run, so a long simulation is never
     held in memory. The ground truth goes to ``out/truth.parquet`` for experiments
     (``truth=False``: nowhere; the charges do not change, which a test checks). ``extra_inputs``
-    are raw (catalog topic, key, value) messages published before the simulation, e.g.
-    malformed bytes that must end in the dead-letter topic.
+    are raw (catalog topic, key, value[, auth]) messages published before the simulation, e.g.
+    malformed bytes that must end in the dead-letter topic; an ``auth`` is sent as the signature
+    header (b"": none) instead of the producer's own (``schemas.signing``).
     """
     report = progress or (lambda stage, done, total: None)
     t0 = time.monotonic()
@@ -213,10 +215,10 @@ def run_demo(settings: Settings, source: Source, out: Path, *, timeout_s: float 
         })
         with running_pipeline(s, out) as pipeline:
             with EventProducer(s, client_id="nodeshare-simulator") as producer:
-                for topic, key, value in extra_inputs:
-                    producer.send_raw(s.topic(topic), key, value)
+                for topic, key, value, *auth in extra_inputs:
+                    producer.send_raw(s.topic(topic), key, value, auth=auth[0] if auth else None)
                 published = 0
-                windows = sum(topic == NODE_SHUTTER.name for topic, _, _ in extra_inputs)
+                windows = sum(extra[0] == NODE_SHUTTER.name for extra in extra_inputs)
 
                 def send(batch: list[Record]) -> None:
                     nonlocal published, windows
@@ -232,7 +234,7 @@ def run_demo(settings: Settings, source: Source, out: Path, *, timeout_s: float 
     if truth_path is not None:
         write_truth(ended, truth_path)
     report("auditing", 0, 1)
-    result = audit(pipeline.archive_path, pipeline.ledger_path, s.policy())
+    result = audit(pipeline.archive_path, pipeline.ledger_path, s.policy(), verifier=s.verifier())
     report("auditing", 1, 1)
     with Ledger(pipeline.ledger_path, read_only=True) as ledger:
         charges = ledger.charges()

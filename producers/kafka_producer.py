@@ -1,5 +1,6 @@
 """The one producer wrapper: every record goes to its catalog topic, keyed by its key field,
-through an idempotent confluent-kafka producer whose delivery reports are checked."""
+through an idempotent confluent-kafka producer whose delivery reports are checked; a record for an
+input topic is signed when the settings give a key or the site secret (``schemas.signing``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 from confluent_kafka import KafkaError, Message, Producer
 
 from nodeshare.runtime.config import Settings
-from nodeshare.schemas import TOPIC_OF_RECORD, Record, encode, key_of
+from nodeshare.schemas import INPUT_TOPICS, TOPIC_OF_RECORD, Record, encode, key_of
+from nodeshare.schemas.signing import AUTH_HEADER
 
 DeliveryCallback = Callable[[KafkaError | None, Message], None]
 
@@ -36,27 +38,41 @@ class EventProducer:
             "partitioner": "murmur2_random",
             **overrides,
         }))
+        #: signs what goes to the input topics (None: the site hands out no keys)
+        self._signer = settings.signer(service=f"service/{client_id}")
+        self._inputs = {settings.topic(t.name): t.name for t in INPUT_TOPICS}
         self._lock = threading.Lock()
         self.delivered = 0
         self.failed: list[str] = []
 
     def send(self, record: Record) -> None:
         spec = TOPIC_OF_RECORD[type(record)]
-        self.send_raw(self._settings.topic(spec.name), key_of(record), encode(record))
+        identity = None
+        if self._signer is not None:
+            identity = self._signer.identity_for(record.kind, getattr(record, "node", None))
+        self.send_raw(self._settings.topic(spec.name), key_of(record), encode(record), identity=identity)
 
     def send_all(self, records: Sequence[Record]) -> None:
         for record in records:
             self.send(record)
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
-                 timestamp_ms: int | None = None, on_delivery: DeliveryCallback | None = None) -> None:
+                 timestamp_ms: int | None = None, on_delivery: DeliveryCallback | None = None,
+                 auth: bytes | None = None, identity: str | None = None) -> None:
         """Publish bytes as they are (replay, and tests that inject bad input); replay also keeps
         the original partition and timestamp. A caller that passes ``on_delivery`` handles its
-        own delivery reports (the node agent's spool); they are then not counted here."""
+        own delivery reports (the node agent's spool); they are then not counted here.
+
+        A message to an input topic carries ``auth`` as its signature header when given (replay
+        re-sends the archived one; b"": none), else this producer's own signature (as ``identity``
+        when signing with the site secret), else none."""
+        if auth is None and self._signer is not None and topic in self._inputs:
+            auth = self._signer.header(self._inputs[topic], key, value, identity)
+        headers: list[tuple[str, str | bytes | None]] | None = [(AUTH_HEADER, auth)] if auth else None
         while True:
             try:
                 self._producer.produce(
-                    topic, value=value, key=key, on_delivery=on_delivery or self._on_delivery,
+                    topic, value=value, key=key, headers=headers, on_delivery=on_delivery or self._on_delivery,
                     partition=-1 if partition is None else partition,  # -1: let the partitioner choose
                     timestamp=timestamp_ms or 0,  # 0: now
                 )

@@ -48,8 +48,10 @@ def replay(archive_root: Path, settings: Settings, *, topics: list[str] | None =
     report = ReplayReport()
     with EventProducer(settings, client_id="nodeshare-replay") as producer:
         for topic, ev in archive.events(names):
+            # the signature as archived, never a new one: a replay must not vouch for what it re-sends
             producer.send_raw(settings.topic(topic), ev.key, ev.value,
-                              partition=ev.partition if ev.key is None else None, timestamp_ms=ev.timestamp_ms)
+                              partition=ev.partition if ev.key is None else None, timestamp_ms=ev.timestamp_ms,
+                              auth=ev.auth or b"")
             report.events += 1
             report.per_topic[topic] = report.per_topic.get(topic, 0) + 1
             if progress and report.events % 1000 == 0:

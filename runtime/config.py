@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 if TYPE_CHECKING:  # the policy types, for the methods' signatures only
     from nodeshare.producers.batching import FlushPolicy
+    from nodeshare.schemas.signing import Signer, Verifier
     from nodeshare.streams.core.accounting import PricingPolicy
     from nodeshare.streams.core.power.ppartition import PowerPolicy
     from nodeshare.streams.core.shutter_policy import ShutterPolicy
@@ -160,6 +161,11 @@ class Settings(BaseSettings):
     # the Slurm adapter releases a job it holds with no placement decision after this long (0: never;
     # producers.slurm_scheduler, placement fails open)
     placement_release_after_s: Annotated[float, Field(ge=0.0)] = 600.0
+    # Record signatures (nodeshare.schemas.signing, docs/deployment.md "Identities"): the site secret
+    # on the hosts that verify (the worker's charge fold and the audit then refuse input records not
+    # signed by an identity allowed to write them), an identity's key on the host that is it.
+    site_secret_file: Path | None = None
+    signing_key_file: Path | None = None
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None  # Prometheus endpoint; off when unset
     metrics_addr: str = "127.0.0.1"
     log_format: Literal["text", "json"] = "text"  # nodeshare.runtime.logs: "json" writes one JSON object per line
@@ -217,6 +223,19 @@ class Settings(BaseSettings):
 
         return PowerPolicy(release=self.power_release, min_share=self.power_min_share, admit=self.power_admit,
                            margin=self.power_margin)
+
+    def verifier(self) -> Verifier | None:
+        """What checks input records' signatures (None: ``site_secret_file`` unset, nothing checked)."""
+        from nodeshare.runtime.identity import verifier
+
+        return verifier(self.site_secret_file)
+
+    def signer(self, service: str) -> Signer | None:
+        """What signs the input records this process sends (None: no key or secret configured);
+        ``service`` is the identity a site-secret signer gives a service's records."""
+        from nodeshare.runtime.identity import signer
+
+        return signer(self.signing_key_file, self.site_secret_file, service)
 
     def client_config(self, **extra: Any) -> dict[str, Any]:
         """librdkafka configuration for a confluent-kafka client."""

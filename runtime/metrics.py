@@ -94,7 +94,7 @@ def report_lag(consumer: object, name: str, positions: dict[tuple[str, int], int
 
 
 #: Dead-letter kinds: the label values of DEAD_LETTERS.
-DECODE, KEY_MISMATCH, CLOCK, REJECTED = "decode", "key_mismatch", "clock", "rejected"
+DECODE, KEY_MISMATCH, CLOCK, REJECTED, FORGED = "decode", "key_mismatch", "clock", "rejected", "forged"
 
 
 def serve(port: int | None, addr: str = "127.0.0.1") -> bool:

@@ -59,6 +59,7 @@ from nodeshare.runtime.config import Settings
 from nodeshare.runtime.consumer import BatchSink, position
 from nodeshare.runtime.files import atomic_write_bytes, publish_file
 from nodeshare.schemas import INPUT_TOPICS, spec_for_topic
+from nodeshare.schemas.signing import header_value
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ ARCHIVE_SCHEMA = pa.schema([
     ("timestamp_ms", pa.int64()),
     ("key", pa.binary()),
     ("value", pa.binary()),
+    # the record's signature header (nodeshare.schemas.signing), as received; null when unsigned and
+    # in files written before it existed (read with this schema, they show null)
+    ("auth", pa.binary()),
 ])
 _FILE = re.compile(r"^p(\d+)(?:-e(\d+))?-(\d+)-(\d+)\.parquet$")
 
@@ -222,6 +226,7 @@ class ArchivedEvent:
     timestamp_ms: int
     key: bytes | None
     value: bytes | None
+    auth: bytes | None = None  # the nodeshare-auth header
 
 
 class ParquetArchive:
@@ -432,6 +437,7 @@ class ParquetArchive:
                     "timestamp_ms": [r.timestamp_ms for r in group],
                     "key": [r.key for r in group],
                     "value": [r.value for r in group],
+                    "auth": [r.auth for r in group],
                 }, schema=ARCHIVE_SCHEMA)
                 _atomic_write(with_typed_columns(topic, table), path)
                 self._held[path] = [(first, last)]
@@ -489,8 +495,8 @@ class ParquetArchive:
         for f in self.files(topic):
             span = file_span(f)
             if span and (span.partition, span.epoch) == (partition, epoch) and span.first <= offset <= span.last:
-                found = pq.read_table(str(f), columns=ARCHIVE_SCHEMA.names, filters=[("offset", "=", offset)],
-                                      filesystem=self.fs).to_pylist()
+                found = pq.read_table(str(f), columns=ARCHIVE_SCHEMA.names, schema=ARCHIVE_SCHEMA,
+                                      filters=[("offset", "=", offset)], filesystem=self.fs).to_pylist()
                 if found:
                     return ArchivedEvent(**found[0])
         return None
@@ -520,8 +526,18 @@ class ParquetArchive:
             params.append(list(keys))
         con = con if con is not None else self.connect()
         globs = ", ".join(self.sources_sql(t) for t in wanted)  # only these topics' files are opened
-        rows = con.execute(
-            f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value FROM (
+        try:
+            rows = self._events(con, globs, key_filter, params, "auth")
+        except duckdb.BinderException:  # no file has the column: all were written before signatures
+            rows = self._events(con, globs, key_filter, params, "NULL::BLOB")
+        for topic, kt, p, o, ts, k, v, auth in rows:
+            yield topic, ArchivedEvent(kt, p, o, ts, k, v, auth)
+
+    @staticmethod
+    def _events(con: duckdb.DuckDBPyConnection, globs: str, key_filter: str, params: list[object], auth: str
+                ) -> list[tuple[Any, ...]]:
+        return con.execute(
+            f"""SELECT topic, kafka_topic, "partition", "offset", timestamp_ms, key, value, {auth} FROM (
                     SELECT *, coalesce(TRY_CAST(regexp_extract(filename, '{_EPOCH_IN_NAME}', 1) AS INTEGER), 0)
                               AS epoch
                     FROM read_parquet([{globs}], hive_partitioning = true, union_by_name = true, filename = true)
@@ -532,8 +548,6 @@ class ParquetArchive:
                 ORDER BY topic, "partition", epoch, "offset" """,
             params,
         ).fetchall()
-        for topic, kt, p, o, ts, k, v in rows:
-            yield topic, ArchivedEvent(kt, p, o, ts, k, v)
 
     def duplicates(self, topics: Iterable[str]) -> list[tuple[str, int, int, int, bool]]:
         """Every (topic, partition, epoch, offset) archived more than once, from the offsets the files
@@ -835,7 +849,7 @@ class ArchiveSink(BatchSink):
             topic, partition, offset = position(m)
             _, ts = m.timestamp()
             by_topic[spec_for_topic(topic, self.settings.topic_prefix).name].append(
-                ArchivedEvent(topic, partition, offset, ts, m.key(), m.value()))
+                ArchivedEvent(topic, partition, offset, ts, m.key(), m.value(), header_value(m.headers())))
         for topic, rows in by_topic.items():
             restarted = self.archive.append(topic, rows)
             if restarted and self._consumer is not None:

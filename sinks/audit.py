@@ -16,18 +16,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from nodeshare.schemas import Charge
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.schemas.serde import decode_model
-from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fold_states
+from nodeshare.schemas.signing import Verifier, identity_problem
+from nodeshare.streams.core.accounting import Message, PricingPolicy, fold_states
 from nodeshare.streams.core.confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH
 
 from .archive import ParquetArchive
 from .fast_audit import Progress, Runner, fast_recompute, in_process
 from .ledger import Ledger, charge_differences
-from .pending import PendingJob, pending_jobs
+from .pending import PendingJob, archived_input, pending_jobs
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ class AuditReport:
     outside_window: int = 0  # ledger rows of jobs that ended outside --from/--to: not compared
     #: records archived more than once with different contents: "topic[partition]@offset"
     conflicting_copies: list[str] = field(default_factory=list)
+    identities_checked: bool = False  # the site secret was given: records were taken from allowed signers only
+    #: jobs with an archived record refused for its signer (unsigned, forged, or a node writing for
+    #: another): the worker refused it too, so it is no failure of the ledger, but someone tried
+    refused_jobs: list[str] = field(default_factory=list)
 
     @property
     def conservation_ok(self) -> bool:
@@ -94,16 +100,20 @@ class AuditReport:
             "conflicting_copy_details": self.conflicting_copies[:50],
             "missing_charges": len(self.missing_charges),
             "missing_charge_details": [p.as_dict() for p in self.missing_charges[:50]],
+            "identities_checked": self.identities_checked,
+            "refused_jobs": len(self.refused_jobs),
+            "refused_job_details": self.refused_jobs[:50],
         }
 
 
-def archived_messages(archive: ParquetArchive, keys: set[bytes] | None = None) -> dict[bytes | None, list[Message]]:
+def archived_messages(archive: ParquetArchive, keys: set[bytes] | None = None,
+                      verifier: Verifier | None = None) -> dict[bytes | None, list[Message]]:
     """The archived input messages of job accounting (of the given keys, default all), per message
-    key, each topic in offset order."""
+    key, each topic in offset order; with ``verifier``, each names its signer (``archived_input``)."""
     per_key: dict[bytes | None, list[Message]] = defaultdict(list)
-    for topic, ev in archive.events([NODE_IPC.name, JOBS_LIFECYCLE.name], keys):
-        # The catalog name (the archive's topic= partition), so no topic prefix needs configuring.
-        per_key[ev.key].append((Origin(topic, ev.partition, ev.offset), ev.key, ev.value, ev.timestamp_ms / 1000))
+    # The catalog names (the archive's topic= partition), so no topic prefix needs configuring.
+    for m in archived_input(archive, [NODE_IPC.name, JOBS_LIFECYCLE.name], keys, verifier):
+        per_key[m[1]].append(m)
     return per_key
 
 
@@ -177,28 +187,75 @@ class JobsAudit:
     samples: int = 0  # shutter samples the fast path checked
     #: records archived more than once (ParquetArchive.duplicates): (topic, partition, epoch, offset, differ)
     duplicates: list[tuple[str, int, int, int, bool]] = field(default_factory=list)
+    #: with identities checked: jobs with an archived record its signer may not have written
+    refused_jobs: list[str] = field(default_factory=list)
 
 
 def reference_task(location: Path | str, keys: list[bytes] | None, policies: dict[str, PricingPolicy],
                    default: PricingPolicy, revision_policies: dict[tuple[str, int], PricingPolicy] | None = None,
+                   verifier: Verifier | None = None,
                    ) -> tuple[dict[tuple[str, int], Charge], dict[tuple[str, int], Charge], int]:
     """One task of the reference path: these jobs' archived messages (None: every message) folded by
     the stream's own functions. Returns their charges, the revisions a correction superseded, and
     the jobs (message keys) folded."""
-    messages = archived_messages(ParquetArchive(location), None if keys is None else set(keys))
+    messages = archived_messages(ParquetArchive(location), None if keys is None else set(keys), verifier)
     superseded: dict[tuple[str, int], Charge] = {}
     return recompute(messages, policies, default, superseded, revision_policies), superseded, len(messages)
 
 
+#: The columns the signature check reads, per topic: what the signature covers, and what says who
+#: may have written the record (node.ipc's typed ``kind`` and ``node``; a lifecycle event is a service's).
+_SIGNED_COLUMNS = {NODE_IPC.name: ["key", "value", "auth", "kind", "node"],
+                   JOBS_LIFECYCLE.name: ["key", "value", "auth"]}
+
+
+def unsigned_task(location: Path | str, topic: str, files: list[str], verifier: Verifier) -> set[str]:
+    """One task of the signature check: the jobs (message keys) of these archive files of ``topic``
+    with a record its signer may not have written (``schemas.signing.identity_problem``); the
+    reference fold refuses those records as the worker did, so those jobs are recomputed by it."""
+    import pyarrow.parquet as pq
+
+    from nodeshare.sinks.archive import ARCHIVE_SCHEMA, IPC_SCHEMA
+
+    archive = ParquetArchive(location)
+    schema = IPC_SCHEMA if topic == NODE_IPC.name else ARCHIVE_SCHEMA
+    out: set[str] = set()
+    for f in files:
+        table = pq.read_table(f, columns=_SIGNED_COLUMNS[topic], schema=schema, filesystem=archive.fs)
+        rows = table.to_pydict()
+        kinds = rows.get("kind") or ["job_event"] * table.num_rows
+        nodes = rows.get("node") or [None] * table.num_rows
+        for key, value, auth, kind, node in zip(rows["key"], rows["value"], rows["auth"], kinds, nodes, strict=True):
+            if kind is None:  # not a record the fold decodes: refused before any signature matters
+                continue
+            signer = verifier.signer(topic, key, value, auth)
+            if identity_problem(SimpleNamespace(kind=kind, node=node), signer):
+                out.add((key or b"").decode(errors="replace"))
+    return out
+
+
+def unsigned_jobs(archive: ParquetArchive, verifier: Verifier, runner: Runner) -> set[str]:
+    """Every job with an archived record its signer may not have written, checked file by file as
+    tasks on ``runner``."""
+    calls = [(archive.location, topic, [archive.uri(f) for f in archive.files(topic)[i::runner.slots]], verifier)
+             for topic in _SIGNED_COLUMNS for i in range(runner.slots)]
+    jobs: set[str] = set()
+    for found in runner.map(unsigned_task, [c for c in calls if c[2]]):
+        jobs |= found
+    return jobs
+
+
 def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charge], beyond: set[str],
                default: PricingPolicy, fast: bool, window: Window = EVERY_JOB, runner: Runner | None = None,
-               progress: AuditProgress | None = None) -> JobsAudit:
+               progress: AuditProgress | None = None, verifier: Verifier | None = None) -> JobsAudit:
     """Recompute the charges ``archive`` yields and compare them with ``ledger_rows`` (those beyond
     retention left out). With ``fast``, the vectorized path recomputes the clean jobs and the
     reference fold the rest, including every job where the two disagree with the ledger; without
     it, the reference fold recomputes everything. Both run as tasks on ``runner`` (default:
     threads of this process): the vectorized fold in chunks of the archive's row groups, the
-    reference fold (pure Python) in groups of jobs on a runner of processes, in one task here."""
+    reference fold (pure Python) in groups of jobs on a runner of processes, in one task here.
+    With ``verifier``, a record its signer may not have written counts for nothing, as in the
+    worker: the jobs that have one go to the reference fold, which refuses it."""
     runner = runner if runner is not None else in_process(archive.threads)
     policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}  # the newest revision's
     # a revision priced under another policy than its job's newest (an upgrade, a changed margin or
@@ -208,11 +265,12 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
     reference_jobs: set[str] | None = None  # None: every job
     samples = 0
     duplicates = None
+    refused = unsigned_jobs(archive, verifier, runner) if verifier is not None else set()
     if fast:
         result = fast_recompute(archive.location, policies, default, archive.partitions, archive.threads,
                                 runner=runner, progress=progress)
         samples, duplicates = result.samples, result.duplicates
-        reference_jobs = set(result.ineligible)
+        reference_jobs = set(result.ineligible) | refused
         for key, charge in result.charges.items():
             row = ledger_rows.get(key)
             if row is not None and not diff_charges(row, charge):
@@ -222,12 +280,12 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
         reference_jobs |= {job for (job, revision) in ledger_rows if (job, revision) not in recomputed}
         recomputed = {k: c for k, c in recomputed.items() if k[0] not in reference_jobs}
         reference_jobs -= beyond  # their partial events would only re-fold to a charge that is not compared
-    calls: list[tuple[Any, ...]] = [(archive.location, None, policies, default, mixed)]  # every message
+    calls: list[tuple[Any, ...]] = [(archive.location, None, policies, default, mixed, verifier)]  # every message
     if reference_jobs is not None:
         keys = sorted(reference_jobs)
         groups = runner.slots if runner.processes else 1
         calls = [(archive.location, [k.encode() for k in group], {k: policies[k] for k in group if k in policies},
-                  default, {key: p for key, p in mixed.items() if key[0] in members})
+                  default, {key: p for key, p in mixed.items() if key[0] in members}, verifier)
                  for group in (keys[i::groups] for i in range(groups)) if group for members in [set(group)]]
     fast_jobs = {k[0] for k in recomputed}
     superseded: dict[tuple[str, int], Charge] = {}
@@ -238,6 +296,7 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
         superseded.update(replaced)
         folded += jobs
     part = JobsAudit(fast_path_jobs=len(fast_jobs), reference_path_jobs=folded, samples=samples,
+                     refused_jobs=sorted(refused),
                      duplicates=duplicates if duplicates is not None
                      else archive.duplicates([NODE_IPC.name, JOBS_LIFECYCLE.name]))
     for key, row in ledger_rows.items():
@@ -287,13 +346,15 @@ AuditProgress = Progress
 
 def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *, fast: bool = True,
           client: Any = None, progress: AuditProgress | None = None, window: Window = EVERY_JOB,
-          threads: int | None = None) -> AuditReport:
+          threads: int | None = None, verifier: Verifier | None = None) -> AuditReport:
     """Verify the ledger against the archive. The hash chain, the ledger's columns and
     conservation are checked here, globally; the recomputation runs as tasks, on ``threads``
     threads of this process (default: one per core) or with ``client`` (a dask.distributed Client)
     on its cluster: one code path, the same report. With a ``window``, only jobs that ended in it
     (their current revision's end; for a job the ledger lacks, the end its archive yields) are
-    compared and looked for."""
+    compared and looked for. With ``verifier`` (the site secret's), records are taken only from
+    identities allowed to write them, as the worker's fold takes them; a ledger folded under
+    signatures and audited without the secret fails on every job that had a refused record."""
     with Ledger(ledger_path, read_only=True) as ledger:
         ledger_rows = {(c.job_id, c.revision): c for c in ledger.charges()}
         drift = ledger.column_drift()
@@ -307,13 +368,14 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
     beyond = beyond | outside  # neither compared nor looked for, as the rows beyond retention
     all_rows, ledger_rows = ledger_rows, {k: c for k, c in ledger_rows.items() if k[0] not in beyond}
     runner = on_dask(client) if client is not None else in_process(threads)
-    part = audit_jobs(archive, ledger_rows, beyond, default, fast, window, runner, progress)
+    part = audit_jobs(archive, ledger_rows, beyond, default, fast, window, runner, progress, verifier)
     report = AuditReport(events_read=archive.count(), chain_ok=chain.ok,
                          fast_path_jobs=part.fast_path_jobs, reference_path_jobs=part.reference_path_jobs,
                          chain_error=chain.error,
                          conservation_violations=conservation_violations(list(all_rows.values())),
                          beyond_retention=pruned_rows,
-                         outside_window=len(all_rows) - len(ledger_rows) - pruned_rows)
+                         outside_window=len(all_rows) - len(ledger_rows) - pruned_rows,
+                         identities_checked=verifier is not None, refused_jobs=part.refused_jobs)
     # A SQL column edited behind the record's back is tampering too: analysts read the columns.
     report.mismatches += [Mismatch(j, r, f"column {c}", v, want) for j, r, c, v, want in drift]
     for _, diffs in sorted(part.checked, key=lambda c: c[0]):
@@ -327,8 +389,8 @@ def audit(archive_root: Path | str, ledger_path: Path, default: PricingPolicy, *
     latest: dict[str, int] = {}
     for job, revision in all_rows:
         latest[job] = max(revision, latest.get(job, -1))
-    report.missing_charges = [p for p in pending_jobs(archive, latest, default,
-                                                      window.start, window.end) if not p.charge_in_archive]
+    report.missing_charges = [p for p in pending_jobs(archive, latest, default, window.start, window.end, verifier)
+                              if not p.charge_in_archive]
     return report
 
 

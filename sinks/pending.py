@@ -22,7 +22,8 @@ from typing import Any
 
 from nodeshare.schemas import JobEvent
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_states
+from nodeshare.schemas.signing import Verifier
+from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fold_states
 
 from .archive import ParquetArchive
 
@@ -56,29 +57,40 @@ class PendingJob:
                 "reason": self.reason}
 
 
-def ended_jobs(archive: ParquetArchive, policy: PricingPolicy) -> dict[str, tuple[JobEvent, int]]:
+def archived_input(archive: ParquetArchive, topics: list[str], keys: set[bytes] | None = None,
+                   verifier: Verifier | None = None) -> list[Message]:
+    """The archived messages of catalog ``topics`` (of the given keys, default all) as the fold takes
+    them, each topic in offset order; with ``verifier``, each origin names the identity whose
+    signature the archived ``auth`` is, as the worker's fold saw it."""
+    return [(Origin(topic, ev.partition, ev.offset,
+                    None if verifier is None else verifier.signer(topic, ev.key, ev.value, ev.auth)),
+             ev.key, ev.value, ev.timestamp_ms / 1000)
+            for topic, ev in archive.events(topics, keys)]
+
+
+def ended_jobs(archive: ParquetArchive, policy: PricingPolicy,
+               verifier: Verifier | None = None) -> dict[str, tuple[JobEvent, int]]:
     """Each job whose archived ``jobs.lifecycle`` has a terminal event of a run (ended, failed, or
     cancelled after it started): its latest such event and the charge revision that event makes
     (a correction that changes a billed field makes the next one). Folded by the worker's own
     reducer, lifecycle only, so what it refused (dead letters, duplicates) counts for nothing."""
-    messages = [(Origin(topic, ev.partition, ev.offset), ev.key, ev.value, ev.timestamp_ms / 1000)
-                for topic, ev in archive.events([JOBS_LIFECYCLE.name])]
-    accounts, _ = fold_states(messages, policy)
+    accounts, _ = fold_states(archived_input(archive, [JOBS_LIFECYCLE.name], verifier=verifier), policy)
     return {a.job_id: (a.ends[-1].event, len(a.ends) - 1) for a in accounts.values() if a.ends}
 
 
 def pending_jobs(archive: ParquetArchive, charged: dict[str, int], policy: PricingPolicy,
-                 ended_from: datetime | None = None, ended_to: datetime | None = None) -> list[PendingJob]:
+                 ended_from: datetime | None = None, ended_to: datetime | None = None,
+                 verifier: Verifier | None = None) -> list[PendingJob]:
     """Every job the archive says ended (end time within [``ended_from``, ``ended_to``) when given)
     whose latest terminal event has no charge in the ledger (``charged``: each job's highest revision
-    there), with the nodes holding that charge back, by job id. Folds only those jobs' records."""
-    ended = {j: e for j, (e, revision) in ended_jobs(archive, policy).items() if charged.get(j, -1) < revision
+    there), with the nodes holding that charge back, by job id. Folds only those jobs' records (with
+    ``verifier``, what their signers may not have written left out, as the worker does)."""
+    ended = {j: e for j, (e, revision) in ended_jobs(archive, policy, verifier).items() if charged.get(j, -1) < revision
              and (ended_from is None or (e.end_time is not None and e.end_time >= ended_from))
              and (ended_to is None or (e.end_time is not None and e.end_time < ended_to))}
     if not ended:
         return []
-    messages = [(Origin(topic, ev.partition, ev.offset), ev.key, ev.value, ev.timestamp_ms / 1000)
-                for topic, ev in archive.events([NODE_IPC.name, JOBS_LIFECYCLE.name], {j.encode() for j in ended})]
+    messages = archived_input(archive, [NODE_IPC.name, JOBS_LIFECYCLE.name], {j.encode() for j in ended}, verifier)
     accounts, _ = fold_states(messages, policy)
     out = []
     for job, event in sorted(ended.items()):

@@ -20,6 +20,7 @@ from nodeshare.schemas import (
     key_of,
 )
 from nodeshare.schemas.events import JobPowerPlan, PlacementDecision, PowerAction, PowerDecision, ProcessorCap
+from nodeshare.schemas.signing import Signer, Verifier
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
@@ -84,28 +85,39 @@ def build(tmp: Path, *, batch: int = 400, partitions: int = 1, jobs: int = 8) ->
     return archive_records(tmp, sim.events, batch=batch, partitions=partitions)
 
 
-def archive_records(tmp: Path, records: list, *, batch: int = 400, partitions: int = 1) -> tuple[Path, Path, int]:
+def archive_records(tmp: Path, records: list, *, batch: int = 400, partitions: int = 1,
+                    signer: Signer | None = None, verifier: Verifier | None = None) -> tuple[Path, Path, int]:
     """Archive records on their topics' partitions (Kafka's default partitioner: murmur2 of the
     key; one partition: all on 0), as the archive sink would, and price them into a ledger with
-    the reference fold."""
+    the reference fold. A record is a model (signed by ``signer`` when given) or raw (topic, key,
+    value[, auth]); with ``verifier``, the fold takes records from allowed signers only, as a
+    worker given the site secret does."""
     from aiokafka.partitioner import murmur2
 
     offsets: dict[tuple[str, int], int] = {}
     rows: dict[str, list[ArchivedEvent]] = {}
     for i, rec in enumerate(records):
-        raw = rec if isinstance(rec, tuple) else (TOPIC_OF_RECORD[type(rec)].name, key_of(rec), encode(rec))
-        topic, key, value = raw
+        auth = None
+        if isinstance(rec, tuple):
+            topic, key, value, *signed = rec
+            auth = signed[0] if signed else None
+        else:
+            topic, key, value = TOPIC_OF_RECORD[type(rec)].name, key_of(rec), encode(rec)
+            if signer is not None:
+                auth = signer.header(topic, key, value, signer.identity_for(rec.kind, getattr(rec, "node", None)))
         p = 0 if partitions == 1 or key is None else (murmur2(key) & 0x7FFFFFFF) % partitions
         off = offsets[(topic, p)] = offsets.get((topic, p), -1) + 1
         # the broker's timestamp: when the record was produced (its event time; raw bytes: T0)
         when = rec.event_time if not isinstance(rec, tuple) else T0
         rows.setdefault(topic, []).append(ArchivedEvent(topic, p, off, round(when.timestamp() * 1000) + i, key,
-                                                        value))
+                                                        value, auth))
     archive = ParquetArchive(tmp / "archive")
     for topic, evs in rows.items():
         for start in range(0, len(evs), batch):
             archive.write(topic, evs[start:start + batch])
-    msgs = [(Origin(e.kafka_topic, e.partition, e.offset), e.key, e.value, e.timestamp_ms / 1000)
+    msgs = [(Origin(e.kafka_topic, e.partition, e.offset,
+                    None if verifier is None else verifier.signer(e.kafka_topic, e.key, e.value, e.auth)),
+             e.key, e.value, e.timestamp_ms / 1000)
             for t in ("node.ipc", "jobs.lifecycle") for e in rows.get(t, [])]
     charges = fold_messages(msgs, POLICY)
     with Ledger(tmp / "ledger.duckdb") as ledger:

@@ -9,7 +9,7 @@ from .common import app, err
 
 # isort: off
 # Imported in the order `nodeshare --help` lists their commands: running the pipeline first.
-from . import pipeline, nodes, ledger, bench, experiment, experiment_shutter  # noqa: F401  (registers its command)
+from . import pipeline, nodes, ledger, bench, experiment, experiment_shutter, keys  # noqa: F401  (registers its command)
 # isort: on
 
 app.add_typer(pipeline.config_app, name="config")
@@ -24,6 +24,7 @@ app.add_typer(pipeline.decisions_app, name="decisions")
 app.add_typer(pipeline.dlq_app, name="dlq")
 app.add_typer(nodes.slurm_app, name="slurm")
 app.add_typer(nodes.nodes_app, name="nodes")
+app.add_typer(keys.keys_app, name="keys")
 
 __all__ = ["app", "main"]
 

@@ -65,6 +65,7 @@ def audit(
 ) -> None:
     """Verify the ledger's hash chain and conservation, recompute every charge from the archive and
     compare, and report ended jobs without a charge. Exit 1 on any failure."""
+    from nodeshare.schemas.signing import SigningError
     from nodeshare.sinks.analysis.usage import QueryError, parse_time
     from nodeshare.sinks.audit import Window, dask_client
     from nodeshare.sinks.audit import audit as run_audit
@@ -72,7 +73,8 @@ def audit(
     settings = load_settings()
     try:
         window = Window(parse_time(ended_from) if ended_from else None, parse_time(ended_to) if ended_to else None)
-    except QueryError as exc:
+        verifier = settings.verifier()
+    except (QueryError, SigningError) as exc:
         err.print(f"[red]audit[/red]: {exc}")
         raise typer.Exit(2) from None
     if workers is not None and scheduler is not None:
@@ -91,7 +93,7 @@ def audit(
                            description=f"archive chunks folded ({samples / 1e6:.1f} M samples)")
             root = archive if "://" in archive else Path(archive).resolve()
             report = run_audit(root, ledger.resolve(), settings.policy(), client=client,
-                               progress=progress, window=window, threads=threads)
+                               progress=progress, window=window, threads=threads, verifier=verifier)
     except FileNotFoundError as exc:
         err.print(f"[red]audit failed[/red]: {exc}")
         raise typer.Exit(2) from None
@@ -122,6 +124,11 @@ def audit(
             out.print(f"  {p.job_id} ({p.state} {p.end_time:%Y-%m-%d %H:%M:%S}): {p.reason}")
         for m in report.mismatches[:20]:
             out.print(f"  {m.job_id}#{m.revision} {m.field}: ledger {m.ledger!r} != recomputed {m.recomputed!r}")
+        if report.identities_checked:
+            out.print(f"signatures checked (site secret): {len(report.refused_jobs)} jobs had records refused "
+                      "for their signer" + (f": {', '.join(report.refused_jobs[:20])}" if report.refused_jobs else ""))
+        else:
+            out.print("signatures not checked (no site_secret_file configured)")
         if report.conflicting_copies:
             out.print(f"[red]{len(report.conflicting_copies)} archived records have copies that differ[/red] "
                       f"(overlapping files): {', '.join(report.conflicting_copies[:20])}")
@@ -201,7 +208,8 @@ def pending_charges(ledger: Path, archive: str | None, as_json: bool) -> None:
         for c in led.charges():
             charged[c.job_id] = max(c.revision, charged.get(c.job_id, -1))
     root = archive if "://" in archive else Path(archive).resolve()
-    rows = pending_jobs(ParquetArchive(root), charged, load_settings().policy())
+    settings = load_settings()
+    rows = pending_jobs(ParquetArchive(root), charged, settings.policy(), verifier=settings.verifier())
     if as_json:
         print(json.dumps([p.as_dict() for p in rows], indent=2))
         return

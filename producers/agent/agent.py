@@ -724,6 +724,20 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+def check_signing_identity(settings: Any, node: str) -> None:
+    """Refuse to start (SigningError, a ValueError) with a key that cannot be read or is another
+    identity's: every record this agent sent would be refused as forged."""
+    from nodeshare.runtime.identity import read_key
+
+    if settings.signing_key_file is not None:
+        identity, _ = read_key(settings.signing_key_file)
+        if identity != f"node/{node}":
+            raise ValueError(f"the signing key {settings.signing_key_file} is {identity}'s, and this agent is "
+                             f"node {node!r}: give it node/{node}'s key (nodeshare keys derive node/{node})")
+    elif settings.site_secret_file is not None:
+        settings.signer(service=f"service/nodeshare-agent-{node}")  # readable, a secret
+
+
 def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm: bool,
           progress_dir: Path) -> Agent:
     """An agent on the configured broker, for a static job file or for Slurm."""
@@ -735,6 +749,7 @@ def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm:
 
     if (job_file is None) == (not slurm):
         raise ValueError("choose the jobs: --jobs FILE (a static job file) or --slurm")
+    check_signing_identity(settings, options.node)
     source: JobSource = (StaticJobs(load_job_file(job_file), progress_dir) if job_file is not None
                          else SlurmJobs(progress_dir, options.freezer_root))
 

@@ -59,6 +59,7 @@ from nodeshare.schemas.events import (
     clock_problem,
 )
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
+from nodeshare.schemas.signing import AUTH_FIELD, identity_problem
 
 from .blocks import block_rows, prior_max
 from .confidence import (
@@ -116,11 +117,13 @@ class PricingPolicy:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where an event was read from."""
+    """Where an event was read from, and who wrote it: ``signer`` is the identity whose signature
+    the shell verified ("" none; None: the site checks no identities, ``schemas.signing``)."""
 
     topic: str
     partition: int
     offset: int
+    signer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -888,6 +891,11 @@ def level_evidence(degradation: DegradationResult) -> tuple[LevelEvidence, ...]:
                  for v in levels)
 
 
+#: Dead-letter kind of a record its signer may not have written (or that no one signed), when the
+#: site checks identities.
+FORGED = "forged"
+
+
 @dataclass(frozen=True)
 class Outgoing:
     """A message to publish: catalog topic (without prefix), key, value; for a dead letter, its kind
@@ -935,6 +943,10 @@ def apply_message(
         record: Record = decode(spec, value)
     except DecodeError as exc:
         return None, reject(exc.reason, exc.field, "decode"), None
+    if origin.signer is not None:
+        forged = identity_problem(record, origin.signer)
+        if forged:
+            return None, reject(forged, AUTH_FIELD, FORGED), None
     job_id: str = record.job_id  # type: ignore[attr-defined]  # both input topics carry job_id
     if key != job_id.encode():
         return None, reject(f"message key {key!r} does not match job_id {job_id!r}", "key", "key_mismatch"), None

@@ -47,8 +47,10 @@ from nodeshare.schemas.catalog import (
     TOPIC_OF_RECORD,
     TopicSpec,
     key_of,
+    spec_for_topic,
 )
 from nodeshare.schemas.serde import encode
+from nodeshare.schemas.signing import AUTH_FIELD
 
 from ..core import snapshot
 from ..core.accounting import Message, Origin
@@ -125,7 +127,8 @@ def follow(app: faust.App, cursor: Cursor, first: First) -> Callable[[Any], Awai
                     cursor.forget()
                 if not cursor.knows(msg.topic, msg.partition):
                     await first(msg.topic, msg.partition, msg.offset)
-                await cursor.deliver((Origin(msg.topic, msg.partition, msg.offset), event.key, event.value,
+                signer = cursor.signer(msg.topic, event.key, event.value, msg.headers)
+                await cursor.deliver((Origin(msg.topic, msg.partition, msg.offset, signer), event.key, event.value,
                                       msg.timestamp))
 
     return agent
@@ -174,10 +177,13 @@ def add_log_manager(app: faust.App, settings: Settings, name: str, log_topic: st
 
     async def route(message: Message) -> None:
         origin, key, value, ts = message
-        bad = screen(origin.topic, origin.partition, origin.offset, key, value, ts, settings.topic_prefix, screened)
+        bad = screen(origin.topic, origin.partition, origin.offset, key, value, ts, settings.topic_prefix, screened,
+                     origin.signer)
         if bad is not None:  # bad input stops here, with its reason
-            await dlq.send(key=bad.origin_topic.encode(), value=encode(bad))
-            metrics.DEAD_LETTERS.labels(metrics.DECODE if bad.field != "event_time" else metrics.CLOCK).inc()
+            if spec_for_topic(origin.topic, settings.topic_prefix) in screened:  # else its owner dead-letters it
+                await dlq.send(key=bad.origin_topic.encode(), value=encode(bad))
+                metrics.DEAD_LETTERS.labels({"event_time": metrics.CLOCK, AUTH_FIELD: metrics.FORGED}.get(
+                    bad.field or "", metrics.DECODE)).inc()
             return
         await log_.send(key=b"cluster", value=envelope(origin.topic, value))
 

@@ -29,13 +29,16 @@ from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
     ESTIMATES_DEGRADATION,
+    INPUT_TOPICS,
     JOBS_LIFECYCLE,
     NODE_IPC,
     NODE_LLC,
     NODE_POWER,
     PLACEMENT_LOG,
     POWER_LOG,
+    spec_for_topic,
 )
+from nodeshare.schemas.signing import Verifier, header_value
 
 from ..core.accounting import Message, Origin
 from ..core.placement.stream import ROUTED
@@ -63,12 +66,13 @@ def head_deleted(start: int, first_read: int, low_watermark: int | None) -> bool
 
 
 def read_range(settings: Settings, topic: str, partition: int, start: int, stop: int,
-               timeout_s: float = 60.0) -> list[Message]:
+               timeout_s: float = 60.0, verifier: Verifier | None = None) -> list[Message]:
     """Messages [start, stop) of one topic partition, in offset order. Waits on content and on the
     consumer's position, never on end offsets (wrong on the bundled broker); offsets without a
     message (transaction markers on Apache Kafka) are passed by the position. Raises LogHeadGone
     when the log no longer begins at or before ``start`` (the consumer would silently jump to what
-    is left), RuntimeError if the range cannot be read in time."""
+    is left), RuntimeError if the range cannot be read in time. With ``verifier``, each message's
+    origin names the identity that signed it, as the live consumer's does."""
     if stop <= start:
         return []
     consumer = Consumer(settings.client_config(**{
@@ -76,6 +80,7 @@ def read_range(settings: Settings, topic: str, partition: int, start: int, stop:
     tp = TopicPartition(topic, partition, start)
     consumer.assign([tp])
     out: list[Message] = []
+    catalog = spec_for_topic(topic, settings.topic_prefix).name
     position = start
     deadline = time.monotonic() + timeout_s
     try:
@@ -83,7 +88,9 @@ def read_range(settings: Settings, topic: str, partition: int, start: int, stop:
             for m in consumer.consume(5000, timeout=0.5):
                 offset = m.offset() or 0
                 if m.error() is None and start <= offset < stop:
-                    out.append((Origin(topic, partition, offset), m.key(), m.value(), m.timestamp()[1] / 1000))
+                    signer = None if verifier is None else verifier.signer(catalog, m.key(), m.value(),
+                                                                           header_value(m.headers()))
+                    out.append((Origin(topic, partition, offset, signer), m.key(), m.value(), m.timestamp()[1] / 1000))
                     position = max(position, offset + 1)
             [now] = consumer.position([TopicPartition(topic, partition)])
             position = max(position, now.offset)
@@ -150,6 +157,17 @@ class Cursor:
         self.before_rebalance: dict[tuple[str, int], int] = {}  # ``next`` as the last rebalance found it
         self.generation = -1  # the app's rebalance count when the agent last started or checked its partitions
         self.refetched = 0  # messages read back because faust skipped them
+        self.verifier = settings.verifier()  # who signed each message (None: identities not checked)
+        self._inputs = {settings.topic(t.name): t.name for t in INPUT_TOPICS}
+
+    def signer(self, topic: str, key: bytes | None, value: bytes | None, headers: Any) -> str | None:
+        """The identity whose valid signature a message of Kafka ``topic`` carries ("" none); None
+        when the site checks no identities, or for a topic that is not an input (derived records
+        and the managers' logs are the worker's own, never signed)."""
+        catalog = self._inputs.get(topic)
+        if self.verifier is None or catalog is None:
+            return None
+        return self.verifier.signer(catalog, key, value, header_value(headers))
 
     def start(self, topic: str, partition: int, offset: int) -> None:
         """Live consumption of (topic, partition) continues at ``offset``: what precedes it is handled."""
@@ -197,7 +215,7 @@ class Cursor:
 
     async def _refetch(self, topic: str, partition: int, start: int, stop: int) -> None:
         missed = await blocking(f"{self.name}: reading back {topic}[{partition}]", read_range, self.settings, topic,
-                                partition, start, stop)
+                                partition, start, stop, 60.0, self.verifier)
         log.warning("%s: read back %d messages of %s[%d] at offsets %d..%d that the stream skipped", self.name,
                     len(missed), topic, partition, start, stop - 1,
                     extra=logs.fields(topic=topic, partition=partition))

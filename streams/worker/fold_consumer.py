@@ -59,9 +59,10 @@ from prometheus_client import Gauge
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.runtime import logs, metrics
 from nodeshare.runtime.config import Settings
-from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, NODE_IPC
+from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, NODE_IPC, spec_for_topic
 from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.serde import encode
+from nodeshare.schemas.signing import header_value
 
 from ..core import fold_snapshot
 from ..core.accounting import SOURCE, JobAccount, Message, Origin, Outgoing, apply_message, fold_states
@@ -134,6 +135,9 @@ class FoldConsumer:
         self.commit_interval_s = commit_interval_s
         self.states: dict[int, dict[bytes | None, JobAccount]] = {}
         self.producer = EventProducer(settings, client_id="nodeshare-accounting")
+        #: checks who signed each input record (None: the site checks no identities)
+        self.verifier = settings.verifier()
+        self._catalog: dict[str, str] = {}  # Kafka topic -> catalog name, for the signature
         self._pending: dict[tuple[str, int], int] = {}  # next offset to commit per (topic, partition)
         self._position: dict[tuple[str, int], int] = {}  # next offset to apply per (topic, partition)
         #: States of revoked partitions, with where they stopped: an eager rebalance revokes every
@@ -214,9 +218,19 @@ class FoldConsumer:
                 continue
             topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
             assert topic is not None and partition is not None and offset is not None
-            self.apply((Origin(topic, partition, offset), msg.key(), msg.value(), msg.timestamp()[1] / 1000))
+            self.apply((Origin(topic, partition, offset, self.signer(topic, msg)), msg.key(), msg.value(),
+                        msg.timestamp()[1] / 1000))
             self._pending[(topic, partition)] = self._position[(topic, partition)] = offset + 1
             self.snapshots.note(partition)
+
+    def signer(self, topic: str, msg: KafkaMessage) -> str | None:
+        """The identity whose valid signature ``msg`` carries ("" none), None when none is checked."""
+        if self.verifier is None:
+            return None
+        catalog = self._catalog.get(topic)
+        if catalog is None:
+            catalog = self._catalog[topic] = spec_for_topic(topic, self.prefix).name
+        return self.verifier.signer(catalog, msg.key(), msg.value(), header_value(msg.headers()))
 
     def apply(self, message: Message) -> None:
         """One input message through the reducer; what it produced goes to the producer's queue."""
@@ -388,7 +402,8 @@ class FoldConsumer:
         start, resume = fold_snapshot.resume(snap, stops)
         messages: list[Message] = []
         for topic, stop in sorted(stops.items()):  # what the live fold dead-lettered as misrouted it skips here too
-            messages += [m for m in read_range(self.settings, topic, partition, start[topic], stop)
+            messages += [m for m in read_range(self.settings, topic, partition, start[topic], stop,
+                                               verifier=self.verifier)
                          if self.misrouted(m[0], m[1]) is None]
         rebuilt, charges = fold_states(messages, self.policy, self.prefix, snap.accounts if snap else None)
         self.states[partition] = rebuilt

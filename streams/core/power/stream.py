@@ -24,7 +24,14 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from nodeshare.schemas.catalog import CLUSTER_INVENTORY, JOBS_LIFECYCLE, NODE_POWER, TopicSpec, spec_for_topic
+from nodeshare.schemas.catalog import (
+    CLUSTER_INVENTORY,
+    INPUT_TOPICS,
+    JOBS_LIFECYCLE,
+    NODE_POWER,
+    TopicSpec,
+    spec_for_topic,
+)
 from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.events import (
     TERMINAL_STATES,
@@ -44,6 +51,7 @@ from nodeshare.schemas.events import (
     clock_problem,
 )
 from nodeshare.schemas.serde import DecodeError, decode
+from nodeshare.schemas.signing import AUTH_FIELD, identity_problem
 
 from ..lifecycle import JobPhases, Phase
 from .caps import node_caps
@@ -68,15 +76,24 @@ SOURCE = "nodeshare/power"
 
 
 def screen(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, timestamp_s: float,
-           prefix: str = "", screened: tuple[TopicSpec, ...] = (NODE_POWER, CLUSTER_INVENTORY)) -> DeadLetter | None:
-    """The dead letter for a message of a ``screened`` topic (by default ``node.power`` and
-    ``cluster.inventory``) that a router must not forward (undecodable, or a wrong clock), else
-    None. Other topics pass: the agent that owns them screens and dead-letters them, once."""
+           prefix: str = "", screened: tuple[TopicSpec, ...] = (NODE_POWER, CLUSTER_INVENTORY),
+           signer: str | None = None) -> DeadLetter | None:
+    """The dead letter for a message that a router must not forward, else None: of a ``screened``
+    topic (by default ``node.power`` and ``cluster.inventory``), undecodable or with a wrong clock;
+    with ``signer`` (the identity that signed it, "" none: the site checks identities), a record of
+    any input topic its signer may not have written (``schemas.signing``; its ``field`` is
+    ``auth``). The router publishes the dead letters of screened topics only: the agent that owns
+    another topic dead-letters its records itself, once."""
     spec = spec_for_topic(topic, prefix)
-    if spec not in screened:
+    checks_identity = signer is not None and spec in INPUT_TOPICS
+    if spec not in screened and not checks_identity:
         return None
     try:
-        problem, field_name = clock_problem(decode(spec, value), timestamp_s), "event_time"
+        record = decode(spec, value)
+        problem, field_name = clock_problem(record, timestamp_s), "event_time"
+        if problem is None and checks_identity:
+            assert signer is not None
+            problem, field_name = identity_problem(record, signer), AUTH_FIELD
     except DecodeError as exc:
         problem, field_name = exc.reason, exc.field
     if problem is None:
