@@ -136,12 +136,20 @@ def demo(
 ) -> None:
     """Run the whole pipeline locally: simulator -> broker -> stream worker -> ledger + archive -> audit.
 
-    Uses the bundled Tansu broker unless a bootstrap server is configured.
+    Uses the bundled Tansu broker unless a bootstrap server is configured. Every input record is
+    signed: with the configured site secret, else with one the demo makes in its directory.
     """
     from nodeshare.demo import DemoError, run_demo
+    from nodeshare.runtime.identity import new_secret
     from nodeshare.scenarios import source
 
     settings = load_settings(bootstrap=bootstrap)
+    if settings.site_secret_file is None and settings.signing_key_file is None:
+        secret = out_dir / "site.secret"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not secret.exists():
+            new_secret(secret)
+        settings = settings.model_copy(update={"site_secret_file": secret.resolve()})
     choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
                              profiles=profiles, time_scale=time_scale)
     with progress_bar() as bar:
@@ -161,8 +169,11 @@ def demo(
         verdict = "[green]0 mismatches[/green]" if result.audit.ok else (
             f"[red]{d['audit_mismatches']} mismatches[/red]")
         out.print(f"audit: {result.audit.charges_checked} charges recomputed from "
-                  f"{result.audit.events_read} archived events, {verdict}")
-        out.print(f"ledger:  {result.ledger}\narchive: {result.archive}\ntruth:   {result.truth}  "
+                  f"{result.audit.events_read} archived events, {verdict}"
+                  + (f"; every record's signature checked ({len(result.audit.refused_jobs)} jobs with refused "
+                     "records)" if result.audit.identities_checked else "; signatures not checked"))
+        out.print(f"ledger:  {result.ledger}\narchive: {result.archive}\nsecret:  {settings.site_secret_file}  "
+                  f"(the site secret the records were signed with)\ntruth:   {result.truth}  "
                   f"(ground truth, never read by pricing)\nbroker:  {result.broker} at {result.bootstrap}; "
                   f"{result.elapsed_s:.1f} s")
     if not result.audit.ok:
