@@ -33,6 +33,7 @@ from nodeshare.schemas import Charge, DecodeError, ShutterWindow, decode, decode
 from nodeshare.schemas.catalog import LEDGER_CHARGES, NODE_SHUTTER
 from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.events import carried
+from nodeshare.schemas.signing import AUTH_FIELD, header_value, identity_problem
 
 log = logging.getLogger(__name__)
 
@@ -358,6 +359,8 @@ class LedgerSink(BatchSink):
         # DuckDB file (~35 ms), which is let go between batches for analysts' read-only opens
         super().__init__(settings, [LEDGER_CHARGES.name, NODE_SHUTTER.name], "ledger", max_delay_s=0.2)
         self.shutter_topic = settings.topic(NODE_SHUTTER.name)
+        #: with the site secret: a window its signer may not have written is a dead letter, never counted
+        self.verifier = settings.verifier()
         self.ledger_path = ledger_path
         self.dead_letters = dead_letters  # an EventProducer, or None to raise instead
         self.rows_inserted = 0
@@ -379,7 +382,14 @@ class LedgerSink(BatchSink):
             try:
                 if m.topic() == self.shutter_topic:
                     self.shutter_messages += 1
-                    windows.append(decode(NODE_SHUTTER, raw))
+                    window = decode(NODE_SHUTTER, raw)
+                    if self.verifier is not None:
+                        signer = self.verifier.signer(NODE_SHUTTER.name, m.key(), raw, header_value(m.headers()))
+                        forged = identity_problem(window, signer)
+                        if forged:
+                            metrics.DEAD_LETTERS.labels(metrics.FORGED).inc()
+                            raise DecodeError(forged, AUTH_FIELD)
+                    windows.append(window)
                     continue
                 if raw is None:
                     raise DecodeError("empty message (tombstone) on the charges topic")

@@ -18,7 +18,17 @@ from nodeshare.demo import DemoResult, from_events, run_demo
 from nodeshare.producers.simulator import SimConfig, simulate
 from nodeshare.runtime.config import Settings
 from nodeshare.runtime.identity import new_secret, read_secret
-from nodeshare.schemas import DeadLetter, JobEvent, NodeDown, PowerReading, ShutterBatch, decode_model, encode, key_of
+from nodeshare.schemas import (
+    DeadLetter,
+    JobEvent,
+    NodeDown,
+    PowerReading,
+    ShutterBatch,
+    ShutterWindow,
+    decode_model,
+    encode,
+    key_of,
+)
 from nodeshare.schemas.catalog import TOPIC_OF_RECORD
 from nodeshare.schemas.signing import derive_key, sign
 from nodeshare.sinks.archive import ParquetArchive
@@ -37,6 +47,7 @@ def _forgeries(secret: bytes) -> tuple[str, list[tuple[str, bytes, bytes, bytes,
                if isinstance(e, JobEvent) and e.job_id == real.job_id and e.state.value == "ended")
     node = real.node
     other = next(n for e in sim.events if isinstance(e, JobEvent) for n in e.nodes if n != node)
+    window = next(e for e in sim.events if isinstance(e, ShutterWindow) and e.node == node)
     as_other = derive_key(secret, f"node/{other}")
     records = [
         (real.model_copy(update={"event_id": "forged-batch"}), f"node/{other}",
@@ -48,6 +59,9 @@ def _forgeries(secret: bytes) -> tuple[str, list[tuple[str, bytes, bytes, bytes,
         (PowerReading(event_id="forged-power", source="x", event_time=end.event_time, node=node, processor=0,
                       available=True, watts=10.0, interval_s=1.0), f"node/{other}",
          f"power_reading names node '{node}' but is signed by node/{other}"),
+        # the ledger sink's co-runner counts (analysts' table) take no window another node wrote either
+        (window.model_copy(update={"event_id": "forged-window", "cycle": window.cycle + 10**6}), f"node/{other}",
+         f"shutter_window names node '{node}' but is signed by node/{other}"),
     ]
     out = []
     for rec, identity, reason in records:
@@ -112,3 +126,13 @@ def test_the_audit_command_with_and_without_the_secret(signed, monkeypatch) -> N
     r = CliRunner().invoke(app, ["audit", "--archive", str(run.archive), "--ledger", str(run.ledger)])
     assert r.exit_code == 1 and "signatures not checked" in r.output  # the forgeries fold into another charge
     assert f"{job}#0" in r.output
+
+
+def test_a_forged_window_moves_no_co_runner_count(signed) -> None:
+    import duckdb
+
+    run, _, forged = signed
+    [window] = [decode_model(ShutterWindow, v) for t, _, v, _, _ in forged if t == "node.shutter"]
+    with duckdb.connect(str(run.ledger), read_only=True) as con:
+        [(last,)] = con.execute("SELECT last_cycle FROM shutter_watermarks WHERE node = ?", [window.node]).fetchall()
+    assert last < window.cycle  # accepted, it would have moved the node's watermark to its cycle
