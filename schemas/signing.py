@@ -52,7 +52,7 @@ class SigningError(ValueError):
 
 def check_identity(identity: str) -> str:
     """``identity`` if it is ``node/<name>`` or ``service/<name>``; else SigningError."""
-    if not _IDENTITY.match(identity):
+    if not _IDENTITY.fullmatch(identity):
         raise SigningError(f"identity {identity!r} is neither node/<name> nor service/<name> "
                            "(letters, digits and ._@:+- only)")
     return identity
@@ -96,13 +96,17 @@ class Verifier:
             identity = identity_b.decode("ascii")
         except UnicodeDecodeError:
             return ""
-        if not _IDENTITY.match(identity):
+        if not _IDENTITY.fullmatch(identity):
             return ""
-        expected = sign(self.key(identity), identity, topic, msg_key, value)
-        return identity if hmac.compare_digest(expected, auth) else ""
+        known = identity in self._keys
+        if not hmac.compare_digest(sign(self.key(identity), identity, topic, msg_key, value), auth):
+            if not known:  # a made-up identity is not remembered: the cache holds only real signers
+                self._keys.pop(identity, None)
+            return ""
+        return identity
 
     def key(self, identity: str) -> bytes:
-        """``identity``'s key (derived once)."""
+        """``identity``'s key (derived once per identity that signs: ``signer`` forgets the others)."""
         key = self._keys.get(identity)
         if key is None:
             key = self._keys[identity] = derive_key(self._secret, identity)
@@ -121,25 +125,16 @@ def header_value(headers: Any) -> bytes | None:
 
 
 #: Who may write each input record kind (``Record.kind``): ``NODE``, the node agent of the node the
-#: record is about (its ``node``; a job event's ``nodes`` must be that node alone), and ``SERVICE``,
-#: any site service. A node agent writes a job's lifecycle only for jobs of a static job file, and
-#: describes its own processors; at a site with ACLs (docs/deployment.md) agents may not write
-#: ``jobs.lifecycle`` at all, and the Slurm source is the one writer.
+#: record is about (its ``node``), and ``SERVICE``, any site service. A job's lifecycle is a
+#: service's alone: a node's word on a job's cores, account or end would re-bill any job (a job id
+#: names no node). A node may describe its own processors (a processors-only inventory, for power
+#: caps), never its Slurm state or size.
 IDENTITY_RULES: dict[str, tuple[str, ...]] = {
     "shutter_block": (NODE,), "shutter_batch": (NODE,), "job_left_node": (NODE,),
     "shutter_window": (NODE,), "llc_sample": (NODE,), "power_reading": (NODE,),
     "node_down": (SERVICE,),  # a node that is down cannot say so; another node must not
-    "job_event": (SERVICE, NODE), "node_inventory": (SERVICE, NODE),
+    "job_event": (SERVICE,), "node_inventory": (SERVICE, NODE),
 }
-
-
-def _own_node(record: Any) -> str | None:
-    """The one node a record is about: its ``node``, or a job event's only node; None for none."""
-    node = getattr(record, "node", None)
-    if node is not None:
-        return str(node)
-    nodes = tuple(getattr(record, "nodes", ()) or ())
-    return str(nodes[0]) if len(nodes) == 1 else None
 
 
 def identity_problem(record: Any, signer: str) -> str | None:
@@ -155,12 +150,12 @@ def identity_problem(record: Any, signer: str) -> str | None:
         return None if SERVICE in rule else f"{kind} must be written by the node it is about, not {signer}"
     if NODE not in rule:
         return f"{kind} must be written by a service, not {signer}"
-    node = _own_node(record)
-    if signer == f"{NODE}{node}":
-        return None
-    if node is None:
-        return f"{kind} is about no single node, and {signer} may write only about itself"
-    return f"{kind} names node {node!r} but is signed by {signer}"
+    node = getattr(record, "node", None)
+    if signer != f"{NODE}{node}":
+        return f"{kind} names node {node!r} but is signed by {signer}"
+    if kind == "node_inventory" and not getattr(record, "processors_only", False):
+        return f"node_inventory from {signer} must be processors-only: a node's state and size are a service's word"
+    return None
 
 
 class Signer:

@@ -7,11 +7,13 @@ charges look wrong), or the configured policy for a job the ledger lacks.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -106,13 +108,25 @@ class AuditReport:
         }
 
 
+#: An archived row, as the signature check names a refused one: (catalog topic, partition, offset,
+#: a digest of its value); the digest tells apart the rows of one offset in two epochs of a topic.
+RowId = tuple[str, int, int, bytes]
+
+
+def row_id(topic: str, partition: int, offset: int, value: bytes | None) -> RowId:
+    return topic, partition, offset, hashlib.blake2b(value or b"", digest_size=16).digest()
+
+
 def archived_messages(archive: ParquetArchive, keys: set[bytes] | None = None,
-                      verifier: Verifier | None = None) -> dict[bytes | None, list[Message]]:
+                      refused: Collection[RowId] = ()) -> dict[bytes | None, list[Message]]:
     """The archived input messages of job accounting (of the given keys, default all), per message
-    key, each topic in offset order; with ``verifier``, each names its signer (``archived_input``)."""
+    key, each topic in offset order, without the ``refused`` rows (``unsigned_rows``: a record the
+    worker refused for its signer changed no account, exactly as if it were absent)."""
     per_key: dict[bytes | None, list[Message]] = defaultdict(list)
     # The catalog names (the archive's topic= partition), so no topic prefix needs configuring.
-    for m in archived_input(archive, [NODE_IPC.name, JOBS_LIFECYCLE.name], keys, verifier):
+    for m in archived_input(archive, [NODE_IPC.name, JOBS_LIFECYCLE.name], keys):
+        if refused and row_id(m[0].topic, m[0].partition, m[0].offset, m[2]) in refused:
+            continue
         per_key[m[1]].append(m)
     return per_key
 
@@ -193,56 +207,79 @@ class JobsAudit:
 
 def reference_task(location: Path | str, keys: list[bytes] | None, policies: dict[str, PricingPolicy],
                    default: PricingPolicy, revision_policies: dict[tuple[str, int], PricingPolicy] | None = None,
-                   verifier: Verifier | None = None,
+                   refused: Collection[RowId] = (),
                    ) -> tuple[dict[tuple[str, int], Charge], dict[tuple[str, int], Charge], int]:
-    """One task of the reference path: these jobs' archived messages (None: every message) folded by
-    the stream's own functions. Returns their charges, the revisions a correction superseded, and
-    the jobs (message keys) folded."""
-    messages = archived_messages(ParquetArchive(location), None if keys is None else set(keys), verifier)
+    """One task of the reference path: these jobs' archived messages (None: every message), but the
+    ``refused`` rows, folded by the stream's own functions. Returns their charges, the revisions a
+    correction superseded, and the jobs (message keys) folded. It never sees the site secret: a
+    task may run on a Dask worker on a compute node."""
+    messages = archived_messages(ParquetArchive(location), None if keys is None else set(keys), refused)
     superseded: dict[tuple[str, int], Charge] = {}
     return recompute(messages, policies, default, superseded, revision_policies), superseded, len(messages)
 
 
-#: The columns the signature check reads, per topic: what the signature covers, and what says who
-#: may have written the record (node.ipc's typed ``kind`` and ``node``; a lifecycle event is a service's).
-_SIGNED_COLUMNS = {NODE_IPC.name: ["key", "value", "auth", "kind", "node"],
-                   JOBS_LIFECYCLE.name: ["key", "value", "auth"]}
+#: The columns the signature check reads, per topic: where the row is, what the signature covers,
+#: and what says who may have written it (node.ipc's typed ``kind`` and ``node``; a lifecycle
+#: event is a service's).
+_SIGNED_COLUMNS = {NODE_IPC.name: ["partition", "offset", "key", "value", "auth", "kind", "node"],
+                   JOBS_LIFECYCLE.name: ["partition", "offset", "key", "value", "auth"]}
 
 
-def unsigned_task(location: Path | str, topic: str, files: list[str], verifier: Verifier) -> set[str]:
-    """One task of the signature check: the jobs (message keys) of these archive files of ``topic``
-    with a record its signer may not have written (``schemas.signing.identity_problem``); the
-    reference fold refuses those records as the worker did, so those jobs are recomputed by it."""
+def _kind_and_node(value: bytes, kind: str | None, node: str | None) -> tuple[str | None, str | None]:
+    """What a record says it is and which node it is about, as the models read it. The typed
+    columns are DuckDB's reading, which keeps the first of a key written twice where the models
+    keep the last: a value naming either key more than once is parsed again as the models do."""
+    if value.count(b'"kind"') <= 1 and value.count(b'"node"') <= 1:
+        return kind, node
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    found_kind, found_node = doc.get("kind"), doc.get("node")
+    return (found_kind if isinstance(found_kind, str) else None, found_node if isinstance(found_node, str) else None)
+
+
+def unsigned_task(location: Path | str, topic: str, files: list[str], verifier: Verifier
+                  ) -> dict[str, set[RowId]]:
+    """One task of the signature check: per job (message key), the rows of these archive files of
+    ``topic`` whose signer may not have written them (``schemas.signing.identity_problem``)."""
     import pyarrow.parquet as pq
 
     from nodeshare.sinks.archive import ARCHIVE_SCHEMA, IPC_SCHEMA
 
     archive = ParquetArchive(location)
     schema = IPC_SCHEMA if topic == NODE_IPC.name else ARCHIVE_SCHEMA
-    out: set[str] = set()
+    out: dict[str, set[RowId]] = defaultdict(set)
     for f in files:
         table = pq.read_table(f, columns=_SIGNED_COLUMNS[topic], schema=schema, filesystem=archive.fs)
         rows = table.to_pydict()
         kinds = rows.get("kind") or ["job_event"] * table.num_rows
         nodes = rows.get("node") or [None] * table.num_rows
-        for key, value, auth, kind, node in zip(rows["key"], rows["value"], rows["auth"], kinds, nodes, strict=True):
+        for partition, offset, key, value, auth, typed_kind, typed_node in zip(
+                rows["partition"], rows["offset"], rows["key"], rows["value"], rows["auth"], kinds, nodes, strict=True):
+            kind, node = _kind_and_node(value or b"", typed_kind, typed_node)
             if kind is None:  # not a record the fold decodes: refused before any signature matters
                 continue
             signer = verifier.signer(topic, key, value, auth)
             if identity_problem(SimpleNamespace(kind=kind, node=node), signer):
-                out.add((key or b"").decode(errors="replace"))
+                out[(key or b"").decode(errors="replace")].add(row_id(topic, partition, offset, value))
     return out
 
 
-def unsigned_jobs(archive: ParquetArchive, verifier: Verifier, runner: Runner) -> set[str]:
-    """Every job with an archived record its signer may not have written, checked file by file as
-    tasks on ``runner``."""
+def unsigned_rows(archive: ParquetArchive, verifier: Verifier, threads: int | None = None) -> dict[str, set[RowId]]:
+    """Per job, every archived row of the fold's topics that its signer may not have written,
+    checked file by file on threads of this process, never on a Dask cluster: the check needs the
+    site secret, which must not leave the audit's host."""
+    runner = in_process(threads)
     calls = [(archive.location, topic, [archive.uri(f) for f in archive.files(topic)[i::runner.slots]], verifier)
              for topic in _SIGNED_COLUMNS for i in range(runner.slots)]
-    jobs: set[str] = set()
-    for found in runner.map(unsigned_task, [c for c in calls if c[2]]):
-        jobs |= found
-    return jobs
+    found: dict[str, set[RowId]] = defaultdict(set)
+    for part in runner.map(unsigned_task, [c for c in calls if c[2]]):
+        for job, rows in part.items():
+            found[job] |= rows
+    return found
 
 
 def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charge], beyond: set[str],
@@ -265,7 +302,8 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
     reference_jobs: set[str] | None = None  # None: every job
     samples = 0
     duplicates = None
-    refused = unsigned_jobs(archive, verifier, runner) if verifier is not None else set()
+    refused_rows = unsigned_rows(archive, verifier, archive.threads) if verifier is not None else {}
+    refused = set(refused_rows)
     if fast:
         result = fast_recompute(archive.location, policies, default, archive.partitions, archive.threads,
                                 runner=runner, progress=progress)
@@ -280,12 +318,14 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
         reference_jobs |= {job for (job, revision) in ledger_rows if (job, revision) not in recomputed}
         recomputed = {k: c for k, c in recomputed.items() if k[0] not in reference_jobs}
         reference_jobs -= beyond  # their partial events would only re-fold to a charge that is not compared
-    calls: list[tuple[Any, ...]] = [(archive.location, None, policies, default, mixed, verifier)]  # every message
+    every_refused = frozenset(r for rows in refused_rows.values() for r in rows)
+    calls: list[tuple[Any, ...]] = [(archive.location, None, policies, default, mixed, every_refused)]  # all
     if reference_jobs is not None:
         keys = sorted(reference_jobs)
         groups = runner.slots if runner.processes else 1
         calls = [(archive.location, [k.encode() for k in group], {k: policies[k] for k in group if k in policies},
-                  default, {key: p for key, p in mixed.items() if key[0] in members}, verifier)
+                  default, {key: p for key, p in mixed.items() if key[0] in members},
+                  frozenset(r for k in group for r in refused_rows.get(k, ())))
                  for group in (keys[i::groups] for i in range(groups)) if group for members in [set(group)]]
     fast_jobs = {k[0] for k in recomputed}
     superseded: dict[tuple[str, int], Charge] = {}

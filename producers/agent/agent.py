@@ -724,9 +724,12 @@ def raise_open_files_limit() -> int:
     return soft
 
 
-def check_signing_identity(settings: Any, node: str) -> None:
+def check_signing_identity(settings: Any, node: str, *, static_jobs: bool) -> None:
     """Refuse to start (SigningError, a ValueError) with a key that cannot be read or is another
-    identity's: every record this agent sent would be refused as forged."""
+    identity's (every record this agent sent would be refused as forged), with the site secret on
+    a Slurm node (whoever is root there could sign as any node or service), or with a node key for
+    a static job file (its jobs' lifecycle events are a service's to sign: a single-host trial
+    gives its agent the site secret instead)."""
     from nodeshare.runtime.identity import read_key
 
     if settings.signing_key_file is not None:
@@ -734,7 +737,14 @@ def check_signing_identity(settings: Any, node: str) -> None:
         if identity != f"node/{node}":
             raise ValueError(f"the signing key {settings.signing_key_file} is {identity}'s, and this agent is "
                              f"node {node!r}: give it node/{node}'s key (nodeshare keys derive node/{node})")
+        if static_jobs:
+            raise ValueError("a static job file's agent publishes its jobs' lifecycle, which a node key may not "
+                             "sign (only a service may): on a single-host trial give it the site secret "
+                             "(site_secret_file) instead of signing_key_file, or take the jobs from Slurm (--slurm)")
     elif settings.site_secret_file is not None:
+        if not static_jobs:
+            raise ValueError("an agent on a Slurm node holds its own key (signing_key_file, made by `nodeshare keys "
+                             f"derive node/{node}`), never the site secret: root there could sign as anyone")
         settings.signer(service=f"service/nodeshare-agent-{node}")  # readable, a secret
 
 
@@ -749,7 +759,7 @@ def build(settings: Any, options: AgentOptions, *, job_file: Path | None, slurm:
 
     if (job_file is None) == (not slurm):
         raise ValueError("choose the jobs: --jobs FILE (a static job file) or --slurm")
-    check_signing_identity(settings, options.node)
+    check_signing_identity(settings, options.node, static_jobs=job_file is not None)
     source: JobSource = (StaticJobs(load_job_file(job_file), progress_dir) if job_file is not None
                          else SlurmJobs(progress_dir, options.freezer_root))
 

@@ -80,7 +80,8 @@ def read_range(settings: Settings, topic: str, partition: int, start: int, stop:
     tp = TopicPartition(topic, partition, start)
     consumer.assign([tp])
     out: list[Message] = []
-    catalog = spec_for_topic(topic, settings.topic_prefix).name
+    # only input topics carry signatures (a manager's own log is not in the catalog)
+    catalog = spec_for_topic(topic, settings.topic_prefix).name if verifier is not None else ""
     position = start
     deadline = time.monotonic() + timeout_s
     try:

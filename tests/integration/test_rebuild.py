@@ -146,8 +146,9 @@ def test_a_commit_landing_during_the_rebuild_does_not_move_where_the_new_owner_r
     fold, landed = _Fold(settings), threading.Event()
     read_range = fold_consumer.read_range
 
-    def rebuild_read(s: Settings, topic: str, partition: int, start: int, stop: int) -> list[Message]:
-        out = read_range(s, topic, partition, start, stop)
+    def rebuild_read(s: Settings, topic: str, partition: int, start: int, stop: int,
+                     verifier: object = None) -> list[Message]:
+        out = read_range(s, topic, partition, start, stop, verifier=verifier)
         if not landed.is_set():  # the first read of the new owner's rebuild: the stale commit lands now
             fold.group_consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in pushed_to.items()],
                                        asynchronous=False)

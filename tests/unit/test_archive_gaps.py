@@ -148,6 +148,7 @@ def test_the_sink_reads_a_restarted_partition_again_from_its_start(tmp_path: Pat
         def timestamp(self) -> tuple[int, int]: return (1, self.e.timestamp_ms)
         def key(self) -> bytes | None: return self.e.key
         def value(self) -> bytes | None: return self.e.value
+        def headers(self) -> list[tuple[str, bytes]] | None: return None
 
     class Seeks:
         seeks: ClassVar[list[TopicPartition]] = []

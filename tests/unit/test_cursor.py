@@ -24,7 +24,7 @@ def broker(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
     two reads); records which ranges were read back."""
     state: dict[str, object] = {"log": [_msg(o) for o in range(100)], "committed": 0, "reads": []}
 
-    def read_range(settings, topic, partition, start, stop, timeout_s=60.0):
+    def read_range(settings, topic, partition, start, stop, timeout_s=60.0, verifier=None):
         state["reads"].append((start, stop))  # type: ignore[attr-defined]
         return [m for m in state["log"] if start <= m[0].offset < stop]  # type: ignore[attr-defined]
 

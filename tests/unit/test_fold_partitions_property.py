@@ -229,7 +229,7 @@ class Broker:
     low: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def read_range(self, settings: Settings, topic: str, partition: int, start: int, stop: int,
-                   timeout_s: float = 60.0) -> list[Message]:
+                   timeout_s: float = 60.0, verifier: object = None) -> list[Message]:
         for hook in [h for h in self.during_rebuild if (topic, partition) in h[0]]:
             self.during_rebuild.remove(hook)
             hook[1]()

@@ -82,6 +82,10 @@ def test_the_verifier_names_the_signer_only_for_the_bytes_it_signed():
     for garbage in (b"", b"node/n1", b"node/n1 zz", b"\xff\xfe abc", b"root/x " + auth[8:]):
         assert v.signer("node.ipc", b"j1", b"value", garbage) == ""
     assert Verifier(bytes(32)).signer("node.ipc", b"j1", b"value", auth) == ""  # another site's secret
+    for n in range(100):  # made-up identities cost a derivation each, and are never remembered
+        assert v.signer("node.ipc", b"j1", b"value", f"node/x{n} {'0' * 64}".encode()) == ""
+    assert set(v._keys) == {"node/n1"}
+    assert v.signer("node.ipc", b"j1", b"value", b"node/n1\n" + auth[7:]) == ""  # no trailing newline
     with pytest.raises(SigningError, match="at least 32"):
         Verifier(b"short")
 
@@ -101,7 +105,6 @@ def test_the_verifier_names_the_signer_only_for_the_bytes_it_signed():
     ("node_down", "n1", "service/slurm", True),
     ("job_event", None, "service/slurm", True),
     ("job_event", None, "node/n1", False),  # a job on no node, or on several
-    ("node_inventory", "n1", "node/n1", True),  # a node describing its own processors
     ("node_inventory", "n2", "node/n1", False),
     ("node_inventory", "n1", "service/adapter", True),
     ("shutter_batch", "n1", "", False),  # unsigned
@@ -114,15 +117,20 @@ def test_who_may_write_what(kind, node, signer, allowed):
     assert (identity_problem(SimpleNamespace(kind=kind, node=node), signer) is None) is allowed
 
 
-def test_a_node_writes_the_lifecycle_of_a_job_on_it_alone():
-    """A static job file's agent is its jobs' lifecycle source; a job on several nodes is the
-    resource manager's to describe."""
+def test_no_node_writes_a_jobs_lifecycle_and_a_node_describes_only_its_processors():
+    """A job id names no node: a node's word on a job's end, cores or account would re-bill any
+    job, even one listed on that node alone. A node's inventory record may only list its processors."""
     mine = job_event("j1", JobState.ENDED, nodes=("n1",))
-    assert identity_problem(mine, "node/n1") is None
-    assert identity_problem(mine, "node/n2") == "job_event names node 'n1' but is signed by node/n2"
-    wide = job_event("j1", JobState.ENDED, nodes=("n1", "n2"))
-    assert "about no single node" in identity_problem(wide, "node/n1")
-    assert identity_problem(wide, "service/slurm") is None
+    assert identity_problem(mine, "node/n1") == "job_event must be written by a service, not node/n1"
+    assert identity_problem(mine, "service/slurm") is None
+    from nodeshare.schemas import NodeInventory
+
+    inv = NodeInventory(event_id="i", source="x", event_time=T0, node="n1", cores=8, llc_ways=11,
+                        mem_bandwidth_gbps=10.0)
+    assert "must be processors-only" in identity_problem(inv, "node/n1")
+    assert identity_problem(inv, "service/adapter") is None
+    assert identity_problem(inv.model_copy(update={"processors_only": True}), "node/n1") is None
+    assert identity_problem(inv.model_copy(update={"processors_only": True}), "node/n2") is not None
 
 
 def test_every_input_record_kind_has_a_rule():
@@ -176,12 +184,17 @@ def test_keys_are_written_private_and_never_replaced_silently(tmp_path):
         read_secret(tmp_path / "bad.secret")
 
 
-def test_an_agent_refuses_to_start_with_another_nodes_key(tmp_path):
+def test_an_agent_starts_only_with_a_key_it_may_use(tmp_path):
     new_secret(tmp_path / "s")
     write_key(tmp_path / "s", "node/n1", tmp_path / "n1.key")
-    check_signing_identity(Settings(signing_key_file=tmp_path / "n1.key"), "n1")
+    check_signing_identity(Settings(signing_key_file=tmp_path / "n1.key"), "n1", static_jobs=False)
     with pytest.raises(ValueError, match="node/n1's, and this agent is node 'n2'"):
-        check_signing_identity(Settings(signing_key_file=tmp_path / "n1.key"), "n2")
+        check_signing_identity(Settings(signing_key_file=tmp_path / "n1.key"), "n2", static_jobs=False)
+    with pytest.raises(ValueError, match="never the site secret"):  # root on a Slurm node could sign as anyone
+        check_signing_identity(Settings(site_secret_file=tmp_path / "s"), "n1", static_jobs=False)
+    with pytest.raises(ValueError, match="lifecycle, which a node key may not sign"):
+        check_signing_identity(Settings(signing_key_file=tmp_path / "n1.key"), "n1", static_jobs=True)
+    check_signing_identity(Settings(site_secret_file=tmp_path / "s"), "n1", static_jobs=True)  # a one-host trial
 
 
 def test_the_keys_commands(tmp_path):
@@ -340,3 +353,21 @@ def test_the_power_router_dead_letters_a_reading_for_another_node():
     end = job_event("j1", JobState.ENDED)
     assert screen("jobs.lifecycle", 0, 0, b"j1", encode(end), end.event_time.timestamp(), signer="node/n2") is not None
     assert screen("estimates.degradation", 0, 0, b"j1", b"{}", ts, signer="") is None  # derived: never signed
+
+
+def test_a_node_key_written_twice_is_read_as_the_models_read_it(tmp_path):
+    """DuckDB's typed column keeps the first of a key written twice, the models the last: node n2
+    signs a batch that says node n2 first and n1 last. The worker reads n1 and refuses it; so must
+    the audit, and it must not refuse n1's own such batch."""
+    v = Verifier(SECRET)
+    clean = _signed(GOOD)
+    topic, key, value, _ = clean[1]
+    twice = b'{"node":"n2",' + value[1:]
+    assert decode_model(type(GOOD[1]), twice).node == "n1"
+    forged = (topic, key, twice, sign(derive_key(SECRET, "node/n2"), "node/n2", topic, key, twice))
+    honest = (topic, key, twice, sign(derive_key(SECRET, "node/n1"), "node/n1", topic, key, twice))
+    for extra, refused in ((forged, ["j1"]), (honest, [])):
+        archive, ledger, _ = archive_records(tmp_path / str(len(refused)), [*clean, extra], verifier=v)
+        for fast in (True, False):
+            report = audit(archive, ledger, POLICY, verifier=v, fast=fast)
+            assert report.ok and report.refused_jobs == refused, (refused, fast, report.as_dict())

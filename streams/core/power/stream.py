@@ -30,6 +30,7 @@ from nodeshare.schemas.catalog import (
     JOBS_LIFECYCLE,
     NODE_POWER,
     TopicSpec,
+    key_of,
     spec_for_topic,
 )
 from nodeshare.schemas.dead_letters import dead_letter
@@ -94,6 +95,8 @@ def screen(topic: str, partition: int, offset: int, key: bytes | None, value: by
         if problem is None and checks_identity:
             assert signer is not None
             problem, field_name = identity_problem(record, signer), AUTH_FIELD
+            if problem is None and key != key_of(record):  # on a compacted topic the key is what a record replaces
+                problem = f"message key {key!r} is not the record's key {key_of(record)!r}"
     except DecodeError as exc:
         problem, field_name = exc.reason, exc.field
     if problem is None:
