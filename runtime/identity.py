@@ -3,7 +3,10 @@
 hands keys out).
 
 * The **site secret** (``site_secret_file``): 32 random bytes as hex, on the hosts that verify
-  (the stream worker, whoever runs the audit), readable by their user only.
+  (the stream worker, the ledger sink, whoever runs the audit), readable by their user only. After
+  a rotation the file holds the new secret on its first line and the retired ones below it: a
+  record signed with a retired secret's keys still verifies (the archive and the worker's rebuilds
+  hold such records); signers derive from the first.
 * An **identity key** (``signing_key_file``): JSON ``{"identity": "node/n1", "key": "<hex>"}``, on
   the one host that is that identity, readable by its user only.
 
@@ -34,16 +37,28 @@ def _read_private(path: Path, what: str) -> str:
     return text
 
 
+def read_secrets(path: Path) -> list[bytes]:
+    """The site secrets in ``path`` (hex, one a line): the current one first, then retired ones."""
+    lines = [line.strip() for line in _read_private(path, "site secret").splitlines() if line.strip()]
+    if not lines:
+        raise SigningError(f"the site secret {path} is empty (make one with `nodeshare keys secret`)")
+    out = []
+    for n, line in enumerate(lines, start=1):
+        try:
+            secret = bytes.fromhex(line)
+        except ValueError:
+            raise SigningError(f"line {n} of the site secret {path} is not hex "
+                               "(make one with `nodeshare keys secret`)") from None
+        if len(secret) < SECRET_BYTES:
+            raise SigningError(f"line {n} of the site secret {path} has {len(secret)} bytes; at least "
+                               f"{SECRET_BYTES} are needed")
+        out.append(secret)
+    return out
+
+
 def read_secret(path: Path) -> bytes:
-    """The site secret in ``path`` (hex)."""
-    text = _read_private(path, "site secret").strip()
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        raise SigningError(f"the site secret {path} is not hex (make one with `nodeshare keys secret`)") from None
-    if len(secret) < SECRET_BYTES:
-        raise SigningError(f"the site secret {path} has {len(secret)} bytes; at least {SECRET_BYTES} are needed")
-    return secret
+    """The current site secret in ``path`` (its first line)."""
+    return read_secrets(path)[0]
 
 
 def read_key(path: Path) -> tuple[str, bytes]:
@@ -82,7 +97,7 @@ def write_key(secret_path: Path, identity: str, path: Path, force: bool = False)
 def verifier(site_secret_file: Path | None) -> Verifier | None:
     """The verifier of a process whose settings name the site secret; None when they do not (no
     identity is then checked: a site that has not handed keys out)."""
-    return None if site_secret_file is None else Verifier(read_secret(site_secret_file))
+    return None if site_secret_file is None else Verifier(*read_secrets(site_secret_file))
 
 
 def signer(signing_key_file: Path | None, site_secret_file: Path | None, service: str) -> Signer | None:

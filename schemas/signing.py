@@ -78,13 +78,17 @@ def sign(key: bytes, identity: str, topic: str, msg_key: bytes | None, value: by
 
 
 class Verifier:
-    """Checks ``nodeshare-auth`` headers against the site secret (keys derived once per identity)."""
+    """Checks ``nodeshare-auth`` headers against the site secret, and the ``retired`` ones a
+    rotation keeps accepting (keys derived once per identity that signs)."""
 
-    def __init__(self, secret: bytes) -> None:
-        if len(secret) < SECRET_BYTES:
-            raise SigningError(f"the site secret has {len(secret)} bytes; at least {SECRET_BYTES} are needed")
+    def __init__(self, secret: bytes, *retired: bytes) -> None:
+        for s in (secret, *retired):
+            if len(s) < SECRET_BYTES:
+                raise SigningError(f"a site secret has {len(s)} bytes; at least {SECRET_BYTES} are needed")
         self._secret = secret
+        self._retired = retired
         self._keys: dict[str, bytes] = {}
+        self._old_keys: dict[str, tuple[bytes, ...]] = {}
 
     def signer(self, topic: str, msg_key: bytes | None, value: bytes | None, auth: bytes | None) -> str:
         """The identity whose valid signature ``auth`` is, for this message on catalog ``topic``;
@@ -99,11 +103,16 @@ class Verifier:
         if not _IDENTITY.fullmatch(identity):
             return ""
         known = identity in self._keys
-        if not hmac.compare_digest(sign(self.key(identity), identity, topic, msg_key, value), auth):
-            if not known:  # a made-up identity is not remembered: the cache holds only real signers
-                self._keys.pop(identity, None)
-            return ""
-        return identity
+        if hmac.compare_digest(sign(self.key(identity), identity, topic, msg_key, value), auth):
+            return identity
+        if self._retired:
+            old = self._old_keys.get(identity) or tuple(derive_key(s, identity) for s in self._retired)
+            if any(hmac.compare_digest(sign(k, identity, topic, msg_key, value), auth) for k in old):
+                self._old_keys[identity] = old
+                return identity
+        if not known:  # a made-up identity is not remembered: the cache holds only real signers
+            self._keys.pop(identity, None)
+        return ""
 
     def key(self, identity: str) -> bytes:
         """``identity``'s key (derived once per identity that signs: ``signer`` forgets the others)."""

@@ -371,3 +371,20 @@ def test_a_node_key_written_twice_is_read_as_the_models_read_it(tmp_path):
         for fast in (True, False):
             report = audit(archive, ledger, POLICY, verifier=v, fast=fast)
             assert report.ok and report.refused_jobs == refused, (refused, fast, report.as_dict())
+
+
+def test_a_rotation_keeps_verifying_what_the_retired_secret_signed(tmp_path):
+    new_secret(tmp_path / "old")
+    old = read_secret(tmp_path / "old")
+    new_secret(tmp_path / "new")
+    new = read_secret(tmp_path / "new")
+    both = tmp_path / "site.secret"
+    both.write_text(f"{new.hex()}\n{old.hex()}\n")
+    os.chmod(both, 0o600)
+    v = Settings(site_secret_file=both).verifier()
+    for secret in (old, new):
+        auth = sign(derive_key(secret, "node/n1"), "node/n1", "node.ipc", b"j1", b"v")
+        assert v.signer("node.ipc", b"j1", b"v", auth) == "node/n1"
+    assert read_secret(both) == new  # signers derive from the first line
+    assert Verifier(new).signer("node.ipc", b"j1", b"v",
+                                sign(derive_key(old, "node/n1"), "node/n1", "node.ipc", b"j1", b"v")) == ""
