@@ -528,7 +528,9 @@ class ParquetArchive:
         globs = ", ".join(self.sources_sql(t) for t in wanted)  # only these topics' files are opened
         try:
             rows = self._events(con, globs, key_filter, params, "auth")
-        except duckdb.BinderException:  # no file has the column: all were written before signatures
+        except duckdb.BinderException as exc:  # no file has the column: all were written before signatures
+            if "auth" not in str(exc):
+                raise
             rows = self._events(con, globs, key_filter, params, "NULL::BLOB")
         for topic, kt, p, o, ts, k, v, auth in rows:
             yield topic, ArchivedEvent(kt, p, o, ts, k, v, auth)

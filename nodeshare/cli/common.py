@@ -54,10 +54,28 @@ def load_settings(**overrides: Any) -> Any:
 
 
 def require_bootstrap(settings: Any) -> None:
+    """A command that talks to the broker: one is configured, and so are its signing files (a
+    missing, unreadable or world-readable secret or key is one line and exit 2, not a traceback
+    from inside a consumer)."""
     if not settings.bootstrap:
         err.print("[red]no broker[/red]: pass --bootstrap or set NODESHARE_BOOTSTRAP "
                   "(or run `nodeshare broker` to start the bundled one)")
         raise typer.Exit(2)
+    check_signing(settings)
+
+
+def check_signing(settings: Any) -> None:
+    """Exit 2 with one line when the configured site secret or signing key cannot be used."""
+    from nodeshare.runtime.identity import read_key
+    from nodeshare.schemas.signing import SigningError
+
+    try:
+        settings.verifier()
+        if settings.signing_key_file is not None:
+            read_key(settings.signing_key_file)
+    except SigningError as exc:
+        err.print(f"[red]signing configuration[/red]: {exc}")
+        raise typer.Exit(2) from None
 
 
 #: How long a command waits for the broker to answer before it says it cannot reach it.

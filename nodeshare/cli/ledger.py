@@ -12,6 +12,7 @@ from rich.table import Table
 from .common import (
     Bootstrap,
     app,
+    check_signing,
     err,
     load_settings,
     out,
@@ -209,6 +210,7 @@ def pending_charges(ledger: Path, archive: str | None, as_json: bool) -> None:
             charged[c.job_id] = max(c.revision, charged.get(c.job_id, -1))
     root = archive if "://" in archive else Path(archive).resolve()
     settings = load_settings()
+    check_signing(settings)
     rows = pending_jobs(ParquetArchive(root), charged, settings.policy(), verifier=settings.verifier())
     if as_json:
         print(json.dumps([p.as_dict() for p in rows], indent=2))

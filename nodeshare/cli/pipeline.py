@@ -17,6 +17,7 @@ from nodeshare import __version__
 from .common import (
     Bootstrap,
     app,
+    check_signing,
     err,
     load_settings,
     out,
@@ -150,6 +151,7 @@ def demo(
         if not secret.exists():
             new_secret(secret)
         settings = settings.model_copy(update={"site_secret_file": secret.resolve()})
+    check_signing(settings)
     choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
                              profiles=profiles, time_scale=time_scale)
     with progress_bar() as bar:

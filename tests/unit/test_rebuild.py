@@ -88,7 +88,8 @@ def test_consumption_starts_where_the_rebuild_stopped_whatever_is_committed_mean
     consumer = _Consumer({(IPC, 0): 30, (LIFE, 0): 6})
     rebuilt_to: list[tuple[str, int, int]] = []
 
-    def read(settings: Settings, topic: str, partition: int, start: int, stop: int) -> list[Message]:
+    def read(settings: Settings, topic: str, partition: int, start: int, stop: int,
+             verifier: object = None) -> list[Message]:
         rebuilt_to.append((topic, partition, stop))
         consumer.group.update({(IPC, 0): 40, (LIFE, 0): 9})  # the stale commit lands mid-rebuild
         return []
@@ -142,7 +143,8 @@ def test_a_partition_whose_log_lost_its_head_is_refused_paused_and_reported(monk
     paused, has no state, is never committed, the gauge says 1 and an error names it; partition 0
     is folded as usual. A revoke clears it. (Mutation: folding what is left, as read_range did
     before it checked, charges the partition's jobs short.)"""
-    def read(settings: Settings, topic: str, partition: int, start: int, stop: int) -> list[Message]:
+    def read(settings: Settings, topic: str, partition: int, start: int, stop: int,
+             verifier: object = None) -> list[Message]:
         if (topic, partition) == (IPC, 1):
             raise LogHeadGone(topic, partition, start, 17)
         return []
@@ -171,7 +173,8 @@ def test_a_parked_partition_is_reused_only_when_nobody_committed_it_meanwhile(mo
     test_fold_partitions_property.py reaches this only through a rare chain of zombie commits.)"""
     reads: list[tuple[str, int, int]] = []
 
-    def read(settings: Settings, topic: str, partition: int, start: int, stop: int) -> list[Message]:
+    def read(settings: Settings, topic: str, partition: int, start: int, stop: int,
+             verifier: object = None) -> list[Message]:
         reads.append((topic, partition, stop))
         return []
 

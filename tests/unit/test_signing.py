@@ -388,3 +388,16 @@ def test_a_rotation_keeps_verifying_what_the_retired_secret_signed(tmp_path):
     assert read_secret(both) == new  # signers derive from the first line
     assert Verifier(new).signer("node.ipc", b"j1", b"v",
                                 sign(derive_key(old, "node/n1"), "node/n1", "node.ipc", b"j1", b"v")) == ""
+
+
+def test_a_broker_command_with_an_unusable_secret_says_so_in_one_line(tmp_path, monkeypatch):
+    new_secret(tmp_path / "s")
+    os.chmod(tmp_path / "s", 0o644)
+    monkeypatch.setenv("NODESHARE_BOOTSTRAP", "127.0.0.1:1")
+    monkeypatch.setenv("NODESHARE_SITE_SECRET_FILE", str(tmp_path / "s"))
+    for args in (["worker"], ["sink", "ledger", "--ledger", str(tmp_path / "l.duckdb")]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and "readable by others" in r.output and "Traceback" not in r.output, r.output
+    monkeypatch.setenv("NODESHARE_SITE_SECRET_FILE", str(tmp_path / "missing"))
+    r = CliRunner().invoke(app, ["worker"])
+    assert r.exit_code == 2 and "cannot read the site secret" in r.output
