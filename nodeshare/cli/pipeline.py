@@ -145,6 +145,9 @@ def demo(
     from nodeshare.scenarios import source
 
     settings = load_settings(bootstrap=bootstrap)
+    choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
+                             profiles=profiles, time_scale=time_scale)
+    # after the choice is checked: a refused one makes no directory
     if settings.site_secret_file is None and settings.signing_key_file is None:
         secret = out_dir / "site.secret"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -152,8 +155,6 @@ def demo(
             new_secret(secret)
         settings = settings.model_copy(update={"site_secret_file": secret.resolve()})
     check_signing(settings)
-    choice = cluster_choice(settings, engine=engine, nodes=nodes, jobs=jobs, seed=seed, trace=trace,
-                             profiles=profiles, time_scale=time_scale)
     with progress_bar() as bar:
         try:
             result = run_demo(settings, source(choice), out_dir, timeout_s=timeout, progress=staged_progress(bar))
