@@ -144,19 +144,9 @@ def test_malformed_input_lands_in_the_dead_letter_topic(run: DemoResult) -> None
 
 def test_replaying_the_archive_rebuilds_the_same_ledger(run: DemoResult, tmp_path: Path) -> None:
     """Replay into fresh topics, run a new worker and sinks on them: the same charges, bit for bit."""
-    import uuid
+    from replaying import replayed_ledger
 
-    from nodeshare.demo import running_pipeline
-    from nodeshare.producers.replay import replay
-
-    tag = uuid.uuid4().hex[:8]
-    fresh = run.settings.model_copy(update={"topic_prefix": f"r{tag}.", "app_id": f"nodeshare-r{tag}"})
-    with running_pipeline(fresh, tmp_path) as pipeline:
-        report = replay(run.archive, fresh)
-        assert report.events == run.events_archived
-        pipeline.wait(len(run.charges), report.events, 120, lambda *_: None)
-    with Ledger(pipeline.ledger_path, read_only=True) as rebuilt:
-        again = {(c.job_id, c.revision): c for c in rebuilt.charges()}
+    again = replayed_ledger(run, tmp_path)
     original = {(c.job_id, c.revision): c for c in run.charges}
     assert again.keys() == original.keys()
     assert all(again[k] == original[k] for k in original)  # offsets included: replay kept them

@@ -141,17 +141,7 @@ def test_a_forged_window_moves_no_co_runner_count(signed) -> None:
 def test_a_replay_resends_each_signature_as_archived_and_rebuilds_the_same_ledger(signed, tmp_path: Path) -> None:
     """The replaying producer holds the site secret too, yet vouches for nothing: the unsigned
     forged end event stays unsigned (signed anew, it would re-bill its job at four times the cores)."""
-    from nodeshare.demo import running_pipeline
-    from nodeshare.producers.replay import replay
-    from nodeshare.sinks.ledger import Ledger
+    from replaying import replayed_ledger
 
     run, _, _ = signed
-    tag = uuid.uuid4().hex[:8]
-    fresh = run.settings.model_copy(update={"topic_prefix": f"sr{tag}.", "app_id": f"nodeshare-sr{tag}"})
-    with running_pipeline(fresh, tmp_path) as pipeline:
-        report = replay(run.archive, fresh)
-        assert report.events == run.events_archived
-        pipeline.wait(len(run.charges), report.events, 120, lambda *_: None)
-    with Ledger(pipeline.ledger_path, read_only=True) as rebuilt:
-        again = {(c.job_id, c.revision): c for c in rebuilt.charges()}
-    assert again == {(c.job_id, c.revision): c for c in run.charges}
+    assert replayed_ledger(run, tmp_path, "sr") == {(c.job_id, c.revision): c for c in run.charges}
