@@ -31,6 +31,8 @@ def _read_private(path: Path, what: str) -> str:
         text = path.read_text()
     except OSError as exc:
         raise SigningError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise SigningError(f"the {what} {path} is not text (hex, as `nodeshare keys` writes it)") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SigningError(f"the {what} {path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}): "
                            f"chmod 600 it")
@@ -69,6 +71,9 @@ def read_key(path: Path) -> tuple[str, bytes]:
         identity, key = check_identity(str(doc["identity"])), bytes.fromhex(str(doc["key"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise SigningError(f"the signing key {path} is not a key file of `nodeshare keys derive` ({exc})") from None
+    if len(key) != SECRET_BYTES:
+        raise SigningError(f"the signing key {path} has {len(key)} bytes, not {SECRET_BYTES}: not a key of "
+                           "`nodeshare keys derive`")
     return identity, key
 
 

@@ -8,7 +8,6 @@ charges look wrong), or the configured policy for a job the ledger lacks.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import uuid
@@ -22,8 +21,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from nodeshare.schemas import Charge
-from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
-from nodeshare.schemas.serde import decode_model
+from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, spec_for_topic
+from nodeshare.schemas.serde import DecodeError, decode, decode_model
 from nodeshare.schemas.signing import Verifier, identity_problem
 from nodeshare.streams.core.accounting import Message, PricingPolicy, fold_states
 from nodeshare.streams.core.confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH
@@ -225,20 +224,18 @@ _SIGNED_COLUMNS = {NODE_IPC.name: ["partition", "offset", "key", "value", "auth"
                    JOBS_LIFECYCLE.name: ["partition", "offset", "key", "value", "auth"]}
 
 
-def _kind_and_node(value: bytes, kind: str | None, node: str | None) -> tuple[str | None, str | None]:
-    """What a record says it is and which node it is about, as the models read it. The typed
-    columns are DuckDB's reading, which keeps the first of a key written twice where the models
-    keep the last: a value naming either key more than once is parsed again as the models do."""
-    if value.count(b'"kind"') <= 1 and value.count(b'"node"') <= 1:
-        return kind, node
+def _as_the_models_read(topic: str, value: bytes, kind: str | None, node: str | None) -> Any:
+    """What a record is and which node it is about, as the worker's models read it, or None when
+    they refuse it (the worker dead-letters it before any signature matters). The typed columns are
+    DuckDB's reading, which keeps the first of a key written twice where the models keep the last,
+    and reads an escaped key as the plain one: a value that names "kind" or "node" more than once,
+    or holds any escape, is decoded by the models themselves (normal records do neither)."""
+    if b"\\" not in value and value.count(b'"kind"') <= 1 and value.count(b'"node"') <= 1:
+        return None if kind is None else SimpleNamespace(kind=kind, node=node)
     try:
-        doc = json.loads(value)
-    except ValueError:
-        return None, None
-    if not isinstance(doc, dict):
-        return None, None
-    found_kind, found_node = doc.get("kind"), doc.get("node")
-    return (found_kind if isinstance(found_kind, str) else None, found_node if isinstance(found_node, str) else None)
+        return decode(spec_for_topic(topic), value)
+    except (DecodeError, RecursionError):
+        return None
 
 
 def unsigned_task(location: Path | str, topic: str, files: list[str], verifier: Verifier
@@ -259,11 +256,11 @@ def unsigned_task(location: Path | str, topic: str, files: list[str], verifier: 
         nodes = rows.get("node") or [None] * table.num_rows
         for partition, offset, key, value, auth, typed_kind, typed_node in zip(
                 rows["partition"], rows["offset"], rows["key"], rows["value"], rows["auth"], kinds, nodes, strict=True):
-            kind, node = _kind_and_node(value or b"", typed_kind, typed_node)
-            if kind is None:  # not a record the fold decodes: refused before any signature matters
+            record = _as_the_models_read(topic, value or b"", typed_kind, typed_node)
+            if record is None:  # not a record the fold decodes: refused before any signature matters
                 continue
             signer = verifier.signer(topic, key, value, auth)
-            if identity_problem(SimpleNamespace(kind=kind, node=node), signer):
+            if identity_problem(record, signer):
                 out[(key or b"").decode(errors="replace")].add(row_id(topic, partition, offset, value))
     return out
 

@@ -732,6 +732,9 @@ def check_signing_identity(settings: Any, node: str, *, static_jobs: bool) -> No
     gives its agent the site secret instead)."""
     from nodeshare.runtime.identity import read_key
 
+    if settings.site_secret_file is not None and not static_jobs:
+        raise ValueError("an agent on a Slurm node holds its own key (signing_key_file, made by `nodeshare keys "
+                         f"derive node/{node}`), never the site secret: root there could sign as anyone")
     if settings.signing_key_file is not None:
         identity, _ = read_key(settings.signing_key_file)
         if identity != f"node/{node}":
@@ -742,9 +745,6 @@ def check_signing_identity(settings: Any, node: str, *, static_jobs: bool) -> No
                              "sign (only a service may): on a single-host trial give it the site secret "
                              "(site_secret_file) instead of signing_key_file, or take the jobs from Slurm (--slurm)")
     elif settings.site_secret_file is not None:
-        if not static_jobs:
-            raise ValueError("an agent on a Slurm node holds its own key (signing_key_file, made by `nodeshare keys "
-                             f"derive node/{node}`), never the site secret: root there could sign as anyone")
         settings.signer(service=f"service/nodeshare-agent-{node}")  # readable, a secret
 
 

@@ -36,7 +36,6 @@ from nodeshare.schemas.catalog import (
     NODE_POWER,
     PLACEMENT_LOG,
     POWER_LOG,
-    spec_for_topic,
 )
 from nodeshare.schemas.signing import Verifier, header_value
 
@@ -80,8 +79,10 @@ def read_range(settings: Settings, topic: str, partition: int, start: int, stop:
     tp = TopicPartition(topic, partition, start)
     consumer.assign([tp])
     out: list[Message] = []
-    # only input topics carry signatures (a manager's own log is not in the catalog)
-    catalog = spec_for_topic(topic, settings.topic_prefix).name if verifier is not None else ""
+    # only input topics carry signatures (a manager's own log is not in the catalog): others get no signer
+    inputs = {settings.topic(t.name): t.name for t in INPUT_TOPICS}
+    catalog = inputs.get(topic, "")
+    verifier = verifier if catalog else None
     position = start
     deadline = time.monotonic() + timeout_s
     try:
@@ -216,7 +217,7 @@ class Cursor:
 
     async def _refetch(self, topic: str, partition: int, start: int, stop: int) -> None:
         missed = await blocking(f"{self.name}: reading back {topic}[{partition}]", read_range, self.settings, topic,
-                                partition, start, stop, 60.0, self.verifier)
+                                partition, start, stop, 60.0, self.verifier if topic in self._inputs else None)
         log.warning("%s: read back %d messages of %s[%d] at offsets %d..%d that the stream skipped", self.name,
                     len(missed), topic, partition, start, stop - 1,
                     extra=logs.fields(topic=topic, partition=partition))

@@ -362,15 +362,25 @@ def test_a_node_key_written_twice_is_read_as_the_models_read_it(tmp_path):
     v = Verifier(SECRET)
     clean = _signed(GOOD)
     topic, key, value, _ = clean[1]
-    twice = b'{"node":"n2",' + value[1:]
-    assert decode_model(type(GOOD[1]), twice).node == "n1"
-    forged = (topic, key, twice, sign(derive_key(SECRET, "node/n2"), "node/n2", topic, key, twice))
-    honest = (topic, key, twice, sign(derive_key(SECRET, "node/n1"), "node/n1", topic, key, twice))
-    for extra, refused in ((forged, ["j1"]), (honest, [])):
-        archive, ledger, _ = archive_records(tmp_path / str(len(refused)), [*clean, extra], verifier=v)
-        for fast in (True, False):
-            report = audit(archive, ledger, POLICY, verifier=v, fast=fast)
-            assert report.ok and report.refused_jobs == refused, (refused, fast, report.as_dict())
+    # written twice, and written once plainly and once escaped (DuckDB reads "\u006eode" as node)
+    for n, first in enumerate((b'{"node":"n2",', b'{"\\u006eode":"n2",')):
+        twice = first + value[1:]
+        assert decode_model(type(GOOD[1]), twice).node == "n1"
+        forged = (topic, key, twice, sign(derive_key(SECRET, "node/n2"), "node/n2", topic, key, twice))
+        honest = (topic, key, twice, sign(derive_key(SECRET, "node/n1"), "node/n1", topic, key, twice))
+        for extra, refused in ((forged, ["j1"]), (honest, [])):
+            archive, ledger, _ = archive_records(tmp_path / f"{n}{len(refused)}", [*clean, extra], verifier=v)
+            for fast in (True, False):
+                report = audit(archive, ledger, POLICY, verifier=v, fast=fast)
+                assert report.ok and report.refused_jobs == refused, (first, refused, fast, report.as_dict())
+
+
+def test_a_deeply_nested_value_does_not_stop_a_signed_audit(tmp_path):
+    v = Verifier(SECRET)
+    deep = b'{"node":"a","node":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    archive, ledger, _ = archive_records(tmp_path, [*_signed(GOOD), ("node.ipc", b"j1", deep, b"")], verifier=v)
+    report = audit(archive, ledger, POLICY, verifier=v)
+    assert report.ok and report.refused_jobs == []  # the models refuse it before any signature matters
 
 
 def test_a_rotation_keeps_verifying_what_the_retired_secret_signed(tmp_path):
@@ -401,3 +411,48 @@ def test_a_broker_command_with_an_unusable_secret_says_so_in_one_line(tmp_path, 
     monkeypatch.setenv("NODESHARE_SITE_SECRET_FILE", str(tmp_path / "missing"))
     r = CliRunner().invoke(app, ["worker"])
     assert r.exit_code == 2 and "cannot read the site secret" in r.output
+
+
+def test_a_managers_own_log_is_read_back_without_a_signature_check(tmp_path, monkeypatch):
+    """The power and placement managers' logs (power.machine, placement.cluster) are the worker's
+    own, not in the catalog: reading one back (faust skipped a message) must not look it up there."""
+    import asyncio
+
+    from nodeshare.streams.worker import cursor as cursor_module
+
+    new_secret(tmp_path / "s")
+    settings = Settings(bootstrap="127.0.0.1:1", topic_prefix="x.", site_secret_file=tmp_path / "s")
+    asked: list[object] = []
+
+    def read_range(settings, topic, partition, start, stop, timeout_s=60.0, verifier=None):
+        asked.append((topic, verifier))
+        return []
+
+    monkeypatch.setattr(cursor_module, "read_range", read_range)
+
+    async def handle(m):
+        pass
+
+    c = cursor_module.Cursor(settings, "power-manager", handle)
+    asyncio.run(c._refetch("x.power.machine", 0, 0, 3))
+    asyncio.run(c._refetch("x.node.power", 0, 0, 3))
+    assert [(t, v is not None) for t, v in asked] == [("x.power.machine", False), ("x.node.power", True)]
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="could not re-read"):  # not a KeyError from the catalog
+        cursor_module.read_range(settings, "x.power.machine", 0, 0, 3, timeout_s=0.5, verifier=settings.verifier())
+
+
+def test_an_agent_on_a_slurm_node_refuses_the_site_secret_even_beside_its_key(tmp_path):
+    new_secret(tmp_path / "s")
+    write_key(tmp_path / "s", "node/n1", tmp_path / "n1.key")
+    with pytest.raises(ValueError, match="never the site secret"):
+        check_signing_identity(Settings(site_secret_file=tmp_path / "s", signing_key_file=tmp_path / "n1.key"),
+                               "n1", static_jobs=False)
+    (tmp_path / "raw").write_bytes(b"\xff\xfe\x00")
+    os.chmod(tmp_path / "raw", 0o600)
+    with pytest.raises(SigningError, match="not text"):
+        read_secret(tmp_path / "raw")
+    (tmp_path / "empty.key").write_text('{"identity": "node/n1", "key": ""}')
+    os.chmod(tmp_path / "empty.key", 0o600)
+    with pytest.raises(SigningError, match="0 bytes"):
+        read_key(tmp_path / "empty.key")

@@ -91,12 +91,14 @@ def screen(topic: str, partition: int, offset: int, key: bytes | None, value: by
         return None
     try:
         record = decode(spec, value)
-        problem, field_name = clock_problem(record, timestamp_s), "event_time"
-        if problem is None and checks_identity:
+        problem, field_name = None, AUTH_FIELD
+        if checks_identity:  # before the clock, as the charge fold checks: a forgery is counted as one
             assert signer is not None
-            problem, field_name = identity_problem(record, signer), AUTH_FIELD
+            problem = identity_problem(record, signer)
             if problem is None and key != key_of(record):  # on a compacted topic the key is what a record replaces
                 problem = f"message key {key!r} is not the record's key {key_of(record)!r}"
+        if problem is None:
+            problem, field_name = clock_problem(record, timestamp_s), "event_time"
     except DecodeError as exc:
         problem, field_name = exc.reason, exc.field
     if problem is None:
