@@ -178,10 +178,20 @@ def test_keys_are_written_private_and_never_replaced_silently(tmp_path):
     os.chmod(tmp_path / "n1.key", 0o644)
     with pytest.raises(SigningError, match="readable by others"):
         read_key(tmp_path / "n1.key")
-    (tmp_path / "bad.secret").write_text("not hex\n")
-    os.chmod(tmp_path / "bad.secret", 0o600)
-    with pytest.raises(SigningError, match="not hex"):
-        read_secret(tmp_path / "bad.secret")
+
+
+
+@pytest.mark.parametrize(("content", "read", "error"), [
+    (b"not hex\n", read_secret, "not hex"),
+    (b"\xff\xfe\x00", read_secret, "not text"),
+    (b'{"identity": "node/n1", "key": ""}', read_key, "0 bytes"),  # an empty HMAC key would sign
+])
+def test_an_unusable_secret_or_key_file_is_one_clear_error(tmp_path, content, read, error):
+    path = tmp_path / "f"
+    path.write_bytes(content)
+    os.chmod(path, 0o600)
+    with pytest.raises(SigningError, match=error):
+        read(path)
 
 
 def test_an_agent_starts_only_with_a_key_it_may_use(tmp_path):
@@ -448,11 +458,3 @@ def test_an_agent_on_a_slurm_node_refuses_the_site_secret_even_beside_its_key(tm
     with pytest.raises(ValueError, match="never the site secret"):
         check_signing_identity(Settings(site_secret_file=tmp_path / "s", signing_key_file=tmp_path / "n1.key"),
                                "n1", static_jobs=False)
-    (tmp_path / "raw").write_bytes(b"\xff\xfe\x00")
-    os.chmod(tmp_path / "raw", 0o600)
-    with pytest.raises(SigningError, match="not text"):
-        read_secret(tmp_path / "raw")
-    (tmp_path / "empty.key").write_text('{"identity": "node/n1", "key": ""}')
-    os.chmod(tmp_path / "empty.key", 0o600)
-    with pytest.raises(SigningError, match="0 bytes"):
-        read_key(tmp_path / "empty.key")
