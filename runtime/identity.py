@@ -22,7 +22,15 @@ import secrets
 import stat
 from pathlib import Path
 
-from nodeshare.schemas.signing import SECRET_BYTES, Signer, SigningError, Verifier, check_identity, derive_key
+from nodeshare.schemas.signing import (
+    SECRET_BYTES,
+    Signer,
+    SigningError,
+    Verifier,
+    check_identity,
+    check_secret,
+    derive_key,
+)
 
 
 def _read_private(path: Path, what: str) -> str:
@@ -51,10 +59,10 @@ def read_secrets(path: Path) -> list[bytes]:
         except ValueError:
             raise SigningError(f"line {n} of the site secret {path} is not hex "
                                "(make one with `nodeshare keys secret`)") from None
-        if len(secret) < SECRET_BYTES:
-            raise SigningError(f"line {n} of the site secret {path} has {len(secret)} bytes; at least "
-                               f"{SECRET_BYTES} are needed")
-        out.append(secret)
+        try:
+            out.append(check_secret(secret))
+        except SigningError as exc:
+            raise SigningError(f"line {n} of the site secret {path}: {exc}") from None
     return out
 
 

@@ -39,9 +39,10 @@ AUTH_FIELD = "auth"
 #: The two kinds of identity.
 NODE = "node/"
 SERVICE = "service/"
-_IDENTITY = re.compile(r"^(node|service)/[A-Za-z0-9._@:+-]{1,200}$")
+_IDENTITY = re.compile(r"(node|service)/[A-Za-z0-9._@:+-]{1,200}")  # whole string: fullmatch
 _KEY_LABEL = b"nodeshare identity key v1\x00"
 _MAC_LABEL = b"nodeshare-auth v1\x00"
+_ABSENT = struct.pack(">q", -1)
 #: Bytes of the site secret (and of a derived key).
 SECRET_BYTES = 32
 
@@ -58,22 +59,29 @@ def check_identity(identity: str) -> str:
     return identity
 
 
+def check_secret(secret: bytes) -> bytes:
+    """``secret`` if it is long enough to be a site secret; else SigningError."""
+    if len(secret) < SECRET_BYTES:
+        raise SigningError(f"a site secret has {len(secret)} bytes; at least {SECRET_BYTES} are needed")
+    return secret
+
+
 def derive_key(secret: bytes, identity: str) -> bytes:
     """The signing key of ``identity`` under the site's ``secret``."""
-    if len(secret) < SECRET_BYTES:
-        raise SigningError(f"the site secret has {len(secret)} bytes; at least {SECRET_BYTES} are needed")
-    return hmac.new(secret, _KEY_LABEL + check_identity(identity).encode(), hashlib.sha256).digest()
-
-
-def _message(topic: str, key: bytes | None, value: bytes | None) -> bytes:
-    parts = [topic.encode(), key, value]
-    return _MAC_LABEL + b"".join(
-        struct.pack(">q", -1) if p is None else struct.pack(">q", len(p)) + p for p in parts)
+    return hmac.new(check_secret(secret), _KEY_LABEL + check_identity(identity).encode(), hashlib.sha256).digest()
 
 
 def sign(key: bytes, identity: str, topic: str, msg_key: bytes | None, value: bytes | None) -> bytes:
-    """The ``nodeshare-auth`` header value of a message ``identity`` sends to catalog ``topic``."""
-    mac = hmac.new(key, identity.encode() + b"\x00" + _message(topic, msg_key, value), hashlib.sha256)
+    """The ``nodeshare-auth`` header value of a message ``identity`` sends to catalog ``topic``: the
+    MAC of the identity, a label, then the topic, key and value, each length-prefixed (-1: None),
+    fed piece by piece (a value is never copied: this runs once per message on the worker)."""
+    mac = hmac.new(key, identity.encode() + b"\x00" + _MAC_LABEL, hashlib.sha256)
+    for part in (topic.encode(), msg_key, value):
+        if part is None:
+            mac.update(_ABSENT)
+        else:
+            mac.update(struct.pack(">q", len(part)))
+            mac.update(part)
     return f"{identity} {mac.hexdigest()}".encode()
 
 
@@ -82,11 +90,8 @@ class Verifier:
     rotation keeps accepting (keys derived once per identity that signs)."""
 
     def __init__(self, secret: bytes, *retired: bytes) -> None:
-        for s in (secret, *retired):
-            if len(s) < SECRET_BYTES:
-                raise SigningError(f"a site secret has {len(s)} bytes; at least {SECRET_BYTES} are needed")
-        self._secret = secret
-        self._retired = retired
+        self._secret = check_secret(secret)
+        self._retired = tuple(check_secret(s) for s in retired)
         self._keys: dict[str, bytes] = {}
         self._old_keys: dict[str, tuple[bytes, ...]] = {}
 
