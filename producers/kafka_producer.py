@@ -12,7 +12,7 @@ from typing import Any
 from confluent_kafka import KafkaError, Message, Producer
 
 from nodeshare.runtime.config import Settings
-from nodeshare.schemas import INPUT_TOPICS, TOPIC_OF_RECORD, Record, encode, key_of
+from nodeshare.schemas import TOPIC_OF_RECORD, Record, encode, key_of
 from nodeshare.schemas.signing import AUTH_HEADER
 
 DeliveryCallback = Callable[[KafkaError | None, Message], None]
@@ -40,7 +40,7 @@ class EventProducer:
         }))
         #: signs what goes to the input topics (None: the site hands out no keys)
         self._signer = settings.signer(service=f"service/{client_id}")
-        self._inputs = {settings.topic(t.name): t.name for t in INPUT_TOPICS}
+        self._inputs = settings.input_topics()
         self._lock = threading.Lock()
         self.delivered = 0
         self.failed: list[str] = []

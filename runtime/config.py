@@ -194,6 +194,12 @@ class Settings(BaseSettings):
         """The one way to name a topic on the bus: the catalog's name behind this deployment's prefix."""
         return f"{self.topic_prefix}{name}"
 
+    def input_topics(self) -> dict[str, str]:
+        """Each input topic's name on the bus -> its catalog name (what a signature covers)."""
+        from nodeshare.schemas.catalog import INPUT_TOPICS
+
+        return {self.topic(t.name): t.name for t in INPUT_TOPICS}
+
     def policy(self) -> PricingPolicy:
         from nodeshare import __version__
         from nodeshare.streams.core.accounting import PricingPolicy

@@ -29,7 +29,6 @@ from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
     ESTIMATES_DEGRADATION,
-    INPUT_TOPICS,
     JOBS_LIFECYCLE,
     NODE_IPC,
     NODE_LLC,
@@ -80,8 +79,7 @@ def read_range(settings: Settings, topic: str, partition: int, start: int, stop:
     consumer.assign([tp])
     out: list[Message] = []
     # only input topics carry signatures (a manager's own log is not in the catalog): others get no signer
-    inputs = {settings.topic(t.name): t.name for t in INPUT_TOPICS}
-    catalog = inputs.get(topic, "")
+    catalog = settings.input_topics().get(topic, "")
     verifier = verifier if catalog else None
     position = start
     deadline = time.monotonic() + timeout_s
@@ -160,7 +158,7 @@ class Cursor:
         self.generation = -1  # the app's rebalance count when the agent last started or checked its partitions
         self.refetched = 0  # messages read back because faust skipped them
         self.verifier = settings.verifier()  # who signed each message (None: identities not checked)
-        self._inputs = {settings.topic(t.name): t.name for t in INPUT_TOPICS}
+        self._inputs = settings.input_topics()
 
     def signer(self, topic: str, key: bytes | None, value: bytes | None, headers: Any) -> str | None:
         """The identity whose valid signature a message of Kafka ``topic`` carries ("" none); None

@@ -59,7 +59,7 @@ from prometheus_client import Gauge
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.runtime import logs, metrics
 from nodeshare.runtime.config import Settings
-from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, NODE_IPC, spec_for_topic
+from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, NODE_IPC
 from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.serde import encode
 from nodeshare.schemas.signing import header_value
@@ -137,7 +137,7 @@ class FoldConsumer:
         self.producer = EventProducer(settings, client_id="nodeshare-accounting")
         #: checks who signed each input record (None: the site checks no identities)
         self.verifier = settings.verifier()
-        self._catalog: dict[str, str] = {}  # Kafka topic -> catalog name, for the signature
+        self._inputs = settings.input_topics()  # Kafka topic -> catalog name, for the signature
         self._pending: dict[tuple[str, int], int] = {}  # next offset to commit per (topic, partition)
         self._position: dict[tuple[str, int], int] = {}  # next offset to apply per (topic, partition)
         #: States of revoked partitions, with where they stopped: an eager rebalance revokes every
@@ -227,10 +227,7 @@ class FoldConsumer:
         """The identity whose valid signature ``msg`` carries ("" none), None when none is checked."""
         if self.verifier is None:
             return None
-        catalog = self._catalog.get(topic)
-        if catalog is None:
-            catalog = self._catalog[topic] = spec_for_topic(topic, self.prefix).name
-        return self.verifier.signer(catalog, msg.key(), msg.value(), header_value(msg.headers()))
+        return self.verifier.signer(self._inputs[topic], msg.key(), msg.value(), header_value(msg.headers()))
 
     def apply(self, message: Message) -> None:
         """One input message through the reducer; what it produced goes to the producer's queue."""

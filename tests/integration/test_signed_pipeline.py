@@ -5,7 +5,6 @@ another, or that no one signed, end in the dead-letter topic without touching a 
 from __future__ import annotations
 
 import base64
-import os
 import uuid
 from pathlib import Path
 
@@ -116,8 +115,6 @@ def test_the_archive_keeps_each_records_signature(signed) -> None:
 
 def test_the_audit_command_with_and_without_the_secret(signed, monkeypatch) -> None:
     run, job, _ = signed
-    secret = os.environ.get("NODESHARE_SITE_SECRET_FILE")
-    assert secret is None
     monkeypatch.setenv("NODESHARE_SITE_SECRET_FILE", str(run.settings.site_secret_file))
     r = CliRunner().invoke(app, ["audit", "--archive", str(run.archive), "--ledger", str(run.ledger)])
     assert r.exit_code == 0, r.output
