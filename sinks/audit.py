@@ -289,7 +289,7 @@ def audit_jobs(archive: ParquetArchive, ledger_rows: dict[tuple[str, int], Charg
     threads of this process): the vectorized fold in chunks of the archive's row groups, the
     reference fold (pure Python) in groups of jobs on a runner of processes, in one task here.
     With ``verifier``, a record its signer may not have written counts for nothing, as in the
-    worker: the jobs that have one go to the reference fold, which refuses it."""
+    worker: the jobs that have one go to the reference fold, which leaves those rows out."""
     runner = runner if runner is not None else in_process(archive.threads)
     policies = {job: policy_of(c) for (job, _), c in sorted(ledger_rows.items())}  # the newest revision's
     # a revision priced under another policy than its job's newest (an upgrade, a changed margin or
