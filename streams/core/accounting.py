@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Annotated, Any, NamedTuple
@@ -982,17 +982,32 @@ def process_message(
 Message = tuple[Origin, bytes | None, bytes | None, float]  # (origin, key, value, timestamp in s)
 
 
+class AccountUnavailable(LookupError):
+    """A job's account is kept elsewhere (the worker's settled accounts) and cannot be read back
+    usable: its record must not be folded into a new, empty account (the caller dead-letters it)."""
+
+
 def fold_states(messages: Iterable[Message], policy: PricingPolicy, prefix: str = "",
                 accounts: dict[bytes | None, JobAccount] | None = None,
+                load: Callable[[bytes | None], JobAccount | None] | None = None,
                 ) -> tuple[dict[bytes | None, JobAccount], list[Outgoing]]:
     """Fold raw input messages (in the order given) exactly as the stream worker does, onto
     ``accounts`` (a snapshot's; changed in place) or nothing: every job's final account, and the
-    charge messages the fold produced (a re-sent charge appears again)."""
+    charge messages the fold produced (a re-sent charge appears again). ``load`` gives the account of
+    a key ``accounts`` lacks, if it has one elsewhere (the worker's settled accounts), else None."""
     accounts = {} if accounts is None else accounts
     charges: list[Outgoing] = []
     for origin, key, value, ts in messages:
+        account = accounts.get(key)
+        if account is None and load is not None:
+            try:
+                account = load(key)
+            except AccountUnavailable:
+                continue  # the live fold dead-lettered it for the same reason
+            if account is not None:  # in memory again, whatever this message does to it
+                accounts[key] = account
         # no running estimates: only charges are kept, and one per batch over all nodes is O(nodes)
-        new, out, _ = apply_message(accounts.get(key), origin, key, value, ts, policy, prefix, running_estimates=False)
+        new, out, _ = apply_message(account, origin, key, value, ts, policy, prefix, running_estimates=False)
         if new is not None:
             accounts[key] = new
         charges += [o for o in out if o.topic == LEDGER_CHARGES.name]

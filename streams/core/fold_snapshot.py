@@ -33,19 +33,25 @@ import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .accounting import JobAccount, PricingPolicy
 
 FORMAT = 1
-#: The persisted shape of ``JobAccount``: bumped by a release that changes it. A snapshot of another
-#: state version is neither used (its accounts may not decode) nor deleted (a member still on the
-#: other release, or a rollback, may need it).
-STATE_VERSION = 1
+#: The persisted shape of a partition's state: bumped by a release that changes it. A snapshot of a
+#: state version this build does not read is neither used (its accounts may not decode) nor deleted
+#: (a member still on the other release, or a rollback, may need it). Version 2 added the index of
+#: settled accounts (``FoldSnapshot.settled``): a release that reads only version 1 would take an
+#: evicted job's late record for a new job's, so it must not read version 2.
+STATE_VERSION = 2
+#: The state versions this build reads: version 1 is version 2 with no settled account.
+READABLE_STATES = frozenset({1, 2})
 #: The largest chunk's compressed bytes: well under Kafka's default 1 MB message limit
 CHUNK_BYTES = 512 * 1024
 
 Accounts = dict[bytes | None, JobAccount]
+#: A partition's settled accounts, out of memory: message key -> offset on ``accounting.settled``
+Settled = dict[bytes | None, int]
 
 
 class SnapshotProblem(ValueError):
@@ -71,6 +77,7 @@ class FoldSnapshot:
     accounts: Accounts
     snapshot_id: str = ""
     chunks: int = 0
+    settled: Settled = field(default_factory=dict)
 
     @property
     def records(self) -> int:
@@ -89,13 +96,20 @@ def _digest(head: Mapping[str, object], body: bytes) -> str:
     return hashlib.sha256(said + b"\n" + body).hexdigest()
 
 
+def _b64(key: bytes | None) -> str | None:
+    return None if key is None else base64.b64encode(key).decode()
+
+
 def encode_snapshot(partition: int, partitions: int, offsets: Mapping[str, int], config: str, accounts: Accounts,
-                    snapshot_id: str | None = None, chunk_bytes: int | None = None) -> list[tuple[bytes, bytes]]:
-    """The (key, value) messages of a snapshot: one per chunk, in order."""
+                    snapshot_id: str | None = None, chunk_bytes: int | None = None,
+                    settled: Settled | None = None) -> list[tuple[bytes, bytes]]:
+    """The (key, value) messages of a snapshot: one per chunk, in order. Its body holds the accounts
+    in memory and the index of the settled ones (``settled``)."""
     sid = snapshot_id or uuid.uuid4().hex
-    body = zlib.compress(json.dumps(
-        [[None if k is None else base64.b64encode(k).decode(), a.model_dump_json()]
-         for k, a in sorted(accounts.items(), key=lambda kv: kv[0] or b"")]).encode(), 6)
+    body = zlib.compress(json.dumps({
+        "accounts": [[_b64(k), a.model_dump_json()] for k, a in sorted(accounts.items(), key=lambda kv: kv[0] or b"")],
+        "settled": [[_b64(k), o] for k, o in sorted((settled or {}).items(), key=lambda kv: kv[0] or b"")],
+    }).encode(), 6)
     size = chunk_bytes or CHUNK_BYTES
     parts = [body[i:i + size] for i in range(0, len(body), size)] or [b""]
     whole = {"format": FORMAT, "state": STATE_VERSION, "partition": partition, "partitions": partitions, "id": sid,
@@ -190,9 +204,9 @@ def _chunks(messages: Iterable[tuple[bytes | None, bytes | None]], partition: in
         if len(chunks) != count or any(h != first | {"index": i} for i, (h, _) in chunks.items()):
             problems.append(f"snapshot {sid}: {len(chunks)} of {count} chunks, or chunks that disagree (a writer "
                             "stopped while it wrote it)")
-        elif first["state"] != STATE_VERSION:
+        elif first["state"] not in READABLE_STATES:
             problems.append(f"snapshot {sid}: state version {first['state']} (another release's); this build "
-                            f"reads {STATE_VERSION}")
+                            f"reads {', '.join(map(str, sorted(READABLE_STATES)))}")
         elif first["partitions"] != partitions:
             problems.append(f"snapshot {sid}: taken under {first['partitions']} partitions, not {partitions}")
         elif first["config"] != config:
@@ -222,14 +236,34 @@ def best(messages: Iterable[tuple[bytes | None, bytes | None]], partition: int, 
             problems.append(f"snapshot {snap.snapshot_id}: damaged (its digest does not match)")
             continue
         try:
-            accounts: Accounts = {None if k is None else base64.b64decode(k): JobAccount.model_validate_json(a)
-                                  for k, a in json.loads(zlib.decompress(body))}
-        except (ValueError, TypeError, zlib.error) as exc:  # pydantic's ValidationError is a ValueError
+            accounts, settled = _body(json.loads(zlib.decompress(body)), head["state"])
+        except (ValueError, TypeError, KeyError, zlib.error) as exc:  # pydantic's ValidationError is a ValueError
             problems.append(f"snapshot {snap.snapshot_id}: unreadable ({str(exc)[:200]})")
             continue
         return FoldSnapshot(partition, partitions, snap.offsets, config, accounts, snap.snapshot_id,
-                            snap.chunks), problems
+                            snap.chunks, settled), problems
     return None, problems
+
+
+def _key(k: object) -> bytes | None:
+    if k is not None and type(k) is not str:
+        raise TypeError(f"a key that is neither a string nor null: {k!r:.60}")
+    return None if k is None else base64.b64decode(k, validate=True)
+
+
+def _body(body: object, state: int) -> tuple[Accounts, Settled]:
+    """A snapshot body's accounts and settled index (version 1: a list of accounts, nothing settled)."""
+    if state == 1:
+        body = {"accounts": body, "settled": []}
+    if not isinstance(body, dict) or not isinstance(body["accounts"], list) or not isinstance(body["settled"], list):
+        raise TypeError("a snapshot body of the wrong shape")
+    accounts = {_key(k): JobAccount.model_validate_json(a) for k, a in body["accounts"]}
+    settled: Settled = {}
+    for k, offset in body["settled"]:
+        if type(offset) is not int or offset < 0:
+            raise TypeError(f"a settled account's offset that is not one: {offset!r:.60}")
+        settled[_key(k)] = offset
+    return accounts, settled
 
 
 def resume(snapshot: FoldSnapshot | None, committed: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -239,3 +273,57 @@ def resume(snapshot: FoldSnapshot | None, committed: Mapping[str, int]) -> tuple
     snapshot's. Without a snapshot: from 0 up to the committed offsets."""
     start = {t: (snapshot.offsets.get(t, 0) if snapshot else 0) for t in committed}
     return start, {t: max(start[t], o) for t, o in committed.items()}
+
+
+# --------------------------------------------------------------------------- settled accounts
+
+#: The fields of a settled account's header, each of the type it must have
+_SETTLED_TYPES = {"format": int, "state": int, "partition": int, "partitions": int, "config": str, "digest": str}
+
+
+def settled_key(partition: int, key: bytes | None) -> bytes:
+    """The key of a settled account on ``accounting.settled``: the input partition, then the job's key
+    (compaction keeps each job's latest account)."""
+    return f"{partition}/".encode() + (key or b"")
+
+
+def encode_settled(partition: int, partitions: int, config: str, account: JobAccount) -> bytes:
+    """A settled account as a message value: a JSON header line (what it was folded under, and the
+    digest of the rest), then the account compressed."""
+    body = zlib.compress(account.model_dump_json().encode(), 6)
+    head = {"format": FORMAT, "state": STATE_VERSION, "partition": partition, "partitions": partitions,
+            "config": config, "digest": hashlib.sha256(body).hexdigest()}
+    return json.dumps(head, sort_keys=True).encode() + b"\n" + body
+
+
+def decode_settled(value: bytes | None, partition: int, partitions: int, config: str, key: bytes | None) -> JobAccount:
+    """The account a settled message holds, checked to be ``key``'s of ``partition`` folded under
+    ``partitions`` and ``config``; raises SnapshotProblem saying why it cannot be used."""
+    head_raw, sep, body = (value or b"").partition(b"\n")
+    try:
+        head = json.loads(head_raw) if sep else None
+    except (ValueError, RecursionError):
+        head = None
+    if not isinstance(head, dict) or any(type(head.get(k)) is not t for k, t in _SETTLED_TYPES.items()):
+        raise SnapshotProblem("not a settled account (no header of the right shape)")
+    if (head["format"], head["state"]) != (FORMAT, STATE_VERSION):
+        raise SnapshotProblem(f"a settled account of format {head['format']}, state {head['state']}; this build reads "
+                              f"{FORMAT}, {STATE_VERSION}")
+    if (head["partition"], head["partitions"], head["config"]) != (partition, partitions, config):
+        raise SnapshotProblem(f"a settled account of partition {head['partition']} of {head['partitions']} under "
+                              f"{head['config']}, not {partition} of {partitions} under {config}")
+    if hashlib.sha256(body).hexdigest() != head["digest"]:
+        raise SnapshotProblem("a damaged settled account (its digest does not match)")
+    try:
+        account = JobAccount.model_validate_json(zlib.decompress(body))
+    except (ValueError, zlib.error) as exc:
+        raise SnapshotProblem(f"an unreadable settled account ({str(exc)[:200]})") from None
+    if key is None or account.job_id.encode() != key:
+        raise SnapshotProblem(f"a settled account of job {account.job_id!r}, not of key {key!r:.80}")
+    return account
+
+
+def settled(account: JobAccount) -> bool:
+    """Whether an account may leave memory: charged, with no terminal event waiting for a node. What
+    it may still receive (a correction, a lost node's late data, a copy) is rare, and reads it back."""
+    return account.revision >= 0 and account.awaiting() is None

@@ -297,6 +297,40 @@ def read_compacted(settings: Settings, topic: str, idle_s: float = 1.0,
         consumer.close()
 
 
+def read_keyed(settings: Settings, topic: str, offset: int, key: bytes, idle_s: float = 1.0,
+               timeout_s: float = 60.0) -> bytes | None:
+    """The value of the first message with ``key`` at or after ``offset`` on a (compacted,
+    single-partition) topic: the one there, or, where compaction removed it, the key's next one; None
+    when the topic holds none (read up to the high watermark seen at the start, then ``idle_s`` with
+    no message: the bundled broker's end offset can be one batch short). Raises KafkaException on a
+    consumer error (a missing or unauthorized topic), RuntimeError when not done within ``timeout_s``."""
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"{settings.app_id}-settled", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    tp = TopicPartition(topic, 0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        high = consumer.get_watermark_offsets(tp, timeout=10)[1]
+        consumer.assign([TopicPartition(topic, 0, offset)])
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            for m in consumer.consume(100, timeout=min(idle_s, 0.5)):
+                err = m.error()
+                if err is not None:
+                    if err.fatal() or err.code() in _UNREADABLE:
+                        raise KafkaException(err)
+                    continue
+                if (m.offset() or 0) >= offset and m.key() == key:
+                    return m.value()
+                quiet_since = time.monotonic()
+            [now] = consumer.position([tp])
+            if (offset >= high or now.offset >= high) and time.monotonic() - quiet_since >= idle_s:
+                return None
+    finally:
+        consumer.close()
+    raise RuntimeError(f"{topic}: no message keyed {key!r:.80} read at or after offset {offset} within "
+                       f"{timeout_s:.0f} s")
+
+
 def accounting_group(settings: Settings) -> str:
     """The consumer group of the charge fold (apart from faust's, whose assignor differs)."""
     return f"{settings.app_id}-accounting"

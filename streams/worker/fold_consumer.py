@@ -65,9 +65,19 @@ from nodeshare.schemas.serde import encode
 from nodeshare.schemas.signing import header_value
 
 from ..core import fold_snapshot
-from ..core.accounting import SOURCE, JobAccount, Message, Origin, Outgoing, apply_message, fold_states
+from ..core.accounting import (
+    SOURCE,
+    AccountUnavailable,
+    JobAccount,
+    Message,
+    Origin,
+    Outgoing,
+    apply_message,
+    fold_states,
+)
 from .copartition import NotCoPartitioned, input_partitions, routing_problem
 from .cursor import LogHeadGone, accounting_group, accounting_topics, read_range
+from .fold_settled import Settled
 from .fold_snapshots import Snapshots
 
 log = logging.getLogger(__name__)
@@ -106,6 +116,8 @@ def owned_offsets(pending: Mapping[tuple[str, int], int], owned: set[tuple[str, 
 #: Dead-letter kind (the ``nodeshare_dead_letters_total`` label) of a record on a partition its key
 #: does not hash to.
 MISROUTED = "misrouted"
+#: Dead-letter kind of a record whose job's settled account cannot be read back usable
+UNSETTLED = "unsettled"
 
 
 def _job_id(key: bytes | None) -> str | None:
@@ -150,6 +162,7 @@ class FoldConsumer:
         self.rebuilds = 0
         self.snapshots = Snapshots(settings)  # of the partitions' accounts (streams.worker.fold_snapshots)
         self.snapshot_config = fold_snapshot.config_of(self.policy)
+        self.settled = Settled(settings)  # charged accounts out of memory (streams.worker.fold_settled)
         #: Jobs whose blocks changed since their last published estimate, by partition and key.
         self._changed: dict[tuple[int, bytes | None], JobAccount] = {}
         #: Partition count of each input topic, from the broker's metadata at start and at each assignment.
@@ -183,6 +196,13 @@ class FoldConsumer:
             log.error("accounting: no topic %s: the charge fold takes no snapshots and rebuilds every partition "
                       "from offset 0 (node.ipc and jobs.lifecycle must then keep everything); run `nodeshare topics "
                       "create` and restart the worker", self.snapshots.topic)
+        if self.settled.on:
+            with contextlib.suppress(KafkaException):
+                self.settled.on = self.settled.topic in consumer.list_topics(timeout=30).topics
+            if not self.settled.on:
+                log.error("accounting: no topic %s: the charge fold keeps every charged job's account in memory (it "
+                          "grows with every job); run `nodeshare topics create` and restart the worker",
+                          self.settled.topic)
         consumer.subscribe(accounting_topics(self.settings), on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_lost)
         committed_at = lag_at = time.monotonic()
@@ -192,7 +212,8 @@ class FoldConsumer:
                 if time.monotonic() - committed_at >= self.commit_interval_s:
                     if self._pending:
                         self.commit_or_rejoin(consumer)
-                    else:  # idle: a partition may still be due a snapshot by the time rule
+                    else:  # idle: accounts may be due to leave memory, a partition a snapshot by the time rule
+                        self.evict()
                         self.save_snapshots()
                     committed_at = time.monotonic()
                 if time.monotonic() - lag_at >= metrics.LAG_INTERVAL_S:
@@ -240,10 +261,20 @@ class FoldConsumer:
             account, out, blocks = None, [Outgoing(DLQ.name, origin.topic.encode(), encode(dl), MISROUTED)], None
         else:
             jobs = self.states.setdefault(origin.partition, {})
-            account, out, blocks = apply_message(jobs.get(key), origin, key, value, ts, self.policy, self.prefix,
-                                                 running_estimates=False)
+            try:
+                account = jobs.get(key)
+                if account is None:
+                    account = self._load(origin.partition, key)
+                account, out, blocks = apply_message(account, origin, key, value, ts, self.policy, self.prefix,
+                                                     running_estimates=False)
+            except AccountUnavailable as exc:  # never folded into a new account: charged from nothing
+                dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, ts, str(exc), field="key",
+                                 source=SOURCE)
+                account, out, blocks = None, [Outgoing(DLQ.name, origin.topic.encode(), encode(dl), UNSETTLED)], None
         if account is not None:
             jobs[key] = account
+            if any(o.topic == LEDGER_CHARGES.name for o in out):
+                self.settled.charged(origin.partition, key)
             self._note_awaiting(origin.partition, key, account)
             if any(o.topic == ESTIMATES_DEGRADATION.name for o in out):  # a fresher one goes now
                 self._changed.pop((origin.partition, key), None)
@@ -256,6 +287,15 @@ class FoldConsumer:
             metrics.SHUTTER_BLOCKS.labels("refused").inc(blocks.refused)
         self._publish(out, origin, key)
         metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
+
+    def _load(self, partition: int, key: bytes | None) -> JobAccount | None:
+        """The job's settled account, back in memory (None: it has none); raises AccountUnavailable."""
+        account = self.settled.load(partition, key, self._partitions.get(self.settings.topic(NODE_IPC.name), 0),
+                                    self.snapshot_config)
+        if account is not None:
+            self.states.setdefault(partition, {})[key] = account
+            self.settled.charged(partition, key)  # leaves again once it has been quiet as long as after a charge
+        return account
 
     def _note_awaiting(self, partition: int, key: bytes | None, account: JobAccount) -> None:
         end = account.awaiting()
@@ -314,6 +354,7 @@ class FoldConsumer:
         if not self._pending:
             return
         self.producer.flush(FLUSH_TIMEOUT_S)  # raises DeliveryError if the broker did not take every output
+        self.evict()
         self.save_snapshots()
         offsets = owned_offsets(self._pending, self._owned)
         if len(offsets) < len(self._pending):  # forgotten with their partitions: never reached here
@@ -323,12 +364,19 @@ class FoldConsumer:
             consumer.commit(offsets=offsets, asynchronous=False)
         self._pending.clear()
 
+    def evict(self) -> None:
+        """Move the settled accounts due out of memory (``streams.worker.fold_settled``), once what was
+        applied is durable."""
+        self.settled.evict(self.producer, self.states, {p for _, p in self._owned},
+                           self._partitions.get(self.settings.topic(NODE_IPC.name)), self.snapshot_config,
+                           FLUSH_TIMEOUT_S)
+
     def save_snapshots(self) -> None:
         """Snapshot the owned partitions that are due (``streams.worker.fold_snapshots``), once what
         their messages produced is durable."""
         self.snapshots.save(self.producer, self.states, self._position, {p for _, p in self._owned},
                             self._partitions.get(self.settings.topic(NODE_IPC.name)), self.snapshot_config,
-                            FLUSH_TIMEOUT_S)
+                            FLUSH_TIMEOUT_S, self.settled.index)
 
     def commit_or_rejoin(self, consumer: Consumer) -> None:
         """``commit``; when the group no longer knows this member (a broker restarted with the group's
@@ -361,6 +409,7 @@ class FoldConsumer:
             mine = {t: s for (t, p), s in stops.items() if p == partition}
             if partition in parked and parked[partition][1] == mine:  # nobody consumed it meanwhile
                 self.states[partition] = parked[partition][0]
+                self.settled.unpark(partition, self.states[partition])
                 for key, account in self.states[partition].items():
                     self._note_awaiting(partition, key, account)
             else:
@@ -402,8 +451,12 @@ class FoldConsumer:
             messages += [m for m in read_range(self.settings, topic, partition, start[topic], stop,
                                                verifier=self.verifier)
                          if self.misrouted(m[0], m[1]) is None]
-        rebuilt, charges = fold_states(messages, self.policy, self.prefix, snap.accounts if snap else None)
+        self.settled.index[partition] = dict(snap.settled) if snap else {}
+        rebuilt, charges = fold_states(messages, self.policy, self.prefix, snap.accounts if snap else None,
+                                       load=lambda key: self.settled.load(partition, key, partitions,
+                                                                          self.snapshot_config))
         self.states[partition] = rebuilt
+        self.settled.rebuilt(partition, self.settled.index[partition], rebuilt)
         oldest = min((m[3] for m in messages if m[3] > 0), default=None)  # broker time of the first record folded
         self.snapshots.loaded(partition, snapshots, len(messages), oldest)
         for key, account in rebuilt.items():
@@ -446,6 +499,7 @@ class FoldConsumer:
         REFUSED.set(len(self.refused))
         self._changed = {k: a for k, a in self._changed.items() if k[0] not in gone}
         self.snapshots.forget(gone, park)
+        self.settled.forget(gone, park)
         with self._awaiting_lock:
             self._awaiting = {k: t for k, t in self._awaiting.items() if k[0] not in gone}
         for p in gone:

@@ -122,7 +122,7 @@ class Snapshots:
 
     def save(self, producer: Any, states: dict[int, dict[bytes | None, JobAccount]],
              positions: dict[tuple[str, int], int], owned: set[int], partitions: int | None, config: str,
-             flush_timeout_s: float) -> None:
+             flush_timeout_s: float, settled: dict[int, fold_snapshot.Settled] | None = None) -> None:
         """Snapshot each owned partition that is due; durable before this returns, what it replaces
         deleted after (the tombstones go with the next flush)."""
         every, every_s = self.settings.fold_snapshot_every_records, self.settings.fold_snapshot_every_s
@@ -135,7 +135,8 @@ class Snapshots:
         written: dict[int, list[bytes]] = {}
         for p in due:
             offsets = {t: o for (t, q), o in sorted(positions.items()) if q == p}
-            chunks = fold_snapshot.encode_snapshot(p, partitions, offsets, config, states[p])
+            chunks = fold_snapshot.encode_snapshot(p, partitions, offsets, config, states[p],
+                                                   settled=(settled or {}).get(p))
             for key, value in chunks:
                 producer.send_raw(self.topic, key, value, partition=0)
             written[p] = [k for k, _ in chunks]

@@ -79,6 +79,7 @@ PREFIX = "t."
 IPC, LIFE = f"{PREFIX}node.ipc", f"{PREFIX}jobs.lifecycle"
 CHARGES, DLQ = f"{PREFIX}ledger.charges", f"{PREFIX}dlq"
 SNAPSHOTS = f"{PREFIX}accounting.snapshots"
+SETTLED = f"{PREFIX}accounting.settled"
 MEMBERS = ("a", "b", "c")  # worker processes; a and b run at first
 SETTINGS = Settings.model_validate({"bootstrap": "127.0.0.1:1", "topic_prefix": PREFIX})
 POLICY = SETTINGS.policy()  # the worker's
@@ -248,6 +249,22 @@ class Broker:
             raise RuntimeError(f"{topic}: still reading after 60 s")
         return self.view()
 
+    #: settled accounts read back by the members' folds
+    reads: int = 0
+
+    def settled(self, settings: Settings, topic: str, offset: int, key: bytes) -> bytes | None:
+        """``read_keyed`` on the settled topic."""
+        assert topic == SETTLED
+        self.reads += 1
+        return self.settled_value(offset, key)
+
+    def settled_value(self, offset: int, key: bytes) -> bytes | None:
+        """What the settled topic, compacted at its harshest (only each key's last value is left),
+        holds for ``key`` at or after ``offset``."""
+        held = [(o, k, v) for o, (t, k, v) in enumerate(m for m in self.durable if m[0] == SETTLED)]
+        last = {k: o for o, k, _ in held}
+        return next((v for o, k, v in held if last[k] == o and o >= offset and k == key), None)
+
     def view(self) -> list[tuple[bytes | None, bytes | None]]:
         """What the snapshot topic holds."""
         return [(k, v) for t, k, v in self.durable if t == SNAPSHOTS]
@@ -318,10 +335,14 @@ class Producer:
 
     def __init__(self, broker: Broker) -> None:
         self.broker, self.buffer = broker, []
+        self.reports: list[tuple[int, Callable]] = []  # (index in the buffer, its delivery callback)
         self.fail_snapshots = 0  # 0: never; else how many of the buffer's messages get through
 
-    def send_raw(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
+    def send_raw(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None,
+                 on_delivery: Callable | None = None) -> None:
         self.buffer.append((topic, key, value))
+        if on_delivery is not None:
+            self.reports.append((len(self.buffer) - 1, on_delivery))
 
     def flush(self, timeout: float = 30.0) -> int:
         if self.fail_snapshots and any(t == SNAPSHOTS for t, _, _ in self.buffer):
@@ -329,9 +350,25 @@ class Producer:
             self.broker.durable += self.buffer[:kept % (len(self.buffer) + 1)]
             self.buffer = []
             raise DeliveryError("1 records failed, first: accounting.snapshots: Broker: Message size too large")
+        for i, report in self.reports:  # the offset each message takes on its topic
+            topic, key, _ = self.buffer[i]
+            offset = sum(1 for t, _, _ in self.broker.durable if t == topic) + sum(
+                1 for t, _, _ in self.buffer[:i] if t == topic)
+            report(None, _Delivered(key, offset))
         self.broker.durable += self.buffer
-        self.buffer = []
+        self.buffer, self.reports = [], []
         return 0
+
+
+class _Delivered:
+    def __init__(self, key: bytes, offset: int) -> None:
+        self._key, self._offset = key, offset
+
+    def key(self) -> bytes:
+        return self._key
+
+    def offset(self) -> int:
+        return self._offset
 
 
 class Member:
@@ -340,6 +377,7 @@ class Member:
     def __init__(self, broker: Broker, settings: Settings) -> None:
         self.fold = FoldConsumer(settings)
         self.fold.producer = self.producer = Producer(broker)  # type: ignore[assignment]
+        self.fold.settled.read_fn = broker.settled
         self.consumer = GroupConsumer(broker)
         self.zombie = False  # dropped by the group, not yet aware of it
 
@@ -458,6 +496,11 @@ class Cluster:
                 want = {k: a.model_copy(update={"triggers": []})
                         for k, a in fold_states(msgs, POLICY, PREFIX)[0].items()}
                 got = {k: a.model_copy(update={"triggers": []}) for k, a in jobs.items()}
+                for k, offset in m.fold.settled.index.get(p, {}).items():  # and what left memory, as it reads back
+                    assert k not in got, f"job {k!r} both in memory and settled"
+                    value = self.broker.settled_value(offset, fold_snapshot.settled_key(p, k))
+                    got[k] = fold_snapshot.decode_settled(value, p, self.partitions, fold_snapshot.config_of(POLICY),
+                                                          k).model_copy(update={"triggers": []})
                 assert got == want, f"member {name}'s accounts of partition {p} are not the fold of its log up to {at}"
 
     def crash(self, name: str, delivered: int, restart: bool) -> None:
@@ -559,9 +602,9 @@ def plan(rnd: random.Random, n: int) -> list[tuple[str, str, int, int]]:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(partitions=st.integers(1, 8), ipc_partitioner=PARTITIONER, life_partitioner=PARTITIONER,
        seed=st.integers(0, 2**32), jobs=st.integers(1, 10), steps=st.integers(0, 80),
-       snapshot_every=st.sampled_from([1, 3, 10**9]))
+       snapshot_every=st.sampled_from([1, 3, 10**9]), evict=st.sampled_from([None, 0.0, 0.0]))
 def test_the_partitioned_fold_charges_what_one_uninterrupted_fold_charges(
-        partitions, ipc_partitioner, life_partitioner, seed, jobs, steps, snapshot_every):
+        partitions, ipc_partitioner, life_partitioner, seed, jobs, steps, snapshot_every, evict):
     recs = records(seed, jobs)
     rnd = random.Random(seed + 1)
     log: dict[tuple[str, int], list[Rec]] = {(t, p): [] for t in (IPC, LIFE) for p in range(partitions)}
@@ -592,8 +635,10 @@ def test_the_partitioned_fold_charges_what_one_uninterrupted_fold_charges(
         mp.setattr(fold_snapshots, "RETRY_S", 0.0)  # a failed snapshot is tried again at the next commit
         mp.setattr(fold_snapshots, "READ_BACKOFF_S", 0.0)  # a failed read is tried again at once
         mp.setattr(fold_snapshot, "CHUNK_BYTES", 300)
-        cluster = Cluster(broker, SETTINGS.model_copy(update={"fold_snapshot_every_records": snapshot_every}),
-                          partitions)
+        # evict 0.0: every settled account leaves memory at every commit, and each later record of its
+        # job reads it back (live, or in a rebuild from a snapshot's index)
+        cluster = Cluster(broker, SETTINGS.model_copy(update={"fold_snapshot_every_records": snapshot_every,
+                                                              "fold_evict_after_s": evict}), partitions)
         for kind, name, a, b in plan(random.Random(seed + 2), steps):
             cluster.step(kind, name, a, b)
             if kind in ("stale", "lose", "notice"):  # where another member's commit may have moved offsets
@@ -602,6 +647,7 @@ def test_the_partitioned_fold_charges_what_one_uninterrupted_fold_charges(
         cluster.drain(seed)
         cluster.check_accounts()
 
+    event(f"settled accounts read back: {'some' if broker.reads else 'none'} (evicting: {evict is not None})")
     event(f"misrouted records: {'some' if misrouted else 'none'}")
     event(f"charges expected: {'some' if want_charges else 'none'}")
     event(f"rebuilds with state: {'some' if cluster.rebuilt else 'none'}")

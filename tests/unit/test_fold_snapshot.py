@@ -122,13 +122,74 @@ def test_a_header_changed_after_the_fact_or_of_the_wrong_shape_is_refused_never_
 
 def test_another_releases_snapshot_is_neither_used_nor_deleted(monkeypatch):
     state = accounts()
-    theirs = fs.encode_snapshot(0, 4, {IPC: 30, LIFE: 9}, CONFIG, state, "theirs")
-    monkeypatch.setattr(fs, "STATE_VERSION", fs.STATE_VERSION + 1)  # this build is a newer release
     ours = fs.encode_snapshot(0, 4, {IPC: 10, LIFE: 2}, CONFIG, state, "ours")
     broken = fs.encode_snapshot(0, 4, {IPC: 11, LIFE: 2}, CONFIG, state, "broken", chunk_bytes=300)[:1]
+    monkeypatch.setattr(fs, "STATE_VERSION", fs.STATE_VERSION + 1)  # a newer release's, with more records
+    theirs = fs.encode_snapshot(0, 4, {IPC: 30, LIFE: 9}, CONFIG, state, "theirs")
+    monkeypatch.undo()
     snap, problems = fs.best(theirs + ours + broken, 0, 4, CONFIG)
-    assert snap is not None and snap.snapshot_id == "ours" and any("state version" in p for p in problems)
+    assert snap is not None and snap.snapshot_id == "ours" and any("state version 3" in p for p in problems)
     assert sorted(fs.replaceable(theirs + ours + broken, 0)) == sorted([k for k, _ in ours + broken])
+
+
+def _state_1(partition: int, offsets: dict, state: dict, sid: str) -> list[tuple[bytes, bytes]]:
+    """A snapshot as the release before settled accounts wrote it: state version 1, the body a list."""
+    import base64
+    import hashlib
+    import zlib
+    body = zlib.compress(json.dumps([[base64.b64encode(k).decode(), a.model_dump_json()]
+                                     for k, a in sorted(state.items())]).encode())
+    whole = {"format": 1, "state": 1, "partition": partition, "partitions": 4, "id": sid, "count": 1,
+             "offsets": offsets, "config": CONFIG}
+    said = json.dumps(whole, sort_keys=True).encode()
+    digest = hashlib.sha256(said + b"\n" + body).hexdigest()
+    return [(fs.chunk_key(partition, sid, 0), json.dumps({**whole, "index": 0, "digest": digest}).encode() + b"\n" + body)]
+
+
+def test_the_previous_releases_snapshot_is_read_after_an_upgrade_and_kept_for_a_rollback():
+    """An upgrade to settled accounts (state version 2) rebuilds from the snapshots it finds (version
+    1: every account, nothing settled), not from offset 0; they stay for a rollback to read."""
+    state = accounts()
+    old = _state_1(0, {IPC: 30, LIFE: 9}, state, "old")
+    snap, problems = fs.best(old, 0, 4, CONFIG)
+    assert problems == [] and snap is not None and snap.accounts == state and snap.settled == {}
+    new = fs.encode_snapshot(0, 4, {IPC: 31, LIFE: 9}, CONFIG, state, "new", settled={b"gone": 17})
+    snap, _ = fs.best(old + new, 0, 4, CONFIG)
+    assert snap is not None and snap.snapshot_id == "new" and snap.settled == {b"gone": 17}
+    assert fs.replaceable(old + new, 0) == [k for k, _ in new]  # the version-1 chunk stays
+
+
+def test_a_settled_account_reads_back_only_as_what_it_was_written_as():
+    state = accounts()
+    key, account = next((k, a) for k, a in state.items() if fs.settled(a))
+    value = fs.encode_settled(2, 4, CONFIG, account)
+    assert fs.settled_key(2, key) == b"2/" + key
+    assert fs.decode_settled(value, 2, 4, CONFIG, key) == account
+    head, _, body = value.partition(b"\n")
+    other = next(k for k in state if k != key)
+    for bad, why in [(value, "partition 2 of 4"), (b"garbage", "no header"), (head + b"\n" + body[:-1], "digest"),
+                     (json.dumps({**json.loads(head), "state": 9}).encode() + b"\n" + body, "state 9")]:
+        with pytest.raises(fs.SnapshotProblem, match=why):
+            fs.decode_settled(bad, 3 if bad is value else 2, 4, CONFIG, key)
+    with pytest.raises(fs.SnapshotProblem, match="not of key"):
+        fs.decode_settled(value, 2, 4, CONFIG, other)
+    with pytest.raises(fs.SnapshotProblem, match="under"):
+        fs.decode_settled(value, 2, 4, "delta=0.1", key)
+
+
+def test_only_a_charged_account_with_nothing_waiting_is_settled():
+    offsets = {IPC: 0, LIFE: 0}
+    msgs = []
+    for r in records(5, 10):
+        msgs.append((Origin(r.topic, 0, offsets[r.topic]), r.key, r.value, 0.0))
+        offsets[r.topic] += 1
+    state: dict = {}
+    for upto in range(0, len(msgs), 7):  # jobs part-way through, and every one at the end
+        state |= fold_states(msgs[:upto], POLICY, PREFIX)[0]
+    state |= {b"x" + k: a for k, a in fold_states(msgs, POLICY, PREFIX)[0].items()}
+    for a in state.values():
+        assert fs.settled(a) == (a.revision >= 0 and a.revision + 1 == len(a.ends))
+    assert any(fs.settled(a) for a in state.values()) and not all(fs.settled(a) for a in state.values())
 
 
 def test_a_header_that_claims_huge_counts_or_nests_deep_is_refused_never_a_crash():
