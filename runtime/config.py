@@ -127,8 +127,8 @@ class Settings(BaseSettings):
     fold_snapshot_every_s: Annotated[float, Field(gt=0.0)] = 600.0
     # How long a charged job's account (nothing waiting for a node) stays in the charge fold's memory
     # after its latest charge before it moves to accounting.settled, from where a late record of the
-    # job reads it back (streams.worker.fold_settled); none: every account stays in memory for ever
-    fold_evict_after_s: Annotated[float, Field(ge=0.0)] | None = 300.0
+    # job reads it back (streams.worker.fold_settled); inf: every account stays in memory for ever
+    fold_evict_after_s: Annotated[float, Field(ge=0.0)] = 300.0
     rate_per_core_hour: Annotated[float, Field(gt=0.0)] = 1.0  # POPPA's L
     delta: Annotated[float, Field(gt=0.0)] = 0.05  # streams.core.degradation.DEFAULT_DELTA
     rate_function: Literal["poppa_eq4", "solo_baseline", "sop"] = "poppa_eq4"  # streams.core.pricing.RATE_FUNCTIONS

@@ -994,18 +994,17 @@ def fold_states(messages: Iterable[Message], policy: PricingPolicy, prefix: str 
     """Fold raw input messages (in the order given) exactly as the stream worker does, onto
     ``accounts`` (a snapshot's; changed in place) or nothing: every job's final account, and the
     charge messages the fold produced (a re-sent charge appears again). ``load`` gives the account of
-    a key ``accounts`` lacks, if it has one elsewhere (the worker's settled accounts), else None."""
+    a key ``accounts`` lacks, if it has one elsewhere (the worker's settled accounts), and puts it in
+    ``accounts``; else None."""
     accounts = {} if accounts is None else accounts
     charges: list[Outgoing] = []
     for origin, key, value, ts in messages:
         account = accounts.get(key)
         if account is None and load is not None:
             try:
-                account = load(key)
+                account = load(key)  # the loader puts it in ``accounts``, whatever this message does to it
             except AccountUnavailable:
                 continue  # the live fold dead-lettered it for the same reason
-            if account is not None:  # in memory again, whatever this message does to it
-                accounts[key] = account
         # no running estimates: only charges are kept, and one per batch over all nodes is O(nodes)
         new, out, _ = apply_message(account, origin, key, value, ts, policy, prefix, running_estimates=False)
         if new is not None:

@@ -1,5 +1,8 @@
 """The charge fold on confluent-kafka batches, inside the stream worker's process.
 
+Longer than 500 lines because the consume loop, its commits and the rebalance callbacks share one
+state (positions, owned and parked partitions, what is pending a commit) that a split would scatter.
+
 faust hands every message to an agent through a task of its own; at the agents' 64-block batches
 that hand-over, faust's event loop and its consumer thread took a third of a busy worker (py-spy,
 `nodeshare bench stream`). The charge fold has no need of faust's machinery: it is one reducer per
@@ -20,6 +23,9 @@ the worker (issue 24, item 6), with the same guarantees faust's agent had:
 * **Snapshots bound the rebuild** (``streams.core.fold_snapshot``): at a commit, once the outputs
   are durable, a partition that folded enough writes its accounts and positions to the compacted
   ``accounting.snapshots``, so the input topics' retention only has to outlive a snapshot.
+* **Settled accounts leave memory** (``streams.worker.fold_settled``): at a commit, once the outputs
+  are durable, a charged account with nothing waiting goes to the compacted ``accounting.settled``
+  ``fold_evict_after_s`` after its charge; a later record of the job reads it back.
 * **Commits only what it owns.** A commit carries explicit offsets of assigned partitions only;
   what could not be committed on a revoke is dropped with the partitions (the next owner re-reads
   it), never committed later over the next owner's progress.
@@ -65,19 +71,10 @@ from nodeshare.schemas.serde import encode
 from nodeshare.schemas.signing import header_value
 
 from ..core import fold_snapshot
-from ..core.accounting import (
-    SOURCE,
-    AccountUnavailable,
-    JobAccount,
-    Message,
-    Origin,
-    Outgoing,
-    apply_message,
-    fold_states,
-)
+from ..core.accounting import SOURCE, JobAccount, Message, Origin, Outgoing, apply_message, fold_states
 from .copartition import NotCoPartitioned, input_partitions, routing_problem
 from .cursor import LogHeadGone, accounting_group, accounting_topics, read_range
-from .fold_settled import Settled
+from .fold_settled import AccountUnavailable, Settled
 from .fold_snapshots import Snapshots
 
 log = logging.getLogger(__name__)
@@ -196,13 +193,7 @@ class FoldConsumer:
             log.error("accounting: no topic %s: the charge fold takes no snapshots and rebuilds every partition "
                       "from offset 0 (node.ipc and jobs.lifecycle must then keep everything); run `nodeshare topics "
                       "create` and restart the worker", self.snapshots.topic)
-        if self.settled.on:
-            with contextlib.suppress(KafkaException):
-                self.settled.on = self.settled.topic in consumer.list_topics(timeout=30).topics
-            if not self.settled.on:
-                log.error("accounting: no topic %s: the charge fold keeps every charged job's account in memory (it "
-                          "grows with every job); run `nodeshare topics create` and restart the worker",
-                          self.settled.topic)
+        self.settled.check_topic(consumer)
         consumer.subscribe(accounting_topics(self.settings), on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_lost)
         committed_at = lag_at = time.monotonic()
@@ -256,21 +247,17 @@ class FoldConsumer:
         started = time.perf_counter()
         misrouted = self.misrouted(origin, key)
         if misrouted is not None:  # its job's account is on another partition: folding it here would lose it
-            dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, ts, misrouted, field="key",
-                             source=SOURCE)
-            account, out, blocks = None, [Outgoing(DLQ.name, origin.topic.encode(), encode(dl), MISROUTED)], None
+            account, out, blocks = None, _letter(message, misrouted, MISROUTED), None
         else:
             jobs = self.states.setdefault(origin.partition, {})
             try:
                 account = jobs.get(key)
-                if account is None:
-                    account = self._load(origin.partition, key)
+                if account is None:  # its settled account, if it has one, back in memory
+                    account = self.settled.load(jobs, origin.partition, key, self._input_count(), self.snapshot_config)
                 account, out, blocks = apply_message(account, origin, key, value, ts, self.policy, self.prefix,
                                                      running_estimates=False)
             except AccountUnavailable as exc:  # never folded into a new account: charged from nothing
-                dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, ts, str(exc), field="key",
-                                 source=SOURCE)
-                account, out, blocks = None, [Outgoing(DLQ.name, origin.topic.encode(), encode(dl), UNSETTLED)], None
+                account, out, blocks = None, _letter(message, str(exc), UNSETTLED), None
         if account is not None:
             jobs[key] = account
             if any(o.topic == LEDGER_CHARGES.name for o in out):
@@ -288,14 +275,9 @@ class FoldConsumer:
         self._publish(out, origin, key)
         metrics.PROCESSING_SECONDS.observe(time.perf_counter() - started)
 
-    def _load(self, partition: int, key: bytes | None) -> JobAccount | None:
-        """The job's settled account, back in memory (None: it has none); raises AccountUnavailable."""
-        account = self.settled.load(partition, key, self._partitions.get(self.settings.topic(NODE_IPC.name), 0),
-                                    self.snapshot_config)
-        if account is not None:
-            self.states.setdefault(partition, {})[key] = account
-            self.settled.charged(partition, key)  # leaves again once it has been quiet as long as after a charge
-        return account
+    def _input_count(self) -> int | None:
+        """The input topics' partition count (None before the broker's metadata was read)."""
+        return self._partitions.get(self.settings.topic(NODE_IPC.name))
 
     def _note_awaiting(self, partition: int, key: bytes | None, account: JobAccount) -> None:
         end = account.awaiting()
@@ -367,16 +349,14 @@ class FoldConsumer:
     def evict(self) -> None:
         """Move the settled accounts due out of memory (``streams.worker.fold_settled``), once what was
         applied is durable."""
-        self.settled.evict(self.producer, self.states, {p for _, p in self._owned},
-                           self._partitions.get(self.settings.topic(NODE_IPC.name)), self.snapshot_config,
-                           FLUSH_TIMEOUT_S)
+        self.settled.evict(self.producer, self.states, {p for _, p in self._owned}, self._input_count(),
+                           self.snapshot_config, FLUSH_TIMEOUT_S)
 
     def save_snapshots(self) -> None:
         """Snapshot the owned partitions that are due (``streams.worker.fold_snapshots``), once what
         their messages produced is durable."""
         self.snapshots.save(self.producer, self.states, self._position, {p for _, p in self._owned},
-                            self._partitions.get(self.settings.topic(NODE_IPC.name)), self.snapshot_config,
-                            FLUSH_TIMEOUT_S, self.settled.index)
+                            self._input_count(), self.snapshot_config, FLUSH_TIMEOUT_S, self.settled.index)
 
     def commit_or_rejoin(self, consumer: Consumer) -> None:
         """``commit``; when the group no longer knows this member (a broker restarted with the group's
@@ -452,9 +432,9 @@ class FoldConsumer:
                                                verifier=self.verifier)
                          if self.misrouted(m[0], m[1]) is None]
         self.settled.index[partition] = dict(snap.settled) if snap else {}
-        rebuilt, charges = fold_states(messages, self.policy, self.prefix, snap.accounts if snap else None,
-                                       load=lambda key: self.settled.load(partition, key, partitions,
-                                                                          self.snapshot_config))
+        rebuilt = snap.accounts if snap else {}
+        rebuilt, charges = fold_states(messages, self.policy, self.prefix, rebuilt, load=lambda key: self.settled.load(
+            rebuilt, partition, key, partitions, self.snapshot_config))
         self.states[partition] = rebuilt
         self.settled.rebuilt(partition, self.settled.index[partition], rebuilt)
         oldest = min((m[3] for m in messages if m[3] > 0), default=None)  # broker time of the first record folded
@@ -509,6 +489,13 @@ class FoldConsumer:
                 self._parked[p] = (state, here)
             for t in here:
                 del self._position[(t, p)]
+
+
+def _letter(message: Message, reason: str, kind: str) -> list[Outgoing]:
+    """The dead letter of an input message whose key the fold cannot take it under."""
+    origin, key, value, ts = message
+    dl = dead_letter(origin.topic, origin.partition, origin.offset, key, value, ts, reason, field="key", source=SOURCE)
+    return [Outgoing(DLQ.name, origin.topic.encode(), encode(dl), kind)]
 
 
 class FoldThread(threading.Thread):

@@ -30,11 +30,14 @@ kept in memory, each costs about 12 kB for as long as the worker runs (docs/sizi
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
+from confluent_kafka import KafkaException
 from prometheus_client import Counter, Gauge
 
 from nodeshare.runtime.config import Settings
@@ -42,6 +45,8 @@ from nodeshare.schemas.catalog import FOLD_SETTLED
 
 from ..core import fold_snapshot
 from ..core.accounting import AccountUnavailable, JobAccount
+
+__all__ = ["AccountUnavailable", "Settled"]
 from .cursor import read_keyed
 
 log = logging.getLogger(__name__)
@@ -67,7 +72,7 @@ class Settled:
         self.settings = settings
         self.topic = settings.topic(FOLD_SETTLED)
         self.after_s = settings.fold_evict_after_s
-        self.on = self.after_s is not None  # False also when the topic does not exist (``topics create``)
+        self.on = math.isfinite(self.after_s)  # False also when the topic does not exist (``topics create``)
         self.read_fn = read  # None: ``read_keyed`` (tests pass their broker's)
         self.index: dict[int, Index] = {}  # input partition -> key -> offset on the topic
         #: accounts charged since they came into memory, oldest charge first: (partition, key) -> when
@@ -115,7 +120,6 @@ class Settled:
         it, with its offset in the index."""
         if not self.on or partitions is None or not self.due:
             return 0
-        assert self.after_s is not None
         cutoff = time.monotonic() - self.after_s
         going: list[tuple[int, bytes | None, JobAccount]] = []
         for (p, key), at in list(self.due.items()):
@@ -164,10 +168,22 @@ class Settled:
         self.count(states)
         return moved
 
-    def load(self, partition: int, key: bytes | None, partitions: int, config: str) -> JobAccount | None:
-        """The settled account of ``key``, now out of the index (the caller keeps it in memory); None
-        when ``key`` has none. Raises AccountUnavailable when it has one that cannot be used, and what
-        reading raises (KafkaException, RuntimeError) when the topic cannot be read."""
+    def check_topic(self, consumer: Any) -> None:
+        """Moves nothing out of memory when the topic does not exist, and says so."""
+        if not self.on:
+            return
+        with contextlib.suppress(KafkaException):  # else assumed there: a failed write keeps the accounts
+            self.on = self.topic in consumer.list_topics(timeout=30).topics
+        if not self.on:
+            log.error("accounting: no topic %s: the charge fold keeps every charged job's account in memory (it grows "
+                      "with every job); run `nodeshare topics create` and restart the worker", self.topic)
+
+    def load(self, jobs: dict[bytes | None, JobAccount], partition: int, key: bytes | None, partitions: int | None,
+             config: str) -> JobAccount | None:
+        """The settled account of ``key``, back in ``jobs`` (its partition's accounts) and out of the
+        index, due to leave again as after a charge; None when ``key`` has none. Raises
+        AccountUnavailable when it has one that cannot be used, and what reading raises
+        (KafkaException, RuntimeError) when the topic cannot be read."""
         index = self.index.get(partition)
         if not index or key not in index:
             return None
@@ -175,14 +191,22 @@ class Settled:
         read = self.read_fn or read_keyed
         value = read(self.settings, self.topic, offset, fold_snapshot.settled_key(partition, key))
         if value is None:
-            raise AccountUnavailable(f"job {key!r:.80} was settled at {self.topic}@{offset}, which holds nothing "
+            raise AccountUnavailable(f"job {_job(key)} was settled at {self.topic}@{offset}, which holds nothing "
                                      "under its key now (the topic was deleted or emptied)")
         try:
-            account = fold_snapshot.decode_settled(value, partition, partitions, config, key)
+            account = fold_snapshot.decode_settled(value, partition, partitions or 0, config, key)
         except fold_snapshot.SnapshotProblem as exc:
-            raise AccountUnavailable(f"job {key!r:.80}'s settled account at {self.topic}@{offset}: {exc}") from None
+            raise AccountUnavailable(f"job {_job(key)}'s settled account at {self.topic}@{offset}: {exc}") from None
         del index[key]
+        jobs[key] = account
+        self.charged(partition, key)
         MOVED.labels("in").inc()
-        log.info("accounting: read back job %r's settled account (%s@%d) for a late record", key, self.topic, offset)
+        log.info("accounting: read back job %s's settled account (%s@%d) for a late record", _job(key), self.topic,
+                 offset)
         return account
 
+
+
+def _job(key: bytes | None) -> str:
+    """A job's key as text for a message (input keys are job ids; a bad one may be anything)."""
+    return repr(None) if key is None else key[:80].decode("utf-8", "replace")

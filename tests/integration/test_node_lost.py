@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ from nodeshare.demo import running_pipeline
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.runtime.config import Settings
 from nodeshare.schemas import EstimateStatus, JobState, Record
+from nodeshare.schemas.catalog import FOLD_SETTLED
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
+from nodeshare.streams.worker.cursor import read_compacted
 
 pytestmark = pytest.mark.integration
 
@@ -28,9 +31,26 @@ def publish(settings: Settings, records: list[Record]) -> None:
         producer.flush(30)
 
 
+def settled_copies(settings: Settings, job: str) -> int:
+    """How many of the job's accounts the worker moved to ``accounting.settled`` (out of its memory)."""
+    out = read_compacted(settings, settings.topic(FOLD_SETTLED), idle_s=0.5)
+    return sum(1 for k, _ in out if k is not None and k.split(b"/", 1)[1] == job.encode())
+
+
+def wait_settled(settings: Settings, job: str, copies: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while settled_copies(settings, job) < copies:
+        assert time.monotonic() < deadline, f"job {job}'s account never left the worker's memory"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("evict_after_s", [300.0, 0.0], ids=["in-memory", "settled"])
 def test_a_job_that_lost_a_node_is_charged_after_nodes_down_and_again_with_the_late_data(
-        settings: Settings, tmp_path: Path) -> None:
-    job = "lost-1"
+        settings: Settings, tmp_path: Path, evict_after_s: float) -> None:
+    """With ``fold_evict_after_s`` 0 the charged account leaves the worker's memory before the node's
+    late data comes, which reads it back from accounting.settled (issue 42, item 6): the same charges."""
+    settings = settings.model_copy(update={"fold_evict_after_s": evict_after_s})
+    job = f"lost-{int(evict_after_s)}"
     before = [block(1.0, 2.0, 1.0, job=job, node="n1", cycle=0), block(1.0, 0.9, 1.0, job=job, node="n2", cycle=1),
               block(0.8, 1.0, 0.82, job=job, node="n1", cycle=3), block(0.9, 1.2, 0.9, job=job, node="n2", cycle=2),
               left(job, "n1", 2, 3),
@@ -52,9 +72,15 @@ def test_a_job_that_lost_a_node_is_charged_after_nodes_down_and_again_with_the_l
         assert "n2 powered off, IPMI does not answer (operator/" in lost.evidence_problems[0]
         report = audit(pipeline.archive_path, pipeline.ledger_path, settings.policy())
         assert report.ok and report.matches == 1, report.as_dict()
+        if not evict_after_s:
+            wait_settled(settings, job, 1)
 
         publish(settings, late)  # n2 comes back with its spool
         pipeline.wait(charges=2, archived=len(before) + 1 + len(late), timeout_s=90, report=lambda *_: None)
+        if not evict_after_s:  # read back, charged again, and out of memory again
+            wait_settled(settings, job, 2)
+        else:
+            assert settled_copies(settings, job) == 0
     with Ledger(pipeline.ledger_path, read_only=True) as ledger:
         charges = {c.revision: c for c in ledger.charges()}
     assert charges[1].estimate_status is not EstimateStatus.NODE_LOST and not charges[1].evidence_problems

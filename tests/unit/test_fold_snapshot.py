@@ -143,7 +143,8 @@ def _state_1(partition: int, offsets: dict, state: dict, sid: str) -> list[tuple
              "offsets": offsets, "config": CONFIG}
     said = json.dumps(whole, sort_keys=True).encode()
     digest = hashlib.sha256(said + b"\n" + body).hexdigest()
-    return [(fs.chunk_key(partition, sid, 0), json.dumps({**whole, "index": 0, "digest": digest}).encode() + b"\n" + body)]
+    head = json.dumps({**whole, "index": 0, "digest": digest}).encode()
+    return [(fs.chunk_key(partition, sid, 0), head + b"\n" + body)]
 
 
 def test_the_previous_releases_snapshot_is_read_after_an_upgrade_and_kept_for_a_rollback():
