@@ -7,8 +7,13 @@ Measured here, on the records the node agents and the resource manager would sen
   the key, as producers partition) after ``archive compact`` has merged the sink's small files;
 * the stream worker's state per job, for jobs running, charged and queued: its size in memory,
   measured live (the drop in traced memory when the fold's accounts of that kind are let go), and
-  its JSON (what a fold snapshot holds for it, before compression). The worker never lets an
-  account go: charged and queued accounts are kept, and snapshots carry them (issue 42, item 6).
+  its JSON (what a fold snapshot holds for it, before compression);
+* the same at 10,000 jobs in memory at once (the accounts copied under new job ids): worker memory
+  per running job, and per charged job, at that count (the cluster figures take the larger of the
+  two measurements);
+* what a settled job costs once its account left memory (``fold_evict_after_s`` after its charge,
+  issue 42 item 6): its entry in the partition's index, in memory and in every snapshot, and its
+  compressed account on ``accounting.settled``.
 
 Taken from other benchmarks (their figures are inputs, named in the result): the blocks per second
 one stream worker folds (``bench stream``), the samples per second one audit thread recomputes
@@ -21,6 +26,7 @@ given per day. The broker's own limits are not measured here.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import shutil
 import tempfile
@@ -39,7 +45,8 @@ from nodeshare.producers.job_mix import cluster_specs, library
 from nodeshare.schemas import JobEvent, Record, ShutterBatch, encode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, NODE_SHUTTER, TOPIC_OF_RECORD, key_of
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
-from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_states
+from nodeshare.streams.core import fold_snapshot
+from nodeshare.streams.core.accounting import JobAccount, Message, Origin, PricingPolicy, fold_states
 from nodeshare.streams.worker.copartition import kafka_partition
 
 #: ``bench stream`` on this machine (README, 2026-11-26): blocks per second one worker folds (the
@@ -51,6 +58,10 @@ AUDIT_SAMPLES_PER_S = 1_890_000.0
 #: counts into its co-runner table.
 LEDGER_WINDOWS_PER_S = 107_481.0
 CLUSTERS = (100, 1_000, 10_000)
+#: Jobs held at once for the figures at scale (issue 42: "worker memory per running job at 10,000 jobs")
+JOBS_AT_SCALE = 10_000
+#: ``fold_evict_after_s``'s default: how long a charged account stays in memory
+EVICT_AFTER_S = 300.0
 #: Partitions the archive is written in (the configured default).
 PARTITIONS = 4
 
@@ -117,18 +128,41 @@ def archive_bytes(records: list[tuple[float, Record]], since_s: float, root: Pat
             for topic in by_topic}
 
 
+def fold_inputs(records: list[tuple[float, Record]]) -> list[tuple[Message, Record]]:
+    """The records the charge fold reads (``node.ipc``, ``jobs.lifecycle``) as the messages of one
+    partition, each with its record."""
+    offsets: dict[str, int] = defaultdict(int)
+    out = []
+    for _, r in records:
+        topic = TOPIC_OF_RECORD[type(r)].name
+        if topic in (NODE_IPC.name, JOBS_LIFECYCLE.name):
+            out.append(((Origin(topic, 0, offsets[topic]), key_of(r), encode(r), r.event_time.timestamp()), r))
+            offsets[topic] += 1
+    return out
+
+
+def _traced(build: Callable[[], Any]) -> tuple[Any, int]:
+    """What ``build`` returns and the traced memory it still holds."""
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        built = build()
+        gc.collect()
+        return built, tracemalloc.get_traced_memory()[0] - before
+    finally:
+        if started:
+            tracemalloc.stop()
+
+
 def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
     """The fold's accounts after every record: per running, charged and queued job, bytes in
     memory (live: the drop in traced memory when the accounts of that kind are let go) and JSON
-    bytes (what a fold snapshot holds, before compression); running jobs per node."""
-    offsets: dict[str, int] = defaultdict(int)
-    messages = []
-    for _, r in records:
-        topic = TOPIC_OF_RECORD[type(r)].name
-        if topic not in (NODE_IPC.name, JOBS_LIFECYCLE.name):
-            continue
-        messages.append((Origin(topic, 0, offsets[topic]), key_of(r), encode(r), r.event_time.timestamp()))
-        offsets[topic] += 1
+    bytes (what a fold snapshot holds, before compression); running jobs per node; and per
+    settled job, its index entry in memory and its message on ``accounting.settled``."""
+    messages = [m for m, _ in fold_inputs(records)]
     started = not tracemalloc.is_tracing()
     if started:
         tracemalloc.start()
@@ -140,6 +174,12 @@ def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
                  "charged": [k for k, a in accounts.items() if a.revision >= 0],
                  "queued": [k for k, a in accounts.items() if a.revision < 0 and not a.nodes]}
         out: dict[str, float] = {"accounts": len(accounts)}
+        settled = [(k, accounts[k]) for k in kinds["charged"] if fold_snapshot.settled(accounts[k])]
+        config = fold_snapshot.config_of(PricingPolicy())
+        out["settled_record_bytes"] = round(sum(
+            len(fold_snapshot.encode_settled(0, 12, config, a)) + len(fold_snapshot.settled_key(0, k))
+            for k, a in settled) / len(settled)) if settled else 0
+        del settled  # it holds charged accounts, which are weighed by letting them go
         for kind, keys in kinds.items():
             out[f"{kind}_jobs"] = len(keys)
             out[f"{kind}_json_bytes"] = round(sum(len(accounts[k].dumps()) for k in keys) / len(keys)) if keys else 0
@@ -158,14 +198,48 @@ def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
     return out
 
 
+def at_scale(records: list[tuple[float, Record]], jobs: int = JOBS_AT_SCALE) -> dict[str, float]:
+    """Worker memory per job with ``jobs`` accounts of one kind in memory at once: the cluster's
+    running (then charged) accounts, folded once, copied (``copy.deepcopy``, each under a job id of
+    its own) until there are ``jobs``; and a settled index of ``jobs`` entries (12-digit offsets).
+    Copies, not a fold of ``jobs`` jobs' records: that would take minutes under ``tracemalloc``."""
+    final, _ = fold_states([m for m, _ in fold_inputs(records)], PricingPolicy())
+    out: dict[str, float] = {"jobs": jobs}
+    for kind, pick in (("running", lambda a: a.revision < 0 and bool(a.nodes)),
+                       ("charged", fold_snapshot.settled)):
+        chosen = [a for a in final.values() if pick(a)]
+        if not chosen:
+            out[f"{kind}_memory_bytes"] = 0
+            continue
+
+        def copies(chosen: list[JobAccount] = chosen) -> dict[bytes, JobAccount]:
+            held = {}
+            for i in range(jobs):
+                a = copy.deepcopy(chosen[i % len(chosen)])
+                a.job_id = f"{a.job_id}.{i}"
+                held[a.job_id.encode()] = a
+            return held
+
+        held, size = _traced(copies)
+        out[f"{kind}_memory_bytes"] = round(size / len(held))
+        del held
+    keys = [f"{7_000_000 + i}".encode() for i in range(jobs)]
+    index, size = _traced(lambda: {k: 10**12 + i for i, k in enumerate(keys)})
+    out["settled_index_bytes"] = round(size / len(index), 1)
+    return out
+
+
 def scale(per_node_hour: dict[str, float], state: dict[str, float], clusters: tuple[int, ...],
           fold_blocks_per_s: float, audit_samples_per_s: float, job_ends_per_node_hour: float,
-          ledger_windows_per_s: float = LEDGER_WINDOWS_PER_S) -> list[dict[str, Any]]:
-    """The figures of a cluster of each size in ``clusters`` (linear in nodes)."""
+          ledger_windows_per_s: float = LEDGER_WINDOWS_PER_S, evict_after_s: float = EVICT_AFTER_S,
+          ) -> list[dict[str, Any]]:
+    """The figures of a cluster of each size in ``clusters`` (linear in nodes). ``state`` is
+    ``worker_state``'s, with ``at_scale``'s per-job memory where it has it."""
     out = []
     for n in clusters:
         blocks_per_s = per_node_hour["blocks"] * n / 3600
         running = state["running_jobs_per_node"] * n
+        ends_per_day = job_ends_per_node_hour * n * 24
         out.append({
             "nodes": n,
             "messages_per_s": round(per_node_hour["messages"] * n / 3600, 1),
@@ -179,10 +253,15 @@ def scale(per_node_hour: dict[str, float], state: dict[str, float], clusters: tu
             "running_jobs": round(running),
             "worker_state_running_mb": round(running * state["running_memory_bytes"] / 1e6, 1),
             "running_json_mb": round(running * state["running_json_bytes"] / 1e6, 1),
-            # the worker never lets a charged account go (nor does a snapshot, a restart or a moved
-            # partition): this much more every day
-            "worker_state_charged_mb_per_day": round(
-                job_ends_per_node_hour * n * 24 * state["charged_memory_bytes"] / 1e6, 1),
+            # charged accounts in memory: those charged in the last ``evict_after_s`` (bounded)
+            "worker_state_charged_mb": round(
+                ends_per_day / 86400 * evict_after_s * state["charged_memory_bytes"] / 1e6, 1),
+            # what still grows: each settled job's index entry (memory, and every snapshot) ...
+            "worker_settled_index_mb_per_day": round(ends_per_day * state["settled_index_bytes"] / 1e6, 1),
+            # ... and its account on accounting.settled (the broker's disk, compacted: one per job)
+            "settled_topic_mb_per_day": round(ends_per_day * state["settled_record_bytes"] / 1e6, 1),
+            # without eviction (fold_evict_after_s = inf), every charged account stays: this much more a day
+            "worker_state_charged_mb_per_day_kept": round(ends_per_day * state["charged_memory_bytes"] / 1e6, 1),
             # an audit reads the whole archive (node.ipc, jobs.lifecycle): this much per day it holds
             "audit_core_hours_per_archived_day": round(
                 per_node_hour["samples"] * n * 24 / audit_samples_per_s / 3600, 2),
@@ -193,7 +272,7 @@ def scale(per_node_hour: dict[str, float], state: dict[str, float], clusters: tu
 def run_sizing_bench(nodes: int = 16, hours: float = 1.0, seed: int = 7, clusters: tuple[int, ...] = CLUSTERS,
                      fold_blocks_per_s: float = FOLD_BLOCKS_PER_S, audit_samples_per_s: float = AUDIT_SAMPLES_PER_S,
                      ledger_windows_per_s: float = LEDGER_WINDOWS_PER_S, progress: Progress | None = None,
-                     ) -> dict[str, Any]:
+                     jobs_at_scale: int = JOBS_AT_SCALE) -> dict[str, Any]:
     """The sizing figures of a simulated cluster of ``nodes`` over ``hours`` (the first fifth is
     warm-up, left out of the rates)."""
     seconds = hours * 3600
@@ -208,6 +287,14 @@ def run_sizing_bench(nodes: int = 16, hours: float = 1.0, seed: int = 7, cluster
         with contextlib.suppress(OSError):
             shutil.rmtree(work_dir)
     state = worker_state(records)
+    scaled = at_scale(records, jobs_at_scale)
+    # the per-job memory at 10,000 jobs is what a large cluster's worker holds; the index's too
+    state |= {f"{k}_at_scale": v for k, v in scaled.items()}
+    state["settled_index_bytes"] = scaled["settled_index_bytes"]
+    # copies allocate exactly what they hold, where the live fold's lists and dicts over-allocate as
+    # they grow: the clusters take the larger of the two per-job figures
+    sized = state | {f"{kind}_memory_bytes": max(scaled[f"{kind}_memory_bytes"], state[f"{kind}_memory_bytes"])
+                     for kind in ("running", "charged")}
     ends = sum(1 for t, r in records if t >= warm and isinstance(r, JobEvent) and r.ran)
     per_node_hour = {
         "messages": sum(f["messages"] for f in flows.values()) / node_hours,
@@ -232,7 +319,7 @@ def run_sizing_bench(nodes: int = 16, hours: float = 1.0, seed: int = 7, cluster
         "worker_state": state,
         "inputs": {"fold_blocks_per_s": fold_blocks_per_s, "audit_samples_per_s": audit_samples_per_s,
                    "ledger_windows_per_s": ledger_windows_per_s},
-        "clusters": scale(per_node_hour, state, clusters, fold_blocks_per_s, audit_samples_per_s,
+        "clusters": scale(per_node_hour, sized, clusters, fold_blocks_per_s, audit_samples_per_s,
                           per_node_hour["job_ends"], ledger_windows_per_s),
         "machine": machine_stamp(), "date": date.today().isoformat(),
     }

@@ -190,10 +190,13 @@ def bench_sizing(
                                                                      "second (`bench audit`)")] = 1_890_000.0,
     ledger_windows_per_s: Annotated[float, typer.Option(min=1.0, help="shutter windows the ledger sink counts per "
                                                                       "second (`bench ledger`)")] = 107_481.0,
+    jobs_at_scale: Annotated[int, typer.Option(min=1, help="jobs held at once to weigh the worker's memory per "
+                                                           "running and per charged job")] = 10_000,
     out_file: Annotated[Path, typer.Option("--out", help="JSON result file")] = Path("bench/sizing.json"),
 ) -> None:
     """What a cluster asks of the pipeline per node-hour (messages, bytes, blocks, archive growth,
-    worker state per job), from a full simulated cluster, scaled to the cluster sizes given."""
+    worker state per job, at 10,000 jobs, and once settled), from a full simulated cluster, scaled
+    to the cluster sizes given."""
     from nodeshare.bench.sizing import run_sizing_bench
 
     sizes = tuple(comma_numbers(clusters, int, "--clusters"))
@@ -203,7 +206,8 @@ def bench_sizing(
         task = bar.add_task("simulated seconds", total=round(hours * 3600))
         result = run_sizing_bench(nodes=nodes, hours=hours, clusters=sizes, fold_blocks_per_s=fold_blocks_per_s,
                                   audit_samples_per_s=audit_samples_per_s, ledger_windows_per_s=ledger_windows_per_s,
-                                  progress=lambda t, _total: bar.update(task, completed=round(t)))
+                                  progress=lambda t, _total: bar.update(task, completed=round(t)),
+                                  jobs_at_scale=jobs_at_scale)
     write_bench("sizing", result, out_file)
 
 

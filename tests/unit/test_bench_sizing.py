@@ -25,9 +25,9 @@ def test_the_figures_scale_linearly_with_nodes_as_worked_out_by_hand() -> None:
     per_node_hour = {"messages": 7200.0, "bytes": 3.6e6, "blocks": 3600.0, "samples": 10800.0,
                      "archive_bytes": 1e6, "windows": 7200.0}
     state = {"running_jobs_per_node": 2.0, "running_memory_bytes": 10_000, "running_json_bytes": 2_000,
-             "charged_memory_bytes": 5_000}
+             "charged_memory_bytes": 5_000, "settled_index_bytes": 100.0, "settled_record_bytes": 1_000}
     small, big = scale(per_node_hour, state, (100, 10_000), fold_blocks_per_s=50.0, audit_samples_per_s=300.0,
-                       job_ends_per_node_hour=1.0, ledger_windows_per_s=400.0)
+                       job_ends_per_node_hour=1.0, ledger_windows_per_s=400.0, evict_after_s=3600.0)
     # 100 nodes: 2 messages and 1 block a second each; 1,000 bytes a second each
     assert small["messages_per_s"] == 200.0 and small["blocks_per_s"] == 100 and small["ingest_mb_per_s"] == 0.1
     assert small["worker_cores"] == 2.0  # 100 blocks/s at 50 a core
@@ -35,7 +35,11 @@ def test_the_figures_scale_linearly_with_nodes_as_worked_out_by_hand() -> None:
     assert small["archive_gb_per_day"] == 2.4  # 1 MB x 100 nodes x 24 h
     assert small["running_jobs"] == 200 and small["worker_state_running_mb"] == 2.0  # 200 x 10 kB
     assert small["running_json_mb"] == 0.4
-    assert small["worker_state_charged_mb_per_day"] == 12.0  # 1 end a node-hour: 2,400 a day x 5 kB
+    # 1 end a node-hour: 2,400 a day, 100 an hour; each in memory for an hour after its charge
+    assert small["worker_state_charged_mb"] == 0.5  # 100 x 5 kB, whatever the day
+    assert small["worker_settled_index_mb_per_day"] == 0.2  # 2,400 x 100 B (0.24)
+    assert small["settled_topic_mb_per_day"] == 2.4  # 2,400 x 1 kB on the broker
+    assert small["worker_state_charged_mb_per_day_kept"] == 12.0  # without eviction: 2,400 a day x 5 kB
     assert small["audit_core_hours_per_archived_day"] == 24.0  # 10,800 x 100 x 24 samples at 300/s: 86,400 s
     assert big["blocks_per_s"] == 100 * small["blocks_per_s"] and big["archive_gb_per_day"] == 240.0
 
@@ -60,7 +64,7 @@ def test_a_small_cluster_sends_one_block_per_node_per_shutter_cycle_and_its_jobs
     """The calibrated agents shutter one job per node each cycle of 3 x S + P = 209.6 ms: 17,176
     blocks a node-hour (batches straddling the warm-up cut move it a little); the archive holds less
     than the JSON carried (typed, compressed); every kind of account is counted and weighed."""
-    r = run_sizing_bench(nodes=2, hours=0.5, clusters=(100,))
+    r = run_sizing_bench(nodes=2, hours=0.5, clusters=(100,), jobs_at_scale=50)
     per, state = r["per_node_hour"], r["worker_state"]
     assert per["blocks"] == pytest.approx(3600 / 0.2096, rel=0.05)
     assert per["samples"] == pytest.approx(3 * per["blocks"], abs=0.2)
@@ -70,6 +74,12 @@ def test_a_small_cluster_sends_one_block_per_node_per_shutter_cycle_and_its_jobs
     assert state["charged_memory_bytes"] > state["queued_memory_bytes"] > 0  # blocks and a charge weigh more
     assert state["charged_json_bytes"] > state["queued_json_bytes"] > 0
     assert r["clusters"][0]["nodes"] == 100
+    # at scale: as many jobs held as asked (copies of the cluster's), each weighed; a settled
+    # job's index entry is a small fraction of the account it replaces
+    for kind in ("running", "charged"):  # copies weigh what the live fold's accounts weigh, within a fifth
+        assert state[f"{kind}_memory_bytes_at_scale"] == pytest.approx(state[f"{kind}_memory_bytes"], rel=0.2)
+    assert 0 < state["settled_index_bytes"] < state["charged_memory_bytes"] / 20
+    assert 0 < state["settled_record_bytes"] < state["charged_json_bytes"]  # compressed
 
 
 def test_the_cli_s_defaults_are_the_module_s() -> None:
