@@ -12,8 +12,8 @@ Measured here, on the records the node agents and the resource manager would sen
   per running job, and per charged job, at that count (the cluster figures take the larger of the
   two measurements);
 * what a settled job costs once its account left memory (``fold_evict_after_s`` after its charge,
-  issue 42 item 6): its entry in the partition's index, in memory and in every snapshot, and its
-  compressed account on ``accounting.settled``.
+  issue 42 item 6): its entry in the partition's index, in memory and the time it adds to each
+  snapshot, and its compressed account on ``accounting.settled``.
 
 Taken from other benchmarks (their figures are inputs, named in the result): the blocks per second
 one stream worker folds (``bench stream``), the samples per second one audit thread recomputes
@@ -30,6 +30,7 @@ import copy
 import gc
 import shutil
 import tempfile
+import time
 import tracemalloc
 from collections import defaultdict
 from collections.abc import Callable
@@ -177,7 +178,7 @@ def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
         settled = [(k, accounts[k]) for k in kinds["charged"] if fold_snapshot.settled(accounts[k])]
         config = fold_snapshot.config_of(PricingPolicy())
         out["settled_record_bytes"] = round(sum(
-            len(fold_snapshot.encode_settled(0, 12, config, a)) + len(fold_snapshot.settled_key(0, k))
+            len(fold_snapshot.encode_settled(0, 12, config, a)) + len(fold_snapshot.settled_key(0, k, (10**9, 10**6)))
             for k, a in settled) / len(settled)) if settled else 0
         del settled  # it holds charged accounts, which are weighed by letting them go
         for kind, keys in kinds.items():
@@ -223,9 +224,17 @@ def at_scale(records: list[tuple[float, Record]], jobs: int = JOBS_AT_SCALE) -> 
         held, size = _traced(copies)
         out[f"{kind}_memory_bytes"] = round(size / len(held))
         del held
-    keys = [f"{7_000_000 + i}".encode() for i in range(jobs)]
-    index, size = _traced(lambda: {k: 10**12 + i for i, k in enumerate(keys)})
-    out["settled_index_bytes"] = round(size / len(index), 1)
+    def index() -> fold_snapshot.Settled:
+        """A partition's index as the worker holds it: 7-digit job ids (their bytes held by it alone,
+        once the account left), marks of offsets past the small integers Python shares."""
+        return {f"{7_000_000 + i}".encode(): fold_snapshot.pack((10**9 + i, 10**8 + 7 * i, 10**6 + i))
+                for i in range(jobs)}
+
+    held, size = _traced(index)
+    out["settled_index_bytes"] = round(size / len(held), 1)
+    started = time.perf_counter()  # what each index entry adds to a snapshot of its partition
+    fold_snapshot.encode_snapshot(0, 12, {NODE_IPC.name: 1, JOBS_LIFECYCLE.name: 1}, "delta=0.05", {}, settled=held)
+    out["snapshot_us_per_settled"] = round((time.perf_counter() - started) / len(held) * 1e6, 2)
     return out
 
 
@@ -258,8 +267,10 @@ def scale(per_node_hour: dict[str, float], state: dict[str, float], clusters: tu
                 ends_per_day / 86400 * evict_after_s * state["charged_memory_bytes"] / 1e6, 1),
             # what still grows: each settled job's index entry (memory, and every snapshot) ...
             "worker_settled_index_mb_per_day": round(ends_per_day * state["settled_index_bytes"] / 1e6, 1),
-            # ... and its account on accounting.settled (the broker's disk, compacted: one per job)
+            # ... and its account on accounting.settled (the broker's disk: one per state a job left memory in)
             "settled_topic_mb_per_day": round(ends_per_day * state["settled_record_bytes"] / 1e6, 1),
+            # ... and the CPU every snapshot spends on the index, for each day of it (all partitions' snapshots)
+            "snapshot_s_per_day_of_index": round(ends_per_day * state.get("snapshot_us_per_settled", 0.0) / 1e6, 2),
             # without eviction (fold_evict_after_s = inf), every charged account stays: this much more a day
             "worker_state_charged_mb_per_day_kept": round(ends_per_day * state["charged_memory_bytes"] / 1e6, 1),
             # an audit reads the whole archive (node.ipc, jobs.lifecycle): this much per day it holds
@@ -291,6 +302,7 @@ def run_sizing_bench(nodes: int = 16, hours: float = 1.0, seed: int = 7, cluster
     # the per-job memory at 10,000 jobs is what a large cluster's worker holds; the index's too
     state |= {f"{k}_at_scale": v for k, v in scaled.items()}
     state["settled_index_bytes"] = scaled["settled_index_bytes"]
+    state["snapshot_us_per_settled"] = scaled["snapshot_us_per_settled"]
     # copies allocate exactly what they hold, where the live fold's lists and dicts over-allocate as
     # they grow: the clusters take the larger of the two per-job figures
     sized = state | {f"{kind}_memory_bytes": max(scaled[f"{kind}_memory_bytes"], state[f"{kind}_memory_bytes"])

@@ -924,9 +924,14 @@ def _billing_changes(old: JobEvent, new: JobEvent) -> list[str]:
 def apply_message(
     account: JobAccount | None, origin: Origin, key: bytes | None, value: bytes | None, timestamp_s: float,
     policy: PricingPolicy, prefix: str = "", running_estimates: bool = True,
+    load: Callable[[bytes | None], JobAccount | None] | None = None,
 ) -> tuple[JobAccount | None, list[Outgoing], BlockCounts | None]:
     """One input message in: the job's account after it (``account`` itself, changed in place, or a
-    new one; None when the message changed no account) and the messages to publish.
+    new one; None when the message changed no account) and the messages to publish. Without
+    ``account``, ``load`` gives the job's account kept elsewhere (the worker's settled accounts;
+    None: it has none), asked only once the message passed every check that needs no account (a
+    malformed, forged or misaddressed record never costs a read), and raising AccountUnavailable
+    when it has one that cannot be read back: the caller then dead-letters the message.
 
     The stream worker keeps accounts in memory and calls this; ``process_message`` is the same
     step on serialized state. The audit folds the archive through it too, so both apply the same
@@ -953,6 +958,8 @@ def apply_message(
     wrong_clock = clock_problem(record, timestamp_s)
     if wrong_clock:
         return None, reject(wrong_clock, wrong_clock.split()[0], "clock"), None
+    if account is None and load is not None:
+        account = load(key)
     if account is None:
         account = JobAccount(job_id=job_id)
     # Charges name catalog topics: a topic prefix is a deployment detail, and replay into another
@@ -999,14 +1006,11 @@ def fold_states(messages: Iterable[Message], policy: PricingPolicy, prefix: str 
     accounts = {} if accounts is None else accounts
     charges: list[Outgoing] = []
     for origin, key, value, ts in messages:
-        account = accounts.get(key)
-        if account is None and load is not None:
-            try:
-                account = load(key)  # the loader puts it in ``accounts``, whatever this message does to it
-            except AccountUnavailable:
-                continue  # the live fold dead-lettered it for the same reason
-        # no running estimates: only charges are kept, and one per batch over all nodes is O(nodes)
-        new, out, _ = apply_message(account, origin, key, value, ts, policy, prefix, running_estimates=False)
+        try:  # no running estimates: only charges are kept, and one per batch over all nodes is O(nodes)
+            new, out, _ = apply_message(accounts.get(key), origin, key, value, ts, policy, prefix,
+                                        running_estimates=False, load=load)
+        except AccountUnavailable:
+            continue  # the live fold dead-lettered it for the same reason (the loader logged it)
         if new is not None:
             accounts[key] = new
         charges += [o for o in out if o.topic == LEDGER_CHARGES.name]

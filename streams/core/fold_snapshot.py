@@ -35,6 +35,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
+
 from .accounting import JobAccount, PricingPolicy
 
 FORMAT = 1
@@ -46,12 +48,34 @@ FORMAT = 1
 STATE_VERSION = 2
 #: The state versions this build reads: version 1 is version 2 with no settled account.
 READABLE_STATES = frozenset({1, 2})
+#: The shape of a settled account's message (``encode_settled``) and of the account in it: its own
+#: number, so that a change of the snapshots alone leaves every settled account readable.
+SETTLED_VERSION = 1
 #: The largest chunk's compressed bytes: well under Kafka's default 1 MB message limit
 CHUNK_BYTES = 512 * 1024
 
 Accounts = dict[bytes | None, JobAccount]
-#: A partition's settled accounts, out of memory: message key -> offset on ``accounting.settled``
+#: Where a settled account is: its offset on ``accounting.settled``, and how far its job's records
+#: of ``node.ipc`` and ``jobs.lifecycle`` had been applied (``progress``) when it left memory
+Mark = tuple[int, int, int]
+#: A partition's settled accounts, out of memory: message key -> its mark, packed (``pack``)
 Settled = dict[bytes | None, int]
+#: Bits of each part of a packed mark: offsets up to 2**48 (a partition of 281 trillion messages)
+_MARK_BITS = 48
+
+
+def pack(mark: Mark) -> int:
+    """A mark as one integer: the worker holds one per job ever charged, and a tuple of three
+    costs about 100 bytes more than one integer (``bench sizing``)."""
+    offset, ipc, life = mark
+    if min(offset, ipc + 1, life + 1) < 0 or max(offset, ipc + 1, life + 1) >> _MARK_BITS:
+        raise ValueError(f"a mark out of range: {mark}")
+    return offset | (ipc + 1) << _MARK_BITS | (life + 1) << 2 * _MARK_BITS
+
+
+def unpack(packed: int) -> Mark:
+    low = (1 << _MARK_BITS) - 1
+    return packed & low, (packed >> _MARK_BITS & low) - 1, (packed >> 2 * _MARK_BITS) - 1
 
 
 class SnapshotProblem(ValueError):
@@ -108,7 +132,7 @@ def encode_snapshot(partition: int, partitions: int, offsets: Mapping[str, int],
     sid = snapshot_id or uuid.uuid4().hex
     body = zlib.compress(json.dumps({
         "accounts": [[_b64(k), a.model_dump_json()] for k, a in sorted(accounts.items(), key=lambda kv: kv[0] or b"")],
-        "settled": [[_b64(k), o] for k, o in sorted((settled or {}).items(), key=lambda kv: kv[0] or b"")],
+        "settled": [[_b64(k), *unpack(m)] for k, m in sorted((settled or {}).items(), key=lambda kv: kv[0] or b"")],
     }).encode(), 6)
     size = chunk_bytes or CHUNK_BYTES
     parts = [body[i:i + size] for i in range(0, len(body), size)] or [b""]
@@ -259,10 +283,12 @@ def _body(body: object, state: int) -> tuple[Accounts, Settled]:
         raise TypeError("a snapshot body of the wrong shape")
     accounts = {_key(k): JobAccount.model_validate_json(a) for k, a in body["accounts"]}
     settled: Settled = {}
-    for k, offset in body["settled"]:
-        if type(offset) is not int or offset < 0:
-            raise TypeError(f"a settled account's offset that is not one: {offset!r:.60}")
-        settled[_key(k)] = offset
+    for k, *mark in body["settled"]:
+        if len(mark) != 3 or any(type(o) is not int or o < -1 for o in mark) or mark[0] < 0:
+            raise TypeError(f"a settled account's mark that is not one: {mark!r:.60}")
+        settled[_key(k)] = pack((mark[0], mark[1], mark[2]))
+    if settled.keys() & accounts.keys():
+        raise TypeError("a job both in memory and settled")
     return accounts, settled
 
 
@@ -281,17 +307,20 @@ def resume(snapshot: FoldSnapshot | None, committed: Mapping[str, int]) -> tuple
 _SETTLED_TYPES = {"format": int, "state": int, "partition": int, "partitions": int, "config": str, "digest": str}
 
 
-def settled_key(partition: int, key: bytes | None) -> bytes:
-    """The key of a settled account on ``accounting.settled``: the input partition, then the job's key
-    (compaction keeps each job's latest account)."""
-    return f"{partition}/".encode() + (key or b"")
+def settled_key(partition: int, key: bytes | None, progress: tuple[int, int]) -> bytes:
+    """The key of a settled account on ``accounting.settled``: the input partition, the job's key, and
+    how far its records were applied (``progress``): ``<partition>/<job id>@<node.ipc>.<jobs.lifecycle>``.
+    One key per state, not per job: a member that lost the partition and still writes an earlier
+    state of the job (a zombie) must not have compaction drop the later one the index names. Equal
+    keys are equal states (the same records of the partition applied), so compaction loses none."""
+    return f"{partition}/".encode() + (key or b"") + f"@{progress[0]}.{progress[1]}".encode()
 
 
 def encode_settled(partition: int, partitions: int, config: str, account: JobAccount) -> bytes:
     """A settled account as a message value: a JSON header line (what it was folded under, and the
     digest of the rest), then the account compressed."""
     body = zlib.compress(account.model_dump_json().encode(), 6)
-    head = {"format": FORMAT, "state": STATE_VERSION, "partition": partition, "partitions": partitions,
+    head = {"format": FORMAT, "state": SETTLED_VERSION, "partition": partition, "partitions": partitions,
             "config": config, "digest": hashlib.sha256(body).hexdigest()}
     return json.dumps(head, sort_keys=True).encode() + b"\n" + body
 
@@ -306,9 +335,9 @@ def decode_settled(value: bytes | None, partition: int, partitions: int, config:
         head = None
     if not isinstance(head, dict) or any(type(head.get(k)) is not t for k, t in _SETTLED_TYPES.items()):
         raise SnapshotProblem("not a settled account (no header of the right shape)")
-    if (head["format"], head["state"]) != (FORMAT, STATE_VERSION):
+    if (head["format"], head["state"]) != (FORMAT, SETTLED_VERSION):
         raise SnapshotProblem(f"a settled account of format {head['format']}, state {head['state']}; this build reads "
-                              f"{FORMAT}, {STATE_VERSION}")
+                              f"{FORMAT}, {SETTLED_VERSION}")
     if (head["partition"], head["partitions"], head["config"]) != (partition, partitions, config):
         raise SnapshotProblem(f"a settled account of partition {head['partition']} of {head['partitions']} under "
                               f"{head['config']}, not {partition} of {partitions} under {config}")
@@ -321,6 +350,21 @@ def decode_settled(value: bytes | None, partition: int, partitions: int, config:
     if key is None or account.job_id.encode() != key:
         raise SnapshotProblem(f"a settled account of job {account.job_id!r}, not of key {key!r:.80}")
     return account
+
+
+def progress(account: JobAccount, partition: int) -> tuple[int, int]:
+    """How far the job's records of ``partition`` were applied to the account: the highest offset
+    of ``node.ipc`` and of ``jobs.lifecycle`` (-1: none)."""
+    return (account.applied.get(f"{NODE_IPC.name}:{partition}", -1),
+            account.applied.get(f"{JOBS_LIFECYCLE.name}:{partition}", -1))
+
+
+def at_least(account: JobAccount, partition: int, mark: Mark) -> bool:
+    """Whether ``account`` has applied every record the account ``mark`` stands for had: it, or a
+    later state of it. An earlier one (a copy written by a member that had lost the partition)
+    lacks records this partition's fold has consumed, and would charge without them."""
+    ipc, life = progress(account, partition)
+    return ipc >= mark[1] and life >= mark[2]
 
 
 def settled(account: JobAccount) -> bool:

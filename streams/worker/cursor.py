@@ -297,19 +297,23 @@ def read_compacted(settings: Settings, topic: str, idle_s: float = 1.0,
         consumer.close()
 
 
-def read_keyed(settings: Settings, topic: str, offset: int, key: bytes, idle_s: float = 1.0,
-               timeout_s: float = 60.0) -> bytes | None:
+def read_keyed(settings: Settings, topic: str, offset: int, key: bytes, accept: Callable[[bytes | None], bool],
+               idle_s: float = 1.0, timeout_s: float = 60.0) -> bytes | None:
     """The value of the first message with ``key`` at or after ``offset`` on a (compacted,
-    single-partition) topic: the one there, or, where compaction removed it, the key's next one; None
-    when the topic holds none (read up to the high watermark seen at the start, then ``idle_s`` with
+    single-partition) topic that ``accept`` takes: the one there, or, where compaction removed it,
+    one of the key's later ones. None only once everything from ``offset`` to the topic's end was
+    read without one (past ``offset`` and the high watermark seen at the start, then ``idle_s`` with
     no message: the bundled broker's end offset can be one batch short). Raises KafkaException on a
-    consumer error (a missing or unauthorized topic), RuntimeError when not done within ``timeout_s``."""
+    consumer error (a missing or unauthorized topic), RuntimeError when not done within
+    ``timeout_s`` (a topic that ends before ``offset`` too): a slow broker is never taken for a
+    message that is not there."""
     consumer = Consumer(settings.client_config(**{
-        "group.id": f"{settings.app_id}-settled", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+        "group.id": f"{settings.app_id}-settled", "enable.auto.commit": False, "auto.offset.reset": "earliest",
+        "fetch.wait.max.ms": 100}))
     tp = TopicPartition(topic, 0)
     deadline = time.monotonic() + timeout_s
     try:
-        high = consumer.get_watermark_offsets(tp, timeout=10)[1]
+        high = consumer.get_watermark_offsets(tp, timeout=10)[1]  # the bundled broker's can be short: a floor
         consumer.assign([TopicPartition(topic, 0, offset)])
         quiet_since = time.monotonic()
         while time.monotonic() < deadline:
@@ -319,12 +323,12 @@ def read_keyed(settings: Settings, topic: str, offset: int, key: bytes, idle_s: 
                     if err.fatal() or err.code() in _UNREADABLE:
                         raise KafkaException(err)
                     continue
-                if (m.offset() or 0) >= offset and m.key() == key:
+                if (m.offset() or 0) >= offset and m.key() == key and accept(m.value()):
                     return m.value()
                 quiet_since = time.monotonic()
             [now] = consumer.position([tp])
-            if (offset >= high or now.offset >= high) and time.monotonic() - quiet_since >= idle_s:
-                return None
+            if now.offset > offset and now.offset >= high and time.monotonic() - quiet_since >= idle_s:
+                return None  # read past the offset, to the end: nothing there took
     finally:
         consumer.close()
     raise RuntimeError(f"{topic}: no message keyed {key!r:.80} read at or after offset {offset} within "

@@ -74,7 +74,7 @@ from ..core import fold_snapshot
 from ..core.accounting import SOURCE, JobAccount, Message, Origin, Outgoing, apply_message, fold_states
 from .copartition import NotCoPartitioned, input_partitions, routing_problem
 from .cursor import LogHeadGone, accounting_group, accounting_topics, read_range
-from .fold_settled import AccountUnavailable, Settled
+from .fold_settled import AccountUnavailable, Settled, SettledUnreadable
 from .fold_snapshots import Snapshots
 
 log = logging.getLogger(__name__)
@@ -203,9 +203,8 @@ class FoldConsumer:
                 if time.monotonic() - committed_at >= self.commit_interval_s:
                     if self._pending:
                         self.commit_or_rejoin(consumer)
-                    else:  # idle: accounts may be due to leave memory, a partition a snapshot by the time rule
-                        self.evict()
-                        self.save_snapshots()
+                    else:
+                        self.idle()
                     committed_at = time.monotonic()
                 if time.monotonic() - lag_at >= metrics.LAG_INTERVAL_S:
                     metrics.report_lag(consumer, "accounting", {k: p for k, p in self._position.items()
@@ -250,12 +249,11 @@ class FoldConsumer:
             account, out, blocks = None, _letter(message, misrouted, MISROUTED), None
         else:
             jobs = self.states.setdefault(origin.partition, {})
-            try:
-                account = jobs.get(key)
-                if account is None:  # its settled account, if it has one, back in memory
-                    account = self.settled.load(jobs, origin.partition, key, self._input_count(), self.snapshot_config)
-                account, out, blocks = apply_message(account, origin, key, value, ts, self.policy, self.prefix,
-                                                     running_estimates=False)
+            try:  # a job not in memory: its settled account, if it has one, back in memory
+                account, out, blocks = apply_message(
+                    jobs.get(key), origin, key, value, ts, self.policy, self.prefix, running_estimates=False,
+                    load=lambda k: self.settled.load(jobs, origin.partition, k, self._input_count(),
+                                                     self.snapshot_config))
             except AccountUnavailable as exc:  # never folded into a new account: charged from nothing
                 account, out, blocks = None, _letter(message, str(exc), UNSETTLED), None
         if account is not None:
@@ -346,11 +344,17 @@ class FoldConsumer:
             consumer.commit(offsets=offsets, asynchronous=False)
         self._pending.clear()
 
+    def idle(self) -> None:
+        """Nothing to commit: settled accounts may still leave memory (those sent before, now
+        acknowledged) or be due to, and a partition may be due a snapshot by the time rule."""
+        self.evict()
+        self.save_snapshots()
+
     def evict(self) -> None:
         """Move the settled accounts due out of memory (``streams.worker.fold_settled``), once what was
         applied is durable."""
         self.settled.evict(self.producer, self.states, {p for _, p in self._owned}, self._input_count(),
-                           self.snapshot_config, FLUSH_TIMEOUT_S)
+                           self.snapshot_config)
 
     def save_snapshots(self) -> None:
         """Snapshot the owned partitions that are due (``streams.worker.fold_snapshots``), once what
@@ -398,14 +402,16 @@ class FoldConsumer:
                 try:
                     mine = self._rebuild(partition, mine, snapshots)
                     stops.update({(t, partition): o for t, o in mine.items()})
-                except LogHeadGone as exc:
+                except (LogHeadGone, SettledUnreadable) as exc:
                     self.refused.add(partition)
+                    self.settled.index.pop(partition, None)
                     log.error("accounting: refusing partition %d: %s. It stays paused (nothing folded, nothing "
                               "committed) until the worker restarts with the history available",
                               partition, exc, extra=logs.fields(partition=partition, topic=exc.topic))
                     continue
             self._position.update({(t, partition): s for t, s in mine.items()})
             self._pending.update({(t, partition): s for t, s in mine.items()})  # undoes a stale commit of another
+        self.settled.assigned()
         self.producer.flush(FLUSH_TIMEOUT_S)
         start = [TopicPartition(t, p, o) for (t, p), o in sorted(stops.items())]
         consumer.assign(start)  # at the offsets the rebuild stopped at, not at what is committed by now

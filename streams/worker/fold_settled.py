@@ -8,24 +8,31 @@ kept in memory, each costs about 12 kB for as long as the worker runs (docs/sizi
 
 * **When.** At a commit, once what was applied is durable, every account that is settled
   (``fold_snapshot.settled``: charged, no terminal event waiting for a node) and whose latest
-  charge is ``fold_evict_after_s`` old (wall clock; 300 s) moves out: compressed, with a header of
+  charge is ``fold_evict_after_s`` old (wall clock; 300 s) is sent, compressed, with a header of
   what it was folded under and a digest, to the compacted single-partition ``accounting.settled``,
-  keyed ``<input partition>/<job id>``. Once the broker acknowledged it, it leaves memory and the
-  partition's index keeps its offset (about 100 bytes a job, ``bench settled``).
-* **Read back** when a record of the job arrives, live or while a rebuild folds: the first message
-  with its key at or after the indexed offset. That is the one indexed, or, where compaction
-  removed it, the job's newer one. Either is a state the fold passed through, and the offsets an
-  account holds make the records it applied redeliveries, so folding on from either gives the
-  same account and the same charges. The account is in memory again, and leaves at a later commit.
+  keyed ``<input partition>/<job id>``. The fold does not wait for the broker (a flush of its own
+  doubled the p99 of job end to charge in ``bench stream``): at a later commit, once the broker
+  acknowledged it and if no record of the job came meanwhile, the account leaves memory and the
+  partition's index keeps its offset (65.6 bytes a job, ``bench sizing``).
+* **Read back** when a record of the job arrives that passed every check needing no account
+  (decode, signature, key, clock), live or while a rebuild folds: the message at the indexed
+  offset, under a key that names the state (``settled_key``: the records of the job applied), so
+  another member's copy of an earlier state (a zombie's) never replaces it under compaction. An
+  equal key is an equal state; so is any later copy ``at_least`` as far, whose records applied
+  since are then redeliveries: folding on from it gives the same account and charges. The
+  account is in memory again, and leaves at a later commit.
 * **Durable with the snapshots.** The index is part of each partition's snapshot (state version 2).
   A rebuild from a snapshot taken before an eviction holds the account itself; from one after, the
   index, and the records after the snapshot read the account back as the live fold did.
 * **Failures.** A write the broker does not acknowledge keeps the accounts in memory (tried again
-  at the next commit, logged). A read that fails (the topic missing or unauthorized, the broker away
-  for ``READ_TIMEOUT_S``) stops the worker, whose supervisor restarts it: the record is folded again
-  by the rebuild. A settled account that cannot be used (damaged, another release's, none under the
-  key) is never replaced by an empty account: the record is dead-lettered with the reason (kind
-  ``unsettled``) and the account stays where it is.
+  at the next commit, logged); so does one whose job got a record while it was in flight. At most
+  ``MAX_SENT`` are in flight: a backlog (after an upgrade or a rebuild) leaves over several commits.
+  A read that fails twice (the topic missing or unauthorized, the broker away for 60 s) stops the
+  worker, whose supervisor restarts it; the rebuild that meets it refuses that partition only
+  (paused, ``nodeshare_fold_partitions_refused``, as for a log whose head is gone). A settled
+  account that cannot be used (damaged, another release's, no copy under its key at least as
+  recent as the one indexed) is never replaced by an empty account: the record is dead-lettered
+  with the reason (kind ``unsettled``), logged, and the account stays settled.
 """
 
 from __future__ import annotations
@@ -51,17 +58,51 @@ from .cursor import read_keyed
 
 log = logging.getLogger(__name__)
 
-#: how long reading one settled account back may take before the worker stops
-READ_TIMEOUT_S = 60.0
-
 ACCOUNTS = Gauge("nodeshare_fold_accounts", "Job accounts of the charge fold's partitions, in memory or settled "
                  "(on accounting.settled, read back when a late record of the job comes)", ["where"])
 MOVED = Counter("nodeshare_fold_settled_total", "Job accounts the charge fold moved out of memory (out) or read "
                 "back for a late record (in)", ["direction"])
 
-Index = dict[bytes | None, int]
-#: reads a settled message: (settings, topic, offset, key) -> its value, None when the topic has none
-Reader = Callable[[Settings, str, int, bytes], "bytes | None"]
+#: accounts sent and not yet acknowledged at most: a backlog leaves memory over several commits,
+#: never as one burst the next output flush would wait on
+MAX_SENT = 2000
+#: reads of one settled account a record makes, ``READ_BACKOFF_S`` apart, before its partition stops
+READ_ATTEMPTS = 2
+READ_BACKOFF_S = 2.0
+
+Index = fold_snapshot.Settled
+#: reads a settled message: (settings, topic, offset, key, accept) -> the value of the first message
+#: with the key at or after the offset that ``accept`` takes, None when the topic has none
+Reader = Callable[[Settings, str, int, bytes, Callable[[bytes | None], bool]], "bytes | None"]
+
+
+class SettledUnreadable(RuntimeError):
+    """A settled account could not be read (the topic missing, unauthorized, or the broker away):
+    the partition's fold cannot go on without it. A rebuild refuses the partition (paused, as for
+    a log whose head is gone); the live fold stops the worker, whose restart rebuilds."""
+
+    def __init__(self, topic: str, message: str) -> None:
+        super().__init__(message)
+        self.topic = topic
+
+
+class _Sent:
+    """An account sent to the topic, as it stood (its applied offsets), and the broker's answer."""
+
+    __slots__ = ("account", "applied", "error", "offset")
+
+    def __init__(self, account: JobAccount) -> None:
+        self.account = account
+        self.applied = dict(account.applied)
+        self.offset: int | None = None
+        self.error: str | None = None
+
+    def report(self, err: Any, msg: Any) -> None:
+        """librdkafka's delivery report (served by the producer's poll or flush, in the fold's thread)."""
+        if err is None:
+            self.offset = msg.offset()
+        else:
+            self.error = str(err)
 
 
 class Settled:
@@ -74,26 +115,29 @@ class Settled:
         self.after_s = settings.fold_evict_after_s
         self.on = math.isfinite(self.after_s)  # False also when the topic does not exist (``topics create``)
         self.read_fn = read  # None: ``read_keyed`` (tests pass their broker's)
-        self.index: dict[int, Index] = {}  # input partition -> key -> offset on the topic
+        self.index: dict[int, Index] = {}  # input partition -> key -> where its account is (``Mark``)
         #: accounts charged since they came into memory, oldest charge first: (partition, key) -> when
         self.due: dict[tuple[int, bytes | None], float] = {}
+        #: accounts sent to the topic, not yet out of memory: (partition, key) -> what was sent
+        self.sending: dict[tuple[int, bytes | None], _Sent] = {}
         self._parked: dict[int, Index] = {}
 
     # ------------------------------------------------------------------ what is in memory
 
     def charged(self, partition: int, key: bytes | None) -> None:
         """The job's account produced a charge: it may leave memory ``after_s`` from now."""
-        self.due.pop((partition, key), None)
-        self.due[(partition, key)] = time.monotonic()
+        if self.on:  # else nothing ever leaves: keep no list of what could
+            self.due.pop((partition, key), None)
+            self.due[(partition, key)] = time.monotonic()
 
     def rebuilt(self, partition: int, index: Index, accounts: dict[bytes | None, JobAccount]) -> None:
         """A partition was rebuilt with ``index`` (its snapshot's, less what the rebuild read back):
         its settled accounts in memory may leave at once."""
         self.index[partition] = index
         self._parked.pop(partition, None)
-        for key, account in accounts.items():
-            if fold_snapshot.settled(account):
-                self.due.setdefault((partition, key), 0.0)
+        if self.on:  # due at once: first in the list, which is oldest first
+            ready = {(partition, key): 0.0 for key, account in accounts.items() if fold_snapshot.settled(account)}
+            self.due = ready | {k: t for k, t in self.due.items() if k not in ready}
 
     def forget(self, partitions: set[int], park: bool) -> None:
         """Partitions revoked or lost: their index goes (kept with their parked state if ``park``)."""
@@ -102,10 +146,15 @@ class Settled:
             if park and index is not None:
                 self._parked[p] = index
         self.due = {k: t for k, t in self.due.items() if k[0] not in partitions}
+        self.sending = {k: t for k, t in self.sending.items() if k[0] not in partitions}
 
     def unpark(self, partition: int, accounts: dict[bytes | None, JobAccount]) -> None:
         """A parked partition came back as it was: its index too."""
         self.rebuilt(partition, self._parked.pop(partition, {}), accounts)
+
+    def assigned(self) -> None:
+        """An assignment is done: what was parked and not given back went to other members."""
+        self._parked.clear()
 
     def count(self, states: dict[int, dict[bytes | None, JobAccount]]) -> None:
         ACCOUNTS.labels("memory").set(sum(len(jobs) for jobs in states.values()))
@@ -114,58 +163,63 @@ class Settled:
     # ------------------------------------------------------------------ out and back
 
     def evict(self, producer: Any, states: dict[int, dict[bytes | None, JobAccount]], owned: set[int],
-              partitions: int | None, config: str, flush_timeout_s: float) -> int:
-        """Move the settled accounts due out of memory (owned partitions only); returns how many moved.
-        Call once what was applied is durable: an account leaves only after the broker acknowledged
-        it, with its offset in the index."""
-        if not self.on or partitions is None or not self.due:
-            return 0
+              partitions: int | None, config: str) -> int:
+        """Move settled accounts out of memory, in two steps that never wait for the broker: the
+        accounts sent at an earlier call that the broker has acknowledged since (and that no record
+        touched meanwhile) leave memory, their offsets into the index; then the accounts now due are
+        sent, to leave at a later call. Call after the commit's flush (what was applied is durable,
+        and the acknowledgements of what was sent before are in); returns how many left memory."""
+        producer.poll(0)  # delivery reports of what was sent since the last flush (an idle worker)
+        moved = self._finish(states, owned)
+        if self.on and partitions is not None and self.due:
+            self._send(producer, states, owned, partitions, config)
+        if moved:
+            MOVED.labels("out").inc(moved)
+        self.count(states)
+        return moved
+
+    def _send(self, producer: Any, states: dict[int, dict[bytes | None, JobAccount]], owned: set[int],
+              partitions: int, config: str) -> None:
         cutoff = time.monotonic() - self.after_s
-        going: list[tuple[int, bytes | None, JobAccount]] = []
+        room = MAX_SENT - len(self.sending)  # a backlog (after an upgrade, a rebuild) goes over several commits
         for (p, key), at in list(self.due.items()):
-            if at > cutoff:
+            if at > cutoff or room <= 0:
                 break  # oldest first: the rest are younger
+            room -= 1
             del self.due[(p, key)]
             account = states.get(p, {}).get(key)
-            if p in owned and account is not None and fold_snapshot.settled(account):
-                going.append((p, key, account))
-        if not going:
-            return 0
-        sent = {fold_snapshot.settled_key(p, key): (p, key) for p, key, _ in going}
-        acked: dict[tuple[int, bytes | None], int] = {}
-        failed: list[str] = []
-
-        def delivered(err: Any, msg: Any) -> None:
-            if err is None:
-                acked[sent[msg.key()]] = msg.offset()
-            else:
-                failed.append(str(err))
-
-        for p, key, account in going:
-            producer.send_raw(self.topic, fold_snapshot.settled_key(p, key),
+            if p not in owned or account is None or not fold_snapshot.settled(account):
+                continue  # gone, or waiting for a node again: a later charge makes it due again
+            sent = _Sent(account)
+            self.sending[(p, key)] = sent  # a copy still in flight is superseded: its report is ignored
+            producer.send_raw(self.topic, fold_snapshot.settled_key(p, key, fold_snapshot.progress(account, p)),
                               fold_snapshot.encode_settled(p, partitions, config, account), partition=0,
-                              on_delivery=delivered)
-        try:
-            producer.flush(flush_timeout_s)
-        except Exception as exc:  # the outputs were durable before: only these failed; they stay in memory
-            failed.append(str(exc))
+                              on_delivery=sent.report)
+
+    def _finish(self, states: dict[int, dict[bytes | None, JobAccount]], owned: set[int]) -> int:
         moved = 0
-        for p, key, account in going:
-            offset = acked.get((p, key))
+        failed: list[str] = []
+        for (p, key), sent in list(self.sending.items()):
+            if sent.offset is None and sent.error is None:
+                continue  # not acknowledged yet
+            del self.sending[(p, key)]
             jobs = states.get(p)
-            if offset is None or jobs is None or jobs.get(key) is not account:
-                continue  # not acknowledged (kept in memory), or the partition went meanwhile
-            del jobs[key]
-            self.index.setdefault(p, {})[key] = offset
-            moved += 1
+            if jobs is None or p not in owned or jobs.get(key) is not sent.account:
+                continue  # the partition went, with its accounts
+            if sent.error is None and sent.offset is not None and sent.account.applied == sent.applied:
+                del jobs[key]
+                self.index.setdefault(p, {})[key] = fold_snapshot.pack((sent.offset,
+                                                                        *fold_snapshot.progress(sent.account, p)))
+                moved += 1
+                continue
+            if sent.error is not None:
+                failed.append(sent.error)
+            # refused, or a record of the job came while it was in flight: it stays, due again if settled
+            if fold_snapshot.settled(sent.account):
+                self.charged(p, key)
         if failed:
-            log.error("accounting: %d of %d settled accounts not written to %s (%s); they stay in memory and are "
-                      "tried again", len(going) - moved, len(going), self.topic, failed[0])
-            for p, key, account in going:
-                if (p, key) not in acked and states.get(p, {}).get(key) is account:
-                    self.due[(p, key)] = time.monotonic()
-        MOVED.labels("out").inc(moved)
-        self.count(states)
+            log.error("accounting: %d settled accounts not written to %s (%s); they stay in memory and are tried "
+                      "again", len(failed), self.topic, failed[0])
         return moved
 
     def check_topic(self, consumer: Any) -> None:
@@ -187,22 +241,48 @@ class Settled:
         index = self.index.get(partition)
         if not index or key not in index:
             return None
-        offset = index[key]
+        mark = fold_snapshot.unpack(index[key])
+        problems: list[str] = []
+        found: list[JobAccount] = []
+
+        def usable(value: bytes | None) -> bool:
+            try:
+                account = fold_snapshot.decode_settled(value, partition, partitions or 0, config, key)
+            except fold_snapshot.SnapshotProblem as exc:
+                problems.append(str(exc))
+                return False
+            if not fold_snapshot.at_least(account, partition, mark):
+                problems.append(f"a copy of an earlier state (records applied up to "
+                                f"{fold_snapshot.progress(account, partition)}, not {mark[1:]}), written by a "
+                                "member that had lost the partition")
+                return False
+            found.append(account)
+            return True
+
         read = self.read_fn or read_keyed
-        value = read(self.settings, self.topic, offset, fold_snapshot.settled_key(partition, key))
+        skey = fold_snapshot.settled_key(partition, key, (mark[1], mark[2]))
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                value = read(self.settings, self.topic, mark[0], skey, usable)
+                break
+            except (KafkaException, RuntimeError) as exc:
+                if attempt == READ_ATTEMPTS:
+                    raise SettledUnreadable(self.topic, f"could not read job {_job(key)}'s settled account at "
+                                                        f"{self.topic}@{mark[0]} ({exc})") from exc
+                log.warning("accounting: could not read %s@%d (%s); trying again", self.topic, mark[0], exc)
+                time.sleep(READ_BACKOFF_S)
         if value is None:
-            raise AccountUnavailable(f"job {_job(key)} was settled at {self.topic}@{offset}, which holds nothing "
-                                     "under its key now (the topic was deleted or emptied)")
-        try:
-            account = fold_snapshot.decode_settled(value, partition, partitions or 0, config, key)
-        except fold_snapshot.SnapshotProblem as exc:
-            raise AccountUnavailable(f"job {_job(key)}'s settled account at {self.topic}@{offset}: {exc}") from None
+            why = (f"job {_job(key)} was settled at {self.topic}@{mark[0]}, and no message under its key from there "
+                   f"is usable: {problems[-1] if problems else 'there is none'}")
+            log.error("accounting: %s; its record is a dead letter (unsettled), the account stays settled", why)
+            raise AccountUnavailable(why)
+        account = found[-1]
         del index[key]
         jobs[key] = account
         self.charged(partition, key)
         MOVED.labels("in").inc()
         log.info("accounting: read back job %s's settled account (%s@%d) for a late record", _job(key), self.topic,
-                 offset)
+                 mark[0])
         return account
 
 

@@ -4,6 +4,7 @@ ledger and archive; the node's late data is a second revision; the audit recompu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 from factories import block, job_event, left
+from integration.test_metrics import scrape, value
 
 from nodeshare.demo import running_pipeline
+from nodeshare.deploy.broker import free_port
 from nodeshare.producers.kafka_producer import EventProducer
 from nodeshare.runtime.config import Settings
 from nodeshare.schemas import EstimateStatus, JobState, Record
@@ -32,16 +35,20 @@ def publish(settings: Settings, records: list[Record]) -> None:
 
 
 def settled_copies(settings: Settings, job: str) -> int:
-    """How many of the job's accounts the worker moved to ``accounting.settled`` (out of its memory)."""
+    """How many of the job's accounts the worker wrote to ``accounting.settled``."""
     out = read_compacted(settings, settings.topic(FOLD_SETTLED), idle_s=0.5)
-    return sum(1 for k, _ in out if k is not None and k.split(b"/", 1)[1] == job.encode())
+    return sum(1 for k, _ in out if k is not None and k.split(b"/", 1)[1].split(b"@")[0] == job.encode())
 
 
-def wait_settled(settings: Settings, job: str, copies: int, timeout_s: float = 30.0) -> None:
+def wait_metric(port: int, name: str, at_least: float, timeout_s: float = 30.0, **labels: str) -> None:
+    """Until the worker's metric reaches ``at_least`` (its endpoint comes up with the worker)."""
     deadline = time.monotonic() + timeout_s
-    while settled_copies(settings, job) < copies:
-        assert time.monotonic() < deadline, f"job {job}'s account never left the worker's memory"
-        time.sleep(0.5)
+    while True:
+        with contextlib.suppress(OSError):
+            if value(scrape(port), name, **labels) >= at_least:
+                return
+        assert time.monotonic() < deadline, f"{name}{labels} never reached {at_least}"
+        time.sleep(0.3)
 
 
 @pytest.mark.parametrize("evict_after_s", [300.0, 0.0], ids=["in-memory", "settled"])
@@ -49,7 +56,8 @@ def test_a_job_that_lost_a_node_is_charged_after_nodes_down_and_again_with_the_l
         settings: Settings, tmp_path: Path, evict_after_s: float) -> None:
     """With ``fold_evict_after_s`` 0 the charged account leaves the worker's memory before the node's
     late data comes, which reads it back from accounting.settled (issue 42, item 6): the same charges."""
-    settings = settings.model_copy(update={"fold_evict_after_s": evict_after_s})
+    port = free_port()
+    settings = settings.model_copy(update={"fold_evict_after_s": evict_after_s, "metrics_port": port})
     job = f"lost-{int(evict_after_s)}"
     before = [block(1.0, 2.0, 1.0, job=job, node="n1", cycle=0), block(1.0, 0.9, 1.0, job=job, node="n2", cycle=1),
               block(0.8, 1.0, 0.82, job=job, node="n1", cycle=3), block(0.9, 1.2, 0.9, job=job, node="n2", cycle=2),
@@ -72,13 +80,15 @@ def test_a_job_that_lost_a_node_is_charged_after_nodes_down_and_again_with_the_l
         assert "n2 powered off, IPMI does not answer (operator/" in lost.evidence_problems[0]
         report = audit(pipeline.archive_path, pipeline.ledger_path, settings.policy())
         assert report.ok and report.matches == 1, report.as_dict()
-        if not evict_after_s:
-            wait_settled(settings, job, 1)
+        if not evict_after_s:  # out of the worker's memory before the late data comes
+            wait_metric(port, "nodeshare_fold_accounts", 1, where="settled")
 
         publish(settings, late)  # n2 comes back with its spool
         pipeline.wait(charges=2, archived=len(before) + 1 + len(late), timeout_s=90, report=lambda *_: None)
-        if not evict_after_s:  # read back, charged again, and out of memory again
-            wait_settled(settings, job, 2)
+        if not evict_after_s:  # read back for the late data, charged again, and out of memory again
+            wait_metric(port, "nodeshare_fold_settled_total", 1, direction="in")
+            wait_metric(port, "nodeshare_fold_settled_total", 2, direction="out")
+            assert settled_copies(settings, job) == 2  # one per state it left memory in
         else:
             assert settled_copies(settings, job) == 0
     with Ledger(pipeline.ledger_path, read_only=True) as ledger:
@@ -88,3 +98,24 @@ def test_a_job_that_lost_a_node_is_charged_after_nodes_down_and_again_with_the_l
     assert charges[1].revision_reason.startswith("late data: node n2, declared lost")
     report = audit(pipeline.archive_path, pipeline.ledger_path, settings.policy())
     assert report.ok and report.matches == 2, report.as_dict()
+
+
+def test_a_keyed_read_finds_the_message_at_its_offset_in_a_batch_and_never_takes_slow_for_absent(
+        settings: Settings) -> None:
+    """``read_keyed`` on the broker: a message in the middle of one produced batch (the bundled
+    broker reports the batch's first offset as the end), a later copy when ``accept`` refuses the
+    first, None only once the topic was read to its end."""
+    from nodeshare.deploy.topics import create_topics
+    from nodeshare.streams.worker.cursor import read_keyed
+
+    create_topics(settings)
+    topic = settings.topic(FOLD_SETTLED)
+    with EventProducer(settings, client_id="test-read-keyed") as producer:
+        for i in range(50):
+            producer.send_raw(topic, f"k{i % 10}".encode(), f"v{i}".encode(), partition=0)
+        producer.flush(30)
+    assert read_keyed(settings, topic, 37, b"k7", lambda v: True) == b"v37"
+    assert read_keyed(settings, topic, 7, b"k7", lambda v: v != b"v7") == b"v17"
+    assert read_keyed(settings, topic, 45, b"k3", lambda v: True, idle_s=0.5) is None  # no k3 from 45 on
+    with pytest.raises(RuntimeError, match="within 3 s"):  # past the end: never read past, never None
+        read_keyed(settings, topic, 500, b"k3", lambda v: True, timeout_s=3)

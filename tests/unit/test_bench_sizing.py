@@ -25,7 +25,8 @@ def test_the_figures_scale_linearly_with_nodes_as_worked_out_by_hand() -> None:
     per_node_hour = {"messages": 7200.0, "bytes": 3.6e6, "blocks": 3600.0, "samples": 10800.0,
                      "archive_bytes": 1e6, "windows": 7200.0}
     state = {"running_jobs_per_node": 2.0, "running_memory_bytes": 10_000, "running_json_bytes": 2_000,
-             "charged_memory_bytes": 5_000, "settled_index_bytes": 100.0, "settled_record_bytes": 1_000}
+             "charged_memory_bytes": 5_000, "settled_index_bytes": 100.0, "settled_record_bytes": 1_000,
+             "snapshot_us_per_settled": 5.0}
     small, big = scale(per_node_hour, state, (100, 10_000), fold_blocks_per_s=50.0, audit_samples_per_s=300.0,
                        job_ends_per_node_hour=1.0, ledger_windows_per_s=400.0, evict_after_s=3600.0)
     # 100 nodes: 2 messages and 1 block a second each; 1,000 bytes a second each
@@ -39,6 +40,7 @@ def test_the_figures_scale_linearly_with_nodes_as_worked_out_by_hand() -> None:
     assert small["worker_state_charged_mb"] == 0.5  # 100 x 5 kB, whatever the day
     assert small["worker_settled_index_mb_per_day"] == 0.2  # 2,400 x 100 B (0.24)
     assert small["settled_topic_mb_per_day"] == 2.4  # 2,400 x 1 kB on the broker
+    assert small["snapshot_s_per_day_of_index"] == 0.01  # 2,400 x 5 us, a round of snapshots (0.012 s)
     assert small["worker_state_charged_mb_per_day_kept"] == 12.0  # without eviction: 2,400 a day x 5 kB
     assert small["audit_core_hours_per_archived_day"] == 24.0  # 10,800 x 100 x 24 samples at 300/s: 86,400 s
     assert big["blocks_per_s"] == 100 * small["blocks_per_s"] and big["archive_gb_per_day"] == 240.0
@@ -79,6 +81,7 @@ def test_a_small_cluster_sends_one_block_per_node_per_shutter_cycle_and_its_jobs
     for kind in ("running", "charged"):  # copies weigh what the live fold's accounts weigh, within a fifth
         assert state[f"{kind}_memory_bytes_at_scale"] == pytest.approx(state[f"{kind}_memory_bytes"], rel=0.2)
     assert 0 < state["settled_index_bytes"] < state["charged_memory_bytes"] / 20
+    assert state["snapshot_us_per_settled"] > 0
     assert 0 < state["settled_record_bytes"] < state["charged_json_bytes"]  # compressed
 
 

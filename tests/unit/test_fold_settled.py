@@ -51,6 +51,14 @@ def feed(f: FoldConsumer, msgs: list) -> list[tuple[str, bytes, bytes]]:
     return out
 
 
+def settle(f: FoldConsumer) -> None:
+    """Two commits' evictions: the first sends what is due, the second (after the broker acknowledged
+    it) lets it go."""
+    f.evict()
+    f.producer.flush(30)
+    f.evict()
+
+
 def job_messages() -> tuple[list, list]:
     """One job's records on partition 0 that charge it, and a copy of each of its lifecycle records
     coming late (new offsets): corrections, copies, a later run are all possible."""
@@ -72,12 +80,13 @@ def test_a_late_record_of_a_settled_job_reads_its_account_back_with_the_outputs_
     kept, _ = fold(monkeypatch, float("inf"))
     moved, broker = fold(monkeypatch, 0.0)
     assert feed(kept, msgs) == feed(moved, msgs)
-    moved.evict()
-    kept.evict()
+    settle(moved)
+    settle(kept)
     assert set(kept.states[0]) == {k for _, k, _, _ in msgs}  # inf: nothing ever leaves
     gone = set(moved.settled.index[0])
     assert gone and gone.isdisjoint(moved.states[0]) and gone | set(moved.states[0]) == set(kept.states[0])
-    assert {k for t, k, _ in broker.durable if t == SETTLED} == {fold_snapshot.settled_key(0, k) for k in gone}
+    assert {k for t, k, _ in broker.durable if t == SETTLED} == {
+        fold_snapshot.settled_key(0, k, fold_snapshot.unpack(m)[1:]) for k, m in moved.settled.index[0].items()}
     assert feed(kept, late) == feed(moved, late)  # charges, copies refused, estimates: the same bytes
     assert broker.reads == len(gone & {k for _, k, _, _ in late})
     assert {k: a.model_dump() for k, a in moved.states[0].items()} == {
@@ -88,16 +97,18 @@ def test_a_settled_account_that_cannot_be_read_back_dead_letters_the_record_and_
     msgs, late = job_messages()
     f, broker = fold(monkeypatch, 0.0)
     feed(f, msgs)
-    f.evict()
-    key, offset = next(iter(f.settled.index[0].items()))
+    settle(f)
+    key, packed = next(iter(f.settled.index[0].items()))
+    offset = fold_snapshot.unpack(packed)[0]
     topic, k, value = broker.durable[[i for i, m in enumerate(broker.durable) if m[0] == SETTLED][offset]]
     broker.durable[broker.durable.index((topic, k, value))] = (topic, k, value[:-3] + b"bad")  # damaged on disk
     record = next(m for m in late if m[1] == key)
     out = feed(f, [record])
     [(t, _, dl)] = out
     letter = decode_model(DeadLetter, dl)
-    assert t == "t.dlq" and "damaged settled account" in letter.reason and letter.origin_offset == record[0].offset
-    assert key not in f.states[0] and f.settled.index[0][key] == offset  # never an empty account in its place
+    assert t == "t.dlq" and "no message under its key from there is usable: a damaged settled account" in letter.reason
+    assert letter.origin_offset == record[0].offset
+    assert key not in f.states[0] and f.settled.index[0][key] == packed  # never an empty account in its place
     assert fold_consumer.metrics.DEAD_LETTERS.labels(UNSETTLED)._value.get() >= 1
 
 
@@ -106,29 +117,121 @@ def test_a_settled_write_the_broker_refuses_keeps_the_accounts_in_memory_and_is_
     f, broker = fold(monkeypatch, 0.0, RefusingProducer)
     feed(f, msgs)
     before = set(f.states[0])
-    assert f.settled.evict(f.producer, f.states, {0}, 1, f.snapshot_config, 1.0) == 0
-    assert set(f.states[0]) == before and not f.settled.index.get(0) and f.settled.due
+    settle(f)
+    assert set(f.states[0]) == before and not f.settled.index.get(0) and f.settled.sending  # sent again
     assert "not written to t.accounting.settled" in caplog.text
-    f.producer = Producer(broker)  # type: ignore[assignment]  # the broker takes them again
-    assert f.settled.evict(f.producer, f.states, {0}, 1, f.snapshot_config, 1.0) > 0
+    f.producer.flush(30)  # refused again
+    f.producer = Producer(broker)  # type: ignore[assignment]  # the broker takes them now
+    settle(f)
+    assert f.settled.index[0] and set(f.settled.index[0]) | set(f.states[0]) == before
+
+
+def test_an_account_that_gets_a_record_while_it_is_in_flight_stays_in_memory(monkeypatch):
+    msgs, late = job_messages()
+    f, _ = fold(monkeypatch, 0.0)
+    feed(f, msgs)
+    f.evict()  # sent
+    going = {k for _, k in f.settled.sending}
+    # a copy of a job's last terminal event (refused as a duplicate: the account stays settled) comes
+    # while its account is in flight, and the broker acknowledges the account as it was before
+    record = [m for m in late if m[1] in going][-1]
+    first = f.settled.sending[(0, record[1])].applied
+    out = feed(f, [record])
+    assert [t for t, _, _ in out if t != SETTLED] == ["t.dlq"]
+    f.evict()
+    assert record[1] in f.states[0] and record[1] not in f.settled.index.get(0, {})  # stays: the copy sent is stale
+    account = f.states[0][record[1]]
+    assert account.applied != first and fold_snapshot.settled(account)
+    assert f.settled.sending[(0, record[1])].applied == account.applied  # sent again, as it stands now
+    settle(f)
+    assert record[1] in f.settled.index[0] and record[1] not in f.states[0]
 
 
 def test_an_account_stays_until_it_has_been_settled_for_the_time_set(monkeypatch):
     msgs, _ = job_messages()
     f, _ = fold(monkeypatch, 300.0)
     feed(f, msgs)
-    f.evict()
-    assert not f.settled.index.get(0)
+    settle(f)
+    assert not f.settled.index.get(0) and not f.settled.sending
     now = fold_settled.time.monotonic()
     monkeypatch.setattr(fold_settled.time, "monotonic", lambda: now + 301)
-    f.evict()
+    settle(f)
     assert f.settled.index[0] and all(not fold_snapshot.settled(a) for a in f.states[0].values())
 
 
 @pytest.mark.parametrize("value", [None, b"not an account"])
 def test_a_settled_read_that_finds_nothing_usable_is_said_with_the_offset(monkeypatch, value):
     f, _ = fold(monkeypatch, 0.0)
-    f.settled.index[0] = {b"7001": 4}
-    f.settled.read_fn = lambda *a: value
+    f.settled.index[0] = {b"7001": fold_snapshot.pack((4, 10, 3))}
+    f.settled.read_fn = lambda s, t, o, k, accept: value if accept(value) else None
     with pytest.raises(fold_settled.AccountUnavailable, match=r"7001.*accounting\.settled@4"):
         f.settled.load({}, 0, b"7001", 1, f.snapshot_config)
+
+
+def test_a_record_refused_before_any_account_is_needed_never_reads_a_settled_one(monkeypatch):
+    """(A review: the account was read back before the record was decoded or its key checked: an
+    undecodable record keyed with a settled job's id cost a broker read each, and a forged one was
+    dead-lettered as unsettled.)"""
+    msgs, _ = job_messages()
+    f, broker = fold(monkeypatch, 0.0)
+    feed(f, msgs)
+    settle(f)
+    key = next(iter(f.settled.index[0]))
+    other = next(v for o, k, v, _ in msgs if o.topic == LIFE and k != key)  # another job's record, under its key
+    bad = [(Origin(LIFE, 0, 900), key, b"{not json", 0.0), (Origin(LIFE, 0, 901), key, other, 0.0)]
+    letters = [decode_model(DeadLetter, v) for _, _, v in feed(f, bad)]
+    assert broker.reads == 0 and key in f.settled.index[0] and key not in f.states[0]
+    assert len(letters) == 2 and letters[1].reason.startswith("message key") and "settled" not in letters[0].reason
+
+
+def test_a_copy_of_an_earlier_state_is_never_read_back_in_place_of_the_indexed_one(monkeypatch):
+    """(A review: a member that lost the partition, a zombie, wrote an earlier state of the job after
+    the owner's; compaction kept only the last message of the key, and the read took it: two
+    different charges of one revision.) Keys name the state, and a copy behind the index is refused."""
+    msgs, late = job_messages()
+    f, broker = fold(monkeypatch, 0.0)
+    feed(f, msgs)
+    key = next(k for k, a in f.states[0].items() if fold_snapshot.settled(a))
+    earlier = f.states[0][key].model_copy(deep=True)
+    feed(f, [m for m in late if m[1] == key][-1:])  # one more record of it: a later state
+    settle(f)
+    packed = f.settled.index[0][key]
+    mark = fold_snapshot.unpack(packed)
+    assert mark[1:] != fold_snapshot.progress(earlier, 0)
+    stale = fold_snapshot.settled_key(0, key, fold_snapshot.progress(earlier, 0))
+    broker.durable.append((SETTLED, stale, fold_snapshot.encode_settled(0, 1, f.snapshot_config, earlier)))
+    back = f.settled.load({}, 0, key, 1, f.snapshot_config)  # the zombie's copy is under another key
+    assert back is not None and fold_snapshot.progress(back, 0) == mark[1:]
+    f.settled.index[0][key] = packed
+    f.settled.read_fn = lambda s, t, o, k, accept: next(  # only the earlier copy is left
+        (v for t2, k2, v in broker.durable if k2 == stale and accept(v)), None)
+    with pytest.raises(fold_settled.AccountUnavailable, match="a copy of an earlier state"):
+        f.settled.load({}, 0, key, 1, f.snapshot_config)
+
+
+def test_a_read_that_keeps_failing_stops_the_fold_with_the_topic_named(monkeypatch):
+    f, _ = fold(monkeypatch, 0.0)
+    monkeypatch.setattr(fold_settled, "READ_BACKOFF_S", 0.0)
+    f.settled.index[0] = {b"7001": fold_snapshot.pack((4, 10, 3))}
+    calls = []
+
+    def away(*a):
+        calls.append(a)
+        raise RuntimeError("still reading after 60 s")
+
+    f.settled.read_fn = away
+    with pytest.raises(fold_settled.SettledUnreadable, match=r"t\.accounting\.settled@4") as raised:
+        f.settled.load({}, 0, b"7001", 1, f.snapshot_config)
+    assert raised.value.topic == SETTLED and len(calls) == fold_settled.READ_ATTEMPTS
+
+
+def test_nothing_is_listed_when_accounts_never_leave_and_a_parked_index_goes_with_the_next_assignment(monkeypatch):
+    msgs, _ = job_messages()
+    f, _ = fold(monkeypatch, float("inf"))
+    feed(f, msgs)
+    assert not f.settled.due  # inf: no list that grows with every charged job
+    f.settled.index[3] = {b"7001": fold_snapshot.pack((4, 10, 3))}
+    f.settled.forget({3}, park=True)
+    assert f.settled._parked
+    f.settled.assigned()
+    assert not f.settled._parked and 3 not in f.settled.index

@@ -154,9 +154,9 @@ def test_the_previous_releases_snapshot_is_read_after_an_upgrade_and_kept_for_a_
     old = _state_1(0, {IPC: 30, LIFE: 9}, state, "old")
     snap, problems = fs.best(old, 0, 4, CONFIG)
     assert problems == [] and snap is not None and snap.accounts == state and snap.settled == {}
-    new = fs.encode_snapshot(0, 4, {IPC: 31, LIFE: 9}, CONFIG, state, "new", settled={b"gone": 17})
+    new = fs.encode_snapshot(0, 4, {IPC: 31, LIFE: 9}, CONFIG, state, "new", settled={b"gone": fs.pack((17, 30, -1))})
     snap, _ = fs.best(old + new, 0, 4, CONFIG)
-    assert snap is not None and snap.snapshot_id == "new" and snap.settled == {b"gone": 17}
+    assert snap is not None and snap.snapshot_id == "new" and snap.settled == {b"gone": fs.pack((17, 30, -1))}
     assert fs.replaceable(old + new, 0) == [k for k, _ in new]  # the version-1 chunk stays
 
 
@@ -164,7 +164,7 @@ def test_a_settled_account_reads_back_only_as_what_it_was_written_as():
     state = accounts()
     key, account = next((k, a) for k, a in state.items() if fs.settled(a))
     value = fs.encode_settled(2, 4, CONFIG, account)
-    assert fs.settled_key(2, key) == b"2/" + key
+    assert fs.settled_key(2, key, fs.progress(account, 0)) == b"2/" + key + b"@%d.%d" % fs.progress(account, 0)
     assert fs.decode_settled(value, 2, 4, CONFIG, key) == account
     head, _, body = value.partition(b"\n")
     other = next(k for k in state if k != key)
@@ -235,3 +235,22 @@ def test_a_failed_read_is_tried_again_then_stops_the_worker_and_the_age_is_of_un
     snaps.loaded(0, [], 0, None)
     snaps.loaded(1, [], 5, time.time() - 3600)  # rebuilt with a tail whose first record is an hour old
     assert snaps.age({0}) == 0.0 and 3590 < snaps.age({0, 1}) < 3700
+
+
+@pytest.mark.parametrize("mark", [(0, -1, -1), (17, 30, -1), (2**48 - 1, 2**48 - 2, 5)])
+def test_a_mark_packs_into_one_integer_and_back(mark):
+    assert fs.unpack(fs.pack(mark)) == mark
+
+
+@pytest.mark.parametrize("mark", [(-1, 0, 0), (0, -2, 0), (2**48, 0, 0), (0, 0, 2**48 - 1)])
+def test_a_mark_out_of_range_is_refused(mark):
+    with pytest.raises(ValueError, match="out of range"):
+        fs.pack(mark)
+
+
+def test_a_snapshot_with_a_job_both_in_memory_and_settled_is_not_used():
+    state = accounts()
+    key = next(iter(state))
+    snap, problems = fs.best(fs.encode_snapshot(0, 4, {IPC: 1, LIFE: 0}, CONFIG, state, "s",
+                                                settled={key: fs.pack((3, 1, 1))}), 0, 4, CONFIG)
+    assert snap is None and "both in memory and settled" in problems[0]
