@@ -13,7 +13,7 @@ kept in memory, each costs about 12 kB for as long as the worker runs (docs/sizi
   keyed ``<input partition>/<job id>``. The fold does not wait for the broker (a flush of its own
   doubled the p99 of job end to charge in ``bench stream``): at a later commit, once the broker
   acknowledged it and if no record of the job came meanwhile, the account leaves memory and the
-  partition's index keeps its offset (65.6 bytes a job, ``bench sizing``).
+  partition's index keeps where it is (109.6 bytes a job, ``bench sizing``).
 * **Read back** when a record of the job arrives that passed every check needing no account
   (decode, signature, key, clock), live or while a rebuild folds: the message at the indexed
   offset, under a key that names the state (``settled_key``: the records of the job applied), so
