@@ -169,7 +169,8 @@ class Settled:
         touched meanwhile) leave memory, their offsets into the index; then the accounts now due are
         sent, to leave at a later call. Call after the commit's flush (what was applied is durable,
         and the acknowledgements of what was sent before are in); returns how many left memory."""
-        producer.poll(0)  # delivery reports of what was sent since the last flush (an idle worker)
+        if self.sending:
+            producer.poll(0)  # delivery reports of what was sent since the last flush (an idle worker)
         moved = self._finish(states, owned)
         if self.on and partitions is not None and self.due:
             self._send(producer, states, owned, partitions, config)
