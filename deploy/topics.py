@@ -48,8 +48,8 @@ RETENTION_MS: dict[str, int] = {
     "power.machine.snapshots": -1,
     "placement.cluster.snapshots": -1,
     "accounting.snapshots": -1,  # the charge fold's accounts per input partition (compacted)
-    # Compacted: each settled job's latest account, read back when a late record of the job comes
-    # (a correction, a lost node's data) at any time: kept for ever.
+    # Compacted: settled jobs' accounts, one key per state a job left memory in, read back when a
+    # late record of the job comes (a correction, a lost node's data) at any time: kept for ever.
     "accounting.settled": -1,
     # The ledger and the dead-letter report read these; the ledger is the record.
     "ledger.charges": 30 * DAY_MS,

@@ -131,8 +131,8 @@ SNAPSHOTS: dict[str, str] = {POWER_LOG: "power.machine.snapshots", PLACEMENT_LOG
 #: The charge fold's job accounts per input partition, with the offsets they are after
 #: (streams.core.fold_snapshot), compacted: a rebuild folds only the input records after them.
 FOLD_SNAPSHOTS = "accounting.snapshots"
-#: The charged job accounts the fold let go of (streams.worker.fold_settled), keyed by input partition
-#: and job, compacted: read back when a late record of the job arrives.
+#: The charged job accounts the fold let go of (streams.worker.fold_settled), keyed by input partition,
+#: job and state, compacted: read back when a late record of the job arrives.
 FOLD_SETTLED = "accounting.settled"
 INTERNAL_TOPICS: dict[str, int] = {POWER_LOG: 1, PLACEMENT_LOG: 1, **dict.fromkeys(SNAPSHOTS.values(), 1),
                                    FOLD_SNAPSHOTS: 1, FOLD_SETTLED: 1}

@@ -301,21 +301,21 @@ def read_keyed(settings: Settings, topic: str, offset: int, key: bytes, accept: 
                idle_s: float = 1.0, timeout_s: float = 60.0) -> bytes | None:
     """The value of the first message with ``key`` at or after ``offset`` on a (compacted,
     single-partition) topic that ``accept`` takes: the one there, or, where compaction removed it,
-    one of the key's later ones. None only once everything from ``offset`` to the topic's end was
-    read without one (past ``offset`` and the high watermark seen at the start, then ``idle_s`` with
-    no message: the bundled broker's end offset can be one batch short). Raises KafkaException on a
-    consumer error (a missing or unauthorized topic), RuntimeError when not done within
-    ``timeout_s`` (a topic that ends before ``offset`` too): a slow broker is never taken for a
-    message that is not there."""
+    one of the key's later ones. None once the read passed ``offset`` and reached the end the topic
+    had when it began (asked twice: the bundled broker's can be one batch short) without one, or
+    when the topic ends before ``offset`` (made again since) and nothing came for 5 x ``idle_s``:
+    later messages (other workers keep writing) never hold it up. Raises KafkaException on a consumer
+    error (a missing or unauthorized topic), RuntimeError when not done within ``timeout_s``."""
     consumer = Consumer(settings.client_config(**{
         "group.id": f"{settings.app_id}-settled", "enable.auto.commit": False, "auto.offset.reset": "earliest",
         "fetch.wait.max.ms": 100}))
     tp = TopicPartition(topic, 0)
     deadline = time.monotonic() + timeout_s
     try:
-        high = consumer.get_watermark_offsets(tp, timeout=10)[1]  # the bundled broker's can be short: a floor
+        high = consumer.get_watermark_offsets(tp, timeout=10)[1]
+        asked_again = False
         consumer.assign([TopicPartition(topic, 0, offset)])
-        quiet_since = time.monotonic()
+        started = time.monotonic()
         while time.monotonic() < deadline:
             for m in consumer.consume(100, timeout=min(idle_s, 0.5)):
                 err = m.error()
@@ -325,10 +325,14 @@ def read_keyed(settings: Settings, topic: str, offset: int, key: bytes, accept: 
                     continue
                 if (m.offset() or 0) >= offset and m.key() == key and accept(m.value()):
                     return m.value()
-                quiet_since = time.monotonic()
             [now] = consumer.position([tp])
-            if now.offset > offset and now.offset >= high and time.monotonic() - quiet_since >= idle_s:
-                return None  # read past the offset, to the end: nothing there took
+            past = now.offset > offset and now.offset >= high  # read the offset, and on to the end seen
+            before = high <= offset and time.monotonic() - started >= 5 * idle_s  # nothing there, it seems
+            if past or before:
+                if asked_again:
+                    return None
+                high = max(high, consumer.get_watermark_offsets(tp, timeout=10)[1])
+                asked_again = True
     finally:
         consumer.close()
     raise RuntimeError(f"{topic}: no message keyed {key!r:.80} read at or after offset {offset} within "

@@ -62,7 +62,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 from prometheus_client import Gauge
 
-from nodeshare.producers.kafka_producer import EventProducer
+from nodeshare.producers.kafka_producer import DeliveryError, EventProducer
 from nodeshare.runtime import logs, metrics
 from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, NODE_IPC
@@ -154,8 +154,13 @@ class FoldConsumer:
         self._parked: dict[int, tuple[dict[bytes | None, JobAccount], dict[str, int]]] = {}
         #: Partitions assigned to this member and folded: the only ones it commits.
         self._owned: set[tuple[str, int]] = set()
-        #: Partition numbers assigned but refused (their log's head is gone): paused, never committed.
+        #: Partition numbers assigned but refused (their log's head is gone, a settled account unreadable):
+        #: paused, never committed.
         self.refused: set[int] = set()
+        self._to_pause: set[int] = set()  # refused by ``take``: the loop pauses them
+        #: where settled accounts go (one of its own, never flushed by a commit: see ``evict``); None
+        #: until ``run`` (tests drive ``take`` and ``commit`` with their own producer, used for both)
+        self.settled_producer: EventProducer | None = None
         self.rebuilds = 0
         self.snapshots = Snapshots(settings)  # of the partitions' accounts (streams.worker.fold_snapshots)
         self.snapshot_config = fold_snapshot.config_of(self.policy)
@@ -194,12 +199,18 @@ class FoldConsumer:
                       "from offset 0 (node.ipc and jobs.lifecycle must then keep everything); run `nodeshare topics "
                       "create` and restart the worker", self.snapshots.topic)
         self.settled.check_topic(consumer)
+        if self.settled.on:
+            self.settled_producer = EventProducer(self.settings, client_id="nodeshare-accounting-settled")
         consumer.subscribe(accounting_topics(self.settings), on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_lost)
         committed_at = lag_at = time.monotonic()
         try:
             while not stop.is_set():
                 self.take(consumer.consume(self.max_messages, timeout=0.2))
+                if self._to_pause:
+                    consumer.pause([TopicPartition(t, p) for t in accounting_topics(self.settings)
+                                    for p in sorted(self._to_pause)])
+                    self._to_pause.clear()
                 if time.monotonic() - committed_at >= self.commit_interval_s:
                     if self._pending:
                         self.commit_or_rejoin(consumer)
@@ -214,6 +225,9 @@ class FoldConsumer:
             self.producer.flush(FLUSH_TIMEOUT_S)  # the tombstones of replaced snapshots too
         finally:
             consumer.close()  # leaves the group: the other members take the partitions at once
+            if self.settled_producer is not None:  # accounts in flight stay in memory's place: nothing to lose
+                with contextlib.suppress(KafkaException, DeliveryError):
+                    self.settled_producer.flush(5.0)
 
     def take(self, batch: list[KafkaMessage]) -> None:
         """Apply a consumed batch whole, in order, each message's offset then pending a commit (the
@@ -229,10 +243,29 @@ class FoldConsumer:
                 continue
             topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
             assert topic is not None and partition is not None and offset is not None
-            self.apply((Origin(topic, partition, offset, self.signer(topic, msg)), msg.key(), msg.value(),
-                        msg.timestamp()[1] / 1000))
+            if partition in self.refused:
+                continue  # refused while this batch was in hand: its messages wait, uncommitted
+            try:
+                self.apply((Origin(topic, partition, offset, self.signer(topic, msg)), msg.key(), msg.value(),
+                            msg.timestamp()[1] / 1000))
+            except SettledUnreadable as exc:
+                self.refuse(partition, exc)
+                continue
             self._pending[(topic, partition)] = self._position[(topic, partition)] = offset + 1
             self.snapshots.note(partition)
+
+    def refuse(self, partition: int, exc: SettledUnreadable) -> None:
+        """A record of ``partition`` needs a settled account that cannot be read: that partition stops
+        (its state dropped, nothing of it committed, paused by the loop), the others fold on. Each
+        later owner meets the record the same way, until the account can be read and a restart or a
+        rebalance assigns the partition again."""
+        self._forget([TopicPartition(t, partition) for t in accounting_topics(self.settings)])
+        self.refused.add(partition)
+        self._to_pause.add(partition)
+        REFUSED.set(len(self.refused))
+        log.error("accounting: refusing partition %d: %s. It stays paused (nothing more folded or committed) until "
+                  "the account can be read and the worker restarts", partition, exc,
+                  extra=logs.fields(partition=partition, topic=exc.topic))
 
     def signer(self, topic: str, msg: KafkaMessage) -> str | None:
         """The identity whose valid signature ``msg`` carries ("" none), None when none is checked."""
@@ -353,8 +386,8 @@ class FoldConsumer:
     def evict(self) -> None:
         """Move the settled accounts due out of memory (``streams.worker.fold_settled``), once what was
         applied is durable."""
-        self.settled.evict(self.producer, self.states, {p for _, p in self._owned}, self._input_count(),
-                           self.snapshot_config)
+        self.settled.evict(self.settled_producer or self.producer, self.states, {p for _, p in self._owned},
+                           self._input_count(), self.snapshot_config)
 
     def save_snapshots(self) -> None:
         """Snapshot the owned partitions that are due (``streams.worker.fold_snapshots``), once what

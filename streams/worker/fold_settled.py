@@ -10,10 +10,14 @@ kept in memory, each costs about 12 kB for as long as the worker runs (docs/sizi
   (``fold_snapshot.settled``: charged, no terminal event waiting for a node) and whose latest
   charge is ``fold_evict_after_s`` old (wall clock; 300 s) is sent, compressed, with a header of
   what it was folded under and a digest, to the compacted single-partition ``accounting.settled``,
-  keyed ``<input partition>/<job id>``. The fold does not wait for the broker (a flush of its own
-  doubled the p99 of job end to charge in ``bench stream``): at a later commit, once the broker
-  acknowledged it and if no record of the job came meanwhile, the account leaves memory and the
-  partition's index keeps where it is (109.6 bytes a job, ``bench sizing``).
+  keyed ``<input partition>/<job id>@<node.ipc offset>.<jobs.lifecycle offset>`` (``settled_key``).
+  The fold does not wait for the broker: the worker sends them with a producer of their own that
+  no commit flushes (a flush in the fold doubled the p99 of job end to charge in ``bench
+  stream``). At a later commit, once the broker acknowledged it and if no record of the job came
+  meanwhile, the account leaves memory and the partition's index keeps where it is (109.6 bytes a
+  job, ``bench sizing``). A job requeued under its id is settled between its runs, so while its
+  next run goes it may leave and come back every ``fold_evict_after_s``: a read and a write each
+  time, never a wrong charge.
 * **Read back** when a record of the job arrives that passed every check needing no account
   (decode, signature, key, clock), live or while a rebuild folds: the message at the indexed
   offset, under a key that names the state (``settled_key``: the records of the job applied), so
@@ -24,15 +28,18 @@ kept in memory, each costs about 12 kB for as long as the worker runs (docs/sizi
 * **Durable with the snapshots.** The index is part of each partition's snapshot (state version 2).
   A rebuild from a snapshot taken before an eviction holds the account itself; from one after, the
   index, and the records after the snapshot read the account back as the live fold did.
-* **Failures.** A write the broker does not acknowledge keeps the accounts in memory (tried again
-  at the next commit, logged); so does one whose job got a record while it was in flight. At most
-  ``MAX_SENT`` are in flight: a backlog (after an upgrade or a rebuild) leaves over several commits.
-  A read that fails twice (the topic missing or unauthorized, the broker away for 60 s) stops the
-  worker, whose supervisor restarts it; the rebuild that meets it refuses that partition only
-  (paused, ``nodeshare_fold_partitions_refused``, as for a log whose head is gone). A settled
-  account that cannot be used (damaged, another release's, no copy under its key at least as
-  recent as the one indexed) is never replaced by an empty account: the record is dead-lettered
-  with the reason (kind ``unsettled``), logged, and the account stays settled.
+* **Failures.** A write the broker does not acknowledge, or refuses outright (an account larger
+  than it takes), keeps the account in memory (logged; sent again ``fold_evict_after_s`` later);
+  so does one whose job got a record while it was in flight. At most ``MAX_SENT`` are in flight:
+  a backlog (after an upgrade or a rebuild) leaves over several commits. A read that fails
+  ``READ_ATTEMPTS`` times, 2 and 4 s apart (the topic missing or unauthorized, the broker away)
+  stops that partition only (``SettledUnreadable``): live, its state is dropped, nothing more of
+  it is committed and it is paused; in a rebuild, it is refused. Either way
+  ``nodeshare_fold_partitions_refused`` shows it, as for a log whose head is gone, and the other
+  partitions fold on; a restart or a rebalance tries again. A settled account that cannot be
+  used (damaged, another release's, no copy under its key at least as recent as the one indexed)
+  is never replaced by an empty account: the record is dead-lettered with the reason (kind
+  ``unsettled``), logged, and the account stays settled.
 """
 
 from __future__ import annotations
@@ -66,8 +73,9 @@ MOVED = Counter("nodeshare_fold_settled_total", "Job accounts the charge fold mo
 #: accounts sent and not yet acknowledged at most: a backlog leaves memory over several commits,
 #: never as one burst the next output flush would wait on
 MAX_SENT = 2000
-#: reads of one settled account a record makes, ``READ_BACKOFF_S`` apart, before its partition stops
-READ_ATTEMPTS = 2
+#: reads of one settled account a record makes, ``READ_BACKOFF_S`` apart (doubling), before its
+#: partition stops
+READ_ATTEMPTS = 3
 READ_BACKOFF_S = 2.0
 
 Index = fold_snapshot.Settled
@@ -167,10 +175,11 @@ class Settled:
         """Move settled accounts out of memory, in two steps that never wait for the broker: the
         accounts sent at an earlier call that the broker has acknowledged since (and that no record
         touched meanwhile) leave memory, their offsets into the index; then the accounts now due are
-        sent, to leave at a later call. Call after the commit's flush (what was applied is durable,
-        and the acknowledgements of what was sent before are in); returns how many left memory."""
+        sent, to leave at a later call. Call once what was applied is durable, with a producer of
+        their own that the commits never flush (the worker's: a settled topic the broker cannot take
+        must not hold up the charges); returns how many left memory."""
         if self.sending:
-            producer.poll(0)  # delivery reports of what was sent since the last flush (an idle worker)
+            producer.poll(0)  # delivery reports of what was sent before
         moved = self._finish(states, owned)
         if self.on and partitions is not None and self.due:
             self._send(producer, states, owned, partitions, config)
@@ -192,10 +201,15 @@ class Settled:
             if p not in owned or account is None or not fold_snapshot.settled(account):
                 continue  # gone, or waiting for a node again: a later charge makes it due again
             sent = _Sent(account)
+            try:
+                producer.send_raw(self.topic, fold_snapshot.settled_key(p, key, fold_snapshot.progress(account, p)),
+                                  fold_snapshot.encode_settled(p, partitions, config, account), partition=0,
+                                  on_delivery=sent.report)
+            except KafkaException as exc:  # refused before sending (larger than the broker takes): it stays
+                log.error("accounting: job %s's settled account not sent to %s (%s); it stays in memory", _job(key),
+                          self.topic, exc)
+                continue
             self.sending[(p, key)] = sent  # a copy still in flight is superseded: its report is ignored
-            producer.send_raw(self.topic, fold_snapshot.settled_key(p, key, fold_snapshot.progress(account, p)),
-                              fold_snapshot.encode_settled(p, partitions, config, account), partition=0,
-                              on_delivery=sent.report)
 
     def _finish(self, states: dict[int, dict[bytes | None, JobAccount]], owned: set[int]) -> int:
         moved = 0
@@ -271,7 +285,7 @@ class Settled:
                     raise SettledUnreadable(self.topic, f"could not read job {_job(key)}'s settled account at "
                                                         f"{self.topic}@{mark[0]} ({exc})") from exc
                 log.warning("accounting: could not read %s@%d (%s); trying again", self.topic, mark[0], exc)
-                time.sleep(READ_BACKOFF_S)
+                time.sleep(READ_BACKOFF_S * 2 ** (attempt - 1))
         if value is None:
             why = (f"job {_job(key)} was settled at {self.topic}@{mark[0]}, and no message under its key from there "
                    f"is usable: {problems[-1] if problems else 'there is none'}")

@@ -104,7 +104,7 @@ def test_a_keyed_read_finds_the_message_at_its_offset_in_a_batch_and_never_takes
         settings: Settings) -> None:
     """``read_keyed`` on the broker: a message in the middle of one produced batch (the bundled
     broker reports the batch's first offset as the end), a later copy when ``accept`` refuses the
-    first, None only once the topic was read to its end."""
+    first, None once the topic was read to its end or when it ends before the offset."""
     from nodeshare.deploy.topics import create_topics
     from nodeshare.streams.worker.cursor import read_keyed
 
@@ -117,5 +117,11 @@ def test_a_keyed_read_finds_the_message_at_its_offset_in_a_batch_and_never_takes
     assert read_keyed(settings, topic, 37, b"k7", lambda v: True) == b"v37"
     assert read_keyed(settings, topic, 7, b"k7", lambda v: v != b"v7") == b"v17"
     assert read_keyed(settings, topic, 45, b"k3", lambda v: True, idle_s=0.5) is None  # no k3 from 45 on
-    with pytest.raises(RuntimeError, match="within 3 s"):  # past the end: never read past, never None
-        read_keyed(settings, topic, 500, b"k3", lambda v: True, timeout_s=3)
+    assert read_keyed(settings, topic, 3, b"k3", lambda v: False, idle_s=0.5) is None  # none usable to the end
+    assert read_keyed(settings, topic, 500, b"k3", lambda v: True, idle_s=0.5) is None  # the topic ends before
+    with EventProducer(settings, client_id="test-read-keyed") as producer:  # others keep writing: no wait on them
+        for i in range(50, 60):
+            producer.send_raw(topic, b"other", f"v{i}".encode(), partition=0)
+        producer.flush(30)
+    assert read_keyed(settings, topic, 3, b"k3", lambda v: v == b"v43") == b"v43"
+    assert read_keyed(settings, topic, 3, b"k3", lambda v: False, idle_s=0.5) is None  # past the end seen: done

@@ -235,3 +235,32 @@ def test_nothing_is_listed_when_accounts_never_leave_and_a_parked_index_goes_wit
     assert f.settled._parked
     f.settled.assigned()
     assert not f.settled._parked and 3 not in f.settled.index
+
+
+def test_a_settled_account_that_cannot_be_read_stops_its_partition_only(monkeypatch):
+    """(A second review: the live fold let the read failure end the worker; the record was never
+    committed, so every restart and every member that took the partition over met it again.)"""
+    from unit.test_fold_partitions_property import Rec, _Msg
+
+    msgs, late = job_messages()
+    f, _ = fold(monkeypatch, 0.0)
+    monkeypatch.setattr(fold_settled, "READ_BACKOFF_S", 0.0)
+    f._partitions = {IPC: 2, LIFE: 2}
+    f._owned = {(t, p) for t in (IPC, LIFE) for p in (0, 1)}
+    monkeypatch.setattr(f, "misrouted", lambda origin, key: None)  # the same jobs' records stand in for partition 1's
+    feed(f, msgs)
+    settle(f)
+    key = next(iter(f.settled.index[0]))
+
+    def away(*a):
+        raise RuntimeError("still reading after 60 s")
+
+    f.settled.read_fn = away
+    _, _, value, _ = next(m for m in late if m[1] == key)
+    f._pending.clear()
+    f.take([_Msg(LIFE, 0, 50, Rec(0, LIFE, key, value)), _Msg(LIFE, 0, 51, Rec(1, LIFE, key, value)),
+            _Msg(IPC, 1, 0, Rec(2, IPC, msgs[0][1], msgs[0][2]))])  # type: ignore[list-item]
+    assert f.refused == {0} and f._to_pause == {0}
+    assert 0 not in f.states and not any(p == 0 for _, p in f._owned)  # dropped: its next owner rebuilds it
+    assert f._pending == {(IPC, 1): 1}  # the other partition folds on, and nothing of partition 0 is committed
+    assert fold_consumer.REFUSED._value.get() == 1
