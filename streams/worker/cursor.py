@@ -63,6 +63,26 @@ def head_deleted(start: int, first_read: int, low_watermark: int | None) -> bool
     return first_read > start and low_watermark is not None and low_watermark > start
 
 
+def reader(settings: Settings, purpose: str, **extra: Any) -> Consumer:
+    """A consumer that reads partitions it is assigned from their start (a group of its own per
+    ``purpose``, never committing): the rebuild's, the snapshot readers', the progress check's."""
+    return Consumer(settings.client_config(**{
+        "group.id": f"{settings.app_id}-{purpose}", "enable.auto.commit": False, "auto.offset.reset": "earliest",
+        **extra}))
+
+
+def _readable(m: Any) -> bool:
+    """Whether a consumed message holds a record; raises KafkaException on an error that ends the
+    read (a missing or unauthorized topic, a fatal one); False on one librdkafka retries itself (or
+    the end of a partition)."""
+    err = m.error()
+    if err is None:
+        return True
+    if err.fatal() or err.code() in _UNREADABLE:
+        raise KafkaException(err)
+    return False
+
+
 def read_range(settings: Settings, topic: str, partition: int, start: int, stop: int,
                timeout_s: float = 60.0, verifier: Verifier | None = None) -> list[Message]:
     """Messages [start, stop) of one topic partition, in offset order. Waits on content and on the
@@ -73,8 +93,7 @@ def read_range(settings: Settings, topic: str, partition: int, start: int, stop:
     origin names the identity that signed it, as the live consumer's does."""
     if stop <= start:
         return []
-    consumer = Consumer(settings.client_config(**{
-        "group.id": f"{settings.app_id}-repair", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    consumer = reader(settings, "repair")
     tp = TopicPartition(topic, partition, start)
     consumer.assign([tp])
     out: list[Message] = []
@@ -232,8 +251,7 @@ def latest_snapshot(settings: Settings, topic: str, idle_s: float = 1.0, timeout
     wrong on the bundled broker)."""
     from nodeshare.streams.core.snapshot import SnapshotError, header
 
-    consumer = Consumer(settings.client_config(**{
-        "group.id": f"{settings.app_id}-snapshots", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    consumer = reader(settings, "snapshots")
     best: tuple[int, bytes] | None = None
     deadline = time.monotonic() + timeout_s
     try:
@@ -269,8 +287,7 @@ def read_compacted(settings: Settings, topic: str, idle_s: float = 1.0,
     without a message (the bundled broker's end offset can be one batch short: docs/broker.md), so a
     slow first fetch is waited for rather than taken for an empty topic. Raises KafkaException on a
     consumer error (a missing or unauthorized topic), RuntimeError when not done after ``timeout_s``."""
-    consumer = Consumer(settings.client_config(**{
-        "group.id": f"{settings.app_id}-snapshots", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    consumer = reader(settings, "snapshots")
     out: list[tuple[bytes | None, bytes | None]] = []
     tp = TopicPartition(topic, 0)
     deadline = time.monotonic() + timeout_s
@@ -280,13 +297,9 @@ def read_compacted(settings: Settings, topic: str, idle_s: float = 1.0,
         quiet_since = time.monotonic()
         while True:
             for m in consumer.consume(1000, timeout=min(idle_s, 0.5)):
-                err = m.error()
-                if err is not None:
-                    if err.fatal() or err.code() in _UNREADABLE:
-                        raise KafkaException(err)
-                    continue  # end of partition, or a transport error librdkafka retries itself
-                out.append((m.key(), m.value()))
-                quiet_since = time.monotonic()
+                if _readable(m):
+                    out.append((m.key(), m.value()))
+                    quiet_since = time.monotonic()
             [now] = consumer.position([tp])
             caught_up = high <= low or now.offset >= high
             if caught_up and time.monotonic() - quiet_since >= idle_s:
@@ -306,9 +319,7 @@ def read_keyed(settings: Settings, topic: str, offset: int, key: bytes, accept: 
     when the topic ends before ``offset`` (made again since) and nothing came for 5 x ``idle_s``:
     later messages (other workers keep writing) never hold it up. Raises KafkaException on a consumer
     error (a missing or unauthorized topic), RuntimeError when not done within ``timeout_s``."""
-    consumer = Consumer(settings.client_config(**{
-        "group.id": f"{settings.app_id}-settled", "enable.auto.commit": False, "auto.offset.reset": "earliest",
-        "fetch.wait.max.ms": 100}))
+    consumer = reader(settings, "settled", **{"fetch.wait.max.ms": 100})
     tp = TopicPartition(topic, 0)
     deadline = time.monotonic() + timeout_s
     try:
@@ -318,12 +329,7 @@ def read_keyed(settings: Settings, topic: str, offset: int, key: bytes, accept: 
         started = time.monotonic()
         while time.monotonic() < deadline:
             for m in consumer.consume(100, timeout=min(idle_s, 0.5)):
-                err = m.error()
-                if err is not None:
-                    if err.fatal() or err.code() in _UNREADABLE:
-                        raise KafkaException(err)
-                    continue
-                if (m.offset() or 0) >= offset and m.key() == key and accept(m.value()):
+                if _readable(m) and (m.offset() or 0) >= offset and m.key() == key and accept(m.value()):
                     return m.value()
             [now] = consumer.position([tp])
             past = now.offset > offset and now.offset >= high  # read the offset, and on to the end seen
@@ -360,8 +366,7 @@ def unconsumed(settings: Settings, groups: dict[str, list[str]], idle_s: float =
     """How many messages of each group's topics lie after that group's committed offsets (read
     within ``idle_s``; 0 means the worker has handled, and committed, everything). Counts content,
     never end offsets, which are wrong on the bundled broker."""
-    consumer = Consumer(settings.client_config(**{
-        "group.id": f"{settings.app_id}-progress", "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    consumer = reader(settings, "progress")
     try:
         metadata = consumer.list_topics(timeout=10).topics
         left = 0
