@@ -224,7 +224,7 @@ def at_scale(records: list[tuple[float, Record]], jobs: int = JOBS_AT_SCALE) -> 
         held, size = _traced(copies)
         out[f"{kind}_memory_bytes"] = round(size / len(held))
         del held
-    def index() -> fold_snapshot.Settled:
+    def index() -> fold_snapshot.SettledIndex:
         """A partition's index as the worker holds it: 7-digit job ids (their bytes held by it alone,
         once the account left), marks of offsets past the small integers Python shares."""
         return {f"{7_000_000 + i}".encode(): fold_snapshot.pack((10**9 + i, 10**8 + 7 * i, 10**6 + i))

@@ -59,7 +59,7 @@ Accounts = dict[bytes | None, JobAccount]
 #: of ``node.ipc`` and ``jobs.lifecycle`` had been applied (``progress``) when it left memory
 Mark = tuple[int, int, int]
 #: A partition's settled accounts, out of memory: message key -> its mark, packed (``pack``)
-Settled = dict[bytes | None, int]
+SettledIndex = dict[bytes | None, int]
 #: Bits of each part of a packed mark: offsets up to 2**48 (a partition of 281 trillion messages)
 _MARK_BITS = 48
 
@@ -101,7 +101,7 @@ class FoldSnapshot:
     accounts: Accounts
     snapshot_id: str = ""
     chunks: int = 0
-    settled: Settled = field(default_factory=dict)
+    settled: SettledIndex = field(default_factory=dict)
 
     @property
     def records(self) -> int:
@@ -126,7 +126,7 @@ def _b64(key: bytes | None) -> str | None:
 
 def encode_snapshot(partition: int, partitions: int, offsets: Mapping[str, int], config: str, accounts: Accounts,
                     snapshot_id: str | None = None, chunk_bytes: int | None = None,
-                    settled: Settled | None = None) -> list[tuple[bytes, bytes]]:
+                    settled: SettledIndex | None = None) -> list[tuple[bytes, bytes]]:
     """The (key, value) messages of a snapshot: one per chunk, in order. Its body holds the accounts
     in memory and the index of the settled ones (``settled``)."""
     sid = snapshot_id or uuid.uuid4().hex
@@ -275,14 +275,14 @@ def _key(k: object) -> bytes | None:
     return None if k is None else base64.b64decode(k, validate=True)
 
 
-def _body(body: object, state: int) -> tuple[Accounts, Settled]:
+def _body(body: object, state: int) -> tuple[Accounts, SettledIndex]:
     """A snapshot body's accounts and settled index (version 1: a list of accounts, nothing settled)."""
     if state == 1:
         body = {"accounts": body, "settled": []}
     if not isinstance(body, dict) or not isinstance(body["accounts"], list) or not isinstance(body["settled"], list):
         raise TypeError("a snapshot body of the wrong shape")
     accounts = {_key(k): JobAccount.model_validate_json(a) for k, a in body["accounts"]}
-    settled: Settled = {}
+    settled: SettledIndex = {}
     for k, *mark in body["settled"]:
         if len(mark) != 3 or any(type(o) is not int or o < -1 for o in mark) or mark[0] < 0:
             raise TypeError(f"a settled account's mark that is not one: {mark!r:.60}")

@@ -59,9 +59,10 @@ from nodeshare.schemas.catalog import FOLD_SETTLED
 
 from ..core import fold_snapshot
 from ..core.accounting import AccountUnavailable, JobAccount
-
-__all__ = ["AccountUnavailable", "Settled"]
+from ..core.fold_snapshot import SettledIndex
 from .cursor import read_keyed
+
+__all__ = ["AccountUnavailable", "Settled", "SettledUnreadable"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,6 @@ MAX_SENT = 2000
 READ_ATTEMPTS = 3
 READ_BACKOFF_S = 2.0
 
-Index = fold_snapshot.Settled
 #: reads a settled message: (settings, topic, offset, key, accept) -> the value of the first message
 #: with the key at or after the offset that ``accept`` takes, None when the topic has none
 Reader = Callable[[Settings, str, int, bytes, Callable[[bytes | None], bool]], "bytes | None"]
@@ -86,8 +86,8 @@ Reader = Callable[[Settings, str, int, bytes, Callable[[bytes | None], bool]], "
 
 class SettledUnreadable(RuntimeError):
     """A settled account could not be read (the topic missing, unauthorized, or the broker away):
-    the partition's fold cannot go on without it. A rebuild refuses the partition (paused, as for
-    a log whose head is gone); the live fold stops the worker, whose restart rebuilds."""
+    the partition's fold cannot go on without it. The partition is refused (paused, as for a log
+    whose head is gone), live or in a rebuild; the other partitions fold on."""
 
     def __init__(self, topic: str, message: str) -> None:
         super().__init__(message)
@@ -123,12 +123,12 @@ class Settled:
         self.after_s = settings.fold_evict_after_s
         self.on = math.isfinite(self.after_s)  # False also when the topic does not exist (``topics create``)
         self.read_fn = read  # None: ``read_keyed`` (tests pass their broker's)
-        self.index: dict[int, Index] = {}  # input partition -> key -> where its account is (``Mark``)
+        self.index: dict[int, SettledIndex] = {}  # input partition -> key -> where its account is (``Mark``)
         #: accounts charged since they came into memory, oldest charge first: (partition, key) -> when
         self.due: dict[tuple[int, bytes | None], float] = {}
         #: accounts sent to the topic, not yet out of memory: (partition, key) -> what was sent
         self.sending: dict[tuple[int, bytes | None], _Sent] = {}
-        self._parked: dict[int, Index] = {}
+        self._parked: dict[int, SettledIndex] = {}
 
     # ------------------------------------------------------------------ what is in memory
 
@@ -138,7 +138,7 @@ class Settled:
             self.due.pop((partition, key), None)
             self.due[(partition, key)] = time.monotonic()
 
-    def rebuilt(self, partition: int, index: Index, accounts: dict[bytes | None, JobAccount]) -> None:
+    def rebuilt(self, partition: int, index: SettledIndex, accounts: dict[bytes | None, JobAccount]) -> None:
         """A partition was rebuilt with ``index`` (its snapshot's, less what the rebuild read back):
         its settled accounts in memory may leave at once."""
         self.index[partition] = index
@@ -192,9 +192,10 @@ class Settled:
               partitions: int, config: str) -> None:
         cutoff = time.monotonic() - self.after_s
         room = MAX_SENT - len(self.sending)  # a backlog (after an upgrade, a rebuild) goes over several commits
-        for (p, key), at in list(self.due.items()):
-            if at > cutoff or room <= 0:
-                break  # oldest first: the rest are younger
+        while self.due and room > 0:  # oldest first: taken from the front, never the whole list copied
+            (p, key), at = next(iter(self.due.items()))
+            if at > cutoff:
+                break  # the rest are younger
             room -= 1
             del self.due[(p, key)]
             account = states.get(p, {}).get(key)

@@ -122,7 +122,7 @@ class Snapshots:
 
     def save(self, producer: Any, states: dict[int, dict[bytes | None, JobAccount]],
              positions: dict[tuple[str, int], int], owned: set[int], partitions: int | None, config: str,
-             flush_timeout_s: float, settled: dict[int, fold_snapshot.Settled] | None = None) -> None:
+             flush_timeout_s: float, settled: dict[int, fold_snapshot.SettledIndex] | None = None) -> None:
         """Snapshot each owned partition that is due; durable before this returns, what it replaces
         deleted after (the tombstones go with the next flush)."""
         every, every_s = self.settings.fold_snapshot_every_records, self.settings.fold_snapshot_every_s
