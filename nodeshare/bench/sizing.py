@@ -33,7 +33,7 @@ import tempfile
 import time
 import tracemalloc
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -142,20 +142,31 @@ def fold_inputs(records: list[tuple[float, Record]]) -> list[tuple[Message, Reco
     return out
 
 
-def _traced(build: Callable[[], Any]) -> tuple[Any, int]:
-    """What ``build`` returns and the traced memory it still holds."""
+@contextlib.contextmanager
+def tracing() -> Iterator[Callable[[], int]]:
+    """``tracemalloc`` on for the block (unless it already was); yields what reads the memory traced
+    now, after a garbage collection."""
     started = not tracemalloc.is_tracing()
     if started:
         tracemalloc.start()
+
+    def held() -> int:
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0]
+
     try:
-        gc.collect()
-        before = tracemalloc.get_traced_memory()[0]
-        built = build()
-        gc.collect()
-        return built, tracemalloc.get_traced_memory()[0] - before
+        yield held
     finally:
         if started:
             tracemalloc.stop()
+
+
+def _traced(build: Callable[[], Any]) -> tuple[Any, int]:
+    """What ``build`` returns and the traced memory it still holds."""
+    with tracing() as held:
+        before = held()
+        built = build()
+        return built, held() - before
 
 
 def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
@@ -164,10 +175,7 @@ def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
     bytes (what a fold snapshot holds, before compression); running jobs per node; and per
     settled job, its index entry in memory and its message on ``accounting.settled``."""
     messages = [m for m, _ in fold_inputs(records)]
-    started = not tracemalloc.is_tracing()
-    if started:
-        tracemalloc.start()
-    try:
+    with tracing() as held:
         accounts, _ = fold_states(messages, PricingPolicy())
         del messages
         # running: blocks arrived, no charge yet; queued: no block yet (its submitted or started event only)
@@ -184,16 +192,10 @@ def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
         for kind, keys in kinds.items():
             out[f"{kind}_jobs"] = len(keys)
             out[f"{kind}_json_bytes"] = round(sum(len(accounts[k].dumps()) for k in keys) / len(keys)) if keys else 0
-            gc.collect()
-            before = tracemalloc.get_traced_memory()[0]
+            before = held()
             for k in keys:
                 del accounts[k]
-            gc.collect()
-            gone = before - tracemalloc.get_traced_memory()[0]
-            out[f"{kind}_memory_bytes"] = round(gone / len(keys)) if keys else 0
-    finally:
-        if started:
-            tracemalloc.stop()
+            out[f"{kind}_memory_bytes"] = round((before - held()) / len(keys)) if keys else 0
     nodes = {r.node for _, r in records if isinstance(r, ShutterBatch)}
     out["running_jobs_per_node"] = round(out["running_jobs"] / max(1, len(nodes)), 2)
     return out
@@ -202,7 +204,7 @@ def worker_state(records: list[tuple[float, Record]]) -> dict[str, float]:
 def at_scale(records: list[tuple[float, Record]], jobs: int = JOBS_AT_SCALE) -> dict[str, float]:
     """Worker memory per job with ``jobs`` accounts of one kind in memory at once: the cluster's
     running (then charged) accounts, folded once, copied (``copy.deepcopy``, each under a job id of
-    its own) until there are ``jobs``; and a settled index of ``jobs`` entries (12-digit offsets).
+    its own) until there are ``jobs``; and a settled index of ``jobs`` entries, encoded as a snapshot.
     Copies, not a fold of ``jobs`` jobs' records: that would take minutes under ``tracemalloc``."""
     final, _ = fold_states([m for m, _ in fold_inputs(records)], PricingPolicy())
     out: dict[str, float] = {"jobs": jobs}
@@ -224,6 +226,7 @@ def at_scale(records: list[tuple[float, Record]], jobs: int = JOBS_AT_SCALE) -> 
         held, size = _traced(copies)
         out[f"{kind}_memory_bytes"] = round(size / len(held))
         del held
+
     def index() -> fold_snapshot.SettledIndex:
         """A partition's index as the worker holds it: 7-digit job ids (their bytes held by it alone,
         once the account left), marks of offsets past the small integers Python shares."""
@@ -233,7 +236,8 @@ def at_scale(records: list[tuple[float, Record]], jobs: int = JOBS_AT_SCALE) -> 
     held, size = _traced(index)
     out["settled_index_bytes"] = round(size / len(held), 1)
     started = time.perf_counter()  # what each index entry adds to a snapshot of its partition
-    fold_snapshot.encode_snapshot(0, 12, {NODE_IPC.name: 1, JOBS_LIFECYCLE.name: 1}, "delta=0.05", {}, settled=held)
+    fold_snapshot.encode_snapshot(0, 12, {NODE_IPC.name: 1, JOBS_LIFECYCLE.name: 1},
+                                  fold_snapshot.config_of(PricingPolicy()), {}, settled=held)
     out["snapshot_us_per_settled"] = round((time.perf_counter() - started) / len(held) * 1e6, 2)
     return out
 
@@ -270,7 +274,7 @@ def scale(per_node_hour: dict[str, float], state: dict[str, float], clusters: tu
             # ... and its account on accounting.settled (the broker's disk: one per state a job left memory in)
             "settled_topic_mb_per_day": round(ends_per_day * state["settled_record_bytes"] / 1e6, 1),
             # ... and the CPU every snapshot spends on the index, for each day of it (all partitions' snapshots)
-            "snapshot_s_per_day_of_index": round(ends_per_day * state.get("snapshot_us_per_settled", 0.0) / 1e6, 2),
+            "snapshot_s_per_day_of_index": round(ends_per_day * state["snapshot_us_per_settled"] / 1e6, 2),
             # without eviction (fold_evict_after_s = inf), every charged account stays: this much more a day
             "worker_state_charged_mb_per_day_kept": round(ends_per_day * state["charged_memory_bytes"] / 1e6, 1),
             # an audit reads the whole archive (node.ipc, jobs.lifecycle): this much per day it holds
