@@ -251,13 +251,25 @@ class Settled:
     def load(self, jobs: dict[bytes | None, JobAccount], partition: int, key: bytes | None, partitions: int | None,
              config: str) -> JobAccount | None:
         """The settled account of ``key``, back in ``jobs`` (its partition's accounts) and out of the
-        index, due to leave again as after a charge; None when ``key`` has none. Raises
-        AccountUnavailable when it has one that cannot be used, and what reading raises
-        (KafkaException, RuntimeError) when the topic cannot be read."""
+        index, due to leave again as after a charge; None when ``key`` has none. Raises what
+        ``read`` raises."""
         index = self.index.get(partition)
         if not index or key not in index:
             return None
-        mark = fold_snapshot.unpack(index[key])
+        account = self.read(partition, key, index[key], partitions, config)
+        del index[key]
+        jobs[key] = account
+        self.charged(partition, key)
+        MOVED.labels("in").inc()
+        log.info("accounting: read back job %s's settled account for a late record", _job(key))
+        return account
+
+    def read(self, partition: int, key: bytes | None, packed: int, partitions: int | None,
+             config: str) -> JobAccount:
+        """The account a settled job's mark (``packed``) names, changing nothing here. Raises
+        AccountUnavailable when no copy under its key is usable, SettledUnreadable when the topic
+        cannot be read in ``READ_ATTEMPTS``."""
+        mark = fold_snapshot.unpack(packed)
         problems: list[str] = []
         found: list[JobAccount] = []
 
@@ -292,15 +304,7 @@ class Settled:
                    f"is usable: {problems[-1] if problems else 'there is none'}")
             log.error("accounting: %s; its record is a dead letter (unsettled), the account stays settled", why)
             raise AccountUnavailable(why)
-        account = found[-1]
-        del index[key]
-        jobs[key] = account
-        self.charged(partition, key)
-        MOVED.labels("in").inc()
-        log.info("accounting: read back job %s's settled account (%s@%d) for a late record", _job(key), self.topic,
-                 mark[0])
-        return account
-
+        return found[-1]
 
 
 def _job(key: bytes | None) -> str:

@@ -521,14 +521,12 @@ class Cluster:
                 want = {k: a.model_copy(update={"triggers": []})
                         for k, a in fold_states(msgs, POLICY, PREFIX)[0].items()}
                 got = {k: a.model_copy(update={"triggers": []}) for k, a in jobs.items()}
-                index = dict(m.fold.settled.index.get(p, {}))
-                reads, m.fold.settled.read_fn = self.broker.reads, self.broker.settled
-                for k in index:  # and what left memory, as the fold reads it back
+                reads = self.broker.reads  # the fold's own, counted apart from these
+                for k, packed in m.fold.settled.index.get(p, {}).items():  # and what left memory, as the fold reads it
                     assert k not in got, f"job {k!r} both in memory and settled"
-                    loaded = m.fold.settled.load({}, p, k, self.partitions, fold_snapshot.config_of(POLICY))
-                    assert loaded is not None
-                    got[k] = loaded.model_copy(update={"triggers": []})
-                m.fold.settled.index[p], self.broker.reads = index, reads  # as it was
+                    got[k] = m.fold.settled.read(p, k, packed, self.partitions, fold_snapshot.config_of(POLICY)
+                                                 ).model_copy(update={"triggers": []})
+                self.broker.reads = reads
                 assert got == want, f"member {name}'s accounts of partition {p} are not the fold of its log up to {at}"
 
     def crash(self, name: str, delivered: int, restart: bool) -> None:
