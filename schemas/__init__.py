@@ -13,7 +13,10 @@ from .catalog import (
 from .events import (
     SCHEMA_VERSION,
     TERMINAL_STATES,
+    AdjustmentAction,
+    AppliedAdjustment,
     Charge,
+    ChargeAdjustment,
     CounterSource,
     DeadLetter,
     DegradationEstimate,
@@ -44,7 +47,8 @@ from .serde import DecodeError, decode, decode_model, encode
 
 __all__ = [
     "BY_NAME", "INPUT_TOPICS", "SCHEMA_VERSION", "TERMINAL_STATES", "TOPICS", "TOPIC_OF_RECORD",
-    "Charge", "CounterSource", "DeadLetter", "DecodeError", "DegradationEstimate", "EstimateStatus",
+    "AdjustmentAction", "AppliedAdjustment", "Charge", "ChargeAdjustment",
+    "CounterSource", "DeadLetter", "DecodeError", "DegradationEstimate", "EstimateStatus",
     "IpcSample", "JobEvent", "JobLeftNode", "JobState", "LlcSample", "NodeBlocks", "NodeDown", "NodeInventory",
     "NodePowerState", "OffsetRange",
     "PlacementDecision", "PowerDecision", "PowerReading", "ProgramProfile", "Record", "Role",

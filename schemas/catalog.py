@@ -10,6 +10,7 @@ from pydantic import Field, TypeAdapter
 
 from .events import (
     Charge,
+    ChargeAdjustment,
     DeadLetter,
     DegradationEstimate,
     JobEvent,
@@ -73,9 +74,11 @@ NODE_POWER = TopicSpec(
     "node.power", "node", PowerReading, Role.INPUT, "delete",
     "per-processor power readings (watts, cap, instructions)",
 )
+JobsLifecycleValue = Annotated[JobEvent | ChargeAdjustment, Field(discriminator="kind")]
+
 JOBS_LIFECYCLE = TopicSpec(
-    "jobs.lifecycle", "job_id", JobEvent, Role.INPUT, "delete",
-    "submitted / started / ended / failed / cancelled",
+    "jobs.lifecycle", "job_id", JobsLifecycleValue, Role.INPUT, "delete",
+    "submitted / started / ended / failed / cancelled; an operator's adjustment of a job's charge",
 )
 CLUSTER_INVENTORY = TopicSpec(
     "cluster.inventory", "node", NodeInventory, Role.INPUT, "compact",

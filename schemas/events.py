@@ -53,7 +53,12 @@ from pydantic import (
 #:   and every cap the node must hold after it (``node_caps``): an agent keeps the newest by sequence,
 #:   whatever order the partitions of ``decisions.power`` arrive in. A ``suspend`` decision gates a
 #:   started job the budget cannot hold at its processors' min power.
-SCHEMA_VERSION = 7
+#: * 7: ``Charge`` states its interval's margin for the estimator's bias (``interval_margin_abs``,
+#:   ``interval_margin_rel``).
+#: * 8: ``jobs.lifecycle`` carries ``ChargeAdjustment``: an operator's adjust, void or restore of a
+#:   job's price, priced by the worker as a new revision; a ``Charge`` names the adjustment it
+#:   applied (``adjustment``) and what it took off the computed price (``adjustment_credit``).
+SCHEMA_VERSION = 8
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -409,6 +414,42 @@ class JobEvent(Record):
         return self.state in TERMINAL_STATES and self.start_time is not None and self.end_time is not None
 
 
+class AdjustmentAction(StrEnum):
+    ADJUST = "adjust"  # charge ``price`` (at most the standard price) instead of the computed price
+    VOID = "void"  # charge nothing
+    RESTORE = "restore"  # withdraw the adjustment in force: the computed price again
+
+
+#: What an adjustment's reason may hold: a sentence, not a document.
+REASON_MAX_LENGTH = 1000
+
+
+class ChargeAdjustment(Record):
+    """An operator's correction of what a job is charged (version 8), on ``jobs.lifecycle`` keyed by
+    the job, so its place among the job's lifecycle events is fixed: it holds for every revision the
+    worker prices after it (a later correction or late data keeps it) until another replaces it. A
+    job already charged gets a new revision at once, priced from the same evidence; the blocks,
+    the estimate and the dividend stay as measured, only the price moves (``streams.core.pricing
+    .adjusted_price``). Sent by ``nodeshare charges adjust|void|restore``, signed by a service key."""
+
+    kind: Literal["charge_adjustment"] = "charge_adjustment"
+    job_id: JobId
+    action: AdjustmentAction
+    price: Annotated[float, Field(ge=0.0)] | None = None  # service units; ``adjust`` only
+    reason: Annotated[str, Field(min_length=1, max_length=REASON_MAX_LENGTH)]
+    operator: Name  # who asked for it (the account that ran the command)
+
+    @model_validator(mode="after")
+    def _price_fits_action(self) -> ChargeAdjustment:
+        if self.action is AdjustmentAction.ADJUST and self.price is None:
+            raise ValueError("price: required to adjust a charge (void charges nothing, restore the computed price)")
+        if self.action is not AdjustmentAction.ADJUST and self.price is not None:
+            raise ValueError(f"price: a {self.action.value} carries no price")
+        if not self.reason.strip():
+            raise ValueError("reason: says nothing")
+        return self
+
+
 # --------------------------------------------------------------------------- cluster.inventory
 
 
@@ -747,6 +788,20 @@ class LevelEvidence(BaseModel):
     used: bool  # whether the charge's estimate pooled this S (a shorter S lower beyond noise is left out)
 
 
+class AppliedAdjustment(BaseModel):
+    """The operator's adjustment a charge applied (version 8): what was asked, by whom, why, and
+    where the request is in the log (``topic:partition:offset``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    action: Literal["adjust", "void"]
+    requested_price: Annotated[float, Field(ge=0.0)] | None  # ``adjust``: the price asked for
+    reason: Annotated[str, Field(min_length=1, max_length=REASON_MAX_LENGTH)]
+    operator: Name
+    event_id: Annotated[str, Field(min_length=1, max_length=ID_MAX_LENGTH)]
+    at: Name
+
+
 class Charge(Record):
     """One ledger row: a job's price and everything needed to recompute it."""
 
@@ -789,7 +844,7 @@ class Charge(Record):
     standard_price: Annotated[float, Field(ge=0.0)]  # SOP = L * C * T_co (Eq. 1)
     solo_price: Annotated[float, Field(ge=0.0)]  # P_solo = L * C * T_solo
     price: Annotated[float, Field(ge=0.0)]  # what the job is charged
-    dividend: Annotated[float, Field(ge=0.0)]  # standard_price - price: the co-location discount
+    dividend: Annotated[float, Field(ge=0.0)]  # standard_price - the computed price: the co-location discount
     event_range: tuple[OffsetRange, ...]
     #: Why some of the evidence was set aside or is incomplete (version 5): a node's marker refused
     #: for breaking a physical bound (its pause credit and time alone not applied), or blocks its
@@ -817,6 +872,12 @@ class Charge(Record):
     #: ``mixed_s`` only (version 6): the evidence per sample length S, by S, at most
     #: ``MAX_CHARGE_LEVELS``; empty for the other estimators.
     levels: tuple[LevelEvidence, ...] = ()
+    #: An operator's adjustment in force when this revision was priced (version 8; None: none), and
+    #: what it took off the computed price (negative: it raised the price, never above the
+    #: standard price). ``standard_price = price + dividend + adjustment_credit``: the dividend
+    #: stays the co-location discount the measurement earned.
+    adjustment: AppliedAdjustment | None = None
+    adjustment_credit: float = 0.0
     code_version: Name
 
 
@@ -845,7 +906,7 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
              "evidence_problems": 5, "node_summary": 5, "degradation_point": 6, "degradation_low": 6,
              "degradation_high": 6, "interval_method": 6, "interval_blocks": 6, "confidence": 6,
              "priced_at": 6, "prior_degradation_high": 6, "levels": 6,
-             "interval_margin_abs": 7, "interval_margin_rel": 7},
+             "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8, "adjustment_credit": 8},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

@@ -148,6 +148,7 @@ IDENTITY_RULES: dict[str, tuple[str, ...]] = {
     "shutter_window": (NODE,), "llc_sample": (NODE,), "power_reading": (NODE,),
     "node_down": (SERVICE,),  # a node that is down cannot say so; another node must not
     "job_event": (SERVICE,), "node_inventory": (SERVICE, NODE),
+    "charge_adjustment": (SERVICE,),  # an operator's, run with a service key (``nodeshare charges void``)
 }
 
 

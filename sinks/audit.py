@@ -440,8 +440,9 @@ def current_revisions(charges: list[Charge]) -> list[Charge]:
 
 
 def conservation_violations(charges: list[Charge], rel_tol: float = 1e-9) -> list[str]:
-    """For every day (of job end, UTC): total standard price = total charged + total dividend;
-    and every job's charge lies within [0, its standard price]. Only current revisions count."""
+    """For every day (of job end, UTC): total standard price = total charged + total dividend + total
+    adjustment credit (operators' adjustments, schema 8); and every job's charge lies within [0, its
+    standard price]. Only current revisions count."""
     out: list[str] = []
     by_day: dict[str, list[Charge]] = defaultdict(list)
     for c in current_revisions(charges):
@@ -452,8 +453,10 @@ def conservation_violations(charges: list[Charge], rel_tol: float = 1e-9) -> lis
         sop = math.fsum(c.standard_price for c in rows)
         charged = math.fsum(c.price for c in rows)
         dividend = math.fsum(c.dividend for c in rows)
-        if not math.isclose(sop, charged + dividend, rel_tol=rel_tol, abs_tol=1e-12):
-            out.append(f"{day}: standard price {sop} != charged {charged} + dividend {dividend}")
+        credit = math.fsum(c.adjustment_credit for c in rows)
+        if not math.isclose(sop, charged + dividend + credit, rel_tol=rel_tol, abs_tol=1e-12):
+            out.append(f"{day}: standard price {sop} != charged {charged} + dividend {dividend}"
+                       + (f" + adjustment credit {credit}" if credit else ""))
     return out
 
 

@@ -45,6 +45,7 @@ from nodeshare.schemas import (
     BY_NAME,
     SCHEMA_VERSION,
     Charge,
+    ChargeAdjustment,
     CounterSource,
     DecodeError,
     JobEvent,
@@ -673,20 +674,23 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
 def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | None = None
                     ) -> tuple[dict[str, list[TerminalEvent]], set[str]]:
     """Decoded terminal (charged) lifecycle events per job, through the reference decoder (they are
-    few), and the jobs with a terminal event the clock rule refuses (left to the reference path)."""
+    few), and the jobs left to the reference path: a terminal event the clock rule refuses, or an
+    operator's adjustment (its revisions are the reducer's to number)."""
     out: dict[str, list[TerminalEvent]] = defaultdict(list)
-    wrong_clock: set[str] = set()
+    to_reference: set[str] = set()
     for topic, ev in archive.events([JOBS_LIFECYCLE.name], con=con):
         try:
             rec = decode(BY_NAME[topic], ev.value)
         except DecodeError:
             continue
-        if isinstance(rec, JobEvent) and rec.ran and ev.key == rec.job_id.encode():
+        if isinstance(rec, ChargeAdjustment):
+            to_reference.add(rec.job_id)
+        elif isinstance(rec, JobEvent) and rec.ran and ev.key == rec.job_id.encode():
             if clock_problem(rec, ev.timestamp_ms / 1000):
-                wrong_clock.add(rec.job_id)
+                to_reference.add(rec.job_id)
             out[rec.job_id].append(TerminalEvent(event=rec, topic=topic, partition=ev.partition, offset=ev.offset,
                                                  reason=""))
-    return out, wrong_clock
+    return out, to_reference
 
 
 def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy], default: PricingPolicy,
@@ -716,14 +720,14 @@ def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy],
         duplicates = held_twice.result()
         if any(topic == NODE_IPC.name for topic, *_ in duplicates):  # copies: folded again, one of each offset
             streams, suspects = read_streams(archive, deltas, default_delta, runner, progress, dedupe=True)
-        ends, wrong_clock = terminals.result()
+        ends, to_reference = terminals.result()
     result = FastResult(typed_rows=suspects.verified_rows, suspect_rows=suspects.rows, duplicates=duplicates,
                         ineligible=set(suspects.jobs))
     by_job: dict[str, dict[str | None, list[StreamRow]]] = defaultdict(lambda: defaultdict(list))
     for row in streams:
         by_job[row.job][row.node].append(row)  # a row per S of the node's blocks, and one for its marker
     for job, nodes in by_job.items():
-        charge = None if job in wrong_clock else _job_charge(job, nodes, ends.get(job, []),
+        charge = None if job in to_reference else _job_charge(job, nodes, ends.get(job, []),
                                                                policies.get(job, default))
         if charge is None:
             result.ineligible.add(job)

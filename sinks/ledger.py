@@ -79,12 +79,13 @@ _COLUMNS: dict[str, str] = {
     "solo_price": "DOUBLE NOT NULL",
     "price": "DOUBLE NOT NULL",
     "dividend": "DOUBLE NOT NULL",
+    "adjustment_credit": "DOUBLE NOT NULL DEFAULT 0",  # schema 8: what an operator's adjustment took off
     "code_version": "VARCHAR NOT NULL",
 }
 #: Columns added after the first ledgers were written: an older file gets them on open, filled with
 #: the value the older records read as (the model's default), so ``column_drift`` stays clean.
 _ADDED_COLUMNS = ("degradation_shared", "alone_s", "degradation_point", "degradation_low", "degradation_high",
-                  "interval_method", "confidence", "priced_at")
+                  "interval_method", "confidence", "priced_at", "adjustment_credit")
 _CHAIN_COLUMNS = ("record", "kafka_partition", "kafka_offset", "seq", "prev_hash", "row_hash")
 _DDL = (
     "CREATE TABLE IF NOT EXISTS charges ("
@@ -113,12 +114,13 @@ VIEWS: dict[str, str] = {
         SELECT CAST(timezone('UTC', end_time) AS DATE) AS day, "user", account, program,
                count(*) AS jobs, sum(cores * run_time_s) / 3600 AS core_hours,
                sum(standard_price) AS standard_price, sum(price) AS charged, sum(dividend) AS dividend,
-               sum(dividend) / nullif(sum(standard_price), 0) AS discount
+               sum(dividend) / nullif(sum(standard_price), 0) AS discount, sum(adjustment_credit) AS credited
         FROM charges_current GROUP BY ALL""",
     "usage_monthly": """CREATE OR REPLACE VIEW usage_monthly AS
         SELECT date_trunc('month', day) AS month, "user", account, program, sum(jobs) AS jobs,
                sum(core_hours) AS core_hours, sum(standard_price) AS standard_price, sum(charged) AS charged,
-               sum(dividend) AS dividend, sum(dividend) / nullif(sum(standard_price), 0) AS discount
+               sum(dividend) AS dividend, sum(dividend) / nullif(sum(standard_price), 0) AS discount,
+               sum(credited) AS credited
         FROM usage_daily GROUP BY ALL""",
     "dividend_by_node": """CREATE OR REPLACE VIEW dividend_by_node AS
         SELECT node.node AS node, count(*) AS jobs,

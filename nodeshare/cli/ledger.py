@@ -134,7 +134,7 @@ def audit(
             out.print(f"[red]{len(report.conflicting_copies)} archived records have copies that differ[/red] "
                       f"(overlapping files): {', '.join(report.conflicting_copies[:20])}")
         out.print("hash chain: " + ("intact" if report.chain_ok else f"[red]broken[/red]: {report.chain_error}"))
-        out.print("conservation (SOP = charged + dividend, 0 <= price <= SOP): "
+        out.print("conservation (SOP = charged + dividend + adjustment credit, 0 <= price <= SOP): "
                   + ("holds" if report.conservation_ok else "[red]violated[/red]"))
         for v in report.conservation_violations[:20]:
             out.print(f"  {v}")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from nodeshare.schemas import DecodeError, JobEvent, JobState, decode_model
+from nodeshare.schemas import DecodeError, JobEvent, JobState, decode
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE
 
 from .follower import Follower
@@ -111,11 +111,11 @@ class LifecycleFollower(Follower):
 
     def handle(self, value: bytes | None, write: bool, topic: str | None = None) -> None:
         try:
-            event = decode_model(JobEvent, value)
+            event = decode(JOBS_LIFECYCLE, value)
         except DecodeError as exc:  # the worker dead-letters it; here it is skipped
             log.warning("jobs.lifecycle: skipped a record that does not decode: %s", exc.reason)
             return
-        if self.node not in event.nodes:
+        if not isinstance(event, JobEvent) or self.node not in event.nodes:  # a charge adjustment: not a node's
             return
         while True:
             try:

@@ -18,6 +18,10 @@ A node lost for good never sends its marker: a ``NodeDown`` record, keyed and or
 node's blocks on node.ipc, closes its stream instead (so the blocks it closes over are a fixed set
 too), and the node's late marker, if it comes back, makes a new revision from all it sent.
 
+An operator's ``ChargeAdjustment`` (on jobs.lifecycle, so its place among the job's terminal events
+is fixed) holds for every terminal event after it: a job already charged gets a revision at once,
+the same evidence priced with the adjustment, and later revisions keep it until another replaces it.
+
 Redelivery (faust is at-least-once) is recognized by offset: an event at or below the
 highest offset already applied for its topic partition is skipped, so each event counts once.
 """
@@ -41,7 +45,10 @@ from nodeshare.schemas.events import (
     MAX_CHARGE_LEVELS,
     MAX_CHARGE_NODES,
     MAX_CHARGE_PROBLEMS,
+    AdjustmentAction,
+    AppliedAdjustment,
     Charge,
+    ChargeAdjustment,
     DegradationEstimate,
     EstimateStatus,
     JobEvent,
@@ -81,7 +88,7 @@ from .degradation import (
     Moments,
     estimate,
 )
-from .pricing import POPPA_EQ4, alone_time, billed_time, fair_charge, job_degradation
+from .pricing import POPPA_EQ4, adjusted_price, alone_time, billed_time, fair_charge, job_degradation
 
 SOURCE = "nodeshare.streams.accounting"  # the producer named in every record: a contract, kept as first released
 
@@ -295,6 +302,8 @@ class TerminalEvent(_State):
     #: nodes whose stream was lost (``NodeDown``) and which this revision prices from their late data
     #: (blocks and marker sent after the record); the others' lost streams as they closed
     late: list[str] = []
+    #: the operator's adjustment in force when this terminal event (or its copy) was taken in
+    adjustment: AppliedAdjustment | None = None
 
 
 class JobAccount(_State):
@@ -313,6 +322,7 @@ class JobAccount(_State):
     applied: dict[str, int] = {}  # "topic:partition" -> highest offset applied
     ipc_partition: tuple[str, int] | None = None  # where this job's node.ipc events are read from
     latest_event_time: datetime | None = None  # event time of the newest event applied
+    adjustment: AppliedAdjustment | None = None  # the operator's adjustment in force (ChargeAdjustment)
     _open: _OpenNodes = PrivateAttr(default_factory=_OpenNodes)
 
     @property
@@ -346,6 +356,8 @@ class JobAccount(_State):
             return self._apply_lifecycle(record, origin, policy)
         if isinstance(record, NodeDown):
             return self._apply_down(record, origin, policy)
+        if isinstance(record, ChargeAdjustment):
+            return self._apply_adjustment(record, origin, policy)
         return Step(rejected=f"{type(record).__name__} is not a job accounting event")
 
     def _stream(self, node: str) -> NodeStream:
@@ -569,7 +581,7 @@ class JobAccount(_State):
         self.ends.append(TerminalEvent(
             event=last.event, topic=last.topic, partition=last.partition, offset=last.offset,
             reason=f"late data: node {node}, declared lost, closed its stream with its marker at {where}",
-            late=sorted({*last.late, node})))
+            late=sorted({*last.late, node}), adjustment=self.adjustment))
 
     def _apply_lifecycle(self, event: JobEvent, origin: Origin, policy: PricingPolicy) -> Step:
         if not event.ran:  # submitted, started, or cancelled before it started: nothing to charge
@@ -586,7 +598,7 @@ class JobAccount(_State):
         same = next((t for t in reversed(self.ends) if _same_run(t.event, event)), None)
         prior = set(same.late) if same is not None else set()
         self.ends.append(TerminalEvent(event=event, topic=origin.topic, partition=origin.partition,
-                                       offset=origin.offset, reason=reason))
+                                       offset=origin.offset, reason=reason, adjustment=self.adjustment))
         r = len(self.ends) - 1
         self.ends[r].late = sorted(prior & self._late_nodes(r))
         for node in self._pending_late(r):
@@ -594,6 +606,34 @@ class JobAccount(_State):
             assert late is not None and self.ipc_partition is not None  # _late_nodes: its late data closed
             topic, partition = self.ipc_partition
             self._append_late(node, self.ends[-1], f"{topic}:{partition}:{late.close_offset}")
+        charges = self._ready_charges(policy, origin)
+        return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
+
+    def _apply_adjustment(self, adj: ChargeAdjustment, origin: Origin, policy: PricingPolicy) -> Step:
+        """An operator's adjustment: in force from here on. A job with a terminal event gets a new
+        revision of its latest one (same run, same streams) priced with it, at once if that run's
+        nodes have closed; before any terminal event it waits for the first. One that changes
+        nothing (the same action and price as the one in force, or a restore with none) is refused."""
+        where = f"{origin.topic}:{origin.partition}:{origin.offset}"
+        new = None if adj.action is AdjustmentAction.RESTORE else AppliedAdjustment(
+            action=adj.action.value, requested_price=adj.price, reason=adj.reason, operator=adj.operator,
+            event_id=adj.event_id, at=where)
+        held = self.adjustment
+        if new is None and held is None:
+            return Step(rejected=f"{adj.action.value} changes nothing: no adjustment is in force")
+        if new is not None and held is not None and (new.action, new.requested_price) == (held.action,
+                                                                                        held.requested_price):
+            to = f" to {held.requested_price} SU" if held.requested_price is not None else ""
+            return Step(rejected=f"{adj.action.value} changes nothing: the job's charge is already {held.action}ed{to}")
+        self.adjustment = new
+        if not self.ends:
+            return Step()  # held for the job's first terminal event
+        last = self.ends[-1]
+        asked = "adjustment withdrawn" if new is None else (
+            "voided" if new.action == "void" else f"adjusted to {new.requested_price} SU")
+        self.ends.append(TerminalEvent(
+            event=last.event, topic=last.topic, partition=last.partition, offset=last.offset,
+            reason=f"{asked} by {adj.operator} at {where}: {adj.reason}", late=list(last.late), adjustment=new))
         charges = self._ready_charges(policy, origin)
         return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
 
@@ -835,6 +875,9 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
                    and degradation.status is not EstimateStatus.OK)
     applied = high if policy.price_at_bound or no_evidence else point
     amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, applied, policy.rate_function, credit_s)
+    adj = terminal.adjustment
+    price = (amounts.price if adj is None
+             else adjusted_price(adj.action, adj.requested_price, amounts.standard_price, amounts.price))
     ranges = [OffsetRange(topic=terminal.topic, partition=terminal.partition,
                           first_offset=terminal.offset, last_offset=terminal.offset)]
     if ipc_partition is not None and streams:
@@ -867,7 +910,7 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         rate_function=policy.rate_function, rate_per_core_hour=policy.rate_per_core_hour,
         delta=policy.delta,
         standard_price=amounts.standard_price, solo_price=amounts.solo_price,
-        price=amounts.price, dividend=amounts.dividend,
+        price=price, dividend=amounts.dividend, adjustment=adj, adjustment_credit=amounts.price - price,
         event_range=tuple(sorted(ranges, key=lambda r: r.topic)),
         evidence_problems=tuple(problems),
         degradation_point=point, degradation_low=low, degradation_high=high,

@@ -116,3 +116,19 @@ def fair_charge(
     t_solo = solo_time(billed, degradation)
     price = price_of(rate_per_core_hour, cores, run_time_s, degradation, pause_credit_s)
     return ChargeAmounts(sop, billed, t_solo, standard_price(rate_per_core_hour, cores, t_solo), price, sop - price)
+
+
+def adjusted_price(action: str | None, requested: float | None, standard: float, computed: float) -> float:
+    """The price an operator's adjustment sets (beyond POPPA: a site's correction of a charge).
+    ``void`` charges 0; ``adjust`` charges the ``requested`` price, but never more than the standard
+    price (sharing never costs more than not sharing, whoever sets the price); no action keeps the
+    ``computed`` price."""
+    if action is None:
+        return computed
+    if action == "void":
+        return 0.0
+    if action == "adjust":
+        if requested is None or not requested >= 0.0:
+            raise ValueError(f"adjust needs a price >= 0, got {requested}")
+        return min(requested, standard)
+    raise ValueError(f"unknown adjustment {action!r}; known: adjust, void")

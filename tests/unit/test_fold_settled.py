@@ -7,9 +7,10 @@ and retention: tests/unit/test_fold_partitions_property.py, which evicts at ever
 from __future__ import annotations
 
 import pytest
+from factories import T0
 from unit.test_fold_partitions_property import IPC, LIFE, SETTINGS, SETTLED, Broker, Producer, records
 
-from nodeshare.schemas import DeadLetter
+from nodeshare.schemas import AdjustmentAction, Charge, ChargeAdjustment, DeadLetter, encode
 from nodeshare.schemas.serde import decode_model
 from nodeshare.streams.core import fold_snapshot
 from nodeshare.streams.core.accounting import Origin
@@ -91,6 +92,24 @@ def test_a_late_record_of_a_settled_job_reads_its_account_back_with_the_outputs_
     assert broker.reads == len(gone & {k for _, k, _, _ in late})
     assert {k: a.model_dump() for k, a in moved.states[0].items()} == {
         k: a.model_dump() for k, a in kept.states[0].items() if k in moved.states[0]}
+
+
+def test_an_operator_voids_a_settled_job_and_gets_the_revision_a_fold_that_kept_it_makes(monkeypatch):
+    msgs, late = job_messages()
+    kept, _ = fold(monkeypatch, float("inf"))
+    moved, broker = fold(monkeypatch, 0.0)
+    feed(kept, msgs), feed(moved, msgs)
+    settle(moved)
+    gone = sorted(moved.settled.index[0])
+    assert gone
+    at = late[0][0].offset
+    voids = [(Origin(LIFE, 0, at + i), key, encode(ChargeAdjustment(
+        event_id=f"void-{i}", source="operator/test", event_time=T0, job_id=key.decode(),
+        action=AdjustmentAction.VOID, reason="refunded", operator="test")), 0.0) for i, key in enumerate(gone)]
+    out = feed(moved, voids)
+    assert out == feed(kept, voids) and broker.reads == len(gone)
+    charges = [decode_model(Charge, v) for t, _, v in out if t.endswith("ledger.charges")]
+    assert {c.job_id for c in charges} == {k.decode() for k in gone} and all(c.price == 0.0 for c in charges)
 
 
 def test_a_settled_account_that_cannot_be_read_back_dead_letters_the_record_and_stays_settled(monkeypatch):

@@ -50,15 +50,16 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
     return json.dumps(d).encode()
 
 
-def test_this_build_writes_version_7_and_reads_1_to_7():
-    assert SCHEMA_VERSION == 7
+def test_this_build_writes_version_8_and_reads_1_to_8():
+    assert SCHEMA_VERSION == 8
     assert ADDED_IN[PowerDecision] == {"node_caps": 6, "resumes": 6}
     assert ADDED_IN[NodeInventory] == {"usable": 5, "processors_only": 6}
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
                                 "evidence_problems": 5, "node_summary": 5, "degradation_point": 6,
                                 "degradation_low": 6, "degradation_high": 6, "interval_method": 6,
                                 "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6,
-                                "levels": 6, "interval_margin_abs": 7, "interval_margin_rel": 7}
+                                "levels": 6, "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8,
+                                "adjustment_credit": 8}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
 

@@ -1,0 +1,176 @@
+"""An operator's adjustment of a charge (issue 42, item 5): ``ChargeAdjustment`` on jobs.lifecycle,
+priced by the reducer as a new revision from the same evidence, so the archive, the ledger's chain
+and the audit all see it. Prices are worked out by hand from the charge the job gets unadjusted."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from factories import POLICY, T0, archive_records, block, job_event, left
+from pydantic import ValidationError
+
+from nodeshare.schemas import AdjustmentAction, ChargeAdjustment, JobState, Record, decode, encode
+from nodeshare.schemas.catalog import DLQ, JOBS_LIFECYCLE
+from nodeshare.schemas.signing import identity_problem
+from nodeshare.sinks.audit import audit, conservation_violations
+from nodeshare.streams.core.accounting import JobAccount, Origin, apply_message, fold_messages, process_message
+from nodeshare.streams.core.pricing import adjusted_price
+
+IPC, LIFE = "node.ipc", "jobs.lifecycle"
+
+
+def adjustment(job: str, action: str, price: float | None = None, reason: str = "node fault, refunded",
+               n: int = 0) -> ChargeAdjustment:
+    return ChargeAdjustment(event_id=f"adj-{job}-{n}", source="operator/alice",
+                            event_time=T0 + timedelta(seconds=7200 + n), job_id=job, action=AdjustmentAction(action),
+                            price=price,
+                            reason=reason, operator="alice")
+
+
+def run(job: str = "j1") -> tuple[list[Record], list[Record]]:
+    """One job on n1, two blocks with a slowdown, ended after an hour on 16 cores."""
+    ipc = [block(1.0, 2.0, 1.0, job=job, cycle=0), block(0.8, 1.0, 0.82, job=job, cycle=1), left(job, "n1", 2, 1)]
+    life = [job_event(job, JobState.STARTED), job_event(job, JobState.ENDED)]
+    return ipc, life
+
+
+def msgs(records: list[Record], topic: str, start: int = 0) -> list[tuple]:
+    return [(Origin(topic, 0, start + i), r.job_id.encode(), encode(r), 0.0) for i, r in enumerate(records)]
+
+
+def test_the_price_an_adjustment_sets():
+    assert adjusted_price(None, None, 24.0, 20.0) == 20.0
+    assert adjusted_price("void", None, 24.0, 20.0) == 0.0
+    assert adjusted_price("adjust", 5.0, 24.0, 20.0) == 5.0
+    assert adjusted_price("adjust", 30.0, 24.0, 20.0) == 24.0  # never above the standard price
+    with pytest.raises(ValueError, match="price >= 0"):
+        adjusted_price("adjust", None, 24.0, 20.0)
+    with pytest.raises(ValueError, match="unknown adjustment"):
+        adjusted_price("refund", None, 24.0, 20.0)
+
+
+def test_an_adjustment_says_what_it_sets_and_why():
+    with pytest.raises(ValidationError, match="required to adjust"):
+        adjustment("j1", "adjust")
+    with pytest.raises(ValidationError, match="a void carries no price"):
+        adjustment("j1", "void", 3.0)
+    with pytest.raises(ValidationError, match="says nothing"):
+        adjustment("j1", "void", reason="   ")
+    with pytest.raises(ValidationError):
+        adjustment("j1", "adjust", -1.0)
+    record = adjustment("j1", "adjust", 2.5)
+    assert decode(JOBS_LIFECYCLE, encode(record)) == record
+    # a service's word, as a lifecycle event is: a node cannot re-price a job
+    assert identity_problem(record, "service/slurm") is None
+    assert "must be written by a service" in (identity_problem(record, "node/n1") or "")
+
+
+def test_void_adjust_and_restore_of_a_charged_job_are_revisions_priced_from_the_same_evidence():
+    ipc, life = run()
+    changes = [adjustment("j1", "void", n=1), adjustment("j1", "adjust", 4.0, "agreed with the user", n=2),
+               adjustment("j1", "restore", reason="refund reversed", n=3)]
+    charges = fold_messages(msgs(ipc, IPC) + msgs([*life, *changes], LIFE), POLICY)
+    assert [c.revision for c in charges] == [0, 1, 2, 3]
+    plain, void, adjusted, restored = charges
+    assert plain.adjustment is None and plain.adjustment_credit == 0.0 and 0 < plain.price < plain.standard_price
+    assert void.price == 0.0 and void.adjustment_credit == plain.price
+    assert void.adjustment is not None
+    assert (void.adjustment.action, void.adjustment.at) == ("void", "jobs.lifecycle:0:2")
+    assert void.revision_reason == "voided by alice at jobs.lifecycle:0:2: node fault, refunded"
+    assert adjusted.price == 4.0 and math.isclose(adjusted.adjustment_credit, plain.price - 4.0)
+    assert adjusted.revision_reason == "adjusted to 4.0 SU by alice at jobs.lifecycle:0:3: agreed with the user"
+    assert restored.model_dump(exclude={"revision", "revision_reason", "event_id"}) == plain.model_dump(
+        exclude={"revision", "revision_reason", "event_id"})
+    assert restored.revision_reason.startswith("adjustment withdrawn by alice")
+    # the measurement is untouched: the dividend stays the co-location discount it earned
+    for c in charges:
+        assert (c.degradation, c.dividend, c.standard_price) == (plain.degradation, plain.dividend,
+                                                                  plain.standard_price)
+        assert math.isclose(c.standard_price, c.price + c.dividend + c.adjustment_credit)
+    assert conservation_violations(charges) == []
+
+
+def test_an_adjustment_never_raises_a_price_above_the_standard_price():
+    ipc, life = run()
+    [_, raised] = fold_messages(msgs(ipc, IPC) + msgs([*life, adjustment("j1", "adjust", 1e6)], LIFE), POLICY)
+    assert raised.price == raised.standard_price and raised.adjustment_credit < 0
+    assert raised.adjustment is not None and raised.adjustment.requested_price == 1e6
+    assert conservation_violations([raised]) == []
+
+
+def test_an_adjustment_before_the_end_prices_the_first_charge_and_holds_for_a_correction():
+    ipc, life = run()
+    fix = job_event("j1", JobState.ENDED, cores=32).model_copy(update={"event_id": "fix"})
+    charges = fold_messages(msgs(ipc, IPC) + msgs([life[0], adjustment("j1", "void"), life[1], fix], LIFE), POLICY)
+    assert [(c.revision, c.cores, c.price) for c in charges] == [(0, 16, 0.0), (1, 32, 0.0)]
+    assert charges[0].revision_reason == ""  # the first charge, voided from the start
+    assert all(c.adjustment is not None and c.adjustment.action == "void" for c in charges)
+
+
+def test_the_same_revisions_in_every_interleaving_of_the_two_topics():
+    """The adjustment's place among the job's lifecycle events is fixed; the node's marker may come
+    before or after it: revision 0 unadjusted, revision 1 voided, whatever the order."""
+    ipc, life = run()
+    a, b = msgs(ipc, IPC), msgs([*life, adjustment("j1", "void")], LIFE)
+    reference = fold_messages(a + b, POLICY)
+    assert [c.price == 0.0 for c in reference] == [False, True]
+    for order in set(itertools.permutations([0] * len(a) + [1] * len(b))):
+        ia, ib = iter(a), iter(b)
+        assert fold_messages([next(ia) if w == 0 else next(ib) for w in order], POLICY) == reference, order
+
+
+def test_an_adjustment_that_changes_nothing_is_a_dead_letter_and_no_revision():
+    ipc, life = run()
+    again = [adjustment("j1", "void", n=1), adjustment("j1", "void", reason="same refund, said twice", n=2),
+             adjustment("j1", "restore", reason="undo", n=3), adjustment("j1", "restore", reason="undo", n=4)]
+    account, out = None, []
+    for origin, key, value, ts in msgs(ipc, IPC) + msgs([*life, *again], LIFE):
+        account, produced, _ = apply_message(account, origin, key, value, ts, POLICY)
+        out += produced
+    dead = [decode(DLQ, o.value) for o in out if o.topic == DLQ.name]
+    assert [d.reason for d in dead] == ["void changes nothing: the job's charge is already voided",
+                                        "restore changes nothing: no adjustment is in force"]
+    assert sum(o.topic == "ledger.charges" for o in out) == 3  # revision 0, the void, the restore
+
+
+def test_an_adjustment_survives_the_serialized_state_and_a_redelivery_sends_its_charge_again():
+    ipc, life = run()
+    state = None
+    for origin, key, value, ts in msgs(ipc, IPC) + msgs([*life, adjustment("j1", "adjust", 1.25)], LIFE):
+        state = process_message(state, origin, key, value, ts, POLICY).state or state
+    account = JobAccount.model_validate_json(state)
+    assert account.revision == 1 and account.adjustment is not None and account.adjustment.requested_price == 1.25
+    again = process_message(state, Origin(LIFE, 0, 2), b"j1", encode(adjustment("j1", "adjust", 1.25)), 0.0, POLICY)
+    assert again.state is None  # a redelivered offset changes nothing ...
+    [charge] = [decode_charge(o.value) for o in again.out]  # ... but sends the charge it completed again
+    assert (charge.revision, charge.price) == (1, 1.25)
+
+
+def decode_charge(raw: bytes):
+    from nodeshare.schemas import Charge, decode_model
+
+    return decode_model(Charge, raw)
+
+
+def test_the_audit_recomputes_adjusted_charges_and_finds_an_edited_price(tmp_path: Path):
+    ipc, life = run()
+    other_ipc, other_life = run("j2")
+    archive, ledger, n = archive_records(tmp_path, [*ipc, *other_ipc, *life, *other_life,
+                                                    adjustment("j1", "adjust", 2.0)])
+    assert n == 3
+    report = audit(archive, ledger, POLICY)
+    assert report.ok and report.matches == 3, report.as_dict()
+    assert report.fast_path_jobs == 1  # j2; j1's adjustment is the reference fold's to number
+
+    import duckdb
+
+    with duckdb.connect(str(ledger)) as con:  # an edited row (chain and columns aside): the audit says so
+        row = con.execute("SELECT record FROM charges WHERE job_id = 'j1' AND revision = 1").fetchone()[0]
+        con.execute("UPDATE charges SET record = ? WHERE job_id = 'j1' AND revision = 1",
+                    [row.replace('"requested_price":2.0', '"requested_price":0.5')])
+    report = audit(archive, ledger, POLICY)
+    assert ("j1", 1, "adjustment") in {(m.job_id, m.revision, m.field) for m in report.mismatches}
