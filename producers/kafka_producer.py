@@ -45,12 +45,13 @@ class EventProducer:
         self.delivered = 0
         self.failed: list[str] = []
 
-    def send(self, record: Record) -> None:
+    def send(self, record: Record, on_delivery: DeliveryCallback | None = None) -> None:
         spec = TOPIC_OF_RECORD[type(record)]
         identity = None
         if self._signer is not None:
             identity = self._signer.identity_for(record.kind, getattr(record, "node", None))
-        self.send_raw(self._settings.topic(spec.name), key_of(record), encode(record), identity=identity)
+        self.send_raw(self._settings.topic(spec.name), key_of(record), encode(record), identity=identity,
+                      on_delivery=on_delivery)
 
     def send_all(self, records: Sequence[Record]) -> None:
         for record in records:

@@ -9,7 +9,7 @@ from .common import app, err
 
 # isort: off
 # Imported in the order `nodeshare --help` lists their commands: running the pipeline first.
-from . import pipeline, nodes, ledger, bench, experiment, experiment_shutter, keys  # noqa: F401  (registers its command)
+from . import pipeline, nodes, ledger, charges, bench, experiment, experiment_shutter, keys  # noqa: F401  (registers its command)
 # isort: on
 
 app.add_typer(pipeline.config_app, name="config")

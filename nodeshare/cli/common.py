@@ -131,3 +131,33 @@ def progress_bar() -> Progress:
                     console=err, transient=False)
 
 
+def publish(settings: Any, records: list[Any], what: str, timeout_s: float = 30.0) -> list[tuple[int, int]]:
+    """An operator's records sent and acknowledged (``nodes down``, ``charges void``): where each
+    landed, (partition, offset), in order; one line and exit 1 when the broker did not take them."""
+    from nodeshare.producers.kafka_producer import DeliveryError, EventProducer
+
+    where: list[tuple[int, int] | None] = [None] * len(records)
+    refused: list[str] = []
+
+    def delivered(i: int) -> Callable[[Any, Any], None]:
+        def report(error: Any, msg: Any) -> None:
+            if error is not None:
+                refused.append(error.str())
+            else:
+                where[i] = (msg.partition(), msg.offset())
+        return report
+
+    try:
+        with EventProducer(settings, client_id="nodeshare-operator") as producer:
+            for i, record in enumerate(records):
+                producer.send(record, on_delivery=delivered(i))
+            producer.flush(timeout_s)
+    except DeliveryError as exc:
+        err.print(f"[red]{what}[/red]: the broker at {settings.bootstrap} did not take the records: {exc}")
+        raise typer.Exit(1) from None
+    if refused or any(w is None for w in where):
+        err.print(f"[red]{what}[/red]: the broker at {settings.bootstrap} refused "
+                  f"{len(refused) or where.count(None)} of {len(records)} records"
+                  + (f": {refused[0]}" if refused else ""))
+        raise typer.Exit(1)
+    return [w for w in where if w is not None]

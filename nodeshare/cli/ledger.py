@@ -12,7 +12,6 @@ from rich.table import Table
 from .common import (
     Bootstrap,
     app,
-    check_signing,
     err,
     load_settings,
     out,
@@ -140,84 +139,6 @@ def audit(
             out.print(f"  {v}")
     if not report.ok:
         raise typer.Exit(1)
-
-
-@app.command()
-def charges(
-    ledger: Annotated[Path, typer.Option(help="DuckDB ledger file")] = Path("ledger.duckdb"),
-    user: Annotated[list[str] | None, typer.Option("--user", "-u", help="user(s), comma-separated")] = None,
-    account: Annotated[list[str] | None, typer.Option("--account", "-A", help="account(s), comma-separated")] = None,
-    starttime: Annotated[str | None, typer.Option("--starttime", "-S", help="YYYY-MM-DD[THH:MM[:SS]] (UTC)")] = None,
-    endtime: Annotated[str | None, typer.Option("--endtime", "-E", help="YYYY-MM-DD[THH:MM[:SS]] (UTC)")] = None,
-    fmt: Annotated[str, typer.Option("--format", "-o", help="comma-separated columns")] = "",
-    parsable: Annotated[bool, typer.Option("--parsable2", "-P", help="'|'-separated, no trailing delimiter")] = False,
-    noheader: Annotated[bool, typer.Option("--noheader", "-n", help="no header line")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
-    all_revisions: Annotated[bool, typer.Option(help="include superseded revisions")] = False,
-    incomplete: Annotated[bool, typer.Option(
-        help="only charges priced without a lost node's marker (estimate status node_lost)")] = False,
-    jobs: Annotated[list[str] | None, typer.Option(
-        "--jobs", "-j", help="job id(s), comma-separated: every revision of each (as --all-revisions), "
-        "with RevisionReason")] = None,
-    pending: Annotated[bool, typer.Option(
-        "--pending", help="instead: ended jobs (a terminal event in the archive) without a charge in the ledger, "
-        "and the nodes holding each back; reads --archive and --ledger, not the broker")] = False,
-    archive: Annotated[str | None, typer.Option(help="archive root (for --pending)")] = None,
-) -> None:
-    """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime."""
-    from nodeshare.sinks.analysis.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
-    from nodeshare.sinks.analysis.usage import charges as query
-
-    if pending:
-        pending_charges(ledger, archive, as_json)
-        return
-    job_ids = split_values(jobs)
-    if job_ids and not fmt:  # a job's history: which revision, and why it superseded the one before
-        fmt = DEFAULT_FORMAT.replace("JobID,", "JobID,Revision,", 1) + ",CodeVersion,RevisionReason"
-    try:
-        header, rows = query(
-            ledger, users=split_values(user), accounts=split_values(account),
-            start=parse_time(starttime) if starttime else None, end=parse_time(endtime) if endtime else None,
-            fmt=fmt or DEFAULT_FORMAT, all_revisions=all_revisions or bool(job_ids), jobs=job_ids,
-            incomplete=incomplete)
-    except (QueryError, FileNotFoundError) as exc:
-        err.print(f"[red]charges[/red]: {exc}  (columns: {', '.join(CHARGE_COLUMNS)})")
-        raise typer.Exit(2) from None
-    if not print_machine_readable(header, rows, as_json, parsable, noheader):
-        table = Table(show_header=not noheader, box=None)
-        for c in header:
-            table.add_column(c, justify="left" if c in ("JobID", "User", "Account", "Program", "State") else "right")
-        for r in rows:
-            table.add_row(*(render_value(c, v) for c, v in zip(header, r, strict=True)))
-        out.print(table)
-
-
-def pending_charges(ledger: Path, archive: str | None, as_json: bool) -> None:
-    """``charges --pending``: the archive's ended jobs the ledger has no charge of, and why."""
-    from nodeshare.sinks.archive import ParquetArchive
-    from nodeshare.sinks.ledger import Ledger
-    from nodeshare.sinks.pending import pending_jobs
-
-    if archive is None:
-        err.print("[red]charges --pending[/red]: give --archive (ended jobs are read from its jobs.lifecycle)")
-        raise typer.Exit(2)
-    if not ledger.exists():
-        err.print(f"[red]charges --pending[/red]: no ledger at {ledger}")
-        raise typer.Exit(2)
-    charged: dict[str, int] = {}
-    with Ledger(ledger, read_only=True) as led:
-        for c in led.charges():
-            charged[c.job_id] = max(c.revision, charged.get(c.job_id, -1))
-    root = archive if "://" in archive else Path(archive).resolve()
-    settings = load_settings()
-    check_signing(settings)
-    rows = pending_jobs(ParquetArchive(root), charged, settings.policy(), verifier=settings.verifier())
-    if as_json:
-        print(json.dumps([p.as_dict() for p in rows], indent=2))
-        return
-    for p in rows:
-        out.print(f"{p.job_id}  {p.state}  ended {p.end_time:%Y-%m-%dT%H:%M:%S}  {p.reason}")
-    out.print(f"{len(rows)} ended jobs without a charge")
 
 
 @app.command("report-usage")

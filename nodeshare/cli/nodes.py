@@ -15,6 +15,7 @@ from .common import (
     err,
     load_settings,
     out,
+    publish,
     require_bootstrap,
 )
 
@@ -118,7 +119,6 @@ def nodes_down(
 
     from pydantic import ValidationError
 
-    from nodeshare.producers.kafka_producer import EventProducer
     from nodeshare.schemas import NodeDown
 
     settings = load_settings(bootstrap=bootstrap)
@@ -130,9 +130,7 @@ def nodes_down(
     except ValidationError as exc:
         err.print(f"[red]nodes down[/red]: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}")
         raise typer.Exit(2) from None
-    with EventProducer(settings, client_id="nodeshare-operator") as producer:
-        producer.send_all(records)
-        producer.flush(30)
+    publish(settings, records, "nodes down")
     out.print(f"{node}: {len(records)} node-down records published ({', '.join(r.job_id for r in records)})")
 
 

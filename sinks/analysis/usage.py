@@ -41,6 +41,9 @@ CHARGE_COLUMNS: dict[str, str] = {
     "SOP": "standard_price",
     "Charged": "price",
     "Dividend": "dividend",
+    # an operator's adjustment (schema 8): void or adjust, and what it took off the computed price
+    "Adjustment": "json_extract_string(record, '$.adjustment.action')",
+    "Credit": "coalesce(CAST(json_extract(record, '$.adjustment_credit') AS DOUBLE), 0.0)",
     "RevisionReason": "json_extract_string(record, '$.revision_reason')",  # why it superseded the last one
     "CodeVersion": "code_version",
 }

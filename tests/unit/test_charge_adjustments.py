@@ -174,3 +174,36 @@ def test_the_audit_recomputes_adjusted_charges_and_finds_an_edited_price(tmp_pat
                     [row.replace('"requested_price":2.0', '"requested_price":0.5')])
     report = audit(archive, ledger, POLICY)
     assert ("j1", 1, "adjustment") in {(m.job_id, m.revision, m.field) for m in report.mismatches}
+
+
+def test_the_cli_refuses_what_the_worker_would_and_says_so_in_one_line(tmp_path: Path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from nodeshare.cli import app
+    from nodeshare.producers import kafka_producer
+
+    ipc, life = run()
+    _, ledger, _ = archive_records(tmp_path, [*ipc, *life])
+    runner = CliRunner()
+
+    def cli(*args: str):
+        return runner.invoke(app, ["charges", *args, "--bootstrap", "127.0.0.1:1"])
+
+    missing = cli("void", "j1", "--reason", "x", "--ledger", str(tmp_path / "none.duckdb"))
+    assert missing.exit_code == 2 and "no ledger at" in missing.output and "--not-charged-yet" in missing.output
+    typo = cli("void", "j9", "--reason", "x", "--ledger", str(ledger))
+    assert typo.exit_code == 2 and "job j9 has no charge in" in typo.output
+    blank = cli("void", "j1", "--reason", " ", "--ledger", str(ledger))
+    assert blank.exit_code == 2 and "reason: says nothing" in blank.output
+    negative = cli("adjust", "j1", "--price", "-1", "--reason", "x", "--ledger", str(ledger))
+    assert negative.exit_code == 2
+
+    class Unreachable(kafka_producer.EventProducer):
+        def flush(self, timeout: float = 30.0) -> None:
+            raise kafka_producer.DeliveryError("1 records still undelivered after 30 s")
+
+    monkeypatch.setattr(kafka_producer, "EventProducer", Unreachable)
+    down = cli("void", "j1", "--reason", "faulty node", "--ledger", str(ledger))
+    assert down.exit_code == 1
+    assert "charges void: the broker at 127.0.0.1:1 did not take the records: 1 records still undelivered" in (
+        " ".join(down.output.split()))
