@@ -5,8 +5,9 @@ shutter batches, write ``ledger.charges`` before the worker, or ``decisions.powe
 apply. With a principal per role (and per node for agents), the broker refuses a write outside the
 role's topics: agents write ``node.*`` and read ``decisions.*`` and ``jobs.lifecycle``; the Slurm
 source writes ``jobs.lifecycle`` and, for a NODE_FAIL job's lost node, a ``NodeDown`` on
-``node.ipc``; the Slurm adapter writes ``cluster.inventory``; only the worker
-writes derived topics; sinks read. ``GRANTS`` is that table (docs/deployment.md prints it).
+``node.ipc``; an operator the same two (``nodes down``, ``charges void``); the Slurm adapter
+writes ``cluster.inventory``; only the worker writes derived topics; sinks read. ``GRANTS`` is
+that table (docs/deployment.md prints it).
 
 What ACLs cannot say is *which node* an agent may speak for: every agent writes ``node.ipc``.
 That part is not enforced yet (docs/deployment.md, "Identities and ACLs").
@@ -45,7 +46,7 @@ from nodeshare.schemas.catalog import (
     Role,
 )
 
-ROLES = ("agent", "slurm-source", "slurm-scheduler", "worker", "ledger-sink", "archive-sink")
+ROLES = ("agent", "slurm-source", "operator", "slurm-scheduler", "worker", "ledger-sink", "archive-sink")
 Operation = Literal["read", "write", "all"]
 
 
@@ -77,6 +78,8 @@ def grants(settings: Settings) -> list[Grant]:
     out.append(Grant("agent", "group", f"{app}-agent-", "read", prefixed=True))
     # the Slurm source: lifecycle, and a NodeDown on node.ipc for each node a NODE_FAIL job lost
     topics("slurm-source", "write", [JOBS_LIFECYCLE.name, NODE_IPC.name])
+    # an operator (``nodes down``, ``charges void|adjust|restore``): the same two topics, its own principal
+    topics("operator", "write", [JOBS_LIFECYCLE.name, NODE_IPC.name])
     topics("slurm-scheduler", "write", [CLUSTER_INVENTORY.name, DLQ.name])
     topics("slurm-scheduler", "read", [DECISIONS_PLACEMENT.name, DECISIONS_POWER.name])  # placements, power gates
     out.append(Grant("slurm-scheduler", "group", f"{app}-slurm-scheduler-sink", "read"))

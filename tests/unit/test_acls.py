@@ -21,8 +21,9 @@ def test_who_may_write_each_topic():
     assert w["p.decisions.power"] == w["p.decisions.placement"] == {"worker"}  # nor a decision agents apply
     for topic in ("node.shutter", "node.power", "node.llc"):
         assert w[f"p.{topic}"] == {"agent"}
-    assert w["p.node.ipc"] == {"agent", "slurm-source"}  # the source's NodeDown for a NODE_FAIL job's lost node
-    assert w["p.jobs.lifecycle"] == {"slurm-source"}
+    # the source's NodeDown for a NODE_FAIL job's lost node; an operator's `nodes down` and `charges void`
+    assert w["p.node.ipc"] == {"agent", "slurm-source", "operator"}
+    assert w["p.jobs.lifecycle"] == {"slurm-source", "operator"}
     assert w["p.cluster.inventory"] == {"slurm-scheduler"}
     assert w["p.dlq"] == {"worker", "ledger-sink", "slurm-scheduler"}
     assert {t.name for t in TOPICS} | set(INTERNAL_TOPICS) == {name.removeprefix("p.") for name in w}  # all written
@@ -47,7 +48,7 @@ def test_groups_are_the_ones_the_code_joins():
     assert ("agent", "ns-agent-", True) in groups
     assert ("ledger-sink", "ns-ledger-sink", False) in groups and ("archive-sink", "ns-archive-sink", False) in groups
     assert ("slurm-scheduler", "ns-slurm-scheduler-sink", False) in groups
-    assert {g[0] for g in groups} == set(ROLES) - {"slurm-source"}  # the source consumes nothing
+    assert {g[0] for g in groups} == set(ROLES) - {"slurm-source", "operator"}  # both consume nothing
 
 
 def test_the_acls_print_as_kafka_acls_commands():
