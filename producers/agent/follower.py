@@ -10,6 +10,12 @@ history ends with, and each later record is folded live. The end offset alone is
 bundled broker reports a batch's first offset as the end: docs/broker.md), nor is quiet time
 alone (a consumer still joining reads nothing for a while).
 
+Topics in ``from_end`` are read from the end offsets seen at start, not from their beginning: a
+follower whose state another topic it reads holds in full (the power follower: each node's caps on
+the compacted ``decisions.power.nodes``) takes only what comes after its start from them, so a start
+reads what the compacted topic holds (one record per node, whatever the age of the cluster), not
+every decision retention still keeps.
+
 A follower with ``commits`` (the agent's follower of ``jobs.lifecycle``) acts on every record it
 reads instead, so ``handle`` must be idempotent: a start resumes after the offsets its group
 committed (each batch is committed once handled, so a crash reads at most that batch again), and
@@ -74,6 +80,8 @@ class Follower:
     #: False: a fold of the whole history, every start (nothing committed; the history is folded
     #: without acting). True: events acted on once each, resumed after the committed offsets.
     commits = False
+    #: topics (catalog names) whose history is not read: from the end offsets seen at start
+    from_end: tuple[str, ...] = ()
 
     def __init__(self, settings: Any, node: str) -> None:
         self.settings = settings
@@ -156,11 +164,13 @@ class Follower:
             self._answered = True
             FOLLOWER_CONNECTED.labels(self.purpose).set(1)
             ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=ASK_S) for tp in parts}
-            starts = {key: OFFSET_BEGINNING for key in ends}
+            starts = {key: high if names[key[0]] in self.from_end else OFFSET_BEGINNING
+                      for key, (_, high) in ends.items()}
             if self.commits:  # resume after what the group committed (a negative offset: nothing committed)
                 starts.update({(tp.topic, tp.partition): tp.offset
                                for tp in consumer.committed(parts, timeout=ASK_S) if tp.offset >= 0})
-            behind = {key: high for key, (low, high) in ends.items() if high > max(low, starts[key])}  # history to read
+            # history to read (a start past the end offset, as from_end's, reads none)
+            behind = {key: high for key, (low, high) in ends.items() if high > max(low, starts[key])}
             consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in ends])
             while not self._stop.is_set():
                 self.idle()

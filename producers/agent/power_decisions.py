@@ -1,17 +1,23 @@
 """The node agent applies ``decisions.power``: the caps the power manager decided for this node.
 
-The caps a node must hold are a fold of every decision, read from the topic's start as
-``follower.Follower`` reads (history folded without writing, then the caps it ends with, then each
-change as it arrives). A refused cap (no domain, out of range, no permission) is logged and
-counted; the processor keeps its limit and the agent goes on. A cap that cannot be made safe (the
-watchdog is gone) stops the follower: every limit is restored and the agent exits (``follower``).
+The caps a node must hold are the newest state the power manager stated for it: read at start from
+the compacted ``decisions.power.nodes`` (keyed by node: every node's latest state, whatever the age
+of the cluster) as ``follower.Follower`` reads (history folded without writing, then the caps it
+ends with), then each change as it arrives on either topic. ``decisions.power`` is read from its end
+only (issue 42: a start used to fold every decision retention kept, 30 days of the whole machine's).
+A refused cap (no domain, out of range, no permission) is logged and counted; the processor keeps
+its limit and the agent goes on. A cap that cannot be made safe (the watchdog is gone) stops the
+follower: every limit is restored and the agent exits (``follower``).
 
 The fold is ``streams.core.power.caps.CapFold``: ``decisions.power`` has several partitions (keyed
 by job) and Kafka orders records only within one, so each decision carries, per node it changes,
 the node's sequence number and all its caps after it; the newest state wins whatever the
-interleaving. The same states are on the compacted ``decisions.power.nodes`` (keyed by node), which
-the follower reads too: a node whose caps did not change within ``decisions.power``'s retention
-still starts with them.
+interleaving. The worker sends the same states to ``decisions.power.nodes`` after each decision and
+restates every node's after each rebuild, so the compacted topic holds what a decision before the
+agent's start decided, also one that ``decisions.power``'s retention deleted. A decision of a
+worker from before schema 6 (no node states) counts only if it comes after the agent's start: the
+upgrade order (worker first, docs/upgrades.md) and the restatement after the upgraded worker's
+rebuild put every such node's caps on the compacted topic.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class CapFollower(Follower):
 
     topic_name = DECISIONS_POWER.name
     also_topics = (DECISIONS_POWER_NODES.name,)  # each node's latest state, kept past decisions.power's retention
+    from_end = (DECISIONS_POWER.name,)  # its history is on decisions.power.nodes
     purpose = "power"
 
     def __init__(self, settings: Any, node: str, powercap: Powercap) -> None:
