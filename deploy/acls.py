@@ -31,6 +31,7 @@ from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
     DECISIONS_PLACEMENT,
+    DECISIONS_PLACEMENT_NODES,
     DECISIONS_POWER,
     DECISIONS_POWER_NODES,
     DLQ,
@@ -74,7 +75,7 @@ def grants(settings: Settings) -> list[Grant]:
     # agents (one principal per node): measurements out, decisions and lifecycle in
     topics("agent", "write", [NODE_IPC.name, NODE_SHUTTER.name, NODE_LLC.name, NODE_POWER.name])
     topics("agent", "read", [DECISIONS_POWER.name, DECISIONS_POWER_NODES.name, DECISIONS_PLACEMENT.name,
-                             JOBS_LIFECYCLE.name])
+                             DECISIONS_PLACEMENT_NODES.name, JOBS_LIFECYCLE.name])
     out.append(Grant("agent", "group", f"{app}-agent-", "read", prefixed=True))
     # the Slurm source: lifecycle, and a NodeDown on node.ipc for each node a NODE_FAIL job lost
     topics("slurm-source", "write", [JOBS_LIFECYCLE.name, NODE_IPC.name])

@@ -38,8 +38,9 @@ RETENTION_MS: dict[str, int] = {
     "estimates.degradation": -1,
     "profiles.program": -1,
     "decisions.power.nodes": -1,  # each node's latest caps: an agent starting after decisions.power's retention
-    # Folded from their beginning at each start (agents) or rebalance (the managers): longer than the
-    # longest job may run, or a restart forgets a running job's caps or booking.
+    "decisions.placement.nodes": -1,  # each node's cache shares: what an agent with --resctrl reads
+    # Read from their end by agents, whose state is the compacted ``.nodes`` topics above; the Slurm
+    # adapter follows them live. 30 days: a tail for operators (``decisions tail``) and audits.
     "decisions.power": 30 * DAY_MS,
     "decisions.placement": 30 * DAY_MS,
     "power.machine": 30 * DAY_MS,  # the managers' logs: a restart folds only what follows their snapshot

@@ -18,6 +18,7 @@ from .events import (
     LlcSample,
     NodeDown,
     NodeInventory,
+    NodePlacementState,
     NodePowerState,
     PlacementDecision,
     PowerDecision,
@@ -104,6 +105,10 @@ DECISIONS_PLACEMENT = TopicSpec(
     "decisions.placement", "job_id", PlacementDecision, Role.OUTPUT, "delete",
     "scale factor, nodes, pairing or delay",
 )
+DECISIONS_PLACEMENT_NODES = TopicSpec(
+    "decisions.placement.nodes", "node", NodePlacementState, Role.OUTPUT, "compact",
+    "each node's cache shares as the placement manager last stated them: what an agent with --resctrl reads",
+)
 LEDGER_CHARGES = TopicSpec(
     "ledger.charges", "job_id", Charge, Role.OUTPUT, "delete",
     "charge rows, one per job revision",
@@ -116,7 +121,7 @@ DLQ = TopicSpec(
 TOPICS: tuple[TopicSpec, ...] = (
     NODE_IPC, NODE_SHUTTER, NODE_LLC, NODE_POWER, JOBS_LIFECYCLE, CLUSTER_INVENTORY,
     ESTIMATES_DEGRADATION, PROFILES_PROGRAM, DECISIONS_POWER, DECISIONS_POWER_NODES, DECISIONS_PLACEMENT,
-    LEDGER_CHARGES, DLQ,
+    DECISIONS_PLACEMENT_NODES, LEDGER_CHARGES, DLQ,
 )
 INPUT_TOPICS: tuple[TopicSpec, ...] = tuple(t for t in TOPICS if t.role is Role.INPUT)
 BY_NAME: dict[str, TopicSpec] = {t.name: t for t in TOPICS}

@@ -58,6 +58,7 @@ from pydantic import (
 #: * 8: ``jobs.lifecycle`` carries ``ChargeAdjustment``: an operator's adjust, void or restore of a
 #:   job's price, priced by the worker as a new revision; a ``Charge`` names the adjustment it
 #:   applied (``adjustment``) and what it took off the computed price (``adjustment_credit``).
+#:   ``decisions.placement.nodes`` carries each node's cache shares (``NodePlacementState``).
 SCHEMA_VERSION = 8
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
@@ -717,6 +718,36 @@ class PlacementDecision(Record):
     predicted_slowdown: Annotated[float, Field(ge=0.0)] | None = None
     reason: str = ""
     inputs: PlacementInputs | None = None
+
+
+class LlcShare(BaseModel):
+    """The last-level cache ways (and memory bandwidth) one job holds on a node."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    job_id: JobId
+    ways: PosInt
+    bandwidth_gbps: Annotated[float, Field(gt=0.0)] | None = None  # None: no bandwidth booked (no MBA)
+
+
+class NodePlacementState(Record):
+    """Every cache share one node must hold, as the placement manager last stated it (version 8),
+    on ``decisions.placement.nodes`` (compacted, keyed by node): sent when a decision, a job's start
+    elsewhere or its end changes the node's shares, and for every node after each rebuild. An agent
+    with ``--resctrl`` reads it alone: a start reads one record per node, not every decision
+    retention keeps, and a job that ended gives its ways back at once."""
+
+    kind: Literal["node_placement_state"] = "node_placement_state"
+    node: NodeName
+    shares: tuple[LlcShare, ...] = ()
+    decided_by: Annotated[str, Field(min_length=1, max_length=ID_MAX_LENGTH)]  # the triggering record's event id
+
+    @field_validator("shares")
+    @classmethod
+    def _one_share_a_job(cls, v: tuple[LlcShare, ...]) -> tuple[LlcShare, ...]:
+        if len({s.job_id for s in v}) != len(v):
+            raise ValueError("a job holds one share of a node")
+        return v
 
 
 # --------------------------------------------------------------------------- ledger.charges

@@ -19,7 +19,15 @@ from nodeshare.schemas import (
     encode,
     key_of,
 )
-from nodeshare.schemas.events import JobPowerPlan, PlacementDecision, PowerAction, PowerDecision, ProcessorCap
+from nodeshare.schemas.events import (
+    JobPowerPlan,
+    LlcShare,
+    NodePlacementState,
+    PlacementDecision,
+    PowerAction,
+    PowerDecision,
+    ProcessorCap,
+)
 from nodeshare.schemas.signing import Signer, Verifier
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.ledger import Ledger
@@ -203,6 +211,13 @@ def placement(job: str, nodes: tuple[str, ...], ways: int | None = None, gbps: f
     return PlacementDecision(event_id=f"p-{job}-{action}-{nodes}", source="test", event_time=T0, job_id=job,
                              action=PlacementAction(action), policy="sns", nodes=nodes,
                              cores_per_node=1 if nodes else None, llc_ways=ways, bandwidth_gbps=gbps, reason="test")
+
+
+def node_shares(node: str, *shares: tuple[str, int, float | None], by: str = "test") -> NodePlacementState:
+    """``decisions.placement.nodes``' record of ``node``: (job, ways, bandwidth in GB/s or None) each."""
+    return NodePlacementState(event_id=f"shares-{node}-{by}", source="test", event_time=T0, node=node,
+                              shares=tuple(LlcShare(job_id=j, ways=w, bandwidth_gbps=g) for j, w, g in shares),
+                              decided_by=by)
 
 
 def resctrl_tree(root: Path, ways: int = 11, caches: int = 2, mba: bool = True) -> Path:

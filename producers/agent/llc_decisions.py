@@ -1,8 +1,12 @@
 """The node agent applies the cache shares of ``decisions.placement`` through resctrl.
 
-Placement decisions book LLC ways and memory bandwidth per job and node (Seed 001); the agent
-folds them for its node (``streams.core.placement.resctrl.NodeShares``) from the topic's start as
-``follower.Follower`` reads, and at each rescan ``sync`` gives every running job with a share its
+Placement decisions book LLC ways and memory bandwidth per job and node (Seed 001); the placement
+manager states each node's whole set of shares on the compacted ``decisions.placement.nodes`` when
+it changes (a decision, a job's start elsewhere, its end) and for every node after a rebuild. The
+agent reads that topic alone (``streams.core.placement.resctrl.NodeShares.state``), from its start
+as ``follower.Follower`` reads: a start reads one record per node, not every decision retention
+keeps (issue 42; before, it folded 30 days of ``decisions.placement`` and kept the shares of jobs
+long ended). At each rescan ``sync`` gives every running job with a share its
 resctrl group (``layout``: a contiguous run of ways of its own, at least ``min_cbm_bits``, MBA's
 percentage) holding its processes, removes the groups of jobs that left, and narrows the default
 group (every other process) to the ways no job holds (``default_mask``). A write the kernel refuses
@@ -17,8 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from nodeshare.runtime import metrics
-from nodeshare.schemas import DecodeError, PlacementDecision, decode_model
-from nodeshare.schemas.catalog import DECISIONS_PLACEMENT
+from nodeshare.schemas import DecodeError, NodePlacementState, decode_model
+from nodeshare.schemas.catalog import DECISIONS_PLACEMENT_NODES
 from nodeshare.streams.core.placement.resctrl import NodeShares, default_mask, layout
 
 from .follower import Follower
@@ -29,9 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class LlcFollower(Follower):
-    """Folds ``decisions.placement`` for ``node``; ``sync`` applies the shares to running jobs."""
+    """Holds ``node``'s shares from ``decisions.placement.nodes``; ``sync`` applies them to running jobs."""
 
-    topic_name = DECISIONS_PLACEMENT.name
+    topic_name = DECISIONS_PLACEMENT_NODES.name
     purpose = "llc"
 
     def __init__(self, settings: Any, node: str, resctrl: Resctrl, node_gbps: float) -> None:
@@ -46,13 +50,15 @@ class LlcFollower(Follower):
         self.unplaced: set[str] = set()  # jobs with a share that found no room (said once each)
 
     def handle(self, value: bytes | None, write: bool, topic: str | None = None) -> None:
+        if value is None:
+            return  # a tombstone: compaction's, nothing to fold
         try:
-            decision = decode_model(PlacementDecision, value)
+            state = decode_model(NodePlacementState, value)
         except DecodeError as exc:
-            log.warning("decisions.placement: skipped a record that does not decode: %s", exc.reason)
+            log.warning("decisions.placement.nodes: skipped a record that does not decode: %s", exc.reason)
             return
         with self._lock:
-            self.shares.apply(decision)
+            self.shares.state(state)
 
     def settle(self) -> None:
         """Nothing to write yet: ``sync`` does, on the agent's loop, where the jobs' processes are known."""

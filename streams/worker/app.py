@@ -33,6 +33,7 @@ from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import (
     CLUSTER_INVENTORY,
     DECISIONS_PLACEMENT,
+    DECISIONS_PLACEMENT_NODES,
     DECISIONS_POWER,
     DECISIONS_POWER_NODES,
     DLQ,
@@ -283,20 +284,25 @@ def add_placement_agents(app: faust.App, settings: Settings, cursors: list[Curso
     """Spread-n-Share and the pair model need the whole cluster in one place: lifecycle, inventory,
     CAT episodes and degradation estimates (with each job's IPC moments) go through the single-partition
     ``placement.cluster`` log to the PlacementManager (streams.core.placement.stream), which publishes
-    ``profiles.program`` and ``decisions.placement``."""
+    ``profiles.program``, ``decisions.placement`` and each node's cache shares on the compacted
+    ``decisions.placement.nodes`` (what the agents read: restated for every node after a rebuild)."""
     inputs = app.topic(*[settings.topic(t.name) for t in ROUTED])
     outputs = {t.name: app.topic(settings.topic(t.name))
-               for t in (PROFILES_PROGRAM, DECISIONS_PLACEMENT)}
+               for t in (PROFILES_PROGRAM, DECISIONS_PLACEMENT, DECISIONS_PLACEMENT_NODES)}
 
     async def publish(record: Any) -> None:
         spec = TOPIC_OF_RECORD[type(record)]
         await outputs[spec.name].send(key=key_of(record), value=encode(record))
         metrics.EVENTS_OUT.labels(settings.topic(spec.name)).inc()
 
+    async def restate(manager: PlacementManager) -> None:  # shares decided before the topic existed, or lost
+        for state in manager.restatement():
+            await publish(state)
+
     add_log_manager(app, settings, "placement", PLACEMENT_LOG, inputs, (NODE_LLC,),
                     lambda: PlacementManager(settings.placement_policy, settings.placement_age_limit_s,
                                              settings.placement_pairing, prefix=settings.topic_prefix), publish,
-                    cursors)
+                    cursors, restate)
 
 
 def make_counting_app(settings: Settings, datadir: Path | None = None, loglevel: str = "warning") -> faust.App:

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from factories import limit, placement, powercap_tree, resctrl_tree
+from factories import limit, node_shares, placement, powercap_tree, resctrl_tree
 from factories import power_decision as decision
 from factories import power_plan as plan
 
@@ -155,9 +155,11 @@ def test_the_agent_gives_each_job_its_booked_ways_and_every_ending_takes_them_ba
     create_topics(settings)
     root = resctrl_tree(tmp_path / "resctrl")
     with EventProducer(settings) as producer:  # j1 and j2 placed on n1 with cache shares; j3 elsewhere
-        for d in (placement("j1", ("n1",), ways=4, gbps=10.0), placement("j2", ("n1",), ways=3),
-                  placement("j3", ("n2",), ways=5)):
-            producer.send(d)
+        # as the placement manager states them on decisions.placement.nodes, the one topic the agent reads
+        for state in (node_shares("n1", ("old", 6, None), by="1"), node_shares("n2", ("j3", 5, None)),
+                      node_shares("n1", ("j1", 4, 10.0), ("j2", 3, None), by="2")):
+            producer.send(state)
+        producer.send(placement("j1", ("n1",), ways=2))  # a decision alone is not read: its node's state is
     write_jobs(tmp_path, "j1", "j2")
     agent = subprocess.Popen(
         [sys.executable, "-m", "nodeshare", "agent", "--jobs", str(tmp_path / "jobs.toml"), "--node", "n1",

@@ -95,6 +95,19 @@ def test_profiles_and_placement_decisions_come_out_of_the_running_pipeline(
             assert d.inputs is not None and d.inputs.model_pairs >= MIN_PAIRS, d
     placed = [d for d in decisions if d.action is PlacementAction.PLACE]
     assert placed and all(d.nodes and d.scale_factor for d in placed)
+    # each node's cache shares on decisions.placement.nodes (what agents read): every booked job was
+    # stated on its nodes, and once every job ended each node's latest state holds none
+    from nodeshare.schemas.catalog import DECISIONS_PLACEMENT_NODES as NODES
+
+    booked = {(n, d.job_id) for d in decisions if d.llc_ways for n in d.nodes}
+    assert booked
+
+    def given_back(msgs: list) -> bool:
+        states = [decode(NODES, m.value()) for m in msgs]
+        seen = {(s.node, share.job_id) for s in states for share in s.shares}
+        last = {s.node: s for s in states}
+        return seen >= booked and all(not last[n].shares for n, _ in booked)
+    read_until(run.settings, NODES.name, given_back)
 
     estimates = [decode(ESTIMATES_DEGRADATION, m.value()) for m in read_until(
         run.settings, ESTIMATES_DEGRADATION.name,

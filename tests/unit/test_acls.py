@@ -37,7 +37,7 @@ def test_every_input_is_read_by_the_worker_and_the_archive():
         assert ("worker", f"p.{spec.name}") in read and ("archive-sink", f"p.{spec.name}") in read
     outputs = {f"p.{t.name}" for t in TOPICS if t.role is Role.OUTPUT}
     assert not {name for role, name in read if role == "agent"} & (outputs - {
-        "p.decisions.power", "p.decisions.power.nodes", "p.decisions.placement"})
+        "p.decisions.power", "p.decisions.power.nodes", "p.decisions.placement", "p.decisions.placement.nodes"})
     assert {name for role, name in read if role == "slurm-scheduler"} == {"p.decisions.placement",
                                                                           "p.decisions.power"}
 

@@ -274,3 +274,32 @@ def test_bad_bytes_are_skipped_not_fatal() -> None:
     assert m.apply("node.llc", b"{not json") == []
     assert m.apply("no.such.topic", b"{}") == []
     assert m.skipped == 2
+
+
+def test_each_node_whose_cache_shares_change_gets_its_whole_set_and_a_rebuild_restates_them() -> None:
+    """decisions.placement.nodes (issue 42, item 6): what an agent with --resctrl reads instead of
+    every decision. d books 4 ways on each of its two nodes; it starts elsewhere, and its shares
+    leave the nodes it was placed on; a job that ends gives its ways back."""
+    from nodeshare.schemas.events import LlcShare, NodePlacementState
+    from nodeshare.streams.core import snapshot
+
+    m = PlacementManager()
+    feed(m, history())
+    out = feed(m, [ev("d", JobState.SUBMITTED, "CG", (), submit_s=5000)])
+    [d] = [r for r in out if isinstance(r, PlacementDecision)]
+    states = [r for r in out if isinstance(r, NodePlacementState)]
+    assert d.bandwidth_gbps == pytest.approx(8.0 - 4.0 * 2 / 6)
+    share = LlcShare(job_id="d", ways=4, bandwidth_gbps=d.bandwidth_gbps)
+    assert [(s.node, s.shares) for s in states] == [(n, (share,)) for n in sorted(d.nodes)]
+    assert all(s.decided_by == "d-submitted" for s in states)
+    assert [r for r in feed(m, [inventory("n9")]) if isinstance(r, NodePlacementState)] == []  # nothing changed
+    # restated after a rebuild (the snapshot round trip the worker makes), the same sets
+    _, rebuilt = snapshot.usable(snapshot.dump(m, 7), PlacementManager())
+    assert [(s.node, s.shares) for s in rebuilt.restatement()] == [(s.node, s.shares) for s in states]
+    # d starts on another node than the one it was placed on: its shares leave both
+    out = feed(m, [ev("d", JobState.STARTED, "CG", ("n9",), start_s=5010)])
+    gone = [r for r in out if isinstance(r, NodePlacementState)]
+    assert [(s.node, s.shares) for s in gone] == [(n, ()) for n in sorted(d.nodes)]
+    assert [r for r in feed(m, [ev("d", JobState.ENDED, "CG", ("n9",), start_s=5010, end_s=5100)])
+            if isinstance(r, NodePlacementState)] == []  # no shares on n9 to give back
+    assert [(s.node, s.shares) for s in m.restatement()] == [(n, ()) for n in sorted(d.nodes)]

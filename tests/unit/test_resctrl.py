@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from factories import placement, resctrl_tree
+from factories import node_shares, placement, resctrl_tree
 
 from nodeshare.producers.agent.jobs import LocalJob
 from nodeshare.producers.agent.llc_decisions import LlcFollower
@@ -99,9 +99,11 @@ def test_the_watchdog_removes_the_groups_of_an_agent_that_never_did(tmp_path):
 def test_the_follower_gives_running_jobs_their_shares_once_caught_up(tmp_path):
     root = resctrl_tree(tmp_path / "resctrl")
     follower = LlcFollower(settings=None, node="n1", resctrl=Resctrl(root), node_gbps=50.0)
-    follower.handle(encode(placement("a", ("n1",), ways=4, gbps=10.0)), write=False)
-    follower.handle(encode(placement("b", ("n1",), ways=2)), write=False)
+    follower.handle(encode(node_shares("n1", ("z", 1, None))), write=False)  # an older state: replaced whole
+    follower.handle(encode(node_shares("n1", ("a", 4, 10.0), ("b", 2, None))), write=False)
+    follower.handle(encode(node_shares("n2", ("z", 3, None))), write=False)  # another node's: not ours
     follower.handle(b"not json", write=False)  # skipped, logged
+    follower.handle(None, write=False)  # a tombstone
     jobs = {"a": LocalJob("a", frozenset({Proc(4242, 0)})), "z": LocalJob("z", frozenset())}
     follower.sync(jobs)
     assert not list(root.glob("nodeshare-*"))  # not caught up: nothing written yet
@@ -119,8 +121,7 @@ def test_a_job_the_kernel_refuses_keeps_the_whole_cache_and_is_not_retried_every
 
     root = resctrl_tree(tmp_path / "resctrl")
     follower = LlcFollower(settings=None, node="n1", resctrl=Resctrl(root), node_gbps=50.0)
-    follower.handle(encode(placement("a", ("n1",), ways=4)), write=False)
-    follower.handle(encode(placement("b", ("n1",), ways=2)), write=False)
+    follower.handle(encode(node_shares("n1", ("a", 4, None), ("b", 2, None))), write=False)
     follower.caught_up.set()
     real, attempts = Path.write_text, []
 

@@ -40,7 +40,7 @@ def test_round_trip_through_the_one_serializer(record):
 
 
 def test_every_topic_has_a_model_and_a_unique_name():
-    assert len({t.name for t in TOPICS}) == len(TOPICS) == 13
+    assert len({t.name for t in TOPICS}) == len(TOPICS) == 14
     for rt in TOPIC_OF_RECORD:
         assert {"event_id", "schema_version", "source", "event_time"} <= set(rt.model_fields)
 

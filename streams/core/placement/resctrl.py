@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nodeshare.schemas.events import PlacementAction, PlacementDecision
+from nodeshare.schemas.events import NodePlacementState, PlacementAction, PlacementDecision
 
 MBA_GRANULARITY = 10  # percent
 
@@ -62,6 +62,12 @@ class NodeShares:
             self.shares[decision.job_id] = Share(decision.llc_ways, decision.bandwidth_gbps)
         elif placed:  # placed elsewhere, or without a cache share: nothing to isolate here
             self.shares.pop(decision.job_id, None)
+
+    def state(self, state: NodePlacementState) -> None:
+        """The node's shares as the placement manager stated them (``decisions.placement.nodes``): the
+        whole set, replacing what was held (a job that ended is gone from it)."""
+        if state.node == self.node:
+            self.shares = {s.job_id: Share(s.ways, s.bandwidth_gbps) for s in state.shares}
 
 
 def mb_percent(bandwidth_gbps: float | None, node_gbps: float) -> int | None:

@@ -18,14 +18,19 @@ CAT episodes and degradation estimates (running ones carry each job's IPC moment
   model's degradation graph (blossom or greedy, Seed 003); a pair predicted faster than one
   after the other and within both jobs' alpha starts together on one node (``pair`` decisions).
 
-Each decision carries its inputs. Pure: the same log gives the same records.
+Each decision carries its inputs. Each node whose cache shares a record changed (a decision, a job
+started elsewhere, one that ended) gets its whole set of shares on the compacted
+``decisions.placement.nodes`` (``NodePlacementState``), which is what node agents with ``--resctrl``
+read; ``restatement`` states every node's after a rebuild. Pure: the same log gives the same records.
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import numpy as np
 
@@ -41,7 +46,9 @@ from nodeshare.schemas.events import (
     DegradationEstimate,
     JobEvent,
     JobState,
+    LlcShare,
     NodeInventory,
+    NodePlacementState,
     PlacementAction,
     PlacementDecision,
     PlacementInputs,
@@ -180,6 +187,9 @@ class PlacementManager:
     early: list[JobEvent] = field(default_factory=list)  # submissions before any node was known
     phases: JobPhases = field(default_factory=JobPhases)  # duplicate and late lifecycle events change nothing
     skipped: int = 0
+    #: each node's cache shares as last stated on decisions.placement.nodes
+    stated: dict[str, tuple[LlcShare, ...]] = field(default_factory=dict)
+    clock: datetime | None = None  # the newest event time folded (a restatement's time)
 
     def config(self) -> tuple[object, ...]:
         """What the manager was configured with (a snapshot under another is not used)."""
@@ -191,6 +201,10 @@ class PlacementManager:
         except (KeyError, DecodeError):
             self.skipped += 1  # the router dead-letters what it can; anything else is ignored here
             return []
+        touched: set[str] = set()
+        clock = getattr(self, "clock", None)  # a snapshot from before schema 8 has none
+        if clock is None or record.event_time > clock:
+            self.clock = record.event_time
         running = isinstance(record, DegradationEstimate) and not record.final
         before = {p: n.blocks // PROFILE_EVERY for p, n in self.book.programs.items()} if running else {}
         changed = self.book.apply(record)
@@ -216,7 +230,49 @@ class PlacementManager:
                 self.scheduler.add_node(record.node, cap)
             out += self._schedule(record)
         elif isinstance(record, JobEvent):
+            if self.scheduler is not None and record.state is not JobState.SUBMITTED:
+                touched |= self.scheduler.nodes_of(record.job_id)  # a start elsewhere or an end frees them
             out += self._lifecycle(record)
+        touched |= {n for r in out if isinstance(r, PlacementDecision) for n in r.nodes}
+        return out + self._node_states(touched, record)
+
+    def shares(self, node: str) -> tuple[LlcShare, ...]:
+        """The cache shares booked on ``node`` now, by job."""
+        assert self.scheduler is not None
+        return tuple(LlcShare(job_id=job, ways=ways, bandwidth_gbps=bw or None)
+                     for job, (_, ways, bw) in sorted(self.scheduler.loads[node].jobs.items()) if ways > 0)
+
+    def _node_states(self, nodes: Iterable[str], trigger: Record) -> list[Record]:
+        """A ``NodePlacementState`` for each of ``nodes`` whose shares differ from those last stated."""
+        out: list[Record] = []
+        if self.scheduler is None:
+            return out
+        stated = self.__dict__.setdefault("stated", {})  # a snapshot from before schema 8 has none
+        for node in sorted(n for n in nodes if n in self.scheduler.loads):
+            shares = self.shares(node)
+            if stated.get(node, ()) != shares:
+                stated[node] = shares
+                out.append(self._node_state(node, shares, trigger.event_id, trigger.event_time))
+        return out
+
+    def _node_state(self, node: str, shares: tuple[LlcShare, ...], by: str, at: datetime) -> NodePlacementState:
+        return NodePlacementState(event_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"placement-node/{node}/{by}")),
+                                  source=SOURCE, event_time=at, node=node, shares=shares, decided_by=by)
+
+    def restatement(self) -> list[NodePlacementState]:
+        """Every node's shares as this manager holds them (those with none too, when it stated some
+        before): published after each rebuild, so a node whose state was decided before the topic
+        existed (an upgrade), or whose record was lost, has one."""
+        if self.scheduler is None:
+            return []
+        stated = self.__dict__.setdefault("stated", {})
+        at = getattr(self, "clock", None) or datetime(2000, 1, 1, tzinfo=UTC)
+        out = []
+        for node in sorted(self.scheduler.loads):
+            shares = self.shares(node)
+            if shares or node in stated:
+                stated[node] = shares
+                out.append(self._node_state(node, shares, f"restated/{node}/{len(shares)}", at))
         return out
 
     def _submit(self, ev: JobEvent) -> None:
