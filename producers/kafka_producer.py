@@ -49,7 +49,8 @@ class EventProducer:
         spec = TOPIC_OF_RECORD[type(record)]
         identity = None
         if self._signer is not None:
-            identity = self._signer.identity_for(record.kind, getattr(record, "node", None))
+            identity = self._signer.identity_for(record.kind, getattr(record, "node", None),
+                                                 getattr(record, "operator", None))
         self.send_raw(self._settings.topic(spec.name), key_of(record), encode(record), identity=identity,
                       on_delivery=on_delivery)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args, get_origin
 
-from pydantic import Field, TypeAdapter
+from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from .events import (
     Charge,
@@ -52,8 +52,8 @@ class TopicSpec:
         args = getattr(self.value, "__args__", None)
         if args is None:  # a plain model
             return (self.value,)
-        union = args[0]  # Annotated[Union[...], Field(...)]
-        return tuple(union.__args__)
+        union = args[0]  # Annotated[Union[...], Field(...)]; a member may be Annotated[Model, Tag(...)]
+        return tuple(get_args(m)[0] if get_origin(m) is Annotated else m for m in union.__args__)
 
 
 NodeIpcValue = Annotated[ShutterBatch | ShutterBlock | JobLeftNode | NodeDown, Field(discriminator="kind")]
@@ -75,7 +75,17 @@ NODE_POWER = TopicSpec(
     "node.power", "node", PowerReading, Role.INPUT, "delete",
     "per-processor power readings (watts, cap, instructions)",
 )
-JobsLifecycleValue = Annotated[JobEvent | ChargeAdjustment, Field(discriminator="kind")]
+def _lifecycle_kind(value: Any) -> str:
+    """A jobs.lifecycle record's kind; one without (``kind`` has a default, and the published schema
+    never required it) is a ``JobEvent``, as every record of the topic was before schema 8."""
+    if isinstance(value, dict):
+        return str(value.get("kind", "job_event"))
+    return str(getattr(value, "kind", "job_event"))
+
+
+JobsLifecycleValue = Annotated[
+    Annotated[JobEvent, Tag("job_event")] | Annotated[ChargeAdjustment, Tag("charge_adjustment")],
+    Discriminator(_lifecycle_kind)]
 
 JOBS_LIFECYCLE = TopicSpec(
     "jobs.lifecycle", "job_id", JobsLifecycleValue, Role.INPUT, "delete",

@@ -438,7 +438,13 @@ class ChargeAdjustment(Record):
     action: AdjustmentAction
     price: Annotated[float, Field(ge=0.0)] | None = None  # service units; ``adjust`` only
     reason: Annotated[str, Field(min_length=1, max_length=REASON_MAX_LENGTH)]
-    operator: Name  # who asked for it (the account that ran the command)
+    #: who asked for it: with signatures on, the record must be signed by ``service/operator-<operator>``
+    operator: Annotated[str, Field(min_length=1, max_length=NAME_MAX_LENGTH, pattern=r"^[A-Za-z0-9._@:+-]+$")]
+
+    @field_validator("price")
+    @classmethod
+    def _no_negative_zero(cls, v: float | None) -> float | None:
+        return None if v is None else v + 0.0  # -0.0 + 0.0 is 0.0
 
     @model_validator(mode="after")
     def _price_fits_action(self) -> ChargeAdjustment:

@@ -39,6 +39,8 @@ AUTH_FIELD = "auth"
 #: The two kinds of identity.
 NODE = "node/"
 SERVICE = "service/"
+#: An operator's service identity (``nodeshare charges``): the rest of it is the operator's name.
+OPERATOR = "service/operator-"
 _IDENTITY = re.compile(r"(node|service)/[A-Za-z0-9._@:+-]{1,200}")  # whole string: fullmatch
 _KEY_LABEL = b"nodeshare identity key v1\x00"
 _MAC_LABEL = b"nodeshare-auth v1\x00"
@@ -148,7 +150,8 @@ IDENTITY_RULES: dict[str, tuple[str, ...]] = {
     "shutter_window": (NODE,), "llc_sample": (NODE,), "power_reading": (NODE,),
     "node_down": (SERVICE,),  # a node that is down cannot say so; another node must not
     "job_event": (SERVICE,), "node_inventory": (SERVICE, NODE),
-    "charge_adjustment": (SERVICE,),  # an operator's, run with a service key (``nodeshare charges void``)
+    # an operator's (``nodeshare charges void``), signed by service/operator-<its operator field>
+    "charge_adjustment": (SERVICE,),
 }
 
 
@@ -161,6 +164,9 @@ def identity_problem(record: Any, signer: str) -> str | None:
         return f"no identity may write a {kind!r} record"
     if not signer:
         return f"{kind} is not signed by a known identity (no valid {AUTH_HEADER} header)"
+    if kind == "charge_adjustment" and signer != f"{OPERATOR}{getattr(record, 'operator', '')}":
+        return (f"charge_adjustment by operator {getattr(record, 'operator', '')!r} must be signed by "
+                f"{OPERATOR}{getattr(record, 'operator', '')}, not {signer}")
     if signer.startswith(SERVICE):
         return None if SERVICE in rule else f"{kind} must be written by the node it is about, not {signer}"
     if NODE not in rule:
@@ -189,11 +195,13 @@ class Signer:
         self._key = key
         self._verifier = Verifier(secret) if secret is not None else None
 
-    def identity_for(self, kind: str, node: str | None) -> str:
-        """Who signs a record of ``kind`` about ``node``: the one identity of a key, or the one the
-        rules ask for when signing with the site secret."""
+    def identity_for(self, kind: str, node: str | None, operator: str | None = None) -> str:
+        """Who signs a record of ``kind`` about ``node`` (by ``operator``, for an operator's record):
+        the one identity of a key, or the one the rules ask for when signing with the site secret."""
         if self.identity is not None:
             return self.identity
+        if kind == "charge_adjustment" and operator:
+            return f"{OPERATOR}{operator}"
         return f"{NODE}{node}" if IDENTITY_RULES.get(kind) == (NODE,) and node else self.service
 
     def header(self, topic: str, msg_key: bytes | None, value: bytes | None, identity: str | None = None) -> bytes:
@@ -204,18 +212,19 @@ class Signer:
             return sign(self._key, self.identity, topic, msg_key, value)
         assert self._verifier is not None
         if identity is None:
-            kind, node = _kind_and_node(value)
-            identity = self.identity_for(kind, node)
+            kind, node, operator = _kind_node_operator(value)
+            identity = self.identity_for(kind, node, operator)
         return sign(self._verifier.key(identity), identity, topic, msg_key, value)
 
 
-def _kind_and_node(value: bytes | None) -> tuple[str, str | None]:
-    """A raw value's ``kind`` and ``node`` (for a site signer handed bytes, not a record)."""
+def _kind_node_operator(value: bytes | None) -> tuple[str, str | None, str | None]:
+    """A raw value's ``kind``, ``node`` and ``operator`` (for a site signer handed bytes, not a record)."""
     try:
         doc = json.loads(value or b"")
     except ValueError:
-        return "", None
+        return "", None, None
     if not isinstance(doc, dict):
-        return "", None
-    node = doc.get("node")
-    return str(doc.get("kind", "")), node if isinstance(node, str) else None
+        return "", None, None
+    node, operator = doc.get("node"), doc.get("operator")
+    return (str(doc.get("kind", "")), node if isinstance(node, str) else None,
+            operator if isinstance(operator, str) else None)

@@ -119,7 +119,7 @@ def row_id(topic: str, partition: int, offset: int, value: bytes | None) -> RowI
 def archived_messages(archive: ParquetArchive, keys: set[bytes] | None = None,
                       refused: Collection[RowId] = ()) -> dict[bytes | None, list[Message]]:
     """The archived input messages of job accounting (of the given keys, default all), per message
-    key, each topic in offset order, without the ``refused`` rows (``unsigned_rows``: a record the
+    key, as the live worker read them (``as_read_live``), without the ``refused`` rows (``unsigned_rows``: a record the
     worker refused for its signer changed no account, exactly as if it were absent)."""
     per_key: dict[bytes | None, list[Message]] = defaultdict(list)
     # The catalog names (the archive's topic= partition), so no topic prefix needs configuring.
@@ -449,6 +449,8 @@ def conservation_violations(charges: list[Charge], rel_tol: float = 1e-9) -> lis
         by_day[c.end_time.astimezone(UTC).date().isoformat()].append(c)
         if not 0.0 <= c.price <= c.standard_price * (1 + rel_tol):
             out.append(f"{c.job_id}#{c.revision}: price {c.price} outside [0, standard price {c.standard_price}]")
+        if c.adjustment is None and c.adjustment_credit != 0.0:
+            out.append(f"{c.job_id}#{c.revision}: an adjustment credit of {c.adjustment_credit} without an adjustment")
     for day, rows in sorted(by_day.items()):
         sop = math.fsum(c.standard_price for c in rows)
         charged = math.fsum(c.price for c in rows)

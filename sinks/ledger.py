@@ -299,8 +299,11 @@ class Ledger:
         return [Charge.model_validate_json(r[0]) for r in rows]
 
     def column_drift(self) -> list[tuple[str, int, str, Any, Any]]:
-        """Rows whose SQL columns disagree with their charge record: (job, revision, column, column, record)."""
-        names = list(_COLUMNS)
+        """Rows whose SQL columns disagree with their charge record: (job, revision, column, column, record).
+        A file no newer sink has opened lacks the columns added since (``_ADDED_COLUMNS``): those are
+        not compared (a backup or snapshot taken before an upgrade audits with today's build)."""
+        held = {r[0] for r in self.con.execute("SELECT name FROM pragma_table_info('charges')").fetchall()}
+        names = [c for c in _COLUMNS if c in held]
         cols = ", ".join(f'"{c}"' for c in names)
         out = []
         for row in self.con.execute(f"SELECT {cols}, record FROM charges ORDER BY job_id, revision").fetchall():

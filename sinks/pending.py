@@ -23,7 +23,7 @@ from typing import Any
 from nodeshare.schemas import JobEvent
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC
 from nodeshare.schemas.signing import Verifier
-from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, fold_states
+from nodeshare.streams.core.accounting import Message, Origin, PricingPolicy, as_read_live, fold_states
 
 from .archive import ParquetArchive
 
@@ -60,12 +60,13 @@ class PendingJob:
 def archived_input(archive: ParquetArchive, topics: list[str], keys: set[bytes] | None = None,
                    verifier: Verifier | None = None) -> list[Message]:
     """The archived messages of catalog ``topics`` (of the given keys, default all) as the fold takes
-    them, each topic in offset order; with ``verifier``, each origin names the identity whose
-    signature the archived ``auth`` is, as the worker's fold saw it."""
-    return [(Origin(topic, ev.partition, ev.offset,
-                    None if verifier is None else verifier.signer(topic, ev.key, ev.value, ev.auth)),
-             ev.key, ev.value, ev.timestamp_ms / 1000)
-            for topic, ev in archive.events(topics, keys)]
+    them: each partition in offset order, the partitions merged by broker time as the live worker
+    read them (``as_read_live``); with ``verifier``, each origin names the identity whose signature
+    the archived ``auth`` is, as the worker's fold saw it."""
+    return as_read_live((Origin(topic, ev.partition, ev.offset,
+                                None if verifier is None else verifier.signer(topic, ev.key, ev.value, ev.auth)),
+                         ev.key, ev.value, ev.timestamp_ms / 1000)
+                        for topic, ev in archive.events(topics, keys))
 
 
 def ended_jobs(archive: ParquetArchive, policy: PricingPolicy,

@@ -31,7 +31,7 @@ from nodeshare.schemas.events import (
 from nodeshare.schemas.signing import Signer, Verifier
 from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.ledger import Ledger
-from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
+from nodeshare.streams.core.accounting import Origin, PricingPolicy, as_read_live, fold_messages
 
 #: Prices at the point estimate, so tests of the markers, the pause credit and Eq. 1-4 check their
 #: arithmetic by hand; pricing at the interval's bound is tested in test_confidence.py.
@@ -112,7 +112,8 @@ def archive_records(tmp: Path, records: list, *, batch: int = 400, partitions: i
         else:
             topic, key, value = TOPIC_OF_RECORD[type(rec)].name, key_of(rec), encode(rec)
             if signer is not None:
-                auth = signer.header(topic, key, value, signer.identity_for(rec.kind, getattr(rec, "node", None)))
+                auth = signer.header(topic, key, value, signer.identity_for(
+                    rec.kind, getattr(rec, "node", None), getattr(rec, "operator", None)))
         p = 0 if partitions == 1 or key is None else (murmur2(key) & 0x7FFFFFFF) % partitions
         off = offsets[(topic, p)] = offsets.get((topic, p), -1) + 1
         # the broker's timestamp: when the record was produced (its event time; raw bytes: T0)
@@ -123,10 +124,10 @@ def archive_records(tmp: Path, records: list, *, batch: int = 400, partitions: i
     for topic, evs in rows.items():
         for start in range(0, len(evs), batch):
             archive.write(topic, evs[start:start + batch])
-    msgs = [(Origin(e.kafka_topic, e.partition, e.offset,
-                    None if verifier is None else verifier.signer(e.kafka_topic, e.key, e.value, e.auth)),
-             e.key, e.value, e.timestamp_ms / 1000)
-            for t in ("node.ipc", "jobs.lifecycle") for e in rows.get(t, [])]
+    msgs = as_read_live((Origin(e.kafka_topic, e.partition, e.offset,
+                                None if verifier is None else verifier.signer(e.kafka_topic, e.key, e.value, e.auth)),
+                         e.key, e.value, e.timestamp_ms / 1000)
+                        for t in ("node.ipc", "jobs.lifecycle") for e in rows.get(t, []))
     charges = fold_messages(msgs, POLICY)
     with Ledger(tmp / "ledger.duckdb") as ledger:
         ledger.append([(c, encode(c), 0, i) for i, c in enumerate(charges)])

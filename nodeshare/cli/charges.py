@@ -44,6 +44,7 @@ def charges(
     """Charged jobs, like sacct: jobs that ran at any moment between --starttime and --endtime; or
     an operator's correction of one job's charge (adjust, void, restore)."""
     if ctx.invoked_subcommand is not None:
+        ctx.obj = {"ledger": ledger}  # `charges --ledger L void J` checks J against L
         return
     from nodeshare.sinks.analysis.usage import CHARGE_COLUMNS, DEFAULT_FORMAT, QueryError, parse_time, render_value
     from nodeshare.sinks.analysis.usage import charges as query
@@ -100,8 +101,9 @@ def pending_charges(ledger: Path, archive: str | None, as_json: bool) -> None:
     out.print(f"{len(rows)} ended jobs without a charge")
 
 
-LedgerOption = Annotated[Path, typer.Option(
-    help="DuckDB ledger (or a snapshot of it) to check the job's current charge against")]
+LedgerOption = Annotated[Path | None, typer.Option(
+    help="DuckDB ledger (or a snapshot of it) to check the job's current charge against (default: the group's "
+    "--ledger, ledger.duckdb)")]
 Reason = Annotated[str, typer.Option(help="why (kept in the charge and its revision reason; required)")]
 NotChargedYet = Annotated[bool, typer.Option(
     "--not-charged-yet", help="the job has no charge in the ledger yet: the worker prices its first charge "
@@ -110,39 +112,50 @@ NotChargedYet = Annotated[bool, typer.Option(
 
 @charges_app.command("void")
 def charges_void(
+    ctx: typer.Context,
     job: Annotated[str, typer.Argument(help="job id")],
     reason: Reason,
-    ledger: LedgerOption = Path("ledger.duckdb"),
+    ledger: LedgerOption = None,
     not_charged_yet: NotChargedYet = False,
     bootstrap: Bootstrap = None,
 ) -> None:
     """Charge JOB nothing from now on: a new revision, the measurement kept, price 0."""
-    adjust_charge(job, "void", None, reason, ledger, not_charged_yet, bootstrap)
+    adjust_charge(job, "void", None, reason, ledger_of(ctx, ledger), not_charged_yet, bootstrap)
 
 
 @charges_app.command("adjust")
 def charges_adjust(
+    ctx: typer.Context,
     job: Annotated[str, typer.Argument(help="job id")],
     price: Annotated[float, typer.Option(min=0.0, help="what the job is charged, in service units (at most its "
                                                        "standard price: a higher one is capped)")],
     reason: Reason,
-    ledger: LedgerOption = Path("ledger.duckdb"),
+    ledger: LedgerOption = None,
     not_charged_yet: NotChargedYet = False,
     bootstrap: Bootstrap = None,
 ) -> None:
     """Charge JOB --price from now on: a new revision, the measurement kept."""
-    adjust_charge(job, "adjust", price, reason, ledger, not_charged_yet, bootstrap)
+    adjust_charge(job, "adjust", price, reason, ledger_of(ctx, ledger), not_charged_yet, bootstrap)
 
 
 @charges_app.command("restore")
 def charges_restore(
+    ctx: typer.Context,
     job: Annotated[str, typer.Argument(help="job id")],
     reason: Reason,
-    ledger: LedgerOption = Path("ledger.duckdb"),
+    ledger: LedgerOption = None,
+    not_charged_yet: NotChargedYet = False,
     bootstrap: Bootstrap = None,
 ) -> None:
     """Withdraw JOB's adjustment: a new revision at the computed price."""
-    adjust_charge(job, "restore", None, reason, ledger, False, bootstrap)
+    adjust_charge(job, "restore", None, reason, ledger_of(ctx, ledger), not_charged_yet, bootstrap)
+
+
+def ledger_of(ctx: typer.Context, ledger: Path | None) -> Path:
+    """The subcommand's --ledger, else the group's (``charges --ledger L void J``)."""
+    if ledger is not None:
+        return ledger
+    return Path((ctx.obj or {}).get("ledger") or "ledger.duckdb")
 
 
 def adjust_charge(job: str, action: str, price: float | None, reason: str, ledger: Path, not_charged_yet: bool,
@@ -154,11 +167,23 @@ def adjust_charge(job: str, action: str, price: float | None, reason: str, ledge
 
     from pydantic import ValidationError
 
+    from nodeshare.runtime.identity import read_key
     from nodeshare.schemas import AdjustmentAction, ChargeAdjustment
+    from nodeshare.schemas.signing import OPERATOR
 
     settings = load_settings(bootstrap=bootstrap)
     require_bootstrap(settings)
     operator = getpass.getuser()
+    if settings.signing_key_file is not None:  # the operator is who the key says, as a verifying worker checks
+        identity, _ = read_key(settings.signing_key_file)
+        if not identity.startswith(OPERATOR):
+            err.print(f"[red]charges {action}[/red]: the signing key is {identity}'s; an adjustment is signed by an "
+                      f"operator's key ({OPERATOR}<name>: `nodeshare keys derive {OPERATOR}{operator}`)")
+            raise typer.Exit(2)
+        operator = identity.removeprefix(OPERATOR)
+    elif settings.site_secret_file is None:
+        err.print(f"[yellow]charges {action}[/yellow]: sent unsigned (no signing_key_file): a worker that checks "
+                  f"signatures refuses it as forged; give it a key of {OPERATOR}{operator}")
     try:
         record = ChargeAdjustment(
             event_id=f"operator/{uuid.uuid4()}", source=f"operator/{operator}", event_time=datetime.now(UTC),
@@ -183,7 +208,7 @@ def adjustment_problem(record: Any, ledger: Path, not_charged_yet: bool) -> tupl
     waiting for a job that never comes, and one that changes nothing is a dead letter."""
     from nodeshare.sinks.ledger import Ledger
 
-    if not_charged_yet:
+    if not_charged_yet and not ledger.exists():
         return None, "it applies to the job's first charge"
     if not ledger.exists():
         return (f"no ledger at {ledger} to check job {record.job_id}'s charge: give --ledger (or a snapshot), or "
@@ -193,10 +218,15 @@ def adjustment_problem(record: Any, ledger: Path, not_charged_yet: bool) -> tupl
             rows = led.charges([record.job_id])
     except Exception as exc:
         return f"cannot read {ledger}: {str(exc).splitlines()[0]} (give a snapshot of it with --ledger)", ""
+    if not rows and not_charged_yet:
+        return None, "it applies to the job's first charge"
     if not rows:
         return (f"job {record.job_id} has no charge in {ledger}: check the id, or give --not-charged-yet to have "
                 "its first charge priced with the adjustment"), ""
     current = max(rows, key=lambda c: c.revision)
+    if not_charged_yet:
+        return (f"job {record.job_id} is charged already (revision {current.revision} in {ledger}): "
+                "drop --not-charged-yet"), ""
     held = current.adjustment
     if record.action.value == "restore" and held is None:
         return f"job {record.job_id}'s charge (revision {current.revision}) has no adjustment to restore", ""

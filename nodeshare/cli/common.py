@@ -133,8 +133,13 @@ def progress_bar() -> Progress:
 
 def publish(settings: Any, records: list[Any], what: str, timeout_s: float = 30.0) -> list[tuple[int, int]]:
     """An operator's records sent and acknowledged (``nodes down``, ``charges void``): where each
-    landed, (partition, offset), in order; one line and exit 1 when the broker did not take them."""
+    landed, (partition, offset), in order; one line and exit 1 when the broker did not take them
+    within ``timeout_s`` (the client gives up on them then: none is sent later). The client's own
+    complaints about an unreachable broker are kept out of the terminal (that one line says it)."""
+    import logging
+
     from nodeshare.producers.kafka_producer import DeliveryError, EventProducer
+    from nodeshare.runtime.config import KAFKA_LOG
 
     where: list[tuple[int, int] | None] = [None] * len(records)
     refused: list[str] = []
@@ -147,14 +152,19 @@ def publish(settings: Any, records: list[Any], what: str, timeout_s: float = 30.
                 where[i] = (msg.partition(), msg.offset())
         return report
 
+    level = KAFKA_LOG.level
+    KAFKA_LOG.setLevel(logging.CRITICAL)
     try:
-        with EventProducer(settings, client_id="nodeshare-operator") as producer:
+        with EventProducer(settings, client_id="nodeshare-operator",
+                           **{"message.timeout.ms": int(timeout_s * 1000)}) as producer:
             for i, record in enumerate(records):
                 producer.send(record, on_delivery=delivered(i))
-            producer.flush(timeout_s)
+            producer.flush(timeout_s + 5.0)  # the client fails what it could not send by then
     except DeliveryError as exc:
         err.print(f"[red]{what}[/red]: the broker at {settings.bootstrap} did not take the records: {exc}")
         raise typer.Exit(1) from None
+    finally:
+        KAFKA_LOG.setLevel(level)
     if refused or any(w is None for w in where):
         err.print(f"[red]{what}[/red]: the broker at {settings.bootstrap} refused "
                   f"{len(refused) or where.count(None)} of {len(records)} records"

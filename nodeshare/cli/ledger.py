@@ -149,7 +149,7 @@ def report_usage(
     parsable: Annotated[bool, typer.Option("--parsable2", "-P", help="'|'-separated, no trailing delimiter")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON list of objects")] = False,
 ) -> None:
-    """Standard price, charged and dividend by account and user, like
+    """Standard price, charged, dividend and operators' credit by account and user, like
     `sreport cluster AccountUtilizationByUser` (an account's total first, then its users)."""
     from nodeshare.sinks.analysis.usage import USAGE_COLUMNS, QueryError, parse_time, usage_by_account
 

@@ -48,8 +48,8 @@ CHARGE_COLUMNS: dict[str, str] = {
     "CodeVersion": "code_version",
 }
 DEFAULT_FORMAT = ("JobID,User,Account,Program,NCPUS,Start,End,Elapsed,DegradationEstimate,DegradationLow,"
-                  "DegradationHigh,Degradation,SOP,Charged,Dividend")
-USAGE_COLUMNS = ("Account", "Login", "Jobs", "CoreHours", "SOP", "Charged", "Dividend")
+                  "DegradationHigh,Degradation,SOP,Charged,Dividend,Credit")
+USAGE_COLUMNS = ("Account", "Login", "Jobs", "CoreHours", "SOP", "Charged", "Dividend", "Credit")
 
 
 class QueryError(ValueError):
@@ -130,7 +130,7 @@ def usage_by_account(ledger: Path, start: datetime | None = None,
         params.append(end)
     sql = f"""
         SELECT account, coalesce("user", '') AS login, count(*), sum(cores * run_time_s) / 3600,
-               sum(standard_price), sum(price), sum(dividend)
+               sum(standard_price), sum(price), sum(dividend), sum({CHARGE_COLUMNS["Credit"]})
         FROM charges_current WHERE {' AND '.join(where)}
         GROUP BY GROUPING SETS ((account), (account, "user"))
         ORDER BY account, "user" NULLS FIRST"""

@@ -19,8 +19,10 @@ node's blocks on node.ipc, closes its stream instead (so the blocks it closes ov
 too), and the node's late marker, if it comes back, makes a new revision from all it sent.
 
 An operator's ``ChargeAdjustment`` (on jobs.lifecycle, so its place among the job's terminal events
-is fixed) holds for every terminal event after it: a job already charged gets a revision at once,
-the same evidence priced with the adjustment, and later revisions keep it until another replaces it.
+is fixed) holds for the run of the job's latest terminal event (the first run, before any): that
+run gets a revision at once, the same evidence priced with the adjustment, and its later revisions
+(a correction, late data) keep it until another replaces it. A later run of a requeued job starts
+unadjusted.
 
 Redelivery (faust is at-least-once) is recognized by offset: an event at or below the
 highest offset already applied for its topic partition is skipped, so each event counts once.
@@ -29,6 +31,7 @@ highest offset already applied for its topic partition is skipped, so each event
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 import uuid
 from collections.abc import Callable, Iterable
@@ -37,7 +40,17 @@ from datetime import datetime
 from typing import Annotated, Any, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, PrivateAttr, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    model_serializer,
+)
 
 from nodeshare.schemas.catalog import DLQ, ESTIMATES_DEGRADATION, LEDGER_CHARGES, spec_for_topic
 from nodeshare.schemas.dead_letters import NODESHARE_NAMESPACE, dead_letter
@@ -305,6 +318,10 @@ class TerminalEvent(_State):
     #: the operator's adjustment in force when this terminal event (or its copy) was taken in
     adjustment: AppliedAdjustment | None = None
 
+    @model_serializer(mode="wrap")
+    def _no_null_adjustment(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _without_null_adjustment(handler(self))
+
 
 class JobAccount(_State):
     """Revision r of a job's charge is priced from the r-th distinct terminal event and the block
@@ -322,12 +339,17 @@ class JobAccount(_State):
     applied: dict[str, int] = {}  # "topic:partition" -> highest offset applied
     ipc_partition: tuple[str, int] | None = None  # where this job's node.ipc events are read from
     latest_event_time: datetime | None = None  # event time of the newest event applied
-    adjustment: AppliedAdjustment | None = None  # the operator's adjustment in force (ChargeAdjustment)
+    #: the operator's adjustment of the latest terminal event's run (before any: the first run's)
+    adjustment: AppliedAdjustment | None = None
     _open: _OpenNodes = PrivateAttr(default_factory=_OpenNodes)
 
     @property
     def end(self) -> JobEvent | None:
         return self.ends[-1].event if self.ends else None
+
+    @model_serializer(mode="wrap")
+    def _no_null_adjustment(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _without_null_adjustment(handler(self))
 
     # ------------------------------------------------------------------ the reducer
 
@@ -581,7 +603,7 @@ class JobAccount(_State):
         self.ends.append(TerminalEvent(
             event=last.event, topic=last.topic, partition=last.partition, offset=last.offset,
             reason=f"late data: node {node}, declared lost, closed its stream with its marker at {where}",
-            late=sorted({*last.late, node}), adjustment=self.adjustment))
+            late=sorted({*last.late, node}), adjustment=last.adjustment))
 
     def _apply_lifecycle(self, event: JobEvent, origin: Origin, policy: PricingPolicy) -> Step:
         if not event.ran:  # submitted, started, or cancelled before it started: nothing to charge
@@ -597,6 +619,12 @@ class JobAccount(_State):
         # yet priced (it closed before this run's first terminal event) is priced next, after it.
         same = next((t for t in reversed(self.ends) if _same_run(t.event, event)), None)
         prior = set(same.late) if same is not None else set()
+        # the adjustment of this run, if it has one (one sent before any terminal event: the first run's);
+        # a later run of a requeued job is not the one the operator adjusted
+        self.adjustment = same.adjustment if same is not None else (self.adjustment if not self.ends else None)
+        if reason and self.adjustment is not None:
+            reason += (f"; the {self.adjustment.action} by {self.adjustment.operator} at {self.adjustment.at} "
+                       "still applies")
         self.ends.append(TerminalEvent(event=event, topic=origin.topic, partition=origin.partition,
                                        offset=origin.offset, reason=reason, adjustment=self.adjustment))
         r = len(self.ends) - 1
@@ -610,11 +638,15 @@ class JobAccount(_State):
         return Step(charges=charges, estimate=self._estimate(policy, final=True) if charges else None)
 
     def _apply_adjustment(self, adj: ChargeAdjustment, origin: Origin, policy: PricingPolicy) -> Step:
-        """An operator's adjustment: in force from here on. A job with a terminal event gets a new
-        revision of its latest one (same run, same streams) priced with it, at once if that run's
-        nodes have closed; before any terminal event it waits for the first. One that changes
-        nothing (the same action and price as the one in force, or a restore with none) is refused."""
+        """An operator's adjustment of the run of the job's latest terminal event: a new revision of
+        that event (same run, same streams) priced with it, at once if the run's nodes have closed;
+        before any terminal event it waits for the first. One that changes nothing (the same action
+        and price as the one in force, or a restore with none) is refused, and so is a copy of one
+        already taken (the same event id: a replay would undo a later restore)."""
         where = f"{origin.topic}:{origin.partition}:{origin.offset}"
+        taken = {t.adjustment.event_id for t in self.ends if t.adjustment is not None}
+        if adj.event_id in taken or (self.adjustment is not None and self.adjustment.event_id == adj.event_id):
+            return Step(rejected=f"{adj.action.value} {adj.event_id} was taken before (a copy, sent again)")
         new = None if adj.action is AdjustmentAction.RESTORE else AppliedAdjustment(
             action=adj.action.value, requested_price=adj.price, reason=adj.reason, operator=adj.operator,
             event_id=adj.event_id, at=where)
@@ -751,6 +783,15 @@ class JobAccount(_State):
     @classmethod
     def loads(cls, raw: bytes | None, job_id: str) -> JobAccount:
         return cls(job_id=job_id) if raw is None else cls.model_validate_json(raw)
+
+
+def _without_null_adjustment(data: Any) -> Any:
+    """An account or terminal event serialized without ``adjustment`` when it has none (schema 8's
+    field): the states of every job no operator adjusted read as they did, so a worker rolled back
+    across schema 8 reads its snapshots and settled accounts (docs/upgrades.md)."""
+    if isinstance(data, dict) and data.get("adjustment", 0) is None:
+        del data["adjustment"]
+    return data
 
 
 def _latest(ns: NodeStream) -> NodeStream:
@@ -1030,6 +1071,22 @@ def process_message(
 
 
 Message = tuple[Origin, bytes | None, bytes | None, float]  # (origin, key, value, timestamp in s)
+
+
+def as_read_live(messages: Iterable[Message]) -> list[Message]:
+    """Messages of several topic partitions in the order the live worker most likely read them: each
+    partition's in the order given (its offsets), the partitions merged by broker timestamp. A job's
+    charges do not depend on how its topics interleave, except the numbering of two revisions made
+    after a charge by records of both topics (a lost node's late marker on node.ipc, a correction or
+    an operator's adjustment on jobs.lifecycle): folded in this order, a rebuild and an audit number
+    them as the worker did whenever the two were sent apart in time (a node that came back, and an
+    operator's void days later), where topic order always put the lifecycle record first."""
+    streams: dict[tuple[str, int], list[Message]] = {}
+    for m in messages:
+        streams.setdefault((m[0].topic, m[0].partition), []).append(m)
+    if len(streams) < 2:
+        return [m for ms in streams.values() for m in ms]
+    return list(heapq.merge(*streams.values(), key=lambda m: m[3]))
 
 
 class AccountUnavailable(LookupError):

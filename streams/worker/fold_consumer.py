@@ -71,7 +71,16 @@ from nodeshare.schemas.serde import encode
 from nodeshare.schemas.signing import header_value
 
 from ..core import fold_snapshot
-from ..core.accounting import SOURCE, JobAccount, Message, Origin, Outgoing, apply_message, fold_states
+from ..core.accounting import (
+    SOURCE,
+    JobAccount,
+    Message,
+    Origin,
+    Outgoing,
+    apply_message,
+    as_read_live,
+    fold_states,
+)
 from .copartition import NotCoPartitioned, input_partitions, routing_problem
 from .cursor import LogHeadGone, accounting_group, accounting_topics, read_range
 from .fold_settled import AccountUnavailable, Settled, SettledUnreadable
@@ -470,6 +479,7 @@ class FoldConsumer:
             messages += [m for m in read_range(self.settings, topic, partition, start[topic], stop,
                                                verifier=self.verifier)
                          if self.misrouted(m[0], m[1]) is None]
+        messages = as_read_live(messages)  # the topics interleaved as the live fold most likely read them
         self.settled.index[partition] = dict(snap.settled) if snap else {}
         rebuilt = snap.accounts if snap else {}
         rebuilt, charges = fold_states(messages, self.policy, self.prefix, rebuilt, load=lambda key: self.settled.load(

@@ -17,6 +17,7 @@ from nodeshare.schemas import AdjustmentAction, ChargeAdjustment, JobState, Reco
 from nodeshare.schemas.catalog import DLQ, JOBS_LIFECYCLE
 from nodeshare.schemas.signing import identity_problem
 from nodeshare.sinks.audit import audit, conservation_violations
+from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.accounting import JobAccount, Origin, apply_message, fold_messages, process_message
 from nodeshare.streams.core.pricing import adjusted_price
 
@@ -64,9 +65,12 @@ def test_an_adjustment_says_what_it_sets_and_why():
         adjustment("j1", "adjust", -1.0)
     record = adjustment("j1", "adjust", 2.5)
     assert decode(JOBS_LIFECYCLE, encode(record)) == record
-    # a service's word, as a lifecycle event is: a node cannot re-price a job
-    assert identity_problem(record, "service/slurm") is None
-    assert "must be written by a service" in (identity_problem(record, "node/n1") or "")
+    # an operator's word, signed by the operator it names: neither a node nor another service, nor
+    # another operator, may re-price a job
+    assert identity_problem(record, "service/operator-alice") is None
+    for signer in ("node/n1", "service/slurm", "service/operator-bob"):
+        assert "must be signed by service/operator-alice" in (identity_problem(record, signer) or ""), signer
+    assert adjustment("j1", "adjust", -0.0).price == 0.0 and str(adjustment("j1", "adjust", -0.0).price) == "0.0"
 
 
 def test_void_adjust_and_restore_of_a_charged_job_are_revisions_priced_from_the_same_evidence():
@@ -207,3 +211,103 @@ def test_the_cli_refuses_what_the_worker_would_and_says_so_in_one_line(tmp_path:
     assert down.exit_code == 1
     assert "charges void: the broker at 127.0.0.1:1 did not take the records: 1 records still undelivered" in (
         " ".join(down.output.split()))
+
+
+def test_an_adjustment_is_of_a_run_and_a_requeued_jobs_next_run_starts_unadjusted():
+    """Run 1 voided; the job is requeued under its id and runs again (after run 1 ended): run 2 is
+    charged at its computed price, and a correction of run 1 keeps run 1's void."""
+    ipc, life = run()
+    again = [block(0.9, 1.5, 0.9, job="j1", cycle=9000), left("j1", "n1", 1, 9000, at_s=12000)]
+    run2 = job_event("j1", JobState.ENDED, run_s=3600).model_copy(update={
+        "event_id": "run2", "start_time": T0 + timedelta(seconds=9000), "end_time": T0 + timedelta(seconds=12600),
+        "event_time": T0 + timedelta(seconds=12600)})
+    charges = fold_messages(msgs([*ipc, *again], IPC) + msgs([*life, adjustment("j1", "void"), run2], LIFE), POLICY)
+    assert [(c.revision, c.start_time, c.price == 0.0) for c in charges] == [
+        (0, T0, False), (1, T0, True), (2, T0 + timedelta(seconds=9000), False)]
+    assert charges[2].adjustment is None and charges[2].adjustment_credit == 0.0
+
+
+def test_a_correction_keeps_the_adjustment_and_says_so():
+    ipc, life = run()
+    fix = job_event("j1", JobState.ENDED, cores=64).model_copy(update={"event_id": "fix"})
+    *_, fixed = fold_messages(msgs(ipc, IPC) + msgs([*life, adjustment("j1", "adjust", 4.0), fix], LIFE), POLICY)
+    assert (fixed.cores, fixed.price) == (64, 4.0)
+    assert fixed.revision_reason.endswith("; the adjust by alice at jobs.lifecycle:0:2 still applies")
+
+
+def test_a_copy_of_an_adjustment_sent_again_is_refused_and_undoes_no_restore():
+    ipc, life = run()
+    void = adjustment("j1", "void", n=1)
+    sent = [void, adjustment("j1", "restore", reason="undo", n=2), void]
+    account, out = None, []
+    for origin, key, value, ts in msgs(ipc, IPC) + msgs([*life, *sent], LIFE):
+        account, produced, _ = apply_message(account, origin, key, value, ts, POLICY)
+        out += produced
+    dead = [decode(DLQ, o.value).reason for o in out if o.topic == DLQ.name]
+    assert dead == ["void adj-j1-1 was taken before (a copy, sent again)"]
+    assert account is not None and account.adjustment is None  # the restore stands
+
+
+def test_the_audit_numbers_late_data_and_a_later_void_as_the_worker_did(tmp_path: Path):
+    """The case docs/charges.md gives: a node lost, charged node_lost; the node comes back and sends
+    its late data; days later an operator voids the job. The worker read them in that order, and so
+    do the audit and a rebuild (``as_read_live``): before, they read jobs.lifecycle first and found
+    the void ahead of the late data, a mismatch on an honest ledger."""
+    from unit.test_node_lost import lost_node_job
+
+    ipc, life = lost_node_job(late=True)
+    void = adjustment("j1", "void").model_copy(update={"event_time": T0 + timedelta(days=3)})
+    ordered = [*ipc[:6], *life, *ipc[6:], void]  # as they were sent, in time
+    archive, ledger, n = archive_records(tmp_path, ordered)
+    assert n == 3
+    with Ledger(ledger, read_only=True) as led:
+        rows = sorted(led.charges(), key=lambda c: c.revision)
+    assert [r.revision_reason.split(":")[0] for r in rows] == ["", "late data", "voided by alice at jobs.lifecycle"]
+    report = audit(archive, ledger, POLICY)
+    assert report.ok and report.matches == 3, report.as_dict()
+
+
+def test_a_lifecycle_record_without_a_kind_is_still_a_job_event():
+    """Before schema 8 every jobs.lifecycle record was a JobEvent and ``kind`` had a default (the
+    published schema never required it): such a record from an outside producer still reads."""
+    import json
+
+    event = job_event("j1", JobState.ENDED)
+    doc = json.loads(encode(event))
+    del doc["kind"]
+    assert decode(JOBS_LIFECYCLE, json.dumps(doc).encode()) == event
+
+
+def test_the_cli_takes_the_groups_ledger_and_the_operator_from_its_key(tmp_path: Path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from nodeshare.cli import app, charges
+    from nodeshare.runtime.identity import new_secret, write_key
+
+    ipc, life = run()
+    _, ledger, _ = archive_records(tmp_path, [*ipc, *life])
+    runner = CliRunner()
+    sent: list = []
+    monkeypatch.setattr(charges, "publish", lambda settings, records, what: sent.extend(records) or [(3, 41)])
+
+    def cli(*args: str, env: dict | None = None):
+        return runner.invoke(app, ["charges", *args], env={"NODESHARE_BOOTSTRAP": "127.0.0.1:1", **(env or {})})
+
+    group = cli("--ledger", str(ledger), "void", "j9", "--reason", "x")  # the group's --ledger is the one checked
+    assert group.exit_code == 2 and f"job j9 has no charge in {ledger}" in group.output
+    charged = cli("void", "j1", "--reason", "x", "--not-charged-yet", "--ledger", str(ledger))
+    assert charged.exit_code == 2 and "is charged already (revision 0" in charged.output
+    pending = cli("restore", "j9", "--reason", "sent by mistake", "--not-charged-yet", "--ledger", str(ledger))
+    assert pending.exit_code == 0 and "jobs.lifecycle:3:41" in pending.output
+    assert "sent unsigned" in pending.output  # no key: a verifying worker would refuse it, and it says so
+    new_secret(tmp_path / "site.secret", False)
+    write_key(tmp_path / "site.secret", "service/operator-carol", tmp_path / "carol.key", False)
+    write_key(tmp_path / "site.secret", "service/slurm", tmp_path / "slurm.key", False)
+    signed = cli("void", "j1", "--reason", "faulty node", "--ledger", str(ledger),
+                 env={"NODESHARE_SIGNING_KEY_FILE": str(tmp_path / "carol.key")})
+    assert signed.exit_code == 0, signed.output
+    assert [(r.action.value, r.operator) for r in sent] == [("restore", sent[0].operator), ("void", "carol")]
+    borrowed = cli("void", "j1", "--reason", "x", "--ledger", str(ledger),
+                   env={"NODESHARE_SIGNING_KEY_FILE": str(tmp_path / "slurm.key")})
+    assert borrowed.exit_code == 2 and "signed by an operator's key (service/operator-<name>" in " ".join(
+        borrowed.output.split())
