@@ -182,13 +182,46 @@ def read_hook_file(path: Path) -> HookEvent:
 
 
 Hostnames = Callable[[str], tuple[str, ...]]
+#: A job's allocated TRES as the controller holds it (job id -> Slurm's names and counts; {}: unknown)
+JobTres = Callable[[str], dict[str, float]]
+
+#: MB per unit of a memory count as scontrol writes it ("1000M", "4G")
+_MEM_MB = {"K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0**2, "P": 1024.0**3}
+
+
+def parse_tres(text: str) -> dict[str, float]:
+    """A TRES string as ``scontrol show job`` writes it ("cpu=4,mem=8G,node=1,billing=6,gres/gpu=1")
+    -> counts by Slurm's TRES name, memory in MB. A part it cannot read is left out (a TRES the
+    pricing does not know is billed by nothing anyway)."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or not re.fullmatch(r"[a-z]+(/[A-Za-z0-9_.:-]+)?", name):
+            continue
+        per = 1.0
+        if value[-1:] in _MEM_MB:
+            per, value = _MEM_MB[value[-1:]], value[:-1]
+        try:
+            count = float(value) * per
+        except ValueError:
+            continue
+        if count >= 0.0 and count != float("inf"):
+            out[name] = count
+    return out
 
 
 def event_from_hook(h: HookEvent, hostnames: Hostnames, *, terminal_from_epilog: bool = False,
-                    started: Mapping[str, datetime] | None = None) -> JobEvent | None:
+                    started: Mapping[str, datetime] | None = None, tres: JobTres | None = None) -> JobEvent | None:
     """The lifecycle event a hook file stands for (None for one that carries none). An epilog's
-    terminal event takes its start time from ``started`` (job id -> the prolog's time)."""
+    terminal event takes its start time from ``started`` (job id -> the prolog's time). ``tres``
+    gives the job's allocated TRES (``billing`` among them: what the partition's TRESBillingWeights
+    make of it, the count ``sreport`` bills), carried by a started or terminal event with the job's
+    partition (schema 8); without it, or where the controller no longer knows the job, none."""
     e = h.env
+
+    def allocated(job_id: str) -> dict[str, float]:
+        return tres(job_id) if tres is not None else {}
+
     if h.hook == "jobcomp":
         job_id, state_name = e.get("JOBID"), e.get("JOBSTATE", "")
         if not job_id:
@@ -201,7 +234,8 @@ def event_from_hook(h: HookEvent, hostnames: Hostnames, *, terminal_from_epilog:
         end = _epoch(e.get("END")) or h.at
         return _event(e.get("CLUSTER"), job_id, state, end, user=e.get("USERNAME"), account=e.get("ACCOUNT"),
                       program=e.get("JOBNAME"), cores=e.get("PROCS"), nodes=hostnames(e.get("NODES", "")),
-                      submit=_epoch(e.get("SUBMIT")), start=_epoch(e.get("START")), end=end)
+                      submit=_epoch(e.get("SUBMIT")), start=_epoch(e.get("START")), end=end,
+                      partition=e.get("PARTITION"), tres=allocated(job_id))
     job_id = e.get("SLURM_JOB_ID")
     if not job_id:
         raise HookFileError(f"{h.hook} hook without SLURM_JOB_ID")
@@ -214,7 +248,7 @@ def event_from_hook(h: HookEvent, hostnames: Hostnames, *, terminal_from_epilog:
     def event(state: JobState, **times: datetime | None) -> JobEvent:
         return _event(e.get("SLURM_CLUSTER_NAME"), job_id, state, h.at, user=e.get("SLURM_JOB_USER"),
                       account=e.get("SLURM_JOB_ACCOUNT"), program=e.get("SLURM_JOB_NAME"), cores=str(cores),
-                      nodes=nodes, **times)
+                      nodes=nodes, partition=e.get("SLURM_JOB_PARTITION"), tres=allocated(job_id), **times)
 
     if h.hook == "prolog_ctld":
         return event(JobState.STARTED, start=h.at)
@@ -229,7 +263,8 @@ def event_from_hook(h: HookEvent, hostnames: Hostnames, *, terminal_from_epilog:
 
 def _event(cluster: str | None, job_id: str, state: JobState, at: datetime, *, user: str | None,
            account: str | None, program: str | None, cores: str | None, nodes: tuple[str, ...],
-           submit: datetime | None = None, start: datetime | None = None, end: datetime | None = None) -> JobEvent:
+           submit: datetime | None = None, start: datetime | None = None, end: datetime | None = None,
+           partition: str | None = None, tres: dict[str, float] | None = None) -> JobEvent:
     cluster = _name(cluster, "slurm")
     if not cores or not cores.isdigit() or int(cores) < 1:
         raise HookFileError(f"job {job_id}: no CPU count ({cores!r})")
@@ -237,7 +272,7 @@ def _event(cluster: str | None, job_id: str, state: JobState, at: datetime, *, u
         event_id=f"slurm/{cluster}/{job_id}/{state.value}", source=f"slurm/{cluster}", event_time=at,
         job_id=job_id, state=state, user=_name(user, "unknown"), account=_name(account, "default"),
         program=_name(program, "unknown"), cores=int(cores), nodes=nodes, submit_time=submit, start_time=start,
-        end_time=end,
+        end_time=end, partition=partition or None, tres=tres or {},
     )
 
 
@@ -288,6 +323,17 @@ class SlurmCommands:
         if re.fullmatch(r"[\w.-]+", expression):  # a single node: no need to ask
             return (expression,)
         return tuple(self._run("scontrol", "show", "hostnames", expression).split())
+
+    def job_tres(self, job_id: str) -> dict[str, float]:
+        """The job's allocated TRES from the controller (``scontrol show job``: TRES, or AllocTRES in
+        later releases); {} when it no longer knows the job (MinJobAge after its end) or cannot say."""
+        try:
+            line = self._run("scontrol", "show", "job", "-o", job_id)
+        except RuntimeError as exc:
+            log.warning("job %s: no TRES from the controller (%s): priced by its cores", job_id, exc)
+            return {}
+        m = re.search(r"(?:^|\s)(?:Alloc)?TRES=(\S+)", line)
+        return parse_tres(m.group(1)) if m else {}
 
     def cluster_name(self) -> str:
         for line in self._run("scontrol", "show", "config").splitlines():
@@ -372,7 +418,8 @@ class SlurmSource:
             try:
                 hook = read_hook_file(path)
                 event = event_from_hook(hook, self.commands.hostnames,
-                                        terminal_from_epilog=self.terminal_from_epilog, started=self.started)
+                                        terminal_from_epilog=self.terminal_from_epilog, started=self.started,
+                                        tres=self.commands.job_tres)
             except (HookFileError, ValueError, RuntimeError) as exc:
                 bad = self.events_dir / "bad"
                 bad.mkdir(exist_ok=True)

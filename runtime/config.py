@@ -142,6 +142,10 @@ class Settings(BaseSettings):
     # the interval's margin for the estimator's bias, margin_abs + margin_rel x D (docs/charges.md)
     margin_abs: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01  # confidence.DEFAULT_MARGIN_ABS
     margin_rel: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05  # confidence.DEFAULT_MARGIN_REL
+    # Partition -> TRESBillingWeights as in slurm.conf ("CPU=1.0,Mem=0.25G,GRES/gpu=2.0"): the standard
+    # price of a job whose lifecycle event carries its TRES but not Slurm's own billing count multiplies
+    # its billable TRES instead of its cores (streams.core.pricing.billed_units). Empty: cores.
+    billing_weights: dict[str, str] = {}
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
     sample_us: Annotated[int, Field(ge=50, le=1_000_000)] = 3200
@@ -173,6 +177,18 @@ class Settings(BaseSettings):
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None  # Prometheus endpoint; off when unset
     metrics_addr: str = "127.0.0.1"
     log_format: Literal["text", "json"] = "text"  # nodeshare.runtime.logs: "json" writes one JSON object per line
+
+    @field_validator("billing_weights")
+    @classmethod
+    def _billing_weights(cls, v: dict[str, str]) -> dict[str, str]:
+        from nodeshare.streams.core.pricing import parse_billing_weights
+
+        for partition, text in v.items():
+            try:
+                parse_billing_weights(text)
+            except ValueError as exc:
+                raise ValueError(f"partition {partition}: {exc}") from None
+        return v
 
     @field_validator("placement_release_after_s")
     @classmethod
@@ -212,7 +228,7 @@ class Settings(BaseSettings):
                              rate_function=self.rate_function, estimator=self.estimator,
                              confidence=self.confidence, price_at_bound=self.price_at_bound,
                              prior_high=self.prior_high, margin_abs=self.margin_abs, margin_rel=self.margin_rel,
-                             code_version=__version__)
+                             billing_weights=tuple(sorted(self.billing_weights.items())), code_version=__version__)
 
     def shutter_policy(self) -> ShutterPolicy | None:
         """The adaptive schedule ``shutter_schedule`` names (ladder S, 4 S, 16 S at K and P), or None."""

@@ -58,7 +58,9 @@ from pydantic import (
 #: * 8: ``jobs.lifecycle`` carries ``ChargeAdjustment``: an operator's adjust, void or restore of a
 #:   job's price, priced by the worker as a new revision; a ``Charge`` names the adjustment it
 #:   applied (``adjustment``) and what it took off the computed price (``adjustment_credit``).
-#:   ``decisions.placement.nodes`` carries each node's cache shares (``NodePlacementState``).
+#:   ``decisions.placement.nodes`` carries each node's cache shares (``NodePlacementState``). A
+#:   ``JobEvent`` may carry the job's partition and allocated TRES, and a ``Charge`` what its
+#:   standard price multiplied (``billing_units``: Slurm's billing count or a partition's weights).
 SCHEMA_VERSION = 8
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
@@ -86,6 +88,8 @@ Name = Annotated[str, Field(min_length=1, max_length=NAME_MAX_LENGTH)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(gt=0)]
 Fraction01 = Annotated[float, Field(ge=0.0, le=1.0)]
+#: A trackable resource's name as Slurm writes it: a type, and for GRES, licenses and the like a name
+TresName = Annotated[str, Field(min_length=1, max_length=NAME_MAX_LENGTH, pattern=r"^[a-z]+(/[A-Za-z0-9_.:-]+)?$")]
 Watts = Annotated[float, Field(ge=0.0)]
 
 
@@ -384,6 +388,11 @@ class JobEvent(Record):
     cores: PosInt  # cores allocated to the job, over all its nodes
     nodes: tuple[NodeName, ...] = ()
     alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9  # Seed 001: slowdown threshold, default 0.9
+    #: The partition the job ran in, and the trackable resources allocated to it as Slurm names them
+    #: ("cpu", "mem" in MB, "node", "gres/gpu", and "billing", Slurm's billable count from the
+    #: partition's TRESBillingWeights): what a TRES-aware standard price bills (version 8).
+    partition: Name | None = None
+    tres: dict[TresName, Annotated[float, Field(ge=0.0)]] = {}
     submit_time: AwareDatetime | None = None
     start_time: AwareDatetime | None = None
     end_time: AwareDatetime | None = None
@@ -851,6 +860,12 @@ class Charge(Record):
     account: Name
     program: Name
     cores: PosInt
+    #: The partition and what the standard price multiplied instead of the cores (version 8; None:
+    #: the cores, as before), and by which rule: "slurm" (Slurm's own billing count, from the
+    #: lifecycle event) or the TRESBillingWeights the site set for the partition.
+    partition: Name | None = None
+    billing_units: Annotated[float, Field(ge=0.0)] | None = None
+    billing_weights: str | None = None
     start_time: AwareDatetime
     end_time: AwareDatetime
     run_time_s: Annotated[float, Field(ge=0.0)]  # T_co, wall time from start to end
@@ -943,7 +958,9 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
              "evidence_problems": 5, "node_summary": 5, "degradation_point": 6, "degradation_low": 6,
              "degradation_high": 6, "interval_method": 6, "interval_blocks": 6, "confidence": 6,
              "priced_at": 6, "prior_degradation_high": 6, "levels": 6,
-             "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8, "adjustment_credit": 8},
+             "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8, "adjustment_credit": 8,
+             "partition": 8, "billing_units": 8, "billing_weights": 8},
+    JobEvent: {"partition": 8, "tres": 8},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

@@ -177,7 +177,8 @@ EVERY_JOB = Window()
 
 def policy_of(charge: Charge) -> PricingPolicy:
     """The policy a charge was priced under, from what it records (a charge before version 6 was
-    priced at its point estimate; one before version 7 had no interval margin)."""
+    priced at its point estimate; one before version 7 had no interval margin; one before version 8
+    by its cores; one of version 8 by the weights it names, if any)."""
     bound = charge.priced_at == "upper_bound"
     return PricingPolicy(rate_per_core_hour=charge.rate_per_core_hour, delta=charge.delta,
                          rate_function=charge.rate_function, estimator=charge.estimator,
@@ -185,7 +186,9 @@ def policy_of(charge: Charge) -> PricingPolicy:
                          prior_high=DEFAULT_PRIOR_HIGH if charge.prior_degradation_high is None
                          else charge.prior_degradation_high,
                          prior_without_evidence=charge.confidence is not None,
-                         margin_abs=charge.interval_margin_abs or 0.0, margin_rel=charge.interval_margin_rel or 0.0)
+                         margin_abs=charge.interval_margin_abs or 0.0, margin_rel=charge.interval_margin_rel or 0.0,
+                         billing_weights=((charge.partition or "", charge.billing_weights),)
+                         if charge.billing_weights not in (None, "slurm") else ())
 
 
 @dataclass

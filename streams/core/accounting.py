@@ -101,7 +101,15 @@ from .degradation import (
     Moments,
     estimate,
 )
-from .pricing import POPPA_EQ4, adjusted_price, alone_time, billed_time, fair_charge, job_degradation
+from .pricing import (
+    POPPA_EQ4,
+    adjusted_price,
+    alone_time,
+    billed_time,
+    billed_units,
+    fair_charge,
+    job_degradation,
+)
 
 SOURCE = "nodeshare.streams.accounting"  # the producer named in every record: a contract, kept as first released
 
@@ -129,6 +137,9 @@ class PricingPolicy:
     #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the
     #: standard price (how the audit reprices an older row).
     prior_without_evidence: bool = True
+    #: (partition, TRESBillingWeights) pairs: a job of such a partition whose lifecycle event carries
+    #: its TRES but not Slurm's billing count is billed by them (pricing.billed_units; schema 8)
+    billing_weights: tuple[tuple[str, str], ...] = ()
     #: The build that prices (``Charge.code_version``): provenance, stamped by the shell that runs
     #: the fold (``Settings.policy``), so the pure core needs no package metadata; not part of the
     #: policy's identity. Empty: ``UNSTAMPED_VERSION``.
@@ -915,7 +926,8 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     no_evidence = (policy.prior_without_evidence and interval.method == PRIOR
                    and degradation.status is not EstimateStatus.OK)
     applied = high if policy.price_at_bound or no_evidence else point
-    amounts = fair_charge(policy.rate_per_core_hour, end.cores, run_time_s, applied, policy.rate_function, credit_s)
+    units, billed_by = billed_units(end.cores, end.tres, dict(policy.billing_weights).get(end.partition or ""))
+    amounts = fair_charge(policy.rate_per_core_hour, units, run_time_s, applied, policy.rate_function, credit_s)
     adj = terminal.adjustment
     price = (amounts.price if adj is None
              else adjusted_price(adj.action, adj.requested_price, amounts.standard_price, amounts.price))
@@ -937,6 +949,7 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         event_time=end.end_time,
         job_id=job_id, revision=revision, revision_reason=terminal.reason, final_state=end.state,
         user=end.user, account=end.account, program=end.program, cores=end.cores,
+        partition=end.partition, billing_units=None if billed_by is None else units, billing_weights=billed_by,
         start_time=end.start_time, end_time=end.end_time,
         run_time_s=run_time_s, pause_credit_s=credit_s, billed_time_s=amounts.billed_time_s,
         solo_time_s=amounts.solo_time_s,

@@ -13,13 +13,16 @@ A node with one job is never shuttered, so the blocks measure D over the time th
 nodes; a job that also ran alone for a time A of its billed time T is charged with
 D = D_shared * (1 - A / T), its solo time being A + (1 - D_shared) * (T - A).
 
-L is in service units per core-hour, times are in seconds.
+L is in service units per core-hour, times are in seconds. C is the job's cores, or (beyond POPPA,
+schema 8) its billable TRES where the lifecycle event carries its allocation: Slurm's own ``billing``
+count, or a partition's ``TRESBillingWeights`` applied to it (``billed_units``), so a site that
+bills GPUs or memory through Slurm gets the same standard price ``sreport`` counts.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 SECONDS_PER_HOUR = 3600.0
@@ -31,7 +34,7 @@ SOLO_BASELINE = "solo_baseline"  # P_solo: pay for the time the job would have t
 STANDARD = "sop"  # L * C * T_co: today's price, no discount (co-location measured but not priced)
 
 
-def standard_price(rate_per_core_hour: float, cores: int, run_time_s: float) -> float:
+def standard_price(rate_per_core_hour: float, cores: float, run_time_s: float) -> float:
     """Eq. 1: P = L * C * T."""
     return rate_per_core_hour * cores * (run_time_s / SECONDS_PER_HOUR)
 
@@ -41,7 +44,7 @@ def solo_time(run_time_s: float, degradation: float) -> float:
     return (1.0 - degradation) * run_time_s
 
 
-def poppa_price(rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float,
+def poppa_price(rate_per_core_hour: float, cores: float, run_time_s: float, degradation: float,
                 pause_credit_s: float = 0.0) -> float:
     """Eq. 4: P = L * (T_solo / T_co) * C * T_solo, with T_co the real co-located run time and
     T_solo = (1 - D) * (T_co - pause credit). Without a credit this is (1 - D) * P_solo."""
@@ -62,7 +65,7 @@ class ChargeAmounts:
 
 
 #: Every rate function prices (L, C, T_co, D, pause credit).
-RATE_FUNCTIONS: dict[str, Callable[[float, int, float, float, float], float]] = {
+RATE_FUNCTIONS: dict[str, Callable[[float, float, float, float, float], float]] = {
     POPPA_EQ4: poppa_price,
     SOLO_BASELINE: lambda rate, cores, t_co, d, credit: standard_price(rate, cores,
                                                                       solo_time(billed_time(t_co, credit), d)),
@@ -97,7 +100,7 @@ def billed_time(run_time_s: float, pause_credit_s: float) -> float:
 
 
 def fair_charge(
-    rate_per_core_hour: float, cores: int, run_time_s: float, degradation: float, rate_function: str = POPPA_EQ4,
+    rate_per_core_hour: float, cores: float, run_time_s: float, degradation: float, rate_function: str = POPPA_EQ4,
     pause_credit_s: float = 0.0,
 ) -> ChargeAmounts:
     """Every amount of a charge. The standard price is of the whole run time. The solo time is
@@ -132,3 +135,56 @@ def adjusted_price(action: str | None, requested: float | None, standard: float,
             raise ValueError(f"adjust needs a price >= 0, got {requested}")
         return min(requested, standard)
     raise ValueError(f"unknown adjustment {action!r}; known: adjust, void")
+
+
+#: MB per unit of a memory weight's suffix (Slurm counts memory in MB): "Mem=0.25G" is 0.25 per GB.
+_MEM_UNITS = {"K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0**2, "P": 1024.0**3}
+
+
+def parse_billing_weights(text: str) -> dict[str, float]:
+    """A partition's ``TRESBillingWeights`` as slurm.conf writes it ("CPU=1.0,Mem=0.25G,GRES/gpu=2.0"):
+    the weight per unit of each TRES, by Slurm's lower-case TRES name ("cpu", "mem", "gres/gpu"), the
+    memory weight per MB (a suffix K, M, G, T or P says per what; none: per MB, as Slurm reads it).
+    Raises ValueError naming the part it cannot read."""
+    weights: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        name = name.strip().lower()
+        if not sep or not name:
+            raise ValueError(f"TRESBillingWeights part {part!r}: expected NAME=WEIGHT")
+        value = value.strip()
+        per = 1.0
+        if value[-1:].upper() in _MEM_UNITS and not value[-1:].isdigit():
+            if name != "mem":
+                raise ValueError(f"TRESBillingWeights part {part!r}: a unit suffix is read for Mem only")
+            per, value = _MEM_UNITS[value[-1:].upper()], value[:-1]
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ValueError(f"TRESBillingWeights part {part!r}: {value!r} is not a number") from None
+        if not (math.isfinite(weight) and weight >= 0.0):
+            raise ValueError(f"TRESBillingWeights part {part!r}: a weight is a number >= 0")
+        if name in weights:
+            raise ValueError(f"TRESBillingWeights: {name} is weighted twice")
+        weights[name] = weight / per
+    return weights
+
+
+def billing_units(tres: Mapping[str, float], weights: Mapping[str, float]) -> float:
+    """Slurm's billable TRES of an allocation under a partition's weights, by its default rule: the
+    sum over the weighted TRES of weight x count (memory in MB). A TRES the job was not allocated
+    counts 0. (``PriorityFlags=MAX_TRES``, the per-node maximum, is not modelled: a site that sets it
+    lets Slurm count, and the Slurm source carries Slurm's own ``billing``.)"""
+    return math.fsum(w * float(tres.get(name, 0.0)) for name, w in sorted(weights.items()))
+
+
+def billed_units(cores: int, tres: Mapping[str, float], weights_text: str | None) -> tuple[float, str | None]:
+    """What the standard price multiplies (Eq. 1's C, beyond POPPA: a site bills GPUs and memory too)
+    and the rule that gave it: Slurm's own ``billing`` TRES when the lifecycle event carries it (what
+    ``sreport`` counts, whatever the partition's weights and flags), else the site's weights for the
+    job's partition applied to its TRES (``weights_text``), else its cores (None: POPPA's C)."""
+    if "billing" in tres:
+        return float(tres["billing"]), "slurm"
+    if weights_text:
+        return billing_units(tres, parse_billing_weights(weights_text)), weights_text
+    return float(cores), None

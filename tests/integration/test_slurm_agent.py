@@ -31,7 +31,12 @@ def test_two_slurm_jobs_sharing_a_node_are_shuttered_and_charged(settings: Setti
     progress = tmp_path / "progress"
     progress.mkdir()
     create_topics(settings)
-    with local_slurm(tmp_path / "hooks") as env:
+
+    def bill_cpus_thrice(t: Path) -> None:  # the partition bills TRES (issue 42, item 7): billing = 3 x cpu
+        conf = t / "etc" / "slurm.conf"
+        conf.write_text(conf.read_text().replace("OverSubscribe=FORCE:2",
+                                                 'OverSubscribe=FORCE:2 TRESBillingWeights="CPU=3.0"'))
+    with local_slurm(tmp_path / "hooks", bill_cpus_thrice) as env:
         job_env = {**env, "NODESHARE_PROGRESS_DIR": str(progress)}
         ids = []
         for kind in ("stream", "compute"):
@@ -57,6 +62,9 @@ def test_two_slurm_jobs_sharing_a_node_are_shuttered_and_charged(settings: Setti
               f"(Alg. 4 {c.degradation_filtered:.3f}, unfiltered {c.degradation_unfiltered:.3f}), "
               f"run {c.run_time_s:.0f} s, paused {c.pause_credit_s:.3f} s")
         assert c.final_state is JobState.ENDED and c.cores == 1 and c.user == "root"
+        # the standard price bills Slurm's own billing TRES (3 for 1 CPU here), what sreport counts
+        assert (c.partition, c.billing_units, c.billing_weights) == ("debug", 3.0, "slurm")
+        assert c.standard_price == pytest.approx(settings.rate_per_core_hour * 3.0 * c.run_time_s / 3600)
         assert c.blocks_used + c.blocks_rejected >= 10
         # slowed, not stopped. Not a tighter bound: on these two loaded cores one job of a run measured
         # 0.962 (process clock, stop 48's CI) and 0.862 (task clock, Alg. 4 accepting 4 of 26 blocks;

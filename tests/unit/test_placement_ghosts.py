@@ -57,6 +57,9 @@ def test_the_slurm_source_publishes_no_submission_for_a_job_squeue_shows_finishe
         def hostnames(self, expr: str) -> tuple[str, ...]:
             return (expr,)
 
+        def job_tres(self, job_id: str) -> dict[str, float]:
+            return {}
+
         def queue(self) -> list[dict[str, str]]:
             return [dict(job_id=j, user="u", account="a", program="P", cores="4",
                          submit="2026-03-01T00:00:00+00:00", state=state)

@@ -13,6 +13,7 @@ from nodeshare.schemas import (
     SCHEMA_VERSION,
     Charge,
     DeadLetter,
+    JobEvent,
     JobLeftNode,
     JobState,
     NodeInventory,
@@ -59,7 +60,8 @@ def test_this_build_writes_version_8_and_reads_1_to_8():
                                 "degradation_low": 6, "degradation_high": 6, "interval_method": 6,
                                 "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6,
                                 "levels": 6, "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8,
-                                "adjustment_credit": 8}
+                                "adjustment_credit": 8, "partition": 8, "billing_units": 8, "billing_weights": 8}
+    assert ADDED_IN[JobEvent] == {"partition": 8, "tres": 8}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
 

@@ -111,6 +111,9 @@ def test_bad_hook_files_are_moved_aside_with_their_reason(tmp_path: Path) -> Non
         def hostnames(self, expr: str) -> tuple[str, ...]:
             return one_node(expr)
 
+        def job_tres(self, job_id: str) -> dict[str, float]:
+            return {}
+
         def queue(self) -> list[dict[str, str]]:
             return []
 
@@ -130,6 +133,9 @@ class FailedNodes:
 
     def hostnames(self, expr: str) -> tuple[str, ...]:
         return ("n1", "n2") if expr == "n[1-2]" else one_node(expr)
+
+    def job_tres(self, job_id: str) -> dict[str, float]:
+        return {}
 
     def queue(self) -> list[dict[str, str]]:
         return []

@@ -18,6 +18,9 @@ class NoSlurm:
     def hostnames(self, expr: str) -> tuple[str, ...]:
         return tuple(expr.split(",")) if expr else ()
 
+    def job_tres(self, job_id: str) -> dict[str, float]:
+        return {}
+
     def queue(self) -> list[dict[str, str]]:
         return []
 

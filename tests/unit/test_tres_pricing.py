@@ -1,0 +1,110 @@
+"""A TRES-aware standard price (issue 42, item 7): a site that bills GPUs or memory through Slurm's
+TRESBillingWeights gets the standard price ``sreport`` counts. Numbers are Slurm's documented
+examples (slurm.conf(5), TRESBillingWeights) and worked out by hand."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from factories import POLICY, archive_records, block, job_event, left
+from pydantic import ValidationError
+from unit.test_charge_adjustments import IPC, LIFE, msgs
+
+from nodeshare.runtime.config import Settings
+from nodeshare.schemas import JobState
+from nodeshare.sinks.audit import audit
+from nodeshare.streams.core.accounting import fold_messages
+from nodeshare.streams.core.pricing import billed_units, billing_units, parse_billing_weights, standard_price
+
+
+def test_weights_read_as_slurm_reads_them():
+    w = parse_billing_weights("CPU=1.25, Mem=0.25G,GRES/gpu=2.0")
+    assert w == {"cpu": 1.25, "mem": 0.25 / 1024, "gres/gpu": 2.0}
+    # slurm.conf(5): a job of 1 CPU and 8 GB under "CPU=1.25,Mem=0.25G" bills (1 * 1.25) + (8 * 0.25) = 3.25
+    assert billing_units({"cpu": 1, "mem": 8192}, parse_billing_weights("CPU=1.25,Mem=0.25G")) == 3.25
+    # and a memory weight without a suffix is per MB: "mem=.25" on 8 GB bills 8192 * .25 = 2048
+    assert billing_units({"mem": 8192}, parse_billing_weights("mem=.25")) == 2048.0
+    assert parse_billing_weights("Mem=1T") == {"mem": 1 / 1024**2}
+    for bad, why in (("CPU", "expected NAME=WEIGHT"), ("CPU=x", "is not a number"), ("CPU=-1", ">= 0"),
+                     ("GRES/gpu=2G", "for Mem only"), ("CPU=1,cpu=2", "weighted twice")):
+        with pytest.raises(ValueError, match=why):
+            parse_billing_weights(bad)
+
+
+def test_what_the_standard_price_multiplies():
+    gpu = {"cpu": 8.0, "mem": 32768.0, "gres/gpu": 2.0}
+    assert billed_units(8, {**gpu, "billing": 18.0}, "CPU=1") == (18.0, "slurm")  # Slurm's own count wins
+    assert billed_units(8, gpu, "CPU=1.0,Mem=0.25G,GRES/gpu=2.0") == (8 + 8 + 4, "CPU=1.0,Mem=0.25G,GRES/gpu=2.0")
+    assert billed_units(8, gpu, None) == (8.0, None)  # no weights for the partition: its cores, as POPPA
+    assert billed_units(8, {}, "CPU=2") == (0.0, "CPU=2")  # weights but no TRES: nothing allocated to bill
+
+
+def run_on(partition: str | None, tres: dict[str, float], job: str = "g1") -> tuple[list, list]:
+    ipc = [block(1.0, 2.0, 1.0, job=job, cycle=0), block(0.8, 1.0, 0.82, job=job, cycle=1), left(job, "n1", 2, 1)]
+    end = job_event(job, JobState.ENDED, cores=8).model_copy(update={"partition": partition, "tres": tres})
+    return ipc, [job_event(job, JobState.STARTED, cores=8), end]
+
+
+def test_a_gpu_jobs_standard_price_is_its_billable_tres_and_the_audit_recomputes_it(tmp_path: Path):
+    weights = "CPU=1.0,Mem=0.25G,GRES/gpu=2.0"
+    policy = POLICY.__class__(**{**POLICY.__dict__, "billing_weights": (("gpu", weights),)})
+    ipc, life = run_on("gpu", {"cpu": 8.0, "mem": 32768.0, "gres/gpu": 2.0})
+    [weighted] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), policy)
+    [plain] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), POLICY)  # a site without weights: cores
+    assert (weighted.partition, weighted.billing_units, weighted.billing_weights) == ("gpu", 20.0, weights)
+    assert plain.billing_units is None and plain.billing_weights is None
+    # one hour at L = 1.5: SOP = 1.5 * 20 units, against 1.5 * 8 cores; the discount scales with it
+    assert math.isclose(weighted.standard_price, standard_price(1.5, 20, 3600)) and weighted.standard_price == 30.0
+    assert math.isclose(weighted.price / weighted.standard_price, plain.price / plain.standard_price)
+    other_ipc, other_life = run_on("cpu", {"cpu": 8.0, "billing": 12.0}, job="s1")  # Slurm's own count
+    both = fold_messages(msgs([*ipc, *other_ipc], IPC) + msgs([*life, *other_life], LIFE), policy)
+    assert both[0] == weighted
+    slurm = both[1]
+    assert (slurm.billing_units, slurm.billing_weights, slurm.standard_price) == (12.0, "slurm", 18.0)
+    # the audit reprices each row by the rule it records, whatever today's configuration says
+    archive, _, _ = archive_records(tmp_path, [*ipc, *life, *other_ipc, *other_life])
+    from nodeshare.schemas import encode
+    from nodeshare.sinks.ledger import Ledger
+
+    ledger = tmp_path / "weighted.duckdb"
+    with Ledger(ledger) as led:
+        led.append([(c, encode(c), 0, i) for i, c in enumerate((weighted, slurm))])
+    report = audit(archive, ledger, POLICY)
+    assert report.ok and report.matches == 2, report.as_dict()
+
+
+def test_the_configuration_refuses_weights_slurm_would_not_read():
+    assert Settings(billing_weights={"gpu": "CPU=1,GRES/gpu=4"}).policy().billing_weights == (
+        ("gpu", "CPU=1,GRES/gpu=4"),)
+    with pytest.raises(ValidationError, match="partition gpu: TRESBillingWeights part 'GPU=x'"):
+        Settings(billing_weights={"gpu": "GPU=x"})
+
+
+def test_a_lifecycle_event_carries_tres_by_slurms_names():
+    event = job_event("g1", JobState.ENDED)
+    assert event.model_copy(update={"tres": {"gres/gpu:a100": 2.0}}).tres == {"gres/gpu:a100": 2.0}
+    with pytest.raises(ValidationError):
+        type(event).model_validate({**event.model_dump(), "tres": {"GPU count": 2.0}})
+    with pytest.raises(ValidationError):
+        type(event).model_validate({**event.model_dump(), "tres": {"cpu": -1.0}})
+
+
+def test_the_slurm_source_reads_the_allocation_as_scontrol_writes_it():
+    from datetime import UTC, datetime
+
+    from nodeshare.producers.slurm import HookEvent, event_from_hook, parse_tres
+
+    assert parse_tres("cpu=4,mem=8G,node=1,billing=6,gres/gpu=1,gres/gpu:a100=1") == {
+        "cpu": 4.0, "mem": 8192.0, "node": 1.0, "billing": 6.0, "gres/gpu": 1.0, "gres/gpu:a100": 1.0}
+    assert parse_tres("cpu=1,mem=500M,energy=n/a,Weird=2") == {"cpu": 1.0, "mem": 500.0}  # what it cannot read: out
+    env = {"JOBID": "7", "JOBSTATE": "COMPLETED", "USERNAME": "u", "ACCOUNT": "a", "JOBNAME": "lmp", "PROCS": "4",
+           "NODES": "n1", "PARTITION": "gpu", "START": "1764230400", "END": "1764234000", "CLUSTER": "c"}
+    asked: list[str] = []
+    event = event_from_hook(HookEvent("jobcomp", datetime(2025, 11, 27, tzinfo=UTC), env), lambda e: (e,),
+                            tres=lambda job: asked.append(job) or {"cpu": 4.0, "billing": 10.0})
+    assert event is not None and asked == ["7"]
+    assert (event.partition, event.tres) == ("gpu", {"cpu": 4.0, "billing": 10.0})
+    bare = event_from_hook(HookEvent("jobcomp", datetime(2025, 11, 27, tzinfo=UTC), env), lambda e: (e,))
+    assert bare is not None and bare.tres == {}  # no controller to ask: priced by its cores
