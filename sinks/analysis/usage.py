@@ -24,6 +24,10 @@ CHARGE_COLUMNS: dict[str, str] = {
     "Program": "program",
     "State": "upper(final_state)",
     "NCPUS": "cores",
+    # schema 8: the partition, and what the standard price multiplied (Slurm's billing TRES, a
+    # partition's weights, or the cores)
+    "Partition": "json_extract_string(record, '$.partition')",
+    "BillingUnits": "coalesce(CAST(json_extract(record, '$.billing_units') AS DOUBLE), cores)",
     "Start": "start_time",
     "End": "end_time",
     "Elapsed": "run_time_s",

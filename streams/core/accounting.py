@@ -1010,7 +1010,9 @@ class Processed(NamedTuple):
     blocks: BlockCounts | None  # what a batch's blocks came to, for metrics; None otherwise
 
 
-#: The fields of a terminal event that a charge depends on.
+#: The fields of a terminal event whose change is a correction (a new revision). Not the partition and
+#: TRES (schema 8): Slurm never corrects an allocation after the fact, and a hook file the Slurm source
+#: sends again after the controller forgot the job carries none: a copy, not a correction to cores.
 _BILLED_FIELDS = ("state", "user", "account", "program", "cores", "nodes", "start_time", "end_time")
 
 

@@ -108,3 +108,25 @@ def test_the_slurm_source_reads_the_allocation_as_scontrol_writes_it():
     assert (event.partition, event.tres) == ("gpu", {"cpu": 4.0, "billing": 10.0})
     bare = event_from_hook(HookEvent("jobcomp", datetime(2025, 11, 27, tzinfo=UTC), env), lambda e: (e,))
     assert bare is not None and bare.tres == {}  # no controller to ask: priced by its cores
+
+
+def test_a_terminal_event_sent_again_without_its_tres_is_a_copy_not_a_correction():
+    """The Slurm source re-reads a hook file it had sent (it died before deleting it) after the
+    controller forgot the job: the copy has no TRES. It changes nothing: no revision priced by cores."""
+    ipc, life = run_on(None, {"cpu": 8.0, "billing": 12.0})
+    copy = life[1].model_copy(update={"tres": {}})
+    charges = fold_messages(msgs(ipc, IPC) + msgs([*life, copy], LIFE), POLICY)
+    assert [(c.revision, c.billing_units) for c in charges] == [(0, 12.0)]
+
+
+def test_charges_lists_the_partition_and_the_billed_units(tmp_path: Path):
+    from nodeshare.schemas import encode
+    from nodeshare.sinks.analysis.usage import charges as query
+    from nodeshare.sinks.ledger import Ledger
+
+    ipc, life = run_on("gpu", {"cpu": 8.0, "billing": 20.0})
+    [charge] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), POLICY)
+    with Ledger(tmp_path / "l.duckdb") as led:
+        led.append([(charge, encode(charge), 0, 0)])
+    _, rows = query(tmp_path / "l.duckdb", fmt="JobID,NCPUS,Partition,BillingUnits,SOP")
+    assert rows == [("g1", 8, "gpu", 20.0, 30.0)]
