@@ -105,6 +105,7 @@ LedgerOption = Annotated[Path | None, typer.Option(
     help="DuckDB ledger (or a snapshot of it) to check the job's current charge against (default: the group's "
     "--ledger, ledger.duckdb)")]
 Reason = Annotated[str, typer.Option(help="why (kept in the charge and its revision reason; required)")]
+JobArg = Annotated[str, typer.Argument(help="job id")]
 NotChargedYet = Annotated[bool, typer.Option(
     "--not-charged-yet", help="the job has no charge in the ledger yet: the worker prices its first charge "
     "with the adjustment when it comes")]
@@ -113,7 +114,7 @@ NotChargedYet = Annotated[bool, typer.Option(
 @charges_app.command("void")
 def charges_void(
     ctx: typer.Context,
-    job: Annotated[str, typer.Argument(help="job id")],
+    job: JobArg,
     reason: Reason,
     ledger: LedgerOption = None,
     not_charged_yet: NotChargedYet = False,
@@ -126,7 +127,7 @@ def charges_void(
 @charges_app.command("adjust")
 def charges_adjust(
     ctx: typer.Context,
-    job: Annotated[str, typer.Argument(help="job id")],
+    job: JobArg,
     price: Annotated[float, typer.Option(min=0.0, help="what the job is charged, in service units (at most its "
                                                        "standard price: a higher one is capped)")],
     reason: Reason,
@@ -141,7 +142,7 @@ def charges_adjust(
 @charges_app.command("restore")
 def charges_restore(
     ctx: typer.Context,
-    job: Annotated[str, typer.Argument(help="job id")],
+    job: JobArg,
     reason: Reason,
     ledger: LedgerOption = None,
     not_charged_yet: NotChargedYet = False,
