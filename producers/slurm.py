@@ -1,9 +1,9 @@
 """Job lifecycle from a real Slurm.
 
-Three controller-side hooks (installed by ``nodeshare slurm install-hooks``) each drop one file
-per event, the hook's whole environment NUL-separated, into an events directory: no Python, no
-network, always exit 0 (a failing PrologSlurmctld would hold the job). The source turns files into
-``JobEvent`` records and deletes a file only after the broker acknowledged its event:
+Three controller-side hooks (``producers.slurm_hooks``, installed by ``nodeshare slurm
+install-hooks``) each drop one file per event, the hook's whole environment NUL-separated, into an
+events directory: no Python, no network, always exit 0 (a failing PrologSlurmctld would hold the
+job). The source turns files into ``JobEvent`` records and deletes a file only after the broker acknowledged its event:
 
 * ``prolog_ctld`` (PrologSlurmctld) -> started; the file name carries the time in nanoseconds;
 * ``jobcomp`` (JobCompType=jobcomp/script) -> ended / failed / cancelled, with Slurm's own
@@ -42,10 +42,10 @@ from nodeshare.producers.slurm_lost_nodes import DEFAULT_WAIT_S, WATCH_FILE, Los
 from nodeshare.runtime import metrics
 from nodeshare.runtime.logs import fields
 from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState, NodeDown
+from nodeshare.streams.core.pricing import parse_tres
 
 log = logging.getLogger("nodeshare.slurm")
 
-HOOKS = ("prolog_ctld", "epilog_ctld", "jobcomp")
 _FILE = re.compile(r"^(\d+)-(prolog_ctld|epilog_ctld|jobcomp)-\d+$")
 
 # Slurm job states (squeue/jobcomp) -> lifecycle states
@@ -59,83 +59,9 @@ _TERMINAL = {
 #: for it. A restarted source finds them in ``squeue -t all`` (kept MinJobAge after the end).
 _OVER = frozenset(_TERMINAL) | {"COMPLETING", "REVOKED", "SPECIAL_EXIT", "STAGE_OUT"}
 
-HOOK_SCRIPT = """#!/bin/sh
-# Written by `nodeshare slurm install-hooks`: records one Slurm {hook} event for nodeshare.
-# Always exits 0: a failing controller hook would hold or requeue the job. A failure is never
-# discarded: it goes to syslog (tag nodeshare-slurm-hook), to the log file below and to stderr.
-d='{events}'
-log='{log}'
-umask 027
-n=$(date +%s%N)
-f="$d/.$n-{hook}-$$"
-if ! why=$( {{ env -0 > "$f" && mv "$f" "$d/$n-{hook}-$$"; }} 2>&1 ); then
-  rm -f "$f" 2>/dev/null
-  who=$(id -un 2>/dev/null || id -u)
-  msg="{hook} hook: the event of job ${{SLURM_JOB_ID:-${{JOBID:-unknown}}}} is lost (running as $who): $why"
-  logger -t nodeshare-slurm-hook -p daemon.err -- "$msg" 2>/dev/null
-  printf '%s %s\\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$msg" >> "$log" 2>/dev/null
-  printf 'nodeshare: %s\\n' "$msg" >&2
-fi
-exit 0
-"""
-#: Where the hooks log their own failures (beside the events directory) unless told otherwise.
-HOOK_LOG = "slurm-hooks.log"
-
-
 class HookFileError(ValueError):
     """A hook file that cannot become an event (moved aside to ``bad/`` with this reason)."""
 
-
-def install_hooks(hooks_dir: Path, events_dir: Path, owner: str | None = None, group: str | None = None,
-                  log_file: Path | None = None) -> dict[str, Path]:
-    """Write the three hook scripts; returns slurm.conf's lines to add, by key.
-
-    The hooks run as SlurmUser. With ``owner`` (SlurmUser when it is not root) the events directory
-    becomes ``owner``'s, group ``group`` (default: ``nodeshare`` when that group exists, else the
-    owner's), mode 2770: the hooks write, the Slurm source (in the group) reads and deletes, and
-    files inherit the group. The hooks' own log file (``log_file``, default beside the events
-    directory) is made appendable by ``owner`` the same way."""
-    log_file = log_file or events_dir.parent / HOOK_LOG
-    for path in (events_dir, log_file):
-        if "'" in str(path):
-            raise ValueError(f"the path may not contain a quote: {path}")
-    ids = None
-    if owner is not None:
-        import grp
-        import pwd
-
-        try:
-            user = pwd.getpwnam(owner)
-        except KeyError:
-            raise ValueError(f"no user {owner!r} (--owner: the SlurmUser the hooks run as)") from None
-        if group is None:
-            try:
-                gid = grp.getgrnam("nodeshare").gr_gid
-            except KeyError:
-                gid = user.pw_gid
-        else:
-            try:
-                gid = grp.getgrnam(group).gr_gid
-            except KeyError:
-                raise ValueError(f"no group {group!r}") from None
-        ids = (user.pw_uid, gid)
-    hooks_dir.mkdir(parents=True, exist_ok=True)
-    events_dir.mkdir(parents=True, exist_ok=True)
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    log_file.touch()
-    if ids is not None:
-        os.chown(events_dir, *ids)
-        events_dir.chmod(0o2770)
-        os.chown(log_file, *ids)
-        log_file.chmod(0o640)
-    paths = {}
-    for hook in HOOKS:
-        path = hooks_dir / f"{hook}.sh"
-        path.write_text(HOOK_SCRIPT.format(hook=hook, events=events_dir.resolve(), log=log_file.resolve()))
-        path.chmod(0o755)
-        paths[hook] = path.resolve()
-    return {"PrologSlurmctld": paths["prolog_ctld"], "EpilogSlurmctld": paths["epilog_ctld"],
-            "JobCompType": Path("jobcomp/script"), "JobCompLoc": paths["jobcomp"]}
 
 
 def total_cpus(cpus_per_node: str) -> int:
@@ -182,33 +108,13 @@ def read_hook_file(path: Path) -> HookEvent:
 
 
 Hostnames = Callable[[str], tuple[str, ...]]
+
+
+class ControllerAway(Exception):
+    """slurmctld did not answer a question an event needs (a job's TRES): ask again later."""
+
 #: A job's allocated TRES as the controller holds it (job id -> Slurm's names and counts; {}: unknown)
 JobTres = Callable[[str], dict[str, float]]
-
-#: MB per unit of a memory count as scontrol writes it ("1000M", "4G")
-_MEM_MB = {"K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0**2, "P": 1024.0**3}
-
-
-def parse_tres(text: str) -> dict[str, float]:
-    """A TRES string as ``scontrol show job`` writes it ("cpu=4,mem=8G,node=1,billing=6,gres/gpu=1")
-    -> counts by Slurm's TRES name, memory in MB. A part it cannot read is left out (a TRES the
-    pricing does not know is billed by nothing anyway)."""
-    out: dict[str, float] = {}
-    for part in text.split(","):
-        name, sep, value = part.strip().partition("=")
-        if not sep or not re.fullmatch(r"[a-z]+(/[A-Za-z0-9_.:-]+)?", name):
-            continue
-        per = 1.0
-        if value[-1:] in _MEM_MB:
-            per, value = _MEM_MB[value[-1:]], value[:-1]
-        try:
-            count = float(value) * per
-        except ValueError:
-            continue
-        if count >= 0.0 and count != float("inf"):
-            out[name] = count
-    return out
-
 
 def event_from_hook(h: HookEvent, hostnames: Hostnames, *, terminal_from_epilog: bool = False,
                     started: Mapping[str, datetime] | None = None, tres: JobTres | None = None) -> JobEvent | None:
@@ -326,11 +232,15 @@ class SlurmCommands:
 
     def job_tres(self, job_id: str) -> dict[str, float]:
         """The job's allocated TRES from the controller (``scontrol show job``: TRES, or AllocTRES in
-        later releases); {} when it no longer knows the job (MinJobAge after its end) or cannot say."""
+        later releases); {} when it no longer knows the job (MinJobAge after its end: the worker then
+        takes the TRES of the run's started event). Raises ControllerAway when the controller does
+        not answer: the hook file is read again at the next poll, not published without its TRES."""
         try:
             line = self._run("scontrol", "show", "job", "-o", job_id)
         except RuntimeError as exc:
-            log.warning("job %s: no TRES from the controller (%s): priced by its cores", job_id, exc)
+            if "Invalid job id" not in str(exc):
+                raise ControllerAway(f"job {job_id}: no TRES from the controller: {exc}") from None
+            log.warning("job %s: the controller no longer knows the job: its event carries no TRES", job_id)
             return {}
         m = re.search(r"(?:^|\s)(?:Alloc)?TRES=(\S+)", line)
         return parse_tres(m.group(1)) if m else {}
@@ -420,6 +330,9 @@ class SlurmSource:
                 event = event_from_hook(hook, self.commands.hostnames,
                                         terminal_from_epilog=self.terminal_from_epilog, started=self.started,
                                         tres=self.commands.job_tres)
+            except ControllerAway as exc:  # the file stays, and is read again next time
+                log.error("%s: %s: read again at the next poll", path.name, exc)
+                continue
             except (HookFileError, ValueError, RuntimeError) as exc:
                 bad = self.events_dir / "bad"
                 bad.mkdir(exist_ok=True)

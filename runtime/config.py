@@ -142,9 +142,11 @@ class Settings(BaseSettings):
     # the interval's margin for the estimator's bias, margin_abs + margin_rel x D (docs/charges.md)
     margin_abs: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01  # confidence.DEFAULT_MARGIN_ABS
     margin_rel: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05  # confidence.DEFAULT_MARGIN_REL
-    # Partition -> TRESBillingWeights as in slurm.conf ("CPU=1.0,Mem=0.25G,GRES/gpu=2.0"): the standard
-    # price of a job whose lifecycle event carries its TRES but not Slurm's own billing count multiplies
-    # its billable TRES instead of its cores (streams.core.pricing.billed_units). Empty: cores.
+    # What the standard price multiplies (streams.core.pricing.billed_units): "cores" (POPPA's C), or
+    # "tres": Slurm's billing count where the lifecycle event carries it (the Slurm source's), else the
+    # partition's TRESBillingWeights below (slurm.conf's syntax, "CPU=1.0,Mem=0.25G,GRES/gpu=2.0")
+    # applied to its TRES, else the cores. A site that switches sees its prices move: docs/charges.md.
+    standard_units: Literal["cores", "tres"] = "cores"
     billing_weights: dict[str, str] = {}
     # POPPA's shutter parameters (Seed 002, Section 5): K samples per region of S us, every P ms.
     samples_per_region: Annotated[int, Field(ge=1, le=64)] = 1
@@ -228,6 +230,7 @@ class Settings(BaseSettings):
                              rate_function=self.rate_function, estimator=self.estimator,
                              confidence=self.confidence, price_at_bound=self.price_at_bound,
                              prior_high=self.prior_high, margin_abs=self.margin_abs, margin_rel=self.margin_rel,
+                             standard_units=self.standard_units,
                              billing_weights=tuple(sorted(self.billing_weights.items())), code_version=__version__)
 
     def shutter_policy(self) -> ShutterPolicy | None:

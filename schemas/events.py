@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -417,6 +419,19 @@ class JobEvent(Record):
         if len(set(self.nodes)) != len(self.nodes):
             raise ValueError("nodes: a node is listed twice")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_allocation(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Written without ``partition`` and ``tres`` when they say nothing (version 8's fields): an
+        event of a source that knows no allocation reads as before, and so do the worker's saved
+        states that hold it (a worker rolled back across version 8 reads them)."""
+        data = handler(self)
+        if isinstance(data, dict):
+            if data.get("partition", "") is None:
+                del data["partition"]
+            if data.get("tres") == {}:
+                del data["tres"]
+        return data
 
     @property
     def ran(self) -> bool:

@@ -674,8 +674,9 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
 def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | None = None
                     ) -> tuple[dict[str, list[TerminalEvent]], set[str]]:
     """Decoded terminal (charged) lifecycle events per job, through the reference decoder (they are
-    few), and the jobs left to the reference path: a terminal event the clock rule refuses, or an
-    operator's adjustment (its revisions are the reducer's to number)."""
+    few), and the jobs left to the reference path: a terminal event the clock rule refuses, an
+    operator's adjustment (its revisions are the reducer's to number), or a started event with TRES
+    (a terminal event without is priced with them: the reducer's ``allocations``)."""
     out: dict[str, list[TerminalEvent]] = defaultdict(list)
     to_reference: set[str] = set()
     for topic, ev in archive.events([JOBS_LIFECYCLE.name], con=con):
@@ -683,7 +684,7 @@ def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | No
             rec = decode(BY_NAME[topic], ev.value)
         except DecodeError:
             continue
-        if isinstance(rec, ChargeAdjustment):
+        if isinstance(rec, ChargeAdjustment) or (isinstance(rec, JobEvent) and rec.tres and not rec.ran):
             to_reference.add(rec.job_id)
         elif isinstance(rec, JobEvent) and rec.ran and ev.key == rec.job_id.encode():
             if clock_problem(rec, ev.timestamp_ms / 1000):

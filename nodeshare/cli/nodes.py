@@ -149,7 +149,7 @@ def slurm_install_hooks(
 ) -> None:
     """Write the controller hooks (PrologSlurmctld, EpilogSlurmctld, jobcomp/script) and print the
     slurm.conf lines that enable them."""
-    from nodeshare.producers.slurm import install_hooks
+    from nodeshare.producers.slurm_hooks import install_hooks
 
     try:
         lines = install_hooks(hooks_dir, events_dir, owner, group, log_file)

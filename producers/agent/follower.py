@@ -14,7 +14,9 @@ Topics in ``from_end`` are read from the end offsets seen at start, not from the
 follower whose state another topic it reads holds in full (the power follower: each node's caps on
 the compacted ``decisions.power.nodes``) takes only what comes after its start from them, so a start
 reads what the compacted topic holds (one record per node, whatever the age of the cluster), not
-every decision retention still keeps.
+every decision retention still keeps; with that topic missing (``topics create`` not run after an
+upgrade) they are read from their beginning, as before. A follower whose own topic is missing waits
+for it as for a broker away (below), never caught up on nothing.
 
 A follower with ``commits`` (the agent's follower of ``jobs.lifecycle``) acts on every record it
 reads instead, so ``handle`` must be idempotent: a start resumes after the offsets its group
@@ -40,7 +42,7 @@ import logging
 import threading
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from prometheus_client import Counter, Gauge
 
 from nodeshare.runtime.consumer import next_offsets
@@ -154,17 +156,24 @@ class Follower:
             # short waits: the loop retries every RETRY_S, and the agent's exit waits for this thread
             # (10 s each kept an agent without a broker 10 s longer at every exit)
             parts = []
+            missing = False  # an extra topic is missing: its history is nowhere else than in from_end's
             for t, name in names.items():
                 meta = consumer.list_topics(t, timeout=ASK_S).topics[t]
                 error = getattr(meta, "error", None)
-                if name != self.topic_name and (error is not None or not meta.partitions):
+                if name == self.topic_name and (error is not None or not meta.partitions):
+                    # waited out as a broker away is (the connected gauge at 0, retried): a follower of
+                    # a topic that is not there holds nothing, and must not say it caught up
+                    raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART,
+                                                    f"no topic {t}: run `nodeshare topics create`"))
+                if error is not None or not meta.partitions:
+                    missing = True
                     log.error("%s: no topic %s (%s): followed without it until the agent restarts; run "
                               "`nodeshare topics create` (docs/upgrades.md)", self.topic_name, t, error)
                 parts += [TopicPartition(t, p) for p in meta.partitions]
             self._answered = True
             FOLLOWER_CONNECTED.labels(self.purpose).set(1)
             ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=ASK_S) for tp in parts}
-            starts = {key: high if names[key[0]] in self.from_end else OFFSET_BEGINNING
+            starts = {key: high if names[key[0]] in self.from_end and not missing else OFFSET_BEGINNING
                       for key, (_, high) in ends.items()}
             if self.commits:  # resume after what the group committed (a negative offset: nothing committed)
                 starts.update({(tp.topic, tp.partition): tp.offset

@@ -107,7 +107,12 @@ def _truth(path: Path) -> dict[str, float]:
 def oracle_price(c: Charge, true_degradation: float) -> float:
     """What the rate function would have charged had the estimate been the truth."""
     d = min(1.0, max(0.0, true_degradation))
-    return fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, d, c.rate_function, c.pause_credit_s).price
+    return fair_charge(c.rate_per_core_hour, units(c), c.run_time_s, d, c.rate_function, c.pause_credit_s).price
+
+
+def units(c: Charge) -> float:
+    """What the charge's standard price multiplied: its billable TRES (schema 8), else its cores."""
+    return c.billing_units if c.billing_units is not None else float(c.cores)
 
 
 def _prices(charges: list[Charge], truth: dict[str, float], path: Path) -> Path:
@@ -200,16 +205,19 @@ def _html(charges: list[Charge], truth: dict[str, float], pngs: list[Path]) -> s
     sop = math.fsum(c.standard_price for c in charges)
     price = math.fsum(c.price for c in charges)
     rows = [("jobs", f"{len(charges)}"), ("standard price (SU)", f"{sop:.4f}"), ("charged (SU)", f"{price:.4f}"),
-            ("dividend (SU)", f"{sop - price:.4f}"), ("mean discount", f"{100 * (1 - price / sop):.2f}%")]
+            ("dividend (SU)", f"{math.fsum(c.dividend for c in charges):.4f}"),
+            ("credited by operators' adjustments (SU)", f"{math.fsum(c.adjustment_credit for c in charges):.4f}"),
+            ("mean discount", f"{100 * (1 - price / sop):.2f}%")]
     sure = [c for c in charges if c.degradation_point is not None]  # schema 6: an interval
     if sure:
-        at_point = math.fsum(fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, c.degradation_point,
+        at_point = math.fsum(fair_charge(c.rate_per_core_hour, units(c), c.run_time_s, c.degradation_point,
                                          c.rate_function, c.pause_credit_s).price for c in sure)
         bound = [c for c in sure if c.priced_at == "upper_bound"]
         rows += [("priced at the interval's upper end", f"{len(bound)} of {len(sure)} jobs with an interval "
                   f"(confidence {', '.join(sorted({f'{c.confidence:.0%}' for c in sure}))})"),
                  ("charged at the point estimates (SU)", f"{at_point:.4f}"),
-                 ("given up for the confidence (SU)", f"{at_point - math.fsum(c.price for c in sure):.4f}"),
+                 ("given up for the confidence (SU)",  # the computed prices: operators' adjustments aside
+                  f"{at_point - math.fsum(c.price + c.adjustment_credit for c in sure):.4f}"),
                  ("jobs priced by the prior (too few blocks)", f"{sum(c.interval_method == 'prior' for c in sure)}")]
     # priced without a lost node's marker (``NodeDown``): the operator's list (``nodeshare charges --incomplete``)
     lost = sorted(c.job_id for c in charges if c.estimate_status.value == "node_lost")

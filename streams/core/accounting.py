@@ -66,6 +66,7 @@ from nodeshare.schemas.events import (
     EstimateStatus,
     JobEvent,
     JobLeftNode,
+    JobState,
     LevelEvidence,
     NodeBlocks,
     NodeDown,
@@ -137,8 +138,10 @@ class PricingPolicy:
     #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the
     #: standard price (how the audit reprices an older row).
     prior_without_evidence: bool = True
-    #: (partition, TRESBillingWeights) pairs: a job of such a partition whose lifecycle event carries
-    #: its TRES but not Slurm's billing count is billed by them (pricing.billed_units; schema 8)
+    #: What the standard price multiplies (schema 8, pricing.billed_units): "cores" (POPPA's C), or
+    #: "tres": Slurm's billing count where the lifecycle event carries it, else the (partition,
+    #: TRESBillingWeights) pairs below applied to its TRES, else the cores
+    standard_units: str = "cores"
     billing_weights: tuple[tuple[str, str], ...] = ()
     #: The build that prices (``Charge.code_version``): provenance, stamped by the shell that runs
     #: the fold (``Settings.policy``), so the pure core needs no package metadata; not part of the
@@ -352,6 +355,10 @@ class JobAccount(_State):
     latest_event_time: datetime | None = None  # event time of the newest event applied
     #: the operator's adjustment of the latest terminal event's run (before any: the first run's)
     adjustment: AppliedAdjustment | None = None
+    #: each run's allocation as its started event stated it (start time -> (partition, TRES); schema
+    #: 8): a terminal event that carries none (the Slurm source asked after the controller forgot the
+    #: job) is priced with it
+    allocations: dict[str, tuple[str | None, dict[str, float]]] = {}
     _open: _OpenNodes = PrivateAttr(default_factory=_OpenNodes)
 
     @property
@@ -617,8 +624,14 @@ class JobAccount(_State):
             late=sorted({*last.late, node}), adjustment=last.adjustment))
 
     def _apply_lifecycle(self, event: JobEvent, origin: Origin, policy: PricingPolicy) -> Step:
+        run_key = event.start_time.isoformat() if event.start_time is not None else ""
+        if event.state is JobState.STARTED and event.tres:
+            self.allocations[run_key] = (event.partition, dict(event.tres))
         if not event.ran:  # submitted, started, or cancelled before it started: nothing to charge
             return Step()
+        if not event.tres and run_key in self.allocations:  # priced with the allocation its start stated
+            allocated_in, tres = self.allocations[run_key]
+            event = event.model_copy(update={"tres": tres, "partition": event.partition or allocated_in})
         reason = ""
         if self.ends:
             changed = _billing_changes(self.ends[-1].event, event)
@@ -797,11 +810,15 @@ class JobAccount(_State):
 
 
 def _without_null_adjustment(data: Any) -> Any:
-    """An account or terminal event serialized without ``adjustment`` when it has none (schema 8's
-    field): the states of every job no operator adjusted read as they did, so a worker rolled back
-    across schema 8 reads its snapshots and settled accounts (docs/upgrades.md)."""
-    if isinstance(data, dict) and data.get("adjustment", 0) is None:
-        del data["adjustment"]
+    """An account or terminal event serialized without schema 8's fields when they say nothing (no
+    ``adjustment``, no ``allocations``): the states of every job no operator adjusted and no source
+    gave TRES read as they did, so a worker rolled back across schema 8 reads its snapshots and
+    settled accounts (docs/upgrades.md)."""
+    if isinstance(data, dict):
+        if data.get("adjustment", 0) is None:
+            del data["adjustment"]
+        if data.get("allocations") == {}:
+            del data["allocations"]
     return data
 
 
@@ -926,7 +943,8 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     no_evidence = (policy.prior_without_evidence and interval.method == PRIOR
                    and degradation.status is not EstimateStatus.OK)
     applied = high if policy.price_at_bound or no_evidence else point
-    units, billed_by = billed_units(end.cores, end.tres, dict(policy.billing_weights).get(end.partition or ""))
+    units, billed_by = billed_units(end.cores, end.tres, dict(policy.billing_weights).get(end.partition or ""),
+                                    policy.standard_units == "tres")
     amounts = fair_charge(policy.rate_per_core_hour, units, run_time_s, applied, policy.rate_function, credit_s)
     adj = terminal.adjustment
     price = (amounts.price if adj is None

@@ -22,6 +22,7 @@ bills GPUs or memory through Slurm gets the same standard price ``sreport`` coun
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -137,7 +138,7 @@ def adjusted_price(action: str | None, requested: float | None, standard: float,
     raise ValueError(f"unknown adjustment {action!r}; known: adjust, void")
 
 
-#: MB per unit of a memory weight's suffix (Slurm counts memory in MB): "Mem=0.25G" is 0.25 per GB.
+#: MB per unit of a memory suffix (Slurm counts memory in MB): "Mem=0.25G" is 0.25 per GB, "mem=8G" 8192 MB.
 _MEM_UNITS = {"K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0**2, "P": 1024.0**3}
 
 
@@ -170,19 +171,46 @@ def parse_billing_weights(text: str) -> dict[str, float]:
     return weights
 
 
+def parse_tres(text: str) -> dict[str, float]:
+    """A TRES string as ``scontrol show job`` writes it ("cpu=4,mem=8G,node=1,billing=6,gres/gpu=1")
+    -> counts by Slurm's TRES name, memory in MB (a K, M, G, T or P suffix). A part it cannot read is
+    left out (a TRES no weight names bills nothing anyway)."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or not re.fullmatch(r"[a-z]+(/[A-Za-z0-9_.:-]+)?", name):
+            continue
+        per = 1.0
+        if value[-1:] in _MEM_UNITS:
+            per, value = _MEM_UNITS[value[-1:]], value[:-1]
+        try:
+            count = float(value) * per
+        except ValueError:
+            continue
+        if math.isfinite(count) and count >= 0.0:
+            out[name] = count
+    return out
+
+
 def billing_units(tres: Mapping[str, float], weights: Mapping[str, float]) -> float:
     """Slurm's billable TRES of an allocation under a partition's weights, by its default rule: the
-    sum over the weighted TRES of weight x count (memory in MB). A TRES the job was not allocated
-    counts 0. (``PriorityFlags=MAX_TRES``, the per-node maximum, is not modelled: a site that sets it
-    lets Slurm count, and the Slurm source carries Slurm's own ``billing``.)"""
-    return math.fsum(w * float(tres.get(name, 0.0)) for name, w in sorted(weights.items()))
+    sum over the weighted TRES of weight x count (memory in MB), names compared without case (slurm.conf
+    writes "GRES/gpu:A100", scontrol "gres/gpu:A100"), truncated to a whole count as Slurm stores it
+    (its tres docs: 4.5 bills 4). A TRES the job was not allocated counts 0. (``PriorityFlags=MAX_TRES``,
+    the per-node maximum, is not modelled: a site that sets it takes Slurm's own ``billing`` count.)"""
+    counts = {name.lower(): float(n) for name, n in tres.items()}
+    return float(math.floor(math.fsum(w * counts.get(name, 0.0) for name, w in sorted(weights.items()))))
 
 
-def billed_units(cores: int, tres: Mapping[str, float], weights_text: str | None) -> tuple[float, str | None]:
+def billed_units(cores: int, tres: Mapping[str, float], weights_text: str | None, by_tres: bool = True,
+                 ) -> tuple[float, str | None]:
     """What the standard price multiplies (Eq. 1's C, beyond POPPA: a site bills GPUs and memory too)
-    and the rule that gave it: Slurm's own ``billing`` TRES when the lifecycle event carries it (what
-    ``sreport`` counts, whatever the partition's weights and flags), else the site's weights for the
-    job's partition applied to its TRES (``weights_text``), else its cores (None: POPPA's C)."""
+    and the rule that gave it. Without ``by_tres`` (the default configuration: ``standard_units =
+    "cores"``) the cores, as POPPA's C (None). With it: Slurm's own ``billing`` TRES when the lifecycle
+    event carries it (what ``sreport`` counts, whatever the partition's weights and flags), else the
+    site's weights for the job's partition applied to its TRES (``weights_text``), else its cores."""
+    if not by_tres:
+        return float(cores), None
     if "billing" in tres:
         return float(tres["billing"]), "slurm"
     if weights_text:

@@ -26,7 +26,8 @@ from topic_reading import read_until
 
 from nodeshare.demo import running_pipeline
 from nodeshare.producers.kafka_producer import EventProducer
-from nodeshare.producers.slurm import SlurmCommands, SlurmSource, install_hooks, run_source
+from nodeshare.producers.slurm import SlurmCommands, SlurmSource, run_source
+from nodeshare.producers.slurm_hooks import install_hooks
 from nodeshare.producers.slurm_scheduler import SchedulerCommands, run_scheduler
 from nodeshare.runtime.config import Settings
 from nodeshare.schemas.catalog import DECISIONS_POWER

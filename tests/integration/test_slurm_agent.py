@@ -15,7 +15,7 @@ from slurm_cluster import lifecycle_source, local_slurm, missing, run_agent_unti
 
 from nodeshare.demo import running_pipeline
 from nodeshare.deploy.topics import create_topics
-from nodeshare.producers.slurm import install_hooks
+from nodeshare.producers.slurm_hooks import install_hooks
 from nodeshare.runtime.config import Settings
 from nodeshare.schemas import JobState
 from nodeshare.sinks.audit import audit
@@ -31,6 +31,7 @@ def test_two_slurm_jobs_sharing_a_node_are_shuttered_and_charged(settings: Setti
     progress = tmp_path / "progress"
     progress.mkdir()
     create_topics(settings)
+    settings = settings.model_copy(update={"standard_units": "tres"})  # the site bills Slurm's billing TRES
 
     def bill_cpus_thrice(t: Path) -> None:  # the partition bills TRES (issue 42, item 7): billing = 3 x cpu
         conf = t / "etc" / "slurm.conf"

@@ -26,7 +26,7 @@ from topic_reading import read_until
 
 from nodeshare.demo import running_pipeline
 from nodeshare.deploy.topics import create_topics
-from nodeshare.producers.slurm import install_hooks
+from nodeshare.producers.slurm_hooks import install_hooks
 from nodeshare.runtime.config import Settings
 from nodeshare.schemas import JobEvent, JobState
 from nodeshare.schemas.catalog import JOBS_LIFECYCLE

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from slurm_cluster import local_slurm, missing, squeue_states
 
-from nodeshare.producers.slurm import SlurmCommands, SlurmSource, install_hooks
+from nodeshare.producers.slurm import SlurmCommands, SlurmSource
+from nodeshare.producers.slurm_hooks import install_hooks
 from nodeshare.producers.slurm_lost_nodes import WATCH_FILE
 from nodeshare.schemas import JobEvent, JobState, NodeDown
 

@@ -18,7 +18,8 @@ from slurm_cluster import local_slurm, missing, run_agent_until_idle, squeue_sta
 from nodeshare.demo import running_pipeline
 from nodeshare.deploy.topics import create_topics
 from nodeshare.producers.kafka_producer import EventProducer
-from nodeshare.producers.slurm import SlurmCommands, SlurmSource, install_hooks, run_source
+from nodeshare.producers.slurm import SlurmCommands, SlurmSource, run_source
+from nodeshare.producers.slurm_hooks import install_hooks
 from nodeshare.producers.slurm_scheduler import Plan, SchedulerCommands, SlurmJob, run_scheduler
 from nodeshare.runtime.config import Settings
 from nodeshare.schemas import JobState, PlacementDecision

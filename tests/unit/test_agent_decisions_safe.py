@@ -407,3 +407,22 @@ def test_a_follower_says_so_when_a_topic_it_also_folds_is_missing_and_still_appl
     assert any("no topic decisions.power.nodes" in r.getMessage() and "topics create" in r.getMessage()
                for r in caplog.records)
     pc.restore_all()
+
+
+def test_a_follower_whose_own_topic_is_missing_waits_for_it_and_never_says_it_caught_up(tmp_path, monkeypatch):
+    """decisions.placement.nodes not created since the upgrade: the --resctrl follower must not hold
+    "no shares" as caught up (a review found it silent); it waits for the topic as for a broker away."""
+    from confluent_kafka import KafkaException
+
+    consumer = _fake_consumer([], [True, True])
+
+    class Missing(consumer):  # type: ignore[misc, valid-type]
+        def list_topics(self, topic: str, timeout: float) -> SimpleNamespace:
+            return SimpleNamespace(topics={topic: SimpleNamespace(partitions={}, error="UNKNOWN_TOPIC_OR_PART")})
+
+    monkeypatch.setattr(follower_mod, "Consumer", Missing)
+    config = SimpleNamespace(topic=lambda n: n, client_config=lambda **k: k, app_id="t")
+    follower = LlcFollower(config, "n1", Resctrl(resctrl_tree(tmp_path / "resctrl")), 50.0)
+    with pytest.raises(KafkaException, match=r"no topic decisions\.placement\.nodes: run `nodeshare topics create`"):
+        follower._follow()
+    assert not follower.caught_up.is_set()

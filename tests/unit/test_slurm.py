@@ -16,10 +16,10 @@ from nodeshare.producers.slurm import (
     SlurmSource,
     event_from_hook,
     from_jobcomp_json,
-    install_hooks,
     read_hook_file,
     total_cpus,
 )
+from nodeshare.producers.slurm_hooks import install_hooks
 from nodeshare.schemas import JobEvent, JobState
 
 DATA = Path(__file__).parent.parent / "data"

@@ -19,7 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from nodeshare.cli import app
-from nodeshare.producers.slurm import install_hooks, read_hook_file
+from nodeshare.producers.slurm import read_hook_file
+from nodeshare.producers.slurm_hooks import install_hooks
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a hook as another user")
 

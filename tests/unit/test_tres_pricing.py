@@ -22,8 +22,12 @@ from nodeshare.streams.core.pricing import billed_units, billing_units, parse_bi
 def test_weights_read_as_slurm_reads_them():
     w = parse_billing_weights("CPU=1.25, Mem=0.25G,GRES/gpu=2.0")
     assert w == {"cpu": 1.25, "mem": 0.25 / 1024, "gres/gpu": 2.0}
-    # slurm.conf(5): a job of 1 CPU and 8 GB under "CPU=1.25,Mem=0.25G" bills (1 * 1.25) + (8 * 0.25) = 3.25
-    assert billing_units({"cpu": 1, "mem": 8192}, parse_billing_weights("CPU=1.25,Mem=0.25G")) == 3.25
+    # slurm.conf(5): a job of 1 CPU and 8 GB under "CPU=1.25,Mem=0.25G" weighs (1 * 1.25) + (8 * 0.25) =
+    # 3.25, which Slurm stores as a whole count: it bills 3 (its tres docs: 4.5 bills 4)
+    assert billing_units({"cpu": 1, "mem": 8192}, parse_billing_weights("CPU=1.25,Mem=0.25G")) == 3.0
+    assert billing_units({"cpu": 3, "mem": 6144}, parse_billing_weights("CPU=1.0,Mem=0.25G")) == 4.0  # 4.5
+    # names without case: slurm.conf's "GRES/gpu:A100" is scontrol's "gres/gpu:A100"
+    assert billing_units({"gres/gpu:A100": 2.0}, parse_billing_weights("GRES/gpu:A100=8")) == 16.0
     # and a memory weight without a suffix is per MB: "mem=.25" on 8 GB bills 8192 * .25 = 2048
     assert billing_units({"mem": 8192}, parse_billing_weights("mem=.25")) == 2048.0
     assert parse_billing_weights("Mem=1T") == {"mem": 1 / 1024**2}
@@ -35,10 +39,15 @@ def test_weights_read_as_slurm_reads_them():
 
 def test_what_the_standard_price_multiplies():
     gpu = {"cpu": 8.0, "mem": 32768.0, "gres/gpu": 2.0}
+    # the default configuration (standard_units = "cores"): POPPA's C, whatever the event carries
+    assert billed_units(8, {**gpu, "billing": 18.0}, "CPU=1", by_tres=False) == (8.0, None)
     assert billed_units(8, {**gpu, "billing": 18.0}, "CPU=1") == (18.0, "slurm")  # Slurm's own count wins
     assert billed_units(8, gpu, "CPU=1.0,Mem=0.25G,GRES/gpu=2.0") == (8 + 8 + 4, "CPU=1.0,Mem=0.25G,GRES/gpu=2.0")
     assert billed_units(8, gpu, None) == (8.0, None)  # no weights for the partition: its cores, as POPPA
     assert billed_units(8, {}, "CPU=2") == (0.0, "CPU=2")  # weights but no TRES: nothing allocated to bill
+
+
+TRES = POLICY.__class__(**{**POLICY.__dict__, "standard_units": "tres"})
 
 
 def run_on(partition: str | None, tres: dict[str, float], job: str = "g1") -> tuple[list, list]:
@@ -49,10 +58,10 @@ def run_on(partition: str | None, tres: dict[str, float], job: str = "g1") -> tu
 
 def test_a_gpu_jobs_standard_price_is_its_billable_tres_and_the_audit_recomputes_it(tmp_path: Path):
     weights = "CPU=1.0,Mem=0.25G,GRES/gpu=2.0"
-    policy = POLICY.__class__(**{**POLICY.__dict__, "billing_weights": (("gpu", weights),)})
+    policy = POLICY.__class__(**{**POLICY.__dict__, "standard_units": "tres", "billing_weights": (("gpu", weights),)})
     ipc, life = run_on("gpu", {"cpu": 8.0, "mem": 32768.0, "gres/gpu": 2.0})
     [weighted] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), policy)
-    [plain] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), POLICY)  # a site without weights: cores
+    [plain] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), POLICY)  # the default: cores
     assert (weighted.partition, weighted.billing_units, weighted.billing_weights) == ("gpu", 20.0, weights)
     assert plain.billing_units is None and plain.billing_weights is None
     # one hour at L = 1.5: SOP = 1.5 * 20 units, against 1.5 * 8 cores; the discount scales with it
@@ -76,8 +85,9 @@ def test_a_gpu_jobs_standard_price_is_its_billable_tres_and_the_audit_recomputes
 
 
 def test_the_configuration_refuses_weights_slurm_would_not_read():
-    assert Settings(billing_weights={"gpu": "CPU=1,GRES/gpu=4"}).policy().billing_weights == (
-        ("gpu", "CPU=1,GRES/gpu=4"),)
+    policy = Settings(standard_units="tres", billing_weights={"gpu": "CPU=1,GRES/gpu=4"}).policy()
+    assert (policy.standard_units, policy.billing_weights) == ("tres", (("gpu", "CPU=1,GRES/gpu=4"),))
+    assert Settings().policy().standard_units == "cores"  # switched on by the site, never by an upgrade
     with pytest.raises(ValidationError, match="partition gpu: TRESBillingWeights part 'GPU=x'"):
         Settings(billing_weights={"gpu": "GPU=x"})
 
@@ -94,7 +104,8 @@ def test_a_lifecycle_event_carries_tres_by_slurms_names():
 def test_the_slurm_source_reads_the_allocation_as_scontrol_writes_it():
     from datetime import UTC, datetime
 
-    from nodeshare.producers.slurm import HookEvent, event_from_hook, parse_tres
+    from nodeshare.producers.slurm import HookEvent, event_from_hook
+    from nodeshare.streams.core.pricing import parse_tres
 
     assert parse_tres("cpu=4,mem=8G,node=1,billing=6,gres/gpu=1,gres/gpu:a100=1") == {
         "cpu": 4.0, "mem": 8192.0, "node": 1.0, "billing": 6.0, "gres/gpu": 1.0, "gres/gpu:a100": 1.0}
@@ -115,7 +126,7 @@ def test_a_terminal_event_sent_again_without_its_tres_is_a_copy_not_a_correction
     controller forgot the job: the copy has no TRES. It changes nothing: no revision priced by cores."""
     ipc, life = run_on(None, {"cpu": 8.0, "billing": 12.0})
     copy = life[1].model_copy(update={"tres": {}})
-    charges = fold_messages(msgs(ipc, IPC) + msgs([*life, copy], LIFE), POLICY)
+    charges = fold_messages(msgs(ipc, IPC) + msgs([*life, copy], LIFE), TRES)
     assert [(c.revision, c.billing_units) for c in charges] == [(0, 12.0)]
 
 
@@ -125,8 +136,93 @@ def test_charges_lists_the_partition_and_the_billed_units(tmp_path: Path):
     from nodeshare.sinks.ledger import Ledger
 
     ipc, life = run_on("gpu", {"cpu": 8.0, "billing": 20.0})
-    [charge] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), POLICY)
+    [charge] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), TRES)
     with Ledger(tmp_path / "l.duckdb") as led:
         led.append([(charge, encode(charge), 0, 0)])
     _, rows = query(tmp_path / "l.duckdb", fmt="JobID,NCPUS,Partition,BillingUnits,SOP")
     assert rows == [("g1", 8, "gpu", 20.0, 30.0)]
+
+
+def test_a_saved_state_without_an_allocation_or_adjustment_reads_as_before_schema_8():
+    """A worker rolled back across schema 8 reads the accounts this build saves (snapshots, settled
+    accounts) of every job whose events carry no TRES and that no operator adjusted: none of schema
+    8's fields is written when it says nothing (an older build refuses fields it does not know)."""
+    from nodeshare.streams.core.accounting import apply_message
+
+    ipc, life = run_on(None, {})
+    account = None
+    for origin, key, value, ts in msgs(ipc, IPC) + msgs(life, LIFE):
+        account = apply_message(account, origin, key, value, ts, POLICY)[0] or account
+    assert account is not None and account.revision == 0
+    import json
+
+    saved = account.dumps()
+    doc = json.loads(saved)
+    assert "adjustment" not in doc and "adjustment" not in doc["ends"][0]
+    assert not {"tres", "partition"} & set(doc["ends"][0]["event"])
+    assert type(account).loads(saved, "g1") == account
+    ipc, life = run_on("gpu", {"cpu": 8.0})
+    assert b'"tres":{"cpu":8.0}' in msgs(life, LIFE)[1][2]  # an allocation is written when there is one
+
+
+def test_a_terminal_event_without_tres_is_priced_with_the_allocation_its_start_stated(tmp_path: Path):
+    """The Slurm source asked after the controller forgot the job (MinJobAge): its end carries no
+    TRES, but its start did. The same price as with them, in the worker and the audit."""
+    ipc, life = run_on("gpu", {"cpu": 8.0, "billing": 24.0})
+    started = life[0].model_copy(update={"partition": "gpu", "tres": {"cpu": 8.0, "billing": 24.0}})
+    bare = life[1].model_copy(update={"partition": None, "tres": {}})
+    [told] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), TRES)
+    [recalled] = fold_messages(msgs(ipc, IPC) + msgs([started, bare], LIFE), TRES)
+    assert (recalled.billing_units, recalled.partition, recalled.standard_price) == (24.0, "gpu", told.standard_price)
+    from nodeshare.schemas import encode
+    from nodeshare.sinks.ledger import Ledger
+
+    archive, _, _ = archive_records(tmp_path, [*ipc, started, bare])
+    ledger = tmp_path / "tres.duckdb"
+    with Ledger(ledger) as led:
+        led.append([(recalled, encode(recalled), 0, 0)])
+    report = audit(archive, ledger, POLICY)
+    assert report.ok and report.matches == 1 and report.fast_path_jobs == 0, report.as_dict()
+
+
+def test_a_controller_that_does_not_answer_leaves_the_hook_file_for_the_next_poll(tmp_path: Path, monkeypatch):
+    """Publishing the event without its TRES would bill the job by its cores for good: the file waits.
+    A job the controller no longer knows (MinJobAge) is published without TRES (the worker then takes
+    its started event's)."""
+    from nodeshare.producers.slurm import ControllerAway, SlurmCommands, SlurmSource
+
+    commands = SlurmCommands()
+    answers = {"5": RuntimeError("scontrol show job -o 5 did not answer within 30 s (Socket timed out)"),
+               "6": RuntimeError("scontrol show job -o 6 failed (1): slurm_load_jobs error: Invalid job id specified"),
+               "7": "JobId=7 JobName=x Partition=gpu TRES=cpu=8,mem=32G,node=1,billing=20,gres/gpu=2 Socks/Node=*"}
+
+    def run(*args: str) -> str:
+        answer = answers[args[-1]]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    monkeypatch.setattr(commands, "_run", run)
+    with pytest.raises(ControllerAway, match="job 5: no TRES from the controller"):
+        commands.job_tres("5")
+    assert commands.job_tres("6") == {}
+    assert commands.job_tres("7") == {"cpu": 8.0, "mem": 32768.0, "node": 1.0, "billing": 20.0, "gres/gpu": 2.0}
+
+    events = tmp_path / "events"
+    events.mkdir()
+    env = {"JOBID": "5", "JOBSTATE": "COMPLETED", "USERNAME": "u", "ACCOUNT": "a", "JOBNAME": "x", "PROCS": "8",
+           "NODES": "n1", "PARTITION": "gpu", "START": "1764230400", "END": "1764234000"}
+    (events / "1764234000000000000-jobcomp-1").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()))
+
+    class Away:
+        def hostnames(self, expr: str) -> tuple[str, ...]:
+            return (expr,)
+
+        def job_tres(self, job_id: str) -> dict[str, float]:
+            raise ControllerAway(f"job {job_id}: no TRES from the controller: Socket timed out")
+
+        def queue(self) -> list[dict[str, str]]:
+            return []
+
+    published, files = SlurmSource(events, Away()).step()  # type: ignore[arg-type]
+    assert published == [] and files == [] and (events / "1764234000000000000-jobcomp-1").exists()
+    assert not (events / "bad").exists()

@@ -260,19 +260,18 @@ class PlacementManager:
                                   source=SOURCE, event_time=at, node=node, shares=shares, decided_by=by)
 
     def restatement(self) -> list[NodePlacementState]:
-        """Every node's shares as this manager holds them (those with none too, when it stated some
-        before): published after each rebuild, so a node whose state was decided before the topic
-        existed (an upgrade), or whose record was lost, has one."""
+        """Every known node's shares as this manager holds them, none included: published after each
+        rebuild, so a node whose state was decided before the topic existed (an upgrade), whose record
+        was lost, or that a manager rebuilt under another policy booked differently, has its own."""
         if self.scheduler is None:
             return []
         stated = self.__dict__.setdefault("stated", {})
         at = getattr(self, "clock", None) or datetime(2000, 1, 1, tzinfo=UTC)
         out = []
         for node in sorted(self.scheduler.loads):
-            shares = self.shares(node)
-            if shares or node in stated:
-                stated[node] = shares
-                out.append(self._node_state(node, shares, f"restated/{node}/{len(shares)}", at))
+            shares = stated[node] = self.shares(node)
+            held = ",".join(f"{s.job_id}:{s.ways}:{s.bandwidth_gbps}" for s in shares)
+            out.append(self._node_state(node, shares, f"restated/{at.isoformat()}/{held}", at))
         return out
 
     def _submit(self, ev: JobEvent) -> None:
