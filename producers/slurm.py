@@ -245,6 +245,12 @@ class SlurmCommands:
         m = re.search(r"(?:^|\s)(?:Alloc)?TRES=(\S+)", line)
         return parse_tres(m.group(1)) if m else {}
 
+    def annotate(self, job_id: str, comment: str) -> None:
+        """Write ``comment`` into the finished job's AdminComment in Slurm's accounting database
+        (``annotate_command``; ``sacct -o AdminComment`` shows it). Needs slurmdbd and a Slurm
+        administrator; raises RuntimeError with sacctmgr's own words when it fails."""
+        self._run(*annotate_command(job_id, comment))
+
     def cluster_name(self) -> str:
         for line in self._run("scontrol", "show", "config").splitlines():
             key, _, value = line.partition("=")
@@ -264,6 +270,13 @@ class SlurmCommands:
         keys = ("job_id", "user", "account", "program", "cores", "submit", "state")
         text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%j|%C|%V|%T")
         return [dict(zip(keys, line.split("|", 6), strict=True)) for line in text.splitlines() if line.count("|") == 6]
+
+
+def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
+    """The sacctmgr command that sets a finished job's AdminComment, one of the fields of a job record
+    sacctmgr may change after completion (sacctmgr(1), "SPECIFICATIONS FOR JOB"); ``scontrol update``
+    refuses a finished job ("Job has already finished", measured on the test Slurm)."""
+    return ("sacctmgr", "-i", "modify", "job", "where", f"JobID={job_id}", "set", f"AdminComment={comment}")
 
 
 def submitted_event(row: Mapping[str, str], cluster: str) -> JobEvent:

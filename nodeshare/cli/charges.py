@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .common import Bootstrap, app, check_signing, err, load_settings, out, publish, require_bootstrap
+from .common import Bootstrap, app, check_signing, err, load_settings, out, progress_bar, publish, require_bootstrap
 from .ledger import print_machine_readable, split_values
 
 charges_app = typer.Typer(help="Charged jobs (like sacct), and an operator's corrections of a charge.")
@@ -238,3 +238,72 @@ def adjustment_problem(record: Any, ledger: Path, not_charged_yet: bool) -> tupl
     if record.price is not None and record.price > current.standard_price:
         note += f"; capped at its standard price {current.standard_price:.4f} SU"
     return None, note
+
+
+@charges_app.command("export")
+def charges_export(
+    ctx: typer.Context,
+    to: Annotated[str, typer.Option("--to", help="slurm: each job's AdminComment in Slurm's accounting database "
+                                                 "(sacctmgr modify job: needs slurmdbd, run as a Slurm "
+                                                 "administrator); csv: one line per job on stdout, for an "
+                                                 "allocation bank")] = "slurm",
+    ledger: LedgerOption = None,
+    starttime: Annotated[str | None, typer.Option("--starttime", "-S", help="jobs that ended at or after this "
+                                                                            "(YYYY-MM-DD[THH:MM[:SS]], UTC)")] = None,
+    endtime: Annotated[str | None, typer.Option("--endtime", "-E", help="... and before this")] = None,
+    print_only: Annotated[bool, typer.Option("--print", help="with --to slurm: print the sacctmgr commands, "
+                                                             "run none")] = False,
+) -> None:
+    """Every current charge of the jobs that ended in [--starttime, --endtime) into Slurm's accounting
+    records of them (sacct -o JobID,AdminComment shows the price), or out as CSV."""
+    import csv
+    import shlex
+    import sys
+
+    from nodeshare.producers.slurm import SlurmCommands, annotate_command
+    from nodeshare.sinks.analysis.usage import QueryError, parse_time, slurm_comment
+    from nodeshare.sinks.audit import current_revisions
+    from nodeshare.sinks.ledger import Ledger
+
+    if to not in ("slurm", "csv"):
+        err.print(f"[red]charges export[/red]: --to {to}: slurm or csv")
+        raise typer.Exit(2)
+    path = ledger_of(ctx, ledger)
+    try:
+        start = parse_time(starttime) if starttime else None
+        end = parse_time(endtime) if endtime else None
+        with Ledger(path, read_only=True) as led:
+            rows = current_revisions(led.charges())
+    except (QueryError, FileNotFoundError) as exc:
+        err.print(f"[red]charges export[/red]: {exc}")
+        raise typer.Exit(2) from None
+    rows = [c for c in rows if (start is None or c.end_time >= start) and (end is None or c.end_time < end)]
+    if to == "csv":
+        writer = csv.writer(sys.stdout)
+        writer.writerow(["job_id", "revision", "user", "account", "partition", "end_time", "standard_price",
+                         "charged", "dividend", "adjustment_credit"])
+        for c in rows:
+            writer.writerow([c.job_id, c.revision, c.user, c.account, c.partition or "", c.end_time.isoformat(),
+                             f"{c.standard_price:.6f}", f"{c.price:.6f}", f"{c.dividend:.6f}",
+                             f"{c.adjustment_credit:.6f}"])
+        return
+    if print_only:
+        for c in rows:
+            print(shlex.join(annotate_command(c.job_id, slurm_comment(c))))
+        return
+    slurm, done, failed = SlurmCommands(), 0, []
+    with progress_bar() as bar:
+        task = bar.add_task("AdminComment", total=len(rows))
+        for c in rows:
+            try:
+                slurm.annotate(c.job_id, slurm_comment(c))
+                done += 1
+            except RuntimeError as exc:
+                failed.append(f"{c.job_id}: {exc}")
+                if len(failed) == 3 and not done:  # nothing works (no slurmdbd, not an administrator): stop
+                    break
+            bar.advance(task)
+    out.print(f"{done} of {len(rows)} jobs' charges written to Slurm's accounting")
+    if failed:
+        err.print(f"[red]charges export[/red]: {len(failed)} failed, first: {failed[0]}")
+        raise typer.Exit(1)

@@ -169,3 +169,17 @@ def parsable2(header: Sequence[str], rows: Sequence[Sequence[Any]], *, noheader:
     lines = [] if noheader else ["|".join(header)]
     lines += ["|".join(render_value(c, v) for c, v in zip(header, row, strict=True)) for row in rows]
     return "\n".join(lines)
+
+
+def slurm_comment(charge: Any) -> str:
+    """What ``nodeshare charges export --to slurm`` writes into a job's AdminComment (one line, no
+    quotes or spaces in a value, so ``sacct -o AdminComment`` and scripts read it as key=value pairs):
+    the current revision's price and what it is made of, in service units."""
+    parts = [f"nodeshare:rev={charge.revision}", f"charged={charge.price:.4f}", f"sop={charge.standard_price:.4f}",
+             f"dividend={charge.dividend:.4f}", f"degradation={charge.degradation:.4f}",
+             f"status={charge.estimate_status.value}"]
+    if charge.billing_units is not None:
+        parts.append(f"billing_units={charge.billing_units:g}")
+    if charge.adjustment is not None:
+        parts.append(f"{charge.adjustment.action}={charge.adjustment_credit:.4f}")
+    return " ".join(parts)

@@ -52,6 +52,13 @@ def test_two_slurm_jobs_sharing_a_node_are_shuttered_and_charged(settings: Setti
             # the stream worker starts once the jobs have ended (see SHUTTER): it then reads it all
             with running_pipeline(settings, tmp_path / "run") as pipeline:
                 pipeline.wait(charges=2, archived=0, timeout_s=90, report=lambda *_: None)
+        # each charge into Slurm's accounting record of the job (issue 42, item 7): sacctmgr modify job,
+        # which needs slurmdbd; this Slurm has none, so it says so in one line, and --print shows the commands
+        def export(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "nodeshare", "charges", "export", "--to", "slurm",
+                                   "--ledger", str(pipeline.ledger_path), *args],
+                                  env={**env, "NODESHARE_CONFIG": ""}, capture_output=True, text=True, timeout=120)
+        refused, printed = export(), export("--print")
     print(agent.stdout.strip())
     assert published and published[0] >= 6  # submitted, started and ended for each job
     with Ledger(pipeline.ledger_path, read_only=True) as ledger:
@@ -73,5 +80,12 @@ def test_two_slurm_jobs_sharing_a_node_are_shuttered_and_charged(settings: Setti
         assert 0.0 <= c.degradation < 1.0
         assert 0.0 < c.pause_credit_s < 0.15 * c.run_time_s
     assert {c.program for c in charges.values()} == {"stream", "compute"}
+    print(refused.stderr.strip())
+    assert refused.returncode == 1 and "charges export: 2 failed, first: " in refused.stderr
+    assert "0 of 2 jobs' charges written to Slurm's accounting" in refused.stdout
+    for i, c in charges.items():
+        assert (f"sacctmgr -i modify job where JobID={i} set 'AdminComment=nodeshare:rev=0 charged={c.price:.4f} "
+                f"sop={c.standard_price:.4f}") in printed.stdout
+        assert "billing_units=3" in printed.stdout
     assert audit(pipeline.archive_path, pipeline.ledger_path, settings.policy()).ok
     assert not os.listdir(tmp_path / "events")  # every hook file became an acknowledged event

@@ -226,3 +226,34 @@ def test_a_controller_that_does_not_answer_leaves_the_hook_file_for_the_next_pol
     published, files = SlurmSource(events, Away()).step()  # type: ignore[arg-type]
     assert published == [] and files == [] and (events / "1764234000000000000-jobcomp-1").exists()
     assert not (events / "bad").exists()
+
+
+def test_charges_export_writes_what_slurm_and_an_allocation_bank_take(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from nodeshare.cli import app
+    from nodeshare.producers.slurm import annotate_command
+    from nodeshare.schemas import encode
+    from nodeshare.sinks.analysis.usage import slurm_comment
+    from nodeshare.sinks.ledger import Ledger
+
+    ipc, life = run_on("gpu", {"cpu": 8.0, "billing": 20.0})
+    [charge] = fold_messages(msgs(ipc, IPC) + msgs(life, LIFE), TRES)
+    assert slurm_comment(charge) == (f"nodeshare:rev=0 charged={charge.price:.4f} sop=30.0000 "
+                                     f"dividend={charge.dividend:.4f} degradation={charge.degradation:.4f} "
+                                     "status=ok billing_units=20")
+    # the one field of a finished job's accounting record sacctmgr may set (sacctmgr(1))
+    assert annotate_command("g1", "x=1")[:6] == ("sacctmgr", "-i", "modify", "job", "where", "JobID=g1")
+    ledger = tmp_path / "l.duckdb"
+    with Ledger(ledger) as led:
+        led.append([(charge, encode(charge), 0, 0)])
+    runner = CliRunner()
+    csv_out = runner.invoke(app, ["charges", "export", "--to", "csv", "--ledger", str(ledger)])
+    assert csv_out.exit_code == 0
+    header, row = csv_out.output.splitlines()
+    assert header.startswith("job_id,revision,user,account,partition") and row.startswith("g1,0,alice,physics,gpu,")
+    printed = runner.invoke(app, ["charges", "export", "--print", "--ledger", str(ledger)])
+    assert printed.exit_code == 0 and printed.output.startswith(
+        "sacctmgr -i modify job where JobID=g1 set 'AdminComment=nodeshare:rev=0 ")
+    none = runner.invoke(app, ["charges", "export", "--to", "csv", "--ledger", str(ledger), "-S", "2030-01-01"])
+    assert none.output.splitlines()[1:] == []  # nothing ended in the window
