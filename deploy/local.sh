@@ -67,6 +67,7 @@ case "$cmd" in
     # a real Slurm (Debian 12: 22.05); npm for s3rver, the durable broker's storage (deploy/local_s3.py)
     install_once slurmctld "Slurm integration tests" slurmctld slurmd munge slurm-client
     install_once npm "durable-broker tests" npm
+    install_once slurmdbd "Slurm accounting test (slurmdbd on MariaDB: sacct, sacctmgr)" slurmdbd mariadb-server
     exec "$venv/bin/python" -m pytest "$@"
     ;;
   demo)

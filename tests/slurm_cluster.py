@@ -78,24 +78,79 @@ def _wait(predicate: object, timeout_s: float, what: str) -> None:
 
 
 @contextmanager
-def local_slurm(hooks: Path | None = None, setup: Callable[[Path], None] | None = None) -> Iterator[dict[str, str]]:
+def local_slurm(hooks: Path | None = None, setup: Callable[[Path], None] | None = None,
+                accounting: bool = False) -> Iterator[dict[str, str]]:
     """Start munged, slurmctld and slurmd in a fresh directory; yields the environment for Slurm commands.
     The directory is short on purpose: munge's socket path must fit a sockaddr_un (108 bytes).
-    ``setup`` gets the directory once ``etc/slurm.conf`` is written, before any daemon starts."""
+    ``setup`` gets the directory once ``etc/slurm.conf`` is written, before any daemon starts. With
+    ``accounting``, a MariaDB server and slurmdbd too (sacct, sreport, sacctmgr)."""
     with tempfile.TemporaryDirectory(prefix="ns-slurm-") as tmp:
         Path(tmp).chmod(0o755)  # munged wants every directory above its socket searchable by all
-        with _running(Path(tmp), hooks, setup) as env:
+        with _running(Path(tmp), hooks, setup, accounting) as env:
             yield env
 
 
+ACCOUNTING = ("mariadb-install-db", "mariadbd", "slurmdbd", "sacctmgr", "sacct")
+
+
+def accounting_missing() -> str | None:
+    """Why this machine cannot run Slurm's accounting (None when it can)."""
+    absent = [d for d in ACCOUNTING if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
+    return f"not installed: {', '.join(absent)} (apt-get install slurmdbd mariadb-server)" if absent else None
+
+
+def _accounting(t: Path, env: dict[str, str], dbd_port: int, procs: list[subprocess.Popen[bytes]]) -> None:
+    """MariaDB in ``t/db`` (TCP on a free port, one user for slurmdbd) and slurmdbd on ``dbd_port``,
+    added to ``procs`` as they start (stopped with the rest, also when one does not come up).
+    slurm.conf must already name accounting_storage/slurmdbd on that port."""
+    from nodeshare.deploy.broker import free_port
+
+    port = free_port()
+    subprocess.run(["mariadb-install-db", f"--datadir={t}/db", "--user=root", "--skip-test-db",
+                    "--auth-root-authentication-method=normal"], check=True, capture_output=True)
+    (t / "db.sql").write_text("CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'nodeshare';\n"
+                              "GRANT ALL ON *.* TO 'slurm'@'127.0.0.1';\nFLUSH PRIVILEGES;\n")
+    procs.append(subprocess.Popen(
+        ["mariadbd", "--no-defaults", f"--datadir={t}/db", "--user=root", f"--port={port}", "--bind-address=127.0.0.1",
+         f"--socket={t}/run/db.sock", f"--pid-file={t}/run/db.pid", f"--init-file={t}/db.sql", "--skip-log-bin",
+         "--innodb-buffer-pool-size=32M"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def answers() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+    _wait(answers, 30, "MariaDB")
+    conf = t / "etc" / "slurmdbd.conf"
+    conf.write_text(f"AuthType=auth/munge\nAuthInfo=socket={t}/run/munge.socket.2\nDbdHost=localhost\n"
+                    f"DbdPort={dbd_port}\nSlurmUser=root\nLogFile={t}/log/slurmdbd.log\nPidFile={t}/run/slurmdbd.pid\n"
+                    f"StorageType=accounting_storage/mysql\nStorageHost=127.0.0.1\nStoragePort={port}\n"
+                    "StorageUser=slurm\nStoragePass=nodeshare\nStorageLoc=slurm_acct_db\n")
+    conf.chmod(0o600)
+    procs.append(subprocess.Popen(["slurmdbd", "-D"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    _wait(lambda: subprocess.run(["sacctmgr", "-n", "list", "cluster"], env=env, capture_output=True).returncode == 0,
+          60, "slurmdbd")
+    subprocess.run(["sacctmgr", "-i", "add", "cluster", "nodeshare-test"], env=env, capture_output=True)
+
+
 @contextmanager
-def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None = None) -> Iterator[dict[str, str]]:
+def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None = None,
+             accounting: bool = False) -> Iterator[dict[str, str]]:
     host = socket.gethostname().split(".")[0]
     for d in ("etc", "munge", "run", "state", "spool", "log"):
         (t / d).mkdir(parents=True, exist_ok=True)
     (t / "munge").chmod(0o700)
     (t / "run").chmod(0o755)  # munged refuses a socket directory of mode 700
-    (t / "etc" / "slurm.conf").write_text(_conf(t, host, hooks))
+    conf = _conf(t, host, hooks)
+    dbd_port = 0
+    if accounting:
+        from nodeshare.deploy.broker import free_port
+
+        dbd_port = free_port()
+        conf = conf.replace("AccountingStorageType=accounting_storage/none",
+                            "AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=localhost\n"
+                            f"AccountingStoragePort={dbd_port}\n"
+                            # the munge socket of the connection to slurmdbd (AuthInfo is not read for it)
+                            f"AccountingStoragePass={t}/run/munge.socket.2")
+    (t / "etc" / "slurm.conf").write_text(conf)
     if setup is not None:
         setup(t)
     env = {**os.environ, "SLURM_CONF": str(t / "etc" / "slurm.conf")}
@@ -107,6 +162,8 @@ def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None =
          f"--pid-file={t}/run/munged.pid", f"--seed-file={t}/munge/munged.seed"], env=env)]
     try:
         _wait(lambda: (t / "run" / "munge.socket.2").exists(), 10, "munged")
+        if accounting:
+            _accounting(t, env, dbd_port, procs)
         procs.append(subprocess.Popen(["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
         _DAEMONS[env["SLURM_CONF"]] = procs
@@ -139,10 +196,11 @@ def restart_controller(env: dict[str, str], down_s: float = 2.0) -> None:
     start it again on its saved state (jobs keep running under slurmd meanwhile); returns once it
     answers."""
     procs = _DAEMONS[env["SLURM_CONF"]]
-    procs[1].send_signal(signal.SIGTERM)
-    procs[1].wait(30)
+    ctld = next(i for i, p in enumerate(procs) if isinstance(p.args, list) and p.args[0] == "slurmctld")
+    procs[ctld].send_signal(signal.SIGTERM)
+    procs[ctld].wait(30)
     time.sleep(down_s)
-    procs[1] = subprocess.Popen(["slurmctld", "-D"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs[ctld] = subprocess.Popen(["slurmctld", "-D"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait(lambda: subprocess.run(["squeue", "-h"], env=env, capture_output=True).returncode == 0, 30,
           "slurmctld after its restart")
 
