@@ -113,6 +113,17 @@ class Record(BaseModel):
         return v
 
 
+def without_unset(data: Any, empty: dict[str, Any]) -> Any:
+    """Serialized ``data`` without the fields of ``empty`` that hold their empty value: fields a
+    version added are not written where they say nothing, so an older build (whose models forbid
+    fields they do not know) reads the record or state as it wrote it."""
+    if isinstance(data, dict):
+        for name, value in empty.items():
+            if name in data and data[name] == value and type(data[name]) is type(value):
+                del data[name]
+    return data
+
+
 def clock_problem(record: Record, broker_timestamp_s: float) -> str | None:
     """Why an input record's event_time (or a job time it states) cannot be right, or None: before
     EARLIEST_EVENT_TIME, or too far ahead of its message's broker timestamp (<= 0: the broker gave none, nothing to
@@ -425,13 +436,7 @@ class JobEvent(Record):
         """Written without ``partition`` and ``tres`` when they say nothing (version 8's fields): an
         event of a source that knows no allocation reads as before, and so do the worker's saved
         states that hold it (a worker rolled back across version 8 reads them)."""
-        data = handler(self)
-        if isinstance(data, dict):
-            if data.get("partition", "") is None:
-                del data["partition"]
-            if data.get("tres") == {}:
-                del data["tres"]
-        return data
+        return without_unset(handler(self), {"partition": None, "tres": {}})
 
     @property
     def ran(self) -> bool:
@@ -946,6 +951,11 @@ class Charge(Record):
     adjustment: AppliedAdjustment | None = None
     adjustment_credit: float = 0.0
     code_version: Name
+
+    @property
+    def units(self) -> float:
+        """What the standard price multiplied: the billable TRES (version 8), else the cores."""
+        return self.billing_units if self.billing_units is not None else float(self.cores)
 
 
 # --------------------------------------------------------------------------- dlq

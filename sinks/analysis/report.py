@@ -107,12 +107,7 @@ def _truth(path: Path) -> dict[str, float]:
 def oracle_price(c: Charge, true_degradation: float) -> float:
     """What the rate function would have charged had the estimate been the truth."""
     d = min(1.0, max(0.0, true_degradation))
-    return fair_charge(c.rate_per_core_hour, units(c), c.run_time_s, d, c.rate_function, c.pause_credit_s).price
-
-
-def units(c: Charge) -> float:
-    """What the charge's standard price multiplied: its billable TRES (schema 8), else its cores."""
-    return c.billing_units if c.billing_units is not None else float(c.cores)
+    return fair_charge(c.rate_per_core_hour, c.units, c.run_time_s, d, c.rate_function, c.pause_credit_s).price
 
 
 def _prices(charges: list[Charge], truth: dict[str, float], path: Path) -> Path:
@@ -210,7 +205,7 @@ def _html(charges: list[Charge], truth: dict[str, float], pngs: list[Path]) -> s
             ("mean discount", f"{100 * (1 - price / sop):.2f}%")]
     sure = [c for c in charges if c.degradation_point is not None]  # schema 6: an interval
     if sure:
-        at_point = math.fsum(fair_charge(c.rate_per_core_hour, units(c), c.run_time_s, c.degradation_point,
+        at_point = math.fsum(fair_charge(c.rate_per_core_hour, c.units, c.run_time_s, c.degradation_point,
                                          c.rate_function, c.pause_credit_s).price for c in sure)
         bound = [c for c in sure if c.priced_at == "upper_bound"]
         rows += [("priced at the interval's upper end", f"{len(bound)} of {len(sure)} jobs with an interval "

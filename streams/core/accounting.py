@@ -78,6 +78,7 @@ from nodeshare.schemas.events import (
     ShutterBatch,
     ShutterBlock,
     clock_problem,
+    without_unset,
 )
 from nodeshare.schemas.serde import DecodeError, decode, decode_model, encode
 from nodeshare.schemas.signing import AUTH_FIELD, identity_problem
@@ -334,7 +335,7 @@ class TerminalEvent(_State):
 
     @model_serializer(mode="wrap")
     def _no_null_adjustment(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _without_null_adjustment(handler(self))
+        return without_unset(handler(self), _UNSET)
 
 
 class JobAccount(_State):
@@ -367,7 +368,7 @@ class JobAccount(_State):
 
     @model_serializer(mode="wrap")
     def _no_null_adjustment(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _without_null_adjustment(handler(self))
+        return without_unset(handler(self), _UNSET)
 
     # ------------------------------------------------------------------ the reducer
 
@@ -809,17 +810,10 @@ class JobAccount(_State):
         return cls(job_id=job_id) if raw is None else cls.model_validate_json(raw)
 
 
-def _without_null_adjustment(data: Any) -> Any:
-    """An account or terminal event serialized without schema 8's fields when they say nothing (no
-    ``adjustment``, no ``allocations``): the states of every job no operator adjusted and no source
-    gave TRES read as they did, so a worker rolled back across schema 8 reads its snapshots and
-    settled accounts (docs/upgrades.md)."""
-    if isinstance(data, dict):
-        if data.get("adjustment", 0) is None:
-            del data["adjustment"]
-        if data.get("allocations") == {}:
-            del data["allocations"]
-    return data
+#: Schema 8's state fields, not written when they say nothing (no operator adjusted the job, no source
+#: gave TRES): the states of such jobs read as they did, so a worker rolled back across schema 8 reads
+#: its snapshots and settled accounts (docs/upgrades.md)
+_UNSET: dict[str, Any] = {"adjustment": None, "allocations": {}}
 
 
 def _latest(ns: NodeStream) -> NodeStream:

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 
@@ -191,6 +192,10 @@ class PlacementManager:
     stated: dict[str, tuple[LlcShare, ...]] = field(default_factory=dict)
     clock: datetime | None = None  # the newest event time folded (a restatement's time)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A snapshot taken before schema 8 has no node states stated and no clock: none yet."""
+        self.__dict__.update({"stated": {}, "clock": None, **state})
+
     def config(self) -> tuple[object, ...]:
         """What the manager was configured with (a snapshot under another is not used)."""
         return (self.policy, self.age_limit_s, self.pairing, self.prefix)
@@ -202,8 +207,7 @@ class PlacementManager:
             self.skipped += 1  # the router dead-letters what it can; anything else is ignored here
             return []
         touched: set[str] = set()
-        clock = getattr(self, "clock", None)  # a snapshot from before schema 8 has none
-        if clock is None or record.event_time > clock:
+        if self.clock is None or record.event_time > self.clock:
             self.clock = record.event_time
         running = isinstance(record, DegradationEstimate) and not record.final
         before = {p: n.blocks // PROFILE_EVERY for p, n in self.book.programs.items()} if running else {}
@@ -247,7 +251,7 @@ class PlacementManager:
         out: list[Record] = []
         if self.scheduler is None:
             return out
-        stated = self.__dict__.setdefault("stated", {})  # a snapshot from before schema 8 has none
+        stated = self.stated
         for node in sorted(n for n in nodes if n in self.scheduler.loads):
             shares = self.shares(node)
             if stated.get(node, ()) != shares:
@@ -265,8 +269,8 @@ class PlacementManager:
         was lost, or that a manager rebuilt under another policy booked differently, has its own."""
         if self.scheduler is None:
             return []
-        stated = self.__dict__.setdefault("stated", {})
-        at = getattr(self, "clock", None) or datetime(2000, 1, 1, tzinfo=UTC)
+        stated = self.stated
+        at = self.clock or datetime(2000, 1, 1, tzinfo=UTC)
         out = []
         for node in sorted(self.scheduler.loads):
             shares = stated[node] = self.shares(node)
