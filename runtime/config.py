@@ -239,8 +239,7 @@ class Settings(BaseSettings):
             return None
         from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
-        s = self.sample_us
-        return ShutterPolicy(ladder_us=(s, 4 * s, 16 * s), k=self.samples_per_region, period_ms=self.period_ms)
+        return ShutterPolicy.from_shortest(self.sample_us, self.samples_per_region, self.period_ms)
 
     def flush_policy(self) -> FlushPolicy:
         from nodeshare.producers.batching import FlushPolicy

@@ -85,6 +85,12 @@ EstimatorOpt = Annotated[str, typer.Option(
     "--estimator", help="the degradation estimate charges apply: refill_corrected, poppa_alg4, unfiltered or mixed_s")]
 
 
+#: The product's defaults (runtime.config.Settings, which a test holds these to; not imported here, so
+#: the CLI starts fast): the experiments charge as a site does unless told otherwise
+DEFAULT_SETTINGS: dict[str, Any] = {"estimator": "mixed_s", "shutter_schedule": "adaptive", "sample_us": 3200,
+                                    "period_ms": 200}
+
+
 def checked_estimator(name: str) -> str:
     from nodeshare.streams.core.degradation import ESTIMATORS
 
@@ -151,7 +157,7 @@ def _pairwise_summary(r: dict[str, Any]) -> list[str]:
           f"{s['worst'][0]['co_runner']}" for name, s in est.items()),
         f"worst ten ({r['estimator']}): " + ", ".join(f"{w['job']}/{w['co_runner']} {w['err_pct']:+.1f}"
                                                       for w in est[r['estimator']]['worst']),
-        f"applied estimator: {r['estimator']}"]
+        f"applied estimator: {r['estimator']}; {r['schedule']} shutter schedule"]
 
 
 def _pricing_summary(r: dict[str, Any]) -> list[str]:
@@ -161,7 +167,16 @@ def _pricing_summary(r: dict[str, Any]) -> list[str]:
         f"POPPA  mean {r['poppa_mean']:.4f}  min {r['poppa_min']:.4f}  max {r['poppa_max']:.4f}  ({r['estimator']})",
         f"Oracle mean {r['oracle_mean']:.4f}  min {r['oracle_min']:.4f}  max {r['oracle_max']:.4f}",
         f"POPPA - oracle: {r['poppa_minus_oracle_pp']:+.2f} pp; charged above the baseline: {r['overcharged_jobs']} "
-        f"jobs (mean surcharge {r['overcharge_mean_pct']:.2f}%), {r['overcharged_runs']} of {r['runs']} runs"]
+        f"jobs (mean surcharge {r['overcharge_mean_pct']:.2f}%), {r['overcharged_runs']} of {r['runs']} runs",
+        _runs_line(r["overall"]) + f"; {r['schedule']} shutter schedule"]
+
+
+def _runs_line(m: dict[str, Any]) -> str:
+    """One line of a set of runs' per-job figures (experiments.mixes.mix_metrics)."""
+    cov = "" if m["coverage_clamped"] is None else f", interval coverage {100 * m['coverage_clamped']:.1f}%"
+    return (f"per run: D MAE {m['mae_pct']:.2f} pp, max {m['max_abs_err_pct']:.1f} pp; "
+            f"{m['overcharged_jobs_over_0_5pct']} of {m['jobs']} runs > 0.5% above their solo baseline{cov}; "
+            f"revenue {m['revenue_vs_oracle_pp']:+.2f} pp of the oracle's")
 
 
 def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[str]],
@@ -177,9 +192,9 @@ def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[s
         = 5,
         profiles: LibraryProfiles = None,
         programs: Programs = None,
-        sample_us: SampleUs = 3200,
-        period_ms: PeriodMs = 200,
-        estimator: EstimatorOpt = "refill_corrected",
+        sample_us: SampleUs = DEFAULT_SETTINGS["sample_us"],
+        period_ms: PeriodMs = DEFAULT_SETTINGS["period_ms"],
+        estimator: EstimatorOpt = DEFAULT_SETTINGS["estimator"],
         mix: Annotated[str, typer.Option(
             help="pairs (every pair run to completion: Fig. 10-12), trace-times (run times from --trace), "
                  "arrivals (co-runners arriving and leaving mid-run), short-phases (bursts shorter than S), "
@@ -193,29 +208,29 @@ def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[s
         max_run_s: Annotated[float, typer.Option(
             min=5.0, help="trace-times: run times are clipped to [5 s, this] so a run ends in minutes")] = 3600.0,
         schedule: Annotated[str, typer.Option(
-            help="the mixes' shutter schedule: fixed (--sample-us, --period-ms) or adaptive (issue 36; "
-                 "not with --mix pairs: see experiment adaptive-shutter)")] = "fixed",
+            help="the shutter schedule: adaptive (issue 36: S, 4 S and 16 S from --sample-us, at --period-ms) "
+                 "or fixed (--sample-us every --period-ms: POPPA's, with --estimator refill_corrected)")]
+        = DEFAULT_SETTINGS["shutter_schedule"],
     ) -> None:
         from nodeshare.experiments import poppa
         from nodeshare.experiments.mixes import MIX_NAMES, mixes_table, plot_mixes
 
         if mix not in MIX_NAMES:
             raise typer.BadParameter(f"must be one of {', '.join(MIX_NAMES)}", param_hint="--mix")
-        if schedule not in ("fixed", "adaptive") or (schedule == "adaptive" and mix == "pairs"):
-            raise typer.BadParameter("fixed, or adaptive with a --mix other than pairs", param_hint="--schedule")
+        if schedule not in ("fixed", "adaptive"):
+            raise typer.BadParameter("fixed or adaptive", param_hint="--schedule")
         if mix == "trace-times" and trace is None:
             raise typer.BadParameter("the trace-times mix draws its run times from --trace", param_hint="--trace")
         lib = program_library(profiles)
         with progress_bar() as bar:
             task = bar.add_task("simulating and charging", total=None)
-            kwargs: dict[str, Any] = {}
-            if mix != "pairs":
-                from nodeshare.streams.core.shutter_policy import ShutterPolicy
+            from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
-                s = sample_us
-                kwargs = {"mix": mix, "jobs": jobs, "trace": trace, "max_run_s": max_run_s,
-                          "schedule": ShutterPolicy(ladder_us=(s, 4 * s, 16 * s), period_ms=period_ms)
-                          if schedule == "adaptive" else None}
+            kwargs: dict[str, Any] = {
+                "schedule": ShutterPolicy.from_shortest(sample_us, period_ms=period_ms) if schedule == "adaptive"
+                else None}
+            if mix != "pairs":
+                kwargs.update(mix=mix, jobs=jobs, trace=trace, max_run_s=max_run_s)
                 bar.update(task, description=f"simulating and charging: {mix}")
             r: dict[str, Any] = getattr(poppa, f"experiment_{kind}")(
                 seed=seed, iterations=iterations, library=lib, programs=chosen_programs(programs, lib, profiles),
@@ -231,10 +246,13 @@ def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[s
 
 experiment_app.command("pairwise")(_charged_pairs_command("pairwise", _pairwise_summary, """Every pair co-located as
     in Seed 002 Section 7 on the calibrated simulator, charged by the stream worker's fold: Fig. 10
-    (run-time prediction error % per estimator) and Fig. 11 (degradation %)."""))
+    (run-time prediction error % per estimator) and Fig. 11 (degradation %). Charged as a site is by
+    default (the adaptive shutter schedule and mixed_s); POPPA's own setup is --schedule fixed
+    --estimator refill_corrected."""))
 experiment_app.command("pricing")(_charged_pairs_command("pricing", _pricing_summary, """Seed 002 Fig. 12: prices
     relative to the solo baseline under SOP, POPPA (the ledger's charge) and the oracle, for every
-    (program, co-runner)."""))
+    (program, co-runner). Charged as a site is by default (the adaptive shutter schedule and mixed_s);
+    POPPA's own setup is --schedule fixed --estimator refill_corrected."""))
 
 
 @experiment_app.command("pairing")
@@ -468,30 +486,3 @@ def experiment_sns_sweep(
         *(f"ratio {x['scaling_ratio']:.2f}: " + "   ".join(
             f"{p} {x[p]['run']:.3f} / {x[p]['wait']:.3f} / {x[p]['turnaround']:.3f}" for p in ("SNS", "CS"))
           for x in r["ratios"])])
-
-
-@experiment_app.command("shutter")
-def experiment_shutter(
-    as_json: FullJson = False,
-    png: Annotated[Path, typer.Option(help="plot file")] = Path("experiments/shutter.png"),
-    seed: Annotated[int, typer.Option(help="simulation seed")] = 7,
-    iterations: Annotated[int, typer.Option(min=1, help="runs per pair and shutter length")] = 3,
-    period_ms: Annotated[int, typer.Option(min=1, help="P")] = 200,
-) -> None:
-    """Seed 002 Figs. 5-9: accuracy and overhead for S from 200 us to 25.6 ms, NPB next to a
-    contentious (ADVECT3D) and a moderate (Swim) co-runner, and next to NULL against Eq. 10."""
-    from nodeshare.experiments.poppa import SHUTTER_US, plot_shutter
-    from nodeshare.experiments.poppa import experiment_shutter as run
-
-    with progress_bar() as bar:
-        task = bar.add_task("shutter lengths", total=len(SHUTTER_US))
-        r = run(seed=seed, iterations=iterations, period_ms=period_ms,
-                progress=lambda done, _total: bar.update(task, completed=done))
-    lines = ["overhead at S = 3200 us: " + ", ".join(f"{k} {v:.2f}%" for k, v in r["overhead_at_3200_pct"].items()),
-             f"simulated overhead next to NULL vs Eq. 10: max difference {r['eq10_max_abs_diff_pp']:.3f} pp",
-             "S (us)   " + "  ".join(f"{j}/{c[:6]:6s}" for c in r["co_runners"] for j in r["jobs"])]
-    for s_us in r["shutter_us"]:
-        cells = [next(x for x in r["rows"] if x["sample_us"] == s_us and x["job"] == j and x["co_runner"] == c)
-                 for c in r["co_runners"] for j in r["jobs"]]
-        lines.append(f"{s_us:>6}   " + "  ".join(f"{x['err_refill_corrected_pct']:+9.2f}" for x in cells))
-    experiment_out(r, as_json, png, plot_shutter, lines)

@@ -7,7 +7,9 @@ the charge as priced, at its interval's upper end) and by the mixed-S prototype 
 (``mixed``: :func:`~nodeshare.streams.core.shutter_policy.mixed_estimate` over the blocks grouped by
 ``sample_us`` in float running sums; the price is recomputed from it with the charge's own rate
 function, run time, pause credit and time alone). With ``mixed_s`` the fold's numbers are the
-prototype's. Truth is the simulator's: D over the billed time, 1 - T_solo / (T_co - pause credit).
+prototype's. ``every_block``: the same prototype over every block, Alg. 4's filter left out (what
+docs/charges.md measured against the filter's bias at small D). Truth is the simulator's: D over
+the billed time, 1 - T_solo / (T_co - pause credit).
 
     python -m nodeshare.experiments.adaptive_shutter pairs --programs-csv FILE --seed 7
     python -m nodeshare.experiments.adaptive_shutter short --programs-csv FILE --seed 7
@@ -34,16 +36,29 @@ from nodeshare.streams.core.accounting import PricingPolicy
 from nodeshare.streams.core.blocks import block_rows
 from nodeshare.streams.core.degradation import MIXED_S
 from nodeshare.streams.core.pricing import RATE_FUNCTIONS, job_degradation
-from nodeshare.streams.core.shutter_policy import ShutterPolicy, levels_of, mixed_estimate
+from nodeshare.streams.core.shutter_policy import LevelStats, ShutterPolicy, levels_of, mixed_estimate
 
 from .poppa import charges_of
 
 OVER = 1.005  # "charged above the solo baseline by more than 0.5% of it"
+ESTIMATES = ("fold", "fold_bound", "mixed", "every_block")
 
 
 def _charged(c: Any, d_shared: float) -> float:
     d = job_degradation(min(1.0, max(0.0, d_shared)), c.alone_s, c.billed_time_s)
     return RATE_FUNCTIONS[c.rate_function](c.rate_per_core_hour, c.cores, c.run_time_s, d, c.pause_credit_s)
+
+
+def every_block_levels(groups: Sequence[tuple[int, np.ndarray]]) -> dict[int, LevelStats]:
+    """Per-S moments of the refill-corrected estimate over every block (no Alg. 4 filter)."""
+    out: dict[int, LevelStats] = {}
+    for s, m in groups:
+        st = out.setdefault(int(s), LevelStats())
+        x, y = m[:, 1] + m[:, 2] - m[:, 0], m[:, 0]
+        st.n += len(m)
+        st.sx, st.sy = st.sx + float(x.sum()), st.sy + float(y.sum())
+        st.sxx, st.syy, st.sxy = st.sxx + float(x @ x), st.syy + float(y @ y), st.sxy + float(x @ y)
+    return out
 
 
 def score(truth: Sequence[Any], events: Sequence[Any], estimator: str = MIXED_S) -> list[dict[str, Any]]:
@@ -63,6 +78,8 @@ def score(truth: Sequence[Any], events: Sequence[Any], estimator: str = MIXED_S)
         base = c.rate_per_core_hour * c.cores * t.solo_time_s / 3600.0
         true_d = 1.0 - t.solo_time_s / c.billed_time_s if c.billed_time_s > 0 else 0.0
         d_mixed_shared = est.degradation if est.degradation is not None else 0.0
+        every = mixed_estimate(every_block_levels(groups.get(t.job_id, []))).degradation
+        d_every_shared = 0.0 if every is None else every
         rows.append({
             "job": t.job_id, "program": t.program, "solo_s": t.solo_time_s, "run_s": t.run_time_s,
             "paused_share": t.paused_s / t.run_time_s if t.run_time_s > 0 else 0.0,
@@ -71,6 +88,8 @@ def score(truth: Sequence[Any], events: Sequence[Any], estimator: str = MIXED_S)
             "ratio_fold": _charged(c, c.degradation_shared) / base if base > 0 else 1.0,
             "ratio_fold_bound": c.price / base if base > 0 else 1.0,
             "ratio_mixed": _charged(c, d_mixed_shared) / base if base > 0 else 1.0,
+            "every_block": job_degradation(min(1.0, max(0.0, d_every_shared)), c.alone_s, c.billed_time_s),
+            "ratio_every_block": _charged(c, d_every_shared) / base if base > 0 else 1.0,
             "blocks": {str(s): st.n for s, st in sorted(levels.items())}, "mixed_levels": list(est.levels_used),
             "levels": {str(s): [st.n, st.degradation, st.se if math.isfinite(st.se) else None]
                        for s, st in sorted(levels.items())},
@@ -82,7 +101,7 @@ def score(truth: Sequence[Any], events: Sequence[Any], estimator: str = MIXED_S)
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"jobs": len(rows)}
     tD = np.array([r["true"] for r in rows])
-    for est in ("fold", "fold_bound", "mixed"):
+    for est in ESTIMATES:
         err = np.array([r[est] for r in rows]) - tD
         ratio = np.array([r[f"ratio_{est}"] for r in rows])
         out[est] = {"mae_pp": round(100 * float(np.abs(err).mean()), 3),

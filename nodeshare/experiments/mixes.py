@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from nodeshare.experiments import pyplot, save
-from nodeshare.experiments.poppa import _scored, charges_of, oracle_price, predicted_run_time
+from nodeshare.experiments.poppa import _scored, charges_of, oracle_price, predicted_run_time, schedule_name
 from nodeshare.producers.calibrated import CalibratedConfig, JobTruth, run_pairwise
 from nodeshare.producers.calibrated_records import with_records
 from nodeshare.producers.mixes import (
@@ -182,17 +182,10 @@ def experiment_mixes(kind: str, mix: str, seed: int = 7, iterations: int = 5, sa
         if progress:
             progress(m)
         t0 = time.perf_counter()
-        if m == "pairs" and schedule is not None:  # the cached fixed-schedule pairs do not apply
-            pairs = [(a, b) for a in programs for b in programs]
-            sim = with_records(cfg, lambda sink, pairs=pairs: run_pairwise(cfg, pairs, lib, iterations, sink))
-            charges = charges_of(sim.events, policy)
-            mine = [job_row(m, t, charges[t.job_id]) for t in sim.truth]
-            info = {"about": "every ordered pair of the programs, run to completion", "pairs": len(programs) ** 2}
-        elif m == "pairs":
+        if m == "pairs":
             mine = [job_row(m, t, c) for _, _, t, c in _scored(seed, iterations, sample_us, period_ms, programs, lib,
-                                                             estimator)]
-            info = {"about": "every ordered pair of the programs, run to completion",
-                                    "pairs": len(programs) ** 2}
+                                                             estimator, schedule)]
+            info = {"about": "every ordered pair of the programs, run to completion", "pairs": len(programs) ** 2}
         else:
             truth, events, scored, info = simulate_mix(m, cfg, iterations, programs, lib, n, trace, max_run_s)
             charges = charges_of(events, policy)
@@ -202,7 +195,7 @@ def experiment_mixes(kind: str, mix: str, seed: int = 7, iterations: int = 5, sa
     skipped = {"trace-times": "no --trace given"} if mix == ALL_MIXES and trace is None else {}
     return {"experiment": kind, "mix": mix, "mixes": per_mix, "overall": mix_metrics(rows), "skipped": skipped,
             "degradation_truth": DEGRADATION_TRUTH, "estimator": estimator, "sample_us": sample_us,
-            "period_ms": period_ms, "schedule": "fixed" if schedule is None else "adaptive",
+            "period_ms": period_ms, "schedule": schedule_name(schedule),
             "seed": seed, "iterations": iterations, "jobs_per_mix": n,
             "programs": list(programs), "max_run_s": max_run_s, "job_rows": rows}
 
@@ -223,7 +216,7 @@ def mixes_table(r: dict[str, Any]) -> list[str]:
                      f"{m['revenue_vs_oracle_pp']:>+10.2f} {m['charged_vs_solo_baseline']:>8.4f}")
     lines.append("cover: D_true (clamped to [0, 1]) within the charge's interval; above: D_true above its upper end")
     lines.append(f"error: |D - D_true| in points, D_true = {r['degradation_truth']}; estimator {r['estimator']}, "
-                 f"S {r['sample_us']} us, P {r['period_ms']} ms")
+                 f"{r['schedule']} shutter schedule, S {r['sample_us']} us, P {r['period_ms']} ms")
     lines.extend(f"skipped {k}: {v}" for k, v in r.get("skipped", {}).items())
     return lines
 

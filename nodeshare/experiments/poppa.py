@@ -30,6 +30,7 @@ from nodeshare.schemas import TOPIC_OF_RECORD, Charge, JobEvent, JobLeftNode, Sh
 from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
 from nodeshare.streams.core.degradation import DEFAULT_ESTIMATOR
 from nodeshare.streams.core.shutter_overhead import dilated_run_time
+from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
 #: The three estimates every charge carries, by the name experiments report them under.
 ESTIMATES: dict[str, Callable[[Charge], float | None]] = {
@@ -65,29 +66,32 @@ def oracle_price(c: Charge, t: JobTruth) -> float:
 
 @lru_cache(maxsize=2)
 def _pairs_simulated(seed: int, iterations: int, sample_us: int, period_ms: int, programs: tuple[str, ...],
-                     library: tuple[Workload, ...]) -> tuple[list[tuple[str, str]], list[JobTruth], list[Any]]:
+                     library: tuple[Workload, ...], schedule: ShutterPolicy | None = None,
+                     ) -> tuple[list[tuple[str, str]], list[JobTruth], list[Any]]:
+    """Every ordered pair run to completion, under the fixed shutter (``sample_us``, ``period_ms``)
+    or the adaptive ``schedule``."""
     lib = {w.name: w for w in library}
     pairs = [(a, b) for a in programs for b in programs]
-    cfg = CalibratedConfig(seed=seed, sample_us=sample_us, period_ms=period_ms)
+    cfg = CalibratedConfig(seed=seed, sample_us=sample_us, period_ms=period_ms, schedule=schedule)
     sim = with_records(cfg, lambda sink: run_pairwise(cfg, pairs, lib, iterations, sink))
     return pairs, sim.truth, sim.events
 
 
 @lru_cache(maxsize=8)
 def _pairs_run(seed: int, iterations: int, sample_us: int, period_ms: int, programs: tuple[str, ...],
-               library: tuple[Workload, ...], estimator: str,
+               library: tuple[Workload, ...], estimator: str, schedule: ShutterPolicy | None = None,
                ) -> tuple[list[tuple[str, str]], list[JobTruth], dict[str, Charge]]:
     """The pairs simulated once, charged under ``estimator``."""
-    pairs, truth, events = _pairs_simulated(seed, iterations, sample_us, period_ms, programs, library)
+    pairs, truth, events = _pairs_simulated(seed, iterations, sample_us, period_ms, programs, library, schedule)
     return pairs, truth, charges_of(events, PricingPolicy(estimator=estimator))
 
 
 def _scored(seed: int, iterations: int, sample_us: int, period_ms: int, programs: Sequence[str],
-            library: dict[str, Workload], estimator: str = DEFAULT_ESTIMATOR,
+            library: dict[str, Workload], estimator: str = DEFAULT_ESTIMATOR, schedule: ShutterPolicy | None = None,
             ) -> list[tuple[str, str, JobTruth, Charge]]:
     """(program, co-runner, truth, charge) for every completed run."""
     pairs, truth, charges = _pairs_run(seed, iterations, sample_us, period_ms, tuple(programs),
-                                       tuple(library.values()), estimator)
+                                       tuple(library.values()), estimator, schedule)
     out = []
     for t in truth:
         a, b = pairs[int(t.nodes[0].removeprefix("node"))]
@@ -103,7 +107,7 @@ def experiment_pairwise(seed: int = 7, iterations: int = 5, sample_us: int = 320
                         programs: Sequence[str] = PAIRWISE, library: dict[str, Workload] | None = None,
                         estimator: str = DEFAULT_ESTIMATOR, mix: str = "pairs", jobs: int | None = None,
                         trace: Path | None = None, max_run_s: float = MAX_RUN_S,
-                        schedule: Any = None) -> dict[str, Any]:
+                        schedule: ShutterPolicy | None = None) -> dict[str, Any]:
     """Every estimator is scored; ``estimator`` is the one the headline numbers name (applied).
     With ``mix`` other than ``pairs``: the mixes' per-job report (:func:`experiment_mixes`),
     whose ``run_time_mae_pct`` is this experiment's run-time prediction error, per job."""
@@ -114,7 +118,7 @@ def experiment_pairwise(seed: int = 7, iterations: int = 5, sample_us: int = 320
                                 period_ms=period_ms, programs=programs, library=library, estimator=estimator,
                                 jobs=jobs, trace=trace, max_run_s=max_run_s, schedule=schedule)
     lib = library or BUILTIN
-    rows = _scored(seed, iterations, sample_us, period_ms, programs, lib, estimator)
+    rows = _scored(seed, iterations, sample_us, period_ms, programs, lib, estimator, schedule)
     # an applied estimator a charge carries no column of (mixed_s): its point estimate over the shared time
     picks = {**ESTIMATES, estimator: ESTIMATES.get(estimator, lambda c: c.degradation_shared)}
     errors: dict[str, dict[tuple[str, str], list[float]]] = {e: defaultdict(list) for e in picks}
@@ -140,14 +144,15 @@ def experiment_pairwise(seed: int = 7, iterations: int = 5, sample_us: int = 320
             "max_abs_err_pct": summary[applied]["max_abs_err_pct"], "pairs": len(programs) ** 2,
             "runs": len(rows), "programs": list(programs), "iterations": iterations, "seed": seed,
             "sample_us": sample_us, "period_ms": period_ms, "estimators": summary, "error_pct": mats,
-            "degradation_pct": deg, "mean_degradation_pct": float(np.mean(deg)), "mix": "pairs"}
+            "degradation_pct": deg, "mean_degradation_pct": float(np.mean(deg)), "mix": "pairs",
+            "schedule": schedule_name(schedule)}
 
 
 def experiment_pricing(seed: int = 7, iterations: int = 5, sample_us: int = 3200, period_ms: int = 200,
                        programs: Sequence[str] = PAIRWISE, library: dict[str, Workload] | None = None,
                        estimator: str = DEFAULT_ESTIMATOR, mix: str = "pairs", jobs: int | None = None,
                        trace: Path | None = None, max_run_s: float = MAX_RUN_S,
-                       schedule: Any = None) -> dict[str, Any]:
+                       schedule: ShutterPolicy | None = None) -> dict[str, Any]:
     """Fig. 12: for every (program, co-runner), the price of its runs relative to the solo
     baseline L * C * T_solo, under SOP (L * C * T_co), POPPA (the ledger's charge) and the oracle.
     With ``mix`` other than ``pairs``: the mixes' per-job report (:func:`experiment_mixes`)."""
@@ -157,19 +162,22 @@ def experiment_pricing(seed: int = 7, iterations: int = 5, sample_us: int = 3200
         return experiment_mixes("pricing", mix, seed=seed, iterations=iterations, sample_us=sample_us,
                                 period_ms=period_ms, programs=programs, library=library, estimator=estimator,
                                 jobs=jobs, trace=trace, max_run_s=max_run_s, schedule=schedule)
-    r = _pricing_pairs(seed, iterations, sample_us, period_ms, programs, library, estimator)
-    rows = [job_row("pairs", t, c) for _, _, t, c in
-            _scored(seed, iterations, sample_us, period_ms, programs, library or BUILTIN, estimator)]
+    scored = _scored(seed, iterations, sample_us, period_ms, programs, library or BUILTIN, estimator, schedule)
+    r = _pricing_pairs(scored, programs, estimator, sample_us, period_ms)
+    rows = [job_row("pairs", t, c) for _, _, t, c in scored]
     metrics = mix_metrics(rows)
     return {**r, "mix": "pairs", "degradation_truth": DEGRADATION_TRUTH, "mixes": {"pairs": metrics},
-            "overall": metrics, "job_rows": rows}
+            "overall": metrics, "job_rows": rows, "seed": seed, "iterations": iterations,
+            "schedule": schedule_name(schedule)}
 
 
-def _pricing_pairs(seed: int, iterations: int, sample_us: int, period_ms: int, programs: Sequence[str],
-                   library: dict[str, Workload] | None, estimator: str) -> dict[str, Any]:
+def schedule_name(schedule: ShutterPolicy | None) -> str:
+    return "fixed" if schedule is None else "adaptive"
+
+
+def _pricing_pairs(rows: Sequence[tuple[str, str, JobTruth, Charge]], programs: Sequence[str], estimator: str,
+                   sample_us: int, period_ms: int) -> dict[str, Any]:
     """Fig. 12 on pairs run to completion, per (program, co-runner)."""
-    lib = library or BUILTIN
-    rows = _scored(seed, iterations, sample_us, period_ms, programs, lib, estimator)
     acc: dict[tuple[str, str], np.ndarray] = defaultdict(lambda: np.zeros(4))
     runs = []
     for prog, co, t, c in rows:
@@ -195,7 +203,7 @@ def _pricing_pairs(seed: int, iterations: int, sample_us: int, period_ms: int, p
         "overcharged_jobs": int(over.sum()),
         "overcharge_mean_pct": float(100 * (m[over, 1] - 1).mean()) if over.any() else 0.0,
         "overcharged_runs": int((per_run[:, 1] > 1.0).sum()),
-        "poppa_mean_by_program": per_program, "rows": jobs, "seed": seed, "iterations": iterations,
+        "poppa_mean_by_program": per_program, "rows": jobs,
     }
 
 

@@ -203,6 +203,13 @@ class ShutterPolicy:
     sparse_factor: int = 4
     budget_share: float = 0.009  # Eq. 9's paused share allowed per job (1% with a margin for Eq. 10)
 
+    @classmethod
+    def from_shortest(cls, sample_us: int, k: int = 1, period_ms: int = 200) -> ShutterPolicy:
+        """The schedule a site's shutter settings name: the ladder S, 4 S, 16 S from the shortest S,
+        K samples per window, P at the shortest S (the settings' ``sample_us``, ``samples_per_region``
+        and ``period_ms``; the default ladder is 3.2, 12.8 and 51.2 ms)."""
+        return cls(ladder_us=(sample_us, 4 * sample_us, 16 * sample_us), k=k, period_ms=period_ms)
+
     def __post_init__(self) -> None:
         if not self.ladder_us or list(self.ladder_us) != sorted(set(self.ladder_us)) or self.ladder_us[0] < 1:
             raise ValueError("the ladder is increasing positive sample lengths")

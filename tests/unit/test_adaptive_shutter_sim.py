@@ -81,3 +81,21 @@ def test_the_experiment_command_compares_and_refuses_what_it_cannot_run():
     assert got["paused_share_pct"]["max"] <= 1.0
     bad = CliRunner().invoke(app, ["experiment", "adaptive-shutter", "--sample-us", "51200"])
     assert bad.exit_code == 2 and "fixed schedule" in bad.output
+
+
+def test_the_every_block_prototype_keeps_the_blocks_alg4_rejects():
+    """experiment adaptive-shutter's every_block column: the refill-corrected moments of every block
+    (x = during + after - before, y = before), where the mixed prototype keeps Alg. 4's blocks only."""
+    import numpy as np
+
+    from nodeshare.experiments.adaptive_shutter import every_block_levels
+    from nodeshare.streams.core.shutter_policy import levels_of
+
+    # block 1 passes Alg. 4 (x = 1.1, y = 1.0); block 2 has after above during (x = 1.1 + 0.12, y = 1.0)
+    m = np.array([[1.0, 1.1, 1.0], [1.0, 1.1, 1.12]])
+    every = every_block_levels([(3200, m)])[3200]
+    alg4 = levels_of([(3200, m)])[3200]
+    assert (alg4.n, alg4.rejected, every.n) == (1, 1, 2)
+    assert every.sx == pytest.approx(1.1 + 1.22) and every.sy == pytest.approx(2.0)
+    assert every.degradation == pytest.approx(1 - 2.0 / 2.32)
+    assert alg4.degradation == pytest.approx(1 - 1.0 / 1.1)

@@ -274,14 +274,18 @@ def test_the_settings_choose_mixed_s_and_the_adaptive_schedule_by_default():
         ClusterChoice.from_settings(s, engine="simple")
 
 
-def test_the_experiments_take_mixed_s_and_refuse_an_adaptive_pairs_mix():
-    from typer.testing import CliRunner
-
-    from nodeshare.cli import app
-    from nodeshare.experiments.poppa import experiment_pairwise
+def test_the_experiments_take_mixed_s_and_run_the_pairs_under_the_adaptive_schedule():
+    from nodeshare.experiments.poppa import experiment_pairwise, experiment_pricing
+    from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
     r = experiment_pairwise(iterations=1, programs=("MILC", "LAMMPS"), estimator=MIXED_S)
     # under the fixed schedule every block has one S: mixed_s is refill_corrected
     assert r["estimators"][MIXED_S]["mae_pct"] == r["estimators"][REFILL_CORRECTED]["mae_pct"]
-    bad = CliRunner().invoke(app, ["experiment", "pricing", "--schedule", "adaptive"])
-    assert bad.exit_code == 2 and "--schedule" in bad.output
+    assert r["schedule"] == "fixed"
+    adaptive = experiment_pricing(iterations=1, programs=("MILC", "LAMMPS"), estimator=MIXED_S,
+                                  schedule=ShutterPolicy())
+    fixed = experiment_pricing(iterations=1, programs=("MILC", "LAMMPS"), estimator=MIXED_S)
+    assert (adaptive["schedule"], fixed["schedule"]) == ("adaptive", "fixed")
+    # the schedule given is the one run: the adaptive schedule takes fewer, longer samples
+    blocks = {k: sum(x["blocks_used"] for x in v["job_rows"]) for k, v in (("a", adaptive), ("f", fixed))}
+    assert 0 < blocks["a"] < blocks["f"]

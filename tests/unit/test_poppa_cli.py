@@ -17,7 +17,9 @@ def test_experiment_pairwise_json_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "pw.png"
     r = run("experiment", "pairwise", "--json", "--png", str(png), "--programs", "MILC,LAMMPS,CG", "--iterations", "1")
     assert {"mae_pct", "max_abs_err_pct", "pairs"} <= set(r) and r["pairs"] == 9
-    assert set(r["estimators"]) == {"refill_corrected", "poppa_alg4", "unfiltered"}
+    # every estimator a charge carries, and the applied one (the settings' mixed_s, a charge's own D)
+    assert set(r["estimators"]) == {"refill_corrected", "poppa_alg4", "unfiltered", "mixed_s"}
+    assert (r["estimator"], r["schedule"]) == ("mixed_s", "adaptive")
     assert len(r["error_pct"]["poppa_alg4"]) == 3 and r["degradation_pct"][0][0] > 10  # MILC next to MILC
     assert 0 <= r["mae_pct"] <= r["max_abs_err_pct"] < 10
     assert png.stat().st_size > 10_000
@@ -42,10 +44,22 @@ def test_pricing_under_another_estimator_and_shutter_length(tmp_path: Path) -> N
     base = run(*args)
     other = run(*args, "--estimator", "unfiltered", "--sample-us", "12800", "--period-ms", "800")
     assert (other["estimator"], other["sample_us"], other["period_ms"]) == ("unfiltered", 12800, 800)
-    assert (base["estimator"], base["sample_us"], base["period_ms"]) == ("refill_corrected", 3200, 200)
+    assert (base["estimator"], base["schedule"], base["sample_us"], base["period_ms"]) == ("mixed_s", "adaptive",
+                                                                                           3200, 200)
     assert other["poppa_mean"] != base["poppa_mean"]  # what the options name is what was run
+    fixed = run(*args, "--schedule", "fixed", "--estimator", "refill_corrected")
+    assert (fixed["schedule"], fixed["estimator"]) == ("fixed", "refill_corrected")
+    assert fixed["poppa_mean"] != base["poppa_mean"]
     result = CliRunner().invoke(app, ["experiment", "pricing", "--estimator", "magic"])
     assert result.exit_code == 2 and "unknown estimator 'magic'" in result.output
+
+
+def test_the_experiments_charge_at_the_products_defaults() -> None:
+    """An experiment run without options measures what a site is charged: its defaults are the settings'."""
+    from nodeshare.cli.experiment import DEFAULT_SETTINGS
+    from nodeshare.runtime.config import Settings
+
+    assert {k: Settings.model_fields[k].default for k in DEFAULT_SETTINGS} == DEFAULT_SETTINGS
 
 
 def test_unknown_program_is_a_clear_error() -> None:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from nodeshare.cli import app
 from nodeshare.experiments.mixes import MIXES, simulate_mix
-from nodeshare.experiments.poppa import _pricing_pairs, charges_of, experiment_pricing
+from nodeshare.experiments.poppa import _pricing_pairs, _scored, charges_of, experiment_pricing
 from nodeshare.producers.calibrated import CalibratedConfig
 from nodeshare.producers.mixes import (
     MIN_RUN_S,
@@ -131,7 +131,8 @@ def test_mix_pairs_is_todays_pricing() -> None:
     assert (r["mix"], r["jobs"], r["runs"]) == ("pairs", 4, 8)
     assert r["sop_mean"] == pytest.approx(1.0990722272370643, rel=1e-12)
     assert r["oracle_mean"] == pytest.approx(0.9200210670979101, rel=1e-12)
-    old = _pricing_pairs(7, 5 - 4, 3200, 200, ("MILC", "LAMMPS"), None, "refill_corrected")
+    scored = _scored(7, 5 - 4, 3200, 200, ("MILC", "LAMMPS"), BUILTIN, "refill_corrected")
+    old = _pricing_pairs(scored, ("MILC", "LAMMPS"), "refill_corrected", 3200, 200)
     # the default estimator is mixed_s, the refill-corrected estimate itself on blocks of one S
     assert {k: v for k, v in r.items() if k in old} == {**old, "estimator": "mixed_s"}
     assert r["mixes"]["pairs"]["jobs"] == 8 and r["overall"] == r["mixes"]["pairs"]
