@@ -6,7 +6,9 @@ of the window it runs alone, so the IPC measured "alone" is too low and D is und
 (twolf: true 6.9%, measured 0.9%); at a fixed S = 51.2 ms every P = 3.2 s the refill fits, but a
 short job gets one or two blocks. The policy spends each job's overhead budget where it is needed:
 
-* **Dense start**: the shortest S on every turn until the job has ``n_start`` accepted blocks.
+* **Dense start**: the shortest S on every turn until the job has ``n_start`` accepted blocks
+  (or has taken ``start_tries`` times as many there: a job whose IPC is still climbing after a
+  short window has every short block rejected by Alg. 4, and a longer S is its only measurement).
 * **Probe the ladder** (3.2, 12.8, 51.2 ms): take ``n_level`` blocks at the longest S. A shorter
   S whose estimate is lower than the longest's beyond noise is biased by the refill (the cache
   has not refilled within its window). The job settles at the shortest S that agrees with the
@@ -14,7 +16,8 @@ short job gets one or two blocks. The policy spends each job's overhead budget w
   its sampling time at the longest S, so a disagreement that needs more blocks is still seen.
 * **Fill while waiting**: while a longer S waits for budget, a shortest sample is taken as long
   as the time at the shortest S (after the dense start) stays under ``fill_share`` of the time
-  at longer S: short samples keep coming (phases, noise) without starving the long ones.
+  at longer S: short samples keep coming (phases, noise) without starving the long ones. Time
+  counts every block taken, accepted or rejected: a rejected block paused its co-runners too.
 * **Sparser once tight**: when the estimate's standard error is below ``tight_se`` the job is
   shuttered every ``sparse_factor``-th turn only.
 * **Overhead budget (Eq. 9-10)**: a shutter of S pauses every co-runner for K*S. It is taken only
@@ -90,6 +93,11 @@ class LevelStats:
         self.sxx += float(x @ x)
         self.syy += float(y @ y)
         self.sxy += float(x @ y)
+
+    @property
+    def taken(self) -> int:
+        """Blocks taken at this S, accepted or not: what they cost in pauses."""
+        return self.n + self.rejected
 
     def merged(self, other: LevelStats) -> LevelStats:
         return LevelStats(self.n + other.n, self.sx + other.sx, self.sy + other.sy, self.sxx + other.sxx,
@@ -194,6 +202,9 @@ class ShutterPolicy:
     k: int = 1
     period_ms: int = 200  # P at the shortest S, as the fixed default
     n_start: int = 6  # accepted blocks at the shortest S before probing longer
+    #: ... or this many times n_start blocks taken there: a job whose short blocks Alg. 4 rejects
+    #: (its IPC still climbing after the window: cactusADM06) is measured at longer S instead
+    start_tries: int = 4
     n_level: int = 4  # accepted blocks at a level before it is compared with the one below
     check_share: float = 0.25  # sampling time kept at the longest S once settled, per unit at the settled S
     fill_share: float = 0.25  # while a longer S waits for budget: shortest-S time allowed per unit of longer-S time
@@ -236,7 +247,8 @@ class ShutterPolicy:
             st = levels.get(s)
             return st.n if st else 0
 
-        if n(lad[0]) < self.n_start:
+        first = levels.get(lad[0])
+        if n(lad[0]) < self.n_start and (first is None or first.taken < self.start_tries * self.n_start):
             return lad[0]
         top = lad[-1]
         if n(top) < self.n_level:
@@ -261,8 +273,8 @@ class ShutterPolicy:
             # the longer S waits for budget; meanwhile a few shortest samples, earned by the longer ones
             short = self.ladder_us[0]
             st = levels.get(short)
-            t_short = (st.n - self.n_start) * short if st else 0
-            t_long = sum(v.n * u for u, v in levels.items() if u > short)
+            t_short = (st.taken - self.n_start) * short if st else 0
+            t_long = sum(v.taken * u for u, v in levels.items() if u > short)
             if s == short or self.k * short / 1e6 > co_budget_s or t_short >= self.fill_share * t_long:
                 return None
             s = short

@@ -127,6 +127,40 @@ def test_the_budget_of_the_paused_co_runners_holds_every_shutter():
     assert p.choose({}, 0.0031) is None and p.choose({}, 0.0032).sample_us == 3200
 
 
+def rejected(n: int) -> LevelStats:
+    """n blocks Alg. 4 rejects: IPC after the window above IPC during it (a cache still refilling)."""
+    st = LevelStats()
+    for _ in range(n):
+        assert not st.add(0.9, 1.0, 1.02)
+    return st
+
+
+def test_a_job_whose_short_blocks_are_all_rejected_is_measured_at_longer_s():
+    """cactusADM06 in the calibrated simulator: its IPC still climbs after a 3.2 ms window, so Alg. 4
+    rejects every 3.2 ms block; the dense start ends after start_tries x n_start blocks taken there
+    (it used to wait for 6 accepted ones for ever, and the job was priced by the prior)."""
+    p = ShutterPolicy()  # n_start 6, start_tries 4
+    assert p.choose({3200: rejected(23)}, 1.0).sample_us == 3200
+    assert p.choose({3200: rejected(24)}, 1.0).sample_us == 51200
+    few = rejected(20)
+    for _ in range(5):
+        few.add(1.0, 1.1, 1.0)  # 5 accepted of 25 taken: still short of n_start, but tried enough
+    assert p.choose({3200: few}, 1.0).sample_us == 51200
+
+
+def test_the_fill_counts_every_block_taken_not_only_accepted_ones():
+    """A rejected block paused the co-runners as long as an accepted one: the fill's share of time
+    at the shortest S counts both, so rejections cannot starve the longer samples."""
+    p = ShutterPolicy()
+    levels = {3200: level(0.01, 6), 51200: level(0.01, 1)}  # one 51.2 ms block earns 12.8 ms: 4 short ones
+    short = levels[3200]
+    for _ in range(3):
+        short.add(0.9, 1.0, 1.02)
+    assert p.choose(levels, 0.0432).sample_us == 3200  # 3 taken since the start: 9.6 ms < 12.8 ms
+    short.add(0.9, 1.0, 1.02)
+    assert p.choose(levels, 0.0432) is None  # 4 taken, none accepted: 12.8 ms spent, the fill waits
+
+
 def test_sparser_once_tight():
     p = ShutterPolicy()
     # probing the longest S (3 of n_level 4 blocks there) is never sparse, however tight the short level
