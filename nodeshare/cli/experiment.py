@@ -75,7 +75,8 @@ Programs = Annotated[str | None, typer.Option(
     help="comma-separated programs to pair, or 'all': every program of --profiles (default: POPPA's twelve)")]
 
 
-SampleUs = Annotated[int, typer.Option("--sample-us", min=1, help="shutter sample length S (us)")]
+SampleUs = Annotated[int, typer.Option("--sample-us", min=1, help="shutter sample length S (us); the adaptive "
+                                                                  "schedule's shortest")]
 
 
 PeriodMs = Annotated[int, typer.Option("--period-ms", min=0, help="shutter period P (ms)")]
@@ -89,6 +90,26 @@ EstimatorOpt = Annotated[str, typer.Option(
 #: the CLI starts fast): the experiments charge as a site does unless told otherwise
 DEFAULT_SETTINGS: dict[str, Any] = {"estimator": "mixed_s", "shutter_schedule": "adaptive", "sample_us": 3200,
                                     "period_ms": 200}
+
+
+def checked_schedule(schedule: str, sample_us: int, period_ms: int) -> Any:
+    """The simulator's shutter schedule the options name (None: the fixed one), or exit 2 with why
+    it cannot run: the adaptive ladder's longest sample (16 S, three windows of it) must fit in the
+    simulator's cycle of 3 S + P."""
+    from nodeshare.producers.calibrated import CalibratedConfig
+    from nodeshare.streams.core.shutter_policy import ShutterPolicy
+
+    if schedule not in ("fixed", "adaptive"):
+        raise typer.BadParameter("fixed or adaptive", param_hint="--schedule")
+    policy = ShutterPolicy.from_shortest(sample_us, period_ms=period_ms) if schedule == "adaptive" else None
+    try:
+        CalibratedConfig(sample_us=sample_us, period_ms=period_ms, schedule=policy)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{exc}: under the adaptive schedule --sample-us is the shortest S of "
+                                 f"S, 4 S, 16 S, and 3 x 16 S must fit in 3 S + --period-ms (S <= "
+                                 f"{period_ms * 1000 // 45} us at {period_ms} ms)",
+                                 param_hint="--sample-us / --period-ms") from None
+    return policy
 
 
 def checked_estimator(name: str) -> str:
@@ -173,6 +194,8 @@ def _pricing_summary(r: dict[str, Any]) -> list[str]:
 
 def _runs_line(m: dict[str, Any]) -> str:
     """One line of a set of runs' per-job figures (experiments.mixes.mix_metrics)."""
+    if not m.get("jobs"):
+        return "per run: no completed run"
     cov = "" if m["coverage_clamped"] is None else f", interval coverage {100 * m['coverage_clamped']:.1f}%"
     return (f"per run: D MAE {m['mae_pct']:.2f} pp, max {m['max_abs_err_pct']:.1f} pp; "
             f"{m['overcharged_jobs_over_0_5pct']} of {m['jobs']} runs > 0.5% above their solo baseline{cov}; "
@@ -217,18 +240,12 @@ def _charged_pairs_command(kind: str, summary: Callable[[dict[str, Any]], list[s
 
         if mix not in MIX_NAMES:
             raise typer.BadParameter(f"must be one of {', '.join(MIX_NAMES)}", param_hint="--mix")
-        if schedule not in ("fixed", "adaptive"):
-            raise typer.BadParameter("fixed or adaptive", param_hint="--schedule")
         if mix == "trace-times" and trace is None:
             raise typer.BadParameter("the trace-times mix draws its run times from --trace", param_hint="--trace")
         lib = program_library(profiles)
         with progress_bar() as bar:
             task = bar.add_task("simulating and charging", total=None)
-            from nodeshare.streams.core.shutter_policy import ShutterPolicy
-
-            kwargs: dict[str, Any] = {
-                "schedule": ShutterPolicy.from_shortest(sample_us, period_ms=period_ms) if schedule == "adaptive"
-                else None}
+            kwargs: dict[str, Any] = {"schedule": checked_schedule(schedule, sample_us, period_ms)}
             if mix != "pairs":
                 kwargs.update(mix=mix, jobs=jobs, trace=trace, max_run_s=max_run_s)
                 bar.update(task, description=f"simulating and charging: {mix}")

@@ -11,12 +11,14 @@ import typer
 
 from .common import FullJson, err, out, progress_bar
 from .experiment import (
+    DEFAULT_SETTINGS,
     EstimatorOpt,
     LibraryProfiles,
     PeriodMs,
     Programs,
     SampleUs,
     checked_estimator,
+    checked_schedule,
     chosen_programs,
     experiment_app,
     experiment_out,
@@ -61,30 +63,27 @@ def experiment_adaptive_shutter(
         help="pairs: every pair of --programs, one run each; short: 600 jobs of solo time 5-60 s on 100 nodes",
     )] = "pairs",
     schedule: Annotated[str, typer.Option(
-        help="fixed (S, P below) or adaptive (streams.core.shutter_policy)")] = "adaptive",
-    sample_us: SampleUs = 3200,
-    period_ms: PeriodMs = 200,
-    estimator: EstimatorOpt = "mixed_s",
+        help="fixed (S every P) or adaptive (S, 4 S, 16 S at P: streams.core.shutter_policy)")]
+    = DEFAULT_SETTINGS["shutter_schedule"],
+    sample_us: SampleUs = DEFAULT_SETTINGS["sample_us"],
+    period_ms: PeriodMs = DEFAULT_SETTINGS["period_ms"],
+    estimator: EstimatorOpt = DEFAULT_SETTINGS["estimator"],
 ) -> None:
     """Issue 36: the fixed shutter against the adaptive schedule, charged by the fold (with
     --estimator, default mixed_s: at its point estimate, and as priced at the interval's upper end)
     and by the mixed-S prototype (MAE, max, jobs above their solo baseline, blocks, paused share)."""
     from nodeshare.experiments.adaptive_shutter import ESTIMATES, pairs_run, short_run, summary
-    from nodeshare.streams.core.shutter_policy import ShutterPolicy
 
-    if scenario not in ("pairs", "short") or schedule not in ("fixed", "adaptive"):
-        err.print("error: --scenario is pairs or short, --schedule fixed or adaptive")
+    if scenario not in ("pairs", "short"):
+        err.print("error: --scenario is pairs or short")
         raise typer.Exit(2)
-    if schedule == "adaptive" and (sample_us, period_ms) != (3200, 200):
-        err.print("error: --sample-us / --period-ms set the fixed schedule")
-        raise typer.Exit(2)
+    policy = checked_schedule(schedule, sample_us, period_ms)
     lib = program_library(profiles)
     chosen = chosen_programs(programs, lib, profiles)
     run = pairs_run if scenario == "pairs" else short_run
     with progress_bar() as bar:
         bar.add_task("simulating and charging", total=None)
-        r = summary(run(seed, chosen, lib, ShutterPolicy() if schedule == "adaptive" else None, sample_us, period_ms,
-                        estimator=checked_estimator(estimator)))
+        r = summary(run(seed, chosen, lib, policy, sample_us, period_ms, estimator=checked_estimator(estimator)))
     if as_json:
         out.print_json(json.dumps(r))
         return

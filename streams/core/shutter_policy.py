@@ -15,9 +15,13 @@ short job gets one or two blocks. The policy spends each job's overhead budget w
   longest, probing the S in between when the shortest disagrees, and keeps ``check_share`` of
   its sampling time at the longest S, so a disagreement that needs more blocks is still seen.
 * **Fill while waiting**: while a longer S waits for budget, a shortest sample is taken as long
-  as the time at the shortest S (after the dense start) stays under ``fill_share`` of the time
-  at longer S: short samples keep coming (phases, noise) without starving the long ones. Time
-  counts every block taken, accepted or rejected: a rejected block paused its co-runners too.
+  as the time at the shortest S (beyond the dense start's ``n_start`` blocks) stays under
+  ``fill_share`` of the time at longer S: short samples keep coming (phases, noise) without
+  starving the long ones. Time counts every block taken, accepted or rejected: a rejected block
+  paused its co-runners too.
+* **Tried out**: a level that has taken ``start_tries`` times the accepted blocks it needs
+  without getting them (Alg. 4 rejects this job's blocks at that S) is neither probed nor used
+  to fill again; the job goes on at the S above it.
 * **Sparser once tight**: when the estimate's standard error is below ``tight_se`` the job is
   shuttered every ``sparse_factor``-th turn only.
 * **Overhead budget (Eq. 9-10)**: a shutter of S pauses every co-runner for K*S. It is taken only
@@ -234,6 +238,18 @@ class ShutterPolicy:
         """How much more a co-runner that has run ``run_s`` and been paused ``paused_s`` may be paused now."""
         return self.budget_share * max(0.0, run_s) + self.allowance_s() - paused_s
 
+    def tried_out(self, st: LevelStats | None, need: int) -> bool:
+        """A level that has taken ``start_tries`` times the ``need`` accepted blocks it has not got:
+        Alg. 4 rejects this job's blocks at this S (its IPC still climbs after the window), so more
+        of them would spend the co-runners' budget on nothing."""
+        return st is not None and st.n < need and st.taken >= self.start_tries * need
+
+    def fill_us(self, st: LevelStats | None) -> float:
+        """Time (us) the job's shortest-S samples have taken beyond the dense start's ``n_start``:
+        every block taken counts (each paused the co-runners), so the dense start's rejected blocks
+        count too and the fill starts later for a job whose short blocks Alg. 4 often rejects."""
+        return 0.0 if st is None else max(0, st.taken - self.n_start) * self.ladder_us[0]
+
     def target_us(self, levels: Mapping[int, LevelStats]) -> int:
         """The S the job's measurement needs next, ignoring the budget.
 
@@ -247,8 +263,7 @@ class ShutterPolicy:
             st = levels.get(s)
             return st.n if st else 0
 
-        first = levels.get(lad[0])
-        if n(lad[0]) < self.n_start and (first is None or first.taken < self.start_tries * self.n_start):
+        if n(lad[0]) < self.n_start and not self.tried_out(levels.get(lad[0]), self.n_start):
             return lad[0]
         top = lad[-1]
         if n(top) < self.n_level:
@@ -256,7 +271,8 @@ class ShutterPolicy:
         probed = [s for s in lad if n(s) >= self.n_level]
         settle = min(s for s in probed if s == top or not _higher(levels[top], levels[s], self.z, self.tol))
         lower = [s for s in probed if s < settle]
-        between = [s for s in lad if s < settle and (not lower or s > lower[-1]) and n(s) < self.n_level]
+        between = [s for s in lad if s < settle and (not lower or s > lower[-1]) and n(s) < self.n_level
+                   and not self.tried_out(levels.get(s), self.n_level)]
         if between:
             return between[0]
         if settle != top and n(top) * top < self.check_share * n(settle) * settle:
@@ -273,9 +289,9 @@ class ShutterPolicy:
             # the longer S waits for budget; meanwhile a few shortest samples, earned by the longer ones
             short = self.ladder_us[0]
             st = levels.get(short)
-            t_short = (st.taken - self.n_start) * short if st else 0
             t_long = sum(v.taken * u for u, v in levels.items() if u > short)
-            if s == short or self.k * short / 1e6 > co_budget_s or t_short >= self.fill_share * t_long:
+            if (s == short or self.k * short / 1e6 > co_budget_s or self.fill_us(st) >= self.fill_share * t_long
+                    or self.tried_out(st, self.n_start)):
                 return None
             s = short
         est = mixed_estimate(levels, self.n_level)

@@ -62,6 +62,17 @@ def test_the_experiments_charge_at_the_products_defaults() -> None:
     assert {k: Settings.model_fields[k].default for k in DEFAULT_SETTINGS} == DEFAULT_SETTINGS
 
 
+def test_an_adaptive_ladder_that_does_not_fit_the_simulators_cycle_is_a_clear_error(tmp_path: Path) -> None:
+    """16 S in three windows must fit in 3 S + P: at P = 100 ms, S <= 2,222 us (an uncaught
+    ValueError with a traceback before); the fixed schedule runs there as it always did."""
+    for cmd in (["experiment", "pricing"], ["experiment", "adaptive-shutter"]):
+        bad = CliRunner().invoke(app, [*cmd, "--programs", "MILC,LAMMPS", "--period-ms", "100"])
+        assert bad.exit_code == 2 and "S <= 2222 us at 100 ms" in bad.output, bad.output
+    fixed = CliRunner().invoke(app, ["experiment", "pricing", "--programs", "MILC,LAMMPS", "--iterations", "1",
+                                     "--period-ms", "100", "--schedule", "fixed", "--png", str(tmp_path / "f.png")])
+    assert fixed.exit_code == 0, fixed.output
+
+
 def test_unknown_program_is_a_clear_error() -> None:
     result = CliRunner().invoke(app, ["experiment", "pairwise", "--programs", "MILC,HPL"])
     assert result.exit_code == 2 and "unknown: ['HPL']" in result.output

@@ -148,6 +148,28 @@ def test_a_job_whose_short_blocks_are_all_rejected_is_measured_at_longer_s():
     assert p.choose({3200: few}, 1.0).sample_us == 51200
 
 
+def test_a_tried_out_level_is_not_taken_again_over_a_whole_run():
+    """A job whose blocks Alg. 4 rejects at 3.2 and 12.8 ms but accepts at 51.2 ms, shuttered turn
+    after turn with budget to spare: after the dense start's 24 tries and 16 at 12.8 ms it is
+    measured at 51.2 ms for the rest of its run (a first version went back to 3.2 ms for good once
+    four 51.2 ms blocks were in, since 3.2 ms then lay "between" and had fewer than four)."""
+    p = ShutterPolicy()
+    levels: dict[int, LevelStats] = {}
+    taken = []
+    for _ in range(300):
+        ch = p.choose(levels, 1.0)
+        assert ch is not None
+        taken.append(ch.sample_us)
+        st = levels.setdefault(ch.sample_us, LevelStats())
+        if ch.sample_us == 51200:
+            st.add(0.92, 1.0, 0.92)  # accepted: D = 0.08
+        else:
+            st.add(0.9, 1.0, 1.02)  # rejected: IPC still climbing after the window
+    assert taken.count(3200) == 24 and taken.count(12800) == 16
+    assert taken[-200:] == [51200] * 200
+    assert mixed_estimate(levels).degradation == pytest.approx(0.08)
+
+
 def test_the_fill_counts_every_block_taken_not_only_accepted_ones():
     """A rejected block paused the co-runners as long as an accepted one: the fill's share of time
     at the shortest S counts both, so rejections cannot starve the longer samples."""
