@@ -543,9 +543,11 @@ class Agent:
         for target in others:  # the pause happened whether or not its record is kept
             self.state[target.job_id].paused_us += paused_us
         if choice is not None:
+            level = self.levels.setdefault(lone, {}).setdefault(sample_us, LevelStats())
             if measured:  # the schedule saw the block whether or not its record is kept
-                self.levels.setdefault(lone, {}).setdefault(sample_us, LevelStats()).add(
-                    mean_ipc(before), mean_ipc(during), mean_ipc(after))
+                level.add(mean_ipc(before), mean_ipc(during), mean_ipc(after))
+            else:  # no measurement, but the co-runners were paused: a block taken, for the schedule's time
+                level.rejected += 1
             self.due[lone] = time.monotonic() + choice.period_ms / 1000  # a dropped block waits its turn too
         self.cycle += 1
         self.lone = lone

@@ -776,6 +776,20 @@ def test_each_shutter_takes_the_s_the_lone_jobs_policy_chose(tmp_path: Path, two
         ("a", [0], 1000), ("a", [2], 4000), ("b", [1], 1000)]
 
 
+def test_a_block_whose_count_went_back_still_counts_as_taken_in_the_schedule(
+        tmp_path: Path, two_jobs: dict[str, LocalJob]) -> None:
+    """It paused the co-runners as a measured block does: the schedule's fill and tries count it."""
+    pol = ShutterPolicy(ladder_us=(1000, 4000), period_ms=0, n_start=2, n_level=1, budget_share=0.5)
+    agent = agent_with(tmp_path, two_jobs, pol)
+    agent.rescan()
+    agent.counters["a"] = _WentBack(agent.counters["a"])
+    assert agent.shutter()
+    assert agent.stats.blocks_dropped == 1
+    st = agent.levels["a"][1000]
+    assert (st.n, st.rejected, st.taken) == (0, 1, 1)
+    agent.close(0)
+
+
 def test_a_turn_over_a_co_runners_pause_budget_passes(tmp_path: Path, two_jobs: dict[str, LocalJob]) -> None:
     # a budget of one 1 ms sample (the allowance) and almost nothing per second of run
     pol = ShutterPolicy(ladder_us=(1000,), period_ms=0, budget_share=1e-9)
