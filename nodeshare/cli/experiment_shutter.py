@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from .common import FullJson, err, out, progress_bar
-from .experiment import (
+from .experiment_common import (
     DEFAULT_SETTINGS,
     EstimatorOpt,
     LibraryProfiles,

@@ -79,8 +79,12 @@ def test_the_experiment_command_compares_and_refuses_what_it_cannot_run():
     got = json.loads(r.stdout[r.stdout.index("{"):])
     assert got["jobs"] >= 4 and set(got) >= {"fold", "mixed", "blocks_accepted", "paused_share_pct"}
     assert got["paused_share_pct"]["max"] <= 1.0
+    assert set(got) >= {"every_block"}
+    # the ladder is built from --sample-us: 16 x 51.2 ms in three windows cannot fit a 200 ms cycle
     bad = CliRunner().invoke(app, ["experiment", "adaptive-shutter", "--sample-us", "51200"])
-    assert bad.exit_code == 2 and "fixed schedule" in bad.output
+    assert bad.exit_code == 2 and "S <= 4444 us at 200 ms" in bad.output, bad.output
+    unknown = CliRunner().invoke(app, ["experiment", "adaptive-shutter", "--scenario", "long"])
+    assert unknown.exit_code == 2 and "--scenario is pairs or short" in unknown.output
 
 
 def test_the_every_block_prototype_keeps_the_blocks_alg4_rejects():

@@ -56,7 +56,7 @@ def test_pricing_under_another_estimator_and_shutter_length(tmp_path: Path) -> N
 
 def test_the_experiments_charge_at_the_products_defaults() -> None:
     """An experiment run without options measures what a site is charged: its defaults are the settings'."""
-    from nodeshare.cli.experiment import DEFAULT_SETTINGS
+    from nodeshare.cli.experiment_common import DEFAULT_SETTINGS
     from nodeshare.runtime.config import Settings
 
     assert {k: Settings.model_fields[k].default for k in DEFAULT_SETTINGS} == DEFAULT_SETTINGS
