@@ -139,10 +139,11 @@ class PricingPolicy:
     #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the
     #: standard price (how the audit reprices an older row).
     prior_without_evidence: bool = True
-    #: A job whose interval is the prior because it has too few usable blocks (fewer than
-    #: confidence.MIN_INTERVAL_BLOCKS: a short job, which the adaptive schedule cannot give a long
-    #: sample within its pause budget) pays the prior's upper end too (schema 9); before, its
-    #: point estimate (how the audit reprices an older row).
+    #: A job measured at one sample length only, with fewer accepted blocks than an interval needs
+    #: (confidence.MIN_INTERVAL_BLOCKS: a short job, which the adaptive schedule cannot give a longer
+    #: sample within its pause budget, so nothing checked its short samples against the refill)
+    #: pays the prior's upper end too (schema 9); before, its point estimate (how the audit reprices
+    #: an older row). A job that reached a longer S is priced at its estimate, whatever its interval.
     few_blocks_at_prior: bool = True
     #: What the standard price multiplies (schema 8, pricing.billed_units): "cores" (POPPA's C), or
     #: "tres": Slurm's billing count where the lifecycle event carries it, else the (partition,
@@ -941,7 +942,8 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     # the prior's upper end over the time it shared, never the standard price in silence, and so is
     # one with too few blocks for an interval of its own (a short sample's estimate is biased low)
     at_prior = interval.method == PRIOR and (
-        policy.few_blocks_at_prior if degradation.status is EstimateStatus.OK else policy.prior_without_evidence)
+        policy.few_blocks_at_prior and len(degradation.levels) <= 1  # the prior here: < MIN_INTERVAL_BLOCKS
+        if degradation.status is EstimateStatus.OK else policy.prior_without_evidence)
     applied = high if policy.price_at_bound or at_prior else point
     units, billed_by = billed_units(end.cores, end.tres, dict(policy.billing_weights).get(end.partition or ""),
                                     policy.standard_units == "tres")

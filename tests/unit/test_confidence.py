@@ -240,6 +240,23 @@ def test_a_job_of_too_few_blocks_pays_the_priors_upper_end_by_default():
         update={"few_blocks_at_prior": True})
 
 
+@pytest.mark.parametrize("n_short", [3, 20])
+def test_a_job_that_reached_a_longer_s_is_priced_at_its_estimate(n_short):
+    """The rule is about jobs measured at one S only. A job with 3 (or 20) accepted 3.2 ms blocks and
+    four 51.2 ms ones that disagree (the short ones biased low by the refill) is estimated from the
+    four: its interval is the prior (fewer than 8 behind it; 7 blocks in all for the first), but its
+    longer samples checked the refill, and it is priced at its estimate."""
+    rng = np.random.default_rng(3)
+    short = _blocks(rng, n_short, 0.02, 0.005)
+    long = [b.model_copy(update={"sample_us": 51200, "cycle": 100 + i, "event_id": f"long-{i}"})
+            for i, b in enumerate(_blocks(rng, 4, 0.12, 0.005))]
+    [c] = fold_messages(as_messages([batch(*short), batch(*long, seq=1), left("j1", "n1", n_short + 4, 103)], IPC)
+                        + as_messages([job_event("j1", JobState.ENDED, cores=4)], LIFE), POINT)
+    assert c.blocks_used == n_short + 4 and c.interval_method == PRIOR and c.interval_blocks == 4
+    [used] = [lv for lv in c.levels if lv.used]
+    assert used.sample_us == 51200 and c.degradation == c.degradation_point == used.degradation < 0.25
+
+
 def test_the_audit_prices_a_few_block_job_by_the_rule_its_charge_records(tmp_path):
     """A schema-9 row priced at the prior audits clean; the same row with its flag flipped (a claim
     that it was priced at its estimate) does not; a schema-8 row, which had no such rule, is audited
