@@ -139,9 +139,6 @@ class Settings(BaseSettings):
     confidence: Annotated[float, Field(gt=0.0, le=0.99)] = 0.95  # streams.core.confidence.MAX_CONFIDENCE
     price_at_bound: bool = False
     prior_high: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25
-    # a job with too few blocks for an interval of its own is priced at the prior's upper end (as one
-    # with no estimate); false: at its point estimate (docs/charges.md, "Too few blocks")
-    few_blocks_at_prior: bool = True
     # the interval's margin for the estimator's bias, margin_abs + margin_rel x D (docs/charges.md)
     margin_abs: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01  # confidence.DEFAULT_MARGIN_ABS
     margin_rel: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05  # confidence.DEFAULT_MARGIN_REL
@@ -233,7 +230,6 @@ class Settings(BaseSettings):
                              rate_function=self.rate_function, estimator=self.estimator,
                              confidence=self.confidence, price_at_bound=self.price_at_bound,
                              prior_high=self.prior_high, margin_abs=self.margin_abs, margin_rel=self.margin_rel,
-                             few_blocks_at_prior=self.few_blocks_at_prior,
                              standard_units=self.standard_units,
                              billing_weights=tuple(sorted(self.billing_weights.items())), code_version=__version__)
 

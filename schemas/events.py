@@ -63,9 +63,7 @@ from pydantic import (
 #:   ``decisions.placement.nodes`` carries each node's cache shares (``NodePlacementState``). A
 #:   ``JobEvent`` may carry the job's partition and allocated TRES, and a ``Charge`` what its
 #:   standard price multiplied (``billing_units``: Slurm's billing count or a partition's weights).
-#: * 9: a ``Charge`` says whether a job with too few blocks for an interval of its own (the prior
-#:   interval) was priced at that interval's upper end (``few_blocks_at_prior``).
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 8
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -943,10 +941,6 @@ class Charge(Record):
     #: version's charge, whose interval had no margin.
     interval_margin_abs: Fraction01 | None = None
     interval_margin_rel: Fraction01 | None = None
-    #: Version 9: a job whose interval is the prior (fewer usable blocks than an interval needs) was
-    #: priced at the prior's upper end, as a job without any estimate is (``priced_at`` estimate);
-    #: before, at its point estimate.
-    few_blocks_at_prior: bool = False
     #: ``mixed_s`` only (version 6): the evidence per sample length S, by S, at most
     #: ``MAX_CHARGE_LEVELS``; empty for the other estimators.
     levels: tuple[LevelEvidence, ...] = ()
@@ -990,7 +984,7 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
              "degradation_high": 6, "interval_method": 6, "interval_blocks": 6, "confidence": 6,
              "priced_at": 6, "prior_degradation_high": 6, "levels": 6,
              "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8, "adjustment_credit": 8,
-             "partition": 8, "billing_units": 8, "billing_weights": 8, "few_blocks_at_prior": 9},
+             "partition": 8, "billing_units": 8, "billing_weights": 8},
     JobEvent: {"partition": 8, "tres": 8},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},

@@ -186,7 +186,6 @@ def policy_of(charge: Charge) -> PricingPolicy:
                          prior_high=DEFAULT_PRIOR_HIGH if charge.prior_degradation_high is None
                          else charge.prior_degradation_high,
                          prior_without_evidence=charge.confidence is not None,
-                         few_blocks_at_prior=charge.few_blocks_at_prior,
                          margin_abs=charge.interval_margin_abs or 0.0, margin_rel=charge.interval_margin_rel or 0.0,
                          standard_units="cores" if charge.billing_weights is None else "tres",
                          billing_weights=((charge.partition or "", charge.billing_weights),)

@@ -34,10 +34,8 @@ from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.accounting import Origin, PricingPolicy, as_read_live, fold_messages
 
 #: Prices at the point estimate, so tests of the markers, the pause credit and Eq. 1-4 check their
-#: arithmetic by hand on jobs of a few blocks (fewer than an interval needs, whose default price is
-#: the prior's upper end); pricing at the interval's bound and at the prior is tested in
-#: test_confidence.py.
-POLICY = PricingPolicy(rate_per_core_hour=1.5, price_at_bound=False, few_blocks_at_prior=False)
+#: arithmetic by hand; pricing at the interval's bound is tested in test_confidence.py.
+POLICY = PricingPolicy(rate_per_core_hour=1.5, price_at_bound=False)
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 CYCLES = 1_000_000  # per sample: IPC x CYCLES is an exact instruction count for IPCs with <= 6 decimals

@@ -139,12 +139,6 @@ class PricingPolicy:
     #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the
     #: standard price (how the audit reprices an older row).
     prior_without_evidence: bool = True
-    #: A job measured at one sample length only, with fewer accepted blocks than an interval needs
-    #: (confidence.MIN_INTERVAL_BLOCKS: a short job, which the adaptive schedule cannot give a longer
-    #: sample within its pause budget, so nothing checked its short samples against the refill)
-    #: pays the prior's upper end too (schema 9); before, its point estimate (how the audit reprices
-    #: an older row). A job that reached a longer S is priced at its estimate, whatever its interval.
-    few_blocks_at_prior: bool = True
     #: What the standard price multiplies (schema 8, pricing.billed_units): "cores" (POPPA's C), or
     #: "tres": Slurm's billing count where the lifecycle event carries it, else the (partition,
     #: TRESBillingWeights) pairs below applied to its TRES, else the cores
@@ -939,12 +933,10 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     point, low, high = (job_degradation(d, alone_s, billed_s)
                         for d in (degradation.degradation, interval.low, interval.high))
     # At the point estimate by default; a job that shared without any estimate is always priced at
-    # the prior's upper end over the time it shared, never the standard price in silence, and so is
-    # one with too few blocks for an interval of its own (a short sample's estimate is biased low)
-    at_prior = interval.method == PRIOR and (
-        policy.few_blocks_at_prior and len(degradation.levels) <= 1  # the prior here: < MIN_INTERVAL_BLOCKS
-        if degradation.status is EstimateStatus.OK else policy.prior_without_evidence)
-    applied = high if policy.price_at_bound or at_prior else point
+    # the prior's upper end over the time it shared, never the standard price in silence.
+    no_evidence = (policy.prior_without_evidence and interval.method == PRIOR
+                   and degradation.status is not EstimateStatus.OK)
+    applied = high if policy.price_at_bound or no_evidence else point
     units, billed_by = billed_units(end.cores, end.tres, dict(policy.billing_weights).get(end.partition or ""),
                                     policy.standard_units == "tres")
     amounts = fair_charge(policy.rate_per_core_hour, units, run_time_s, applied, policy.rate_function, credit_s)
@@ -991,7 +983,6 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         interval_method=interval.method, interval_blocks=interval.blocks, confidence=policy.confidence,
         priced_at="upper_bound" if policy.price_at_bound else "estimate", prior_degradation_high=policy.prior_high,
         interval_margin_abs=policy.margin_abs, interval_margin_rel=policy.margin_rel,
-        few_blocks_at_prior=policy.few_blocks_at_prior,
         levels=level_evidence(degradation),
         code_version=policy.code_version or UNSTAMPED_VERSION,
     )

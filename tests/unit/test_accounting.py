@@ -12,8 +12,7 @@ from nodeshare.streams.core.accounting import JobAccount, Origin, PricingPolicy,
 from nodeshare.streams.core.degradation import filtered_degradation
 from nodeshare.streams.core.pricing import fair_charge
 
-# the arithmetic of Eq. 1-4 at the point estimate, on jobs of fewer blocks than an interval needs
-POLICY = PricingPolicy(rate_per_core_hour=2.0, price_at_bound=False, few_blocks_at_prior=False)
+POLICY = PricingPolicy(rate_per_core_hour=2.0, price_at_bound=False)  # the arithmetic of Eq. 1-4 at the point estimate
 IPC, LIFE = "node.ipc", "jobs.lifecycle"
 
 

@@ -219,68 +219,6 @@ def test_too_few_blocks_price_at_the_stated_prior_never_silently_at_the_standard
     assert enough.interval_method == T_RATIO and enough.degradation_high < 0.25
 
 
-def test_a_job_of_too_few_blocks_pays_the_priors_upper_end_by_default():
-    """Schema 9: a job with fewer blocks than an interval needs (a short job: the adaptive schedule
-    cannot give it a long sample within its pause budget, and a short sample's estimate is biased
-    low) pays the prior's upper end, as a job with no estimate does; few_blocks_at_prior=False
-    prices it at its estimate, as before. A job with enough blocks is priced at its estimate either way."""
-    from dataclasses import replace
-
-    rng = np.random.default_rng(9)
-    blocks = _blocks(rng, MIN_INTERVAL_BLOCKS - 1, 0.05, 0.01)
-    few, before = _charge(blocks, POINT), _charge(blocks, replace(POINT, few_blocks_at_prior=False))
-    assert few.interval_method == PRIOR and few.few_blocks_at_prior and not before.few_blocks_at_prior
-    assert few.degradation == few.degradation_high == 0.25 and few.priced_at == "estimate"
-    assert few.price == pytest.approx(4 * 0.75**2)  # Eq. 4 by hand: L C T (1 - 0.25)^2
-    assert before.degradation == before.degradation_point < 0.1 and before.price > few.price
-    enough = _blocks(rng, MIN_INTERVAL_BLOCKS, 0.05, 0.01)
-    at_point = _charge(enough, POINT)
-    assert at_point.interval_method == T_RATIO and at_point.degradation == at_point.degradation_point
-    assert at_point == _charge(enough, replace(POINT, few_blocks_at_prior=False)).model_copy(
-        update={"few_blocks_at_prior": True})
-
-
-@pytest.mark.parametrize("n_short", [3, 20])
-def test_a_job_that_reached_a_longer_s_is_priced_at_its_estimate(n_short):
-    """The rule is about jobs measured at one S only. A job with 3 (or 20) accepted 3.2 ms blocks and
-    four 51.2 ms ones that disagree (the short ones biased low by the refill) is estimated from the
-    four: its interval is the prior (fewer than 8 behind it; 7 blocks in all for the first), but its
-    longer samples checked the refill, and it is priced at its estimate."""
-    rng = np.random.default_rng(3)
-    short = _blocks(rng, n_short, 0.02, 0.005)
-    long = [b.model_copy(update={"sample_us": 51200, "cycle": 100 + i, "event_id": f"long-{i}"})
-            for i, b in enumerate(_blocks(rng, 4, 0.12, 0.005))]
-    [c] = fold_messages(as_messages([batch(*short), batch(*long, seq=1), left("j1", "n1", n_short + 4, 103)], IPC)
-                        + as_messages([job_event("j1", JobState.ENDED, cores=4)], LIFE), POINT)
-    assert c.blocks_used == n_short + 4 and c.interval_method == PRIOR and c.interval_blocks == 4
-    [used] = [lv for lv in c.levels if lv.used]
-    assert used.sample_us == 51200 and c.degradation == c.degradation_point == used.degradation < 0.25
-
-
-def test_the_audit_prices_a_few_block_job_by_the_rule_its_charge_records(tmp_path):
-    """A schema-9 row priced at the prior audits clean; the same row with its flag flipped (a claim
-    that it was priced at its estimate) does not; a schema-8 row, which had no such rule, is audited
-    at its estimate."""
-    from dataclasses import replace
-
-    records = [batch(*_blocks(np.random.default_rng(5), 5, 0.05, 0.01)), left("j1", "n1", 5, 4),
-               job_event("j1", JobState.ENDED, cores=4)]
-    archive, _, _ = archive_records(tmp_path, records)
-    msgs = as_messages(records[:2], IPC) + as_messages(records[2:], LIFE)
-    [now] = fold_messages(msgs, POINT)
-    [then] = fold_messages(msgs, replace(POINT, few_blocks_at_prior=False))
-    v8 = as_version(then, 8)
-    assert now.degradation == 0.25 and policy_of(now) == POINT
-    rows = {"now": (now, encode(now)), "flipped": (now.model_copy(update={"few_blocks_at_prior": False}), None),
-            "v8": (decode_model(Charge, v8), v8)}
-    for name, (row, raw) in rows.items():
-        path = tmp_path / f"{name}.duckdb"
-        with Ledger(path) as ledger:
-            ledger.append([(row, raw or encode(row), 0, 0)])
-        for fast in (True, False):
-            assert audit(archive, path, POINT, fast=fast).ok is (name != "flipped"), (name, fast)
-
-
 def test_a_job_that_shared_without_any_block_gets_the_prior_over_its_shared_time_only():
     end = job_event("j1", JobState.ENDED, cores=4, run_s=3600)
     [shared] = fold_messages(as_messages([left("j1", "n1", 0, -1, alone_us=2_700_000_000)], IPC)

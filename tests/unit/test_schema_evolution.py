@@ -51,8 +51,8 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
     return json.dumps(d).encode()
 
 
-def test_this_build_writes_version_9_and_reads_1_to_9():
-    assert SCHEMA_VERSION == 9
+def test_this_build_writes_version_8_and_reads_1_to_8():
+    assert SCHEMA_VERSION == 8
     assert ADDED_IN[PowerDecision] == {"node_caps": 6, "resumes": 6}
     assert ADDED_IN[NodeInventory] == {"usable": 5, "processors_only": 6}
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
@@ -60,8 +60,7 @@ def test_this_build_writes_version_9_and_reads_1_to_9():
                                 "degradation_low": 6, "degradation_high": 6, "interval_method": 6,
                                 "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6,
                                 "levels": 6, "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8,
-                                "adjustment_credit": 8, "partition": 8, "billing_units": 8, "billing_weights": 8,
-                                "few_blocks_at_prior": 9}
+                                "adjustment_credit": 8, "partition": 8, "billing_units": 8, "billing_weights": 8}
     assert ADDED_IN[JobEvent] == {"partition": 8, "tres": 8}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
@@ -114,8 +113,7 @@ def test_a_version_1_ledger_still_audits(tmp_path: Path):
     They read as POPPA's Alg. 4 (the only estimator then), and the audit recomputes them so."""
     archive, _, _ = archive_records(tmp_path, RUN)
     [made_then] = fold_messages(messages(1), PricingPolicy(rate_per_core_hour=POLICY.rate_per_core_hour,
-                                                           estimator="poppa_alg4", price_at_bound=False,
-                                                           few_blocks_at_prior=False))  # as version 1 priced
+                                                           estimator="poppa_alg4", price_at_bound=False))
     v1 = as_version(made_then, 1, drop=("degradation_corrected", "estimator"))
     row = decode_model(Charge, v1)
     assert (row.schema_version, row.estimator, row.degradation_corrected) == (1, "poppa_alg4", None)
