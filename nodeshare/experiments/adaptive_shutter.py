@@ -53,11 +53,7 @@ def every_block_levels(groups: Sequence[tuple[int, np.ndarray]]) -> dict[int, Le
     """Per-S moments of the refill-corrected estimate over every block (no Alg. 4 filter)."""
     out: dict[int, LevelStats] = {}
     for s, m in groups:
-        st = out.setdefault(int(s), LevelStats())
-        x, y = m[:, 1] + m[:, 2] - m[:, 0], m[:, 0]
-        st.n += len(m)
-        st.sx, st.sy = st.sx + float(x.sum()), st.sy + float(y.sum())
-        st.sxx, st.syy, st.sxy = st.sxx + float(x @ x), st.syy + float(y @ y), st.sxy + float(x @ y)
+        out.setdefault(int(s), LevelStats()).add_xy(m[:, 1] + m[:, 2] - m[:, 0], m[:, 0])
     return out
 
 

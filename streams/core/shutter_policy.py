@@ -89,9 +89,12 @@ class LevelStats:
         import numpy as np
 
         keep = (np.abs(before - after) < delta) & (before < during) & (after < during)
-        x, y = (during + after - before)[keep], before[keep]
         self.rejected += int((~keep).sum())
-        self.n += int(keep.sum())
+        self.add_xy((during + after - before)[keep], before[keep])
+
+    def add_xy(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Blocks already chosen, as their refill-corrected solo IPCs ``x`` and co-located IPCs ``y``."""
+        self.n += len(x)
         self.sx += float(x.sum())
         self.sy += float(y.sum())
         self.sxx += float(x @ x)
