@@ -151,10 +151,11 @@ def event_from_hook(h: HookEvent, hostnames: Hostnames, *, terminal_from_epilog:
         raise HookFileError(f"job {job_id}: {exc}") from None
     nodes = hostnames(e.get("SLURM_JOB_NODELIST", ""))
 
-    def event(state: JobState, **times: datetime | None) -> JobEvent:
+    def event(state: JobState, start: datetime | None = None, end: datetime | None = None) -> JobEvent:
         return _event(e.get("SLURM_CLUSTER_NAME"), job_id, state, h.at, user=e.get("SLURM_JOB_USER"),
                       account=e.get("SLURM_JOB_ACCOUNT"), program=e.get("SLURM_JOB_NAME"), cores=str(cores),
-                      nodes=nodes, partition=e.get("SLURM_JOB_PARTITION"), tres=allocated(job_id), **times)
+                      nodes=nodes, partition=e.get("SLURM_JOB_PARTITION"), tres=allocated(job_id), start=start,
+                      end=end)
 
     if h.hook == "prolog_ctld":
         return event(JobState.STARTED, start=h.at)
@@ -170,7 +171,8 @@ def event_from_hook(h: HookEvent, hostnames: Hostnames, *, terminal_from_epilog:
 def _event(cluster: str | None, job_id: str, state: JobState, at: datetime, *, user: str | None,
            account: str | None, program: str | None, cores: str | None, nodes: tuple[str, ...],
            submit: datetime | None = None, start: datetime | None = None, end: datetime | None = None,
-           partition: str | None = None, tres: dict[str, float] | None = None) -> JobEvent:
+           partition: str | None = None, tres: dict[str, float] | None = None,
+           nodes_requested: int | None = None) -> JobEvent:
     cluster = _name(cluster, "slurm")
     if not cores or not cores.isdigit() or int(cores) < 1:
         raise HookFileError(f"job {job_id}: no CPU count ({cores!r})")
@@ -178,7 +180,7 @@ def _event(cluster: str | None, job_id: str, state: JobState, at: datetime, *, u
         event_id=f"slurm/{cluster}/{job_id}/{state.value}", source=f"slurm/{cluster}", event_time=at,
         job_id=job_id, state=state, user=_name(user, "unknown"), account=_name(account, "default"),
         program=_name(program, "unknown"), cores=int(cores), nodes=nodes, submit_time=submit, start_time=start,
-        end_time=end, partition=partition or None, tres=tres or {},
+        end_time=end, partition=partition or None, tres=tres or {}, nodes_requested=nodes_requested,
     )
 
 
@@ -266,10 +268,12 @@ class SlurmCommands:
         return dict(line.split("|", 1) for line in text.splitlines() if line.count("|") == 1)
 
     def queue(self) -> list[dict[str, str]]:
-        """Every job the controller still knows, with submit details."""
-        keys = ("job_id", "user", "account", "program", "cores", "submit", "state")
-        text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%j|%C|%V|%T")
-        return [dict(zip(keys, line.split("|", 6), strict=True)) for line in text.splitlines() if line.count("|") == 6]
+        """Every job the controller still knows, with submit details (``nodes``: squeue's %D, the
+        nodes a pending job asks for at least, those a running one holds). The job name is last:
+        it may hold a ``|``."""
+        keys = ("job_id", "user", "account", "cores", "nodes", "submit", "state", "program")
+        text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%C|%D|%V|%T|%j")
+        return [dict(zip(keys, line.split("|", 7), strict=True)) for line in text.splitlines() if line.count("|") >= 7]
 
 
 def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
@@ -281,8 +285,10 @@ def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
 
 def submitted_event(row: Mapping[str, str], cluster: str) -> JobEvent:
     submit = datetime.fromisoformat(row["submit"]).astimezone(UTC)  # squeue prints local time
+    asked = row.get("nodes", "")
     return _event(cluster, row["job_id"], JobState.SUBMITTED, submit, user=row["user"], account=row["account"],
-                  program=row["program"], cores=row["cores"], nodes=(), submit=submit)
+                  program=row["program"], cores=row["cores"], nodes=(), submit=submit,
+                  nodes_requested=int(asked) if asked.isdigit() and int(asked) > 0 else None)
 
 
 #: The started map's file in the events directory: a dot name, which the source's scan skips and no

@@ -63,7 +63,10 @@ from pydantic import (
 #:   ``decisions.placement.nodes`` carries each node's cache shares (``NodePlacementState``). A
 #:   ``JobEvent`` may carry the job's partition and allocated TRES, and a ``Charge`` what its
 #:   standard price multiplied (``billing_units``: Slurm's billing count or a partition's weights).
-SCHEMA_VERSION = 8
+#: * 9: a ``JobEvent`` may carry the number of nodes the job asked for (``nodes_requested``, Slurm's
+#:   ``-N``): the placement manager spreads it over no fewer (before, a two-node job of two tasks
+#:   was packed onto one node, against its request).
+SCHEMA_VERSION = 9
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -406,6 +409,9 @@ class JobEvent(Record):
     #: partition's TRESBillingWeights): what a TRES-aware standard price bills (version 8).
     partition: Name | None = None
     tres: dict[TresName, Annotated[float, Field(ge=0.0)]] = {}
+    #: The fewest nodes the job asked to run on (Slurm's ``-N``; version 9): a placement spreads it
+    #: over at least this many. None: the source does not say (any number that holds its cores).
+    nodes_requested: PosInt | None = None
     submit_time: AwareDatetime | None = None
     start_time: AwareDatetime | None = None
     end_time: AwareDatetime | None = None
@@ -429,14 +435,17 @@ class JobEvent(Record):
             raise ValueError("end_time: precedes start_time")
         if len(set(self.nodes)) != len(self.nodes):
             raise ValueError("nodes: a node is listed twice")
+        if self.nodes_requested is not None and self.nodes_requested > self.cores:
+            raise ValueError(f"nodes_requested: {self.nodes_requested} nodes for {self.cores} cores "
+                             "(each node holds at least one of the job's cores)")
         return self
 
     @model_serializer(mode="wrap")
     def _without_unset_allocation(self, handler: SerializerFunctionWrapHandler) -> Any:
-        """Written without ``partition`` and ``tres`` when they say nothing (version 8's fields): an
-        event of a source that knows no allocation reads as before, and so do the worker's saved
-        states that hold it (a worker rolled back across version 8 reads them)."""
-        return without_unset(handler(self), {"partition": None, "tres": {}})
+        """Written without ``partition``, ``tres`` (version 8) and ``nodes_requested`` (version 9)
+        when they say nothing: an event of a source that knows neither reads as before, and so do
+        the worker's saved states that hold it (a worker rolled back across version 8 reads them)."""
+        return without_unset(handler(self), {"partition": None, "tres": {}, "nodes_requested": None})
 
     @property
     def ran(self) -> bool:
@@ -985,7 +994,7 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
              "priced_at": 6, "prior_degradation_high": 6, "levels": 6,
              "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8, "adjustment_credit": 8,
              "partition": 8, "billing_units": 8, "billing_weights": 8},
-    JobEvent: {"partition": 8, "tres": 8},
+    JobEvent: {"partition": 8, "tres": 8, "nodes_requested": 9},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

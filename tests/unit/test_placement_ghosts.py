@@ -16,7 +16,7 @@ from unit.test_profiles_placement import ev, inventory
 from nodeshare.producers.slurm import SlurmSource
 from nodeshare.schemas import JobState, encode
 from nodeshare.schemas.catalog import TOPIC_OF_RECORD
-from nodeshare.schemas.events import PlacementAction, PlacementDecision, Record
+from nodeshare.schemas.events import JobEvent, PlacementAction, PlacementDecision, Record
 from nodeshare.streams.core.placement.stream import PlacementManager
 
 
@@ -115,3 +115,43 @@ def test_an_aged_job_still_pairs_with_a_younger_one() -> None:
     out = decisions(m, ev("R", JobState.ENDED, "PR", ("n1",), end_s=4000))
     assert sorted((d.job_id, d.action, d.paired_with) for d in out if d.nodes) == [
         ("A", PlacementAction.PAIR, "B"), ("B", PlacementAction.PAIR, "A")]
+
+
+def test_a_job_that_asked_for_two_nodes_is_placed_on_two_and_never_paired() -> None:
+    """A job of 2 cores submitted with ``-N 2`` (``nodes_requested``, schema 9) fits one 16-core node
+    but asked for two: it is placed on two, and not offered to Seed 003's pairing, which starts both
+    jobs of a pair on one node. (Before, it was packed onto one node, and the Slurm adapter's
+    NumNodes=1 overrode the user's request: the multi-node Slurm test caught it.)"""
+    m = PlacementManager(pairing="greedy")
+    m.pairs.model = object()  # type: ignore[assignment]  # every pair predicted harmless
+    m.pairs.matrix = lambda book, progs: np.zeros((len(progs), len(progs)))  # type: ignore[method-assign]
+    m.pairs.predict = lambda book, prog, others: [0.0 for _ in others]  # type: ignore[method-assign]
+    decisions(m, inventory("n1"), inventory("n2"), ev("R", JobState.STARTED, "PR", ("n1", "n2"), cores=32))
+    wide = ev("W", JobState.SUBMITTED, "PW", (), cores=2).model_copy(update={"nodes_requested": 2})
+    decisions(m, wide, ev("B", JobState.SUBMITTED, "PB", (), cores=2), ev("C", JobState.SUBMITTED, "PC", (), cores=2))
+    out = decisions(m, ev("R", JobState.ENDED, "PR", ("n1", "n2"), cores=32, end_s=100))
+    placed = {d.job_id: d for d in out if d.nodes}
+    assert placed["W"].action is PlacementAction.PLACE and sorted(placed["W"].nodes) == ["n1", "n2"]
+    assert placed["W"].cores_per_node == 1
+    assert {placed["B"].action, placed["C"].action} == {PlacementAction.PAIR}  # the others still pair
+
+
+def test_the_slurm_source_says_how_many_nodes_a_pending_job_asked_for(tmp_path: Path) -> None:
+    """squeue's %D (the fewest nodes a pending job asked for) becomes ``nodes_requested``; the job
+    name is read last, so a name with a ``|`` does not lose the job."""
+    from nodeshare.producers.slurm import SlurmCommands
+
+    class Squeue(SlurmCommands):
+        def _run(self, *args: str) -> str:
+            assert args[:2] == ("squeue", "-h") and args[-1] == "%i|%u|%a|%C|%D|%V|%T|%j", args
+            return ("7|u|a|2|2|2026-03-01T00:00:00|PENDING|wide|job\n"
+                    "8|u|a|4|1|2026-03-01T00:00:00|PENDING|narrow\n")
+
+        def hostnames(self, expr: str) -> tuple[str, ...]:
+            return (expr,)
+
+    events, _ = SlurmSource(tmp_path, Squeue({})).step()
+    assert [(e.job_id, e.program, e.cores, e.nodes_requested) for e in events] == [
+        ("7", "wide|job", 2, 2), ("8", "narrow", 4, 1)]
+    with pytest.raises(ValueError, match="nodes_requested: 3 nodes for 2 cores"):
+        JobEvent.model_validate({**events[0].model_dump(), "nodes_requested": 3})

@@ -16,12 +16,14 @@ from nodeshare.schemas.events import ProgramClass
 from nodeshare.streams.core.placement.sns import (
     CE,
     CS,
+    LEARNED,
     SNS,
     LlcDemand,
     NodeCapacity,
     NodeLoad,
     PendingJob,
     Placement,
+    Policy,
     Scheduler,
     choose_nodes,
     classify,
@@ -71,8 +73,28 @@ def test_spread_by_hand() -> None:
     assert spread(20, 16, 1) == (2, 10)  # n = 1 * ceil(20/16) = 2, c = ceil(20/2) = 10
     assert spread(20, 16, 4) == (8, 3)  # n = 8, c = ceil(20/8) = 3
     assert spread(16, 16, 8) == (8, 2)
+    # a job that asked for more nodes than its processes need: its request is its compact placement
+    assert spread(2, 16, 1, min_nodes=2) == (2, 1)  # n = 1 * max(ceil(2/16), 2) = 2, c = ceil(2/2) = 1
+    assert spread(20, 16, 1, min_nodes=3) == (3, 7)  # n = max(2, 3) = 3, c = ceil(20/3) = 7
+    assert spread(20, 16, 2, min_nodes=3) == (6, 4)  # n = 2 * 3, c = ceil(20/6) = 4
+    assert spread(20, 16, 1, min_nodes=2) == spread(20, 16, 1)  # asked for what it needs anyway
     with pytest.raises(ValueError, match="positive"):
         spread(0, 16, 1)
+    with pytest.raises(ValueError, match="positive"):
+        spread(2, 16, 1, min_nodes=0)
+
+
+@pytest.mark.parametrize("policy", [CE, CS, SNS, LEARNED], ids=lambda p: p.name)
+def test_a_job_is_never_placed_on_fewer_nodes_than_it_asked_for(policy: Policy) -> None:
+    """A two-task job submitted with ``-N 2`` fits one 16-core node, but asked for two: every policy
+    spreads it over two (before, each packed it onto one and the Slurm adapter overrode the request)."""
+    s = Scheduler({f"n{i}": NODE for i in range(3)}, policy)
+    s.submit(PendingJob("wide", 2, 0.9, 0.0, Fixed({1: 100.0}), "P", min_nodes=2))
+    s.submit(job("narrow", 2))
+    placed = {d.job.job_id: d.placement for d in s.schedule(0.0)}
+    assert placed["wide"] is not None and placed["narrow"] is not None
+    assert len(set(placed["wide"].nodes)) == 2 and placed["wide"].cores_per_node == 1
+    assert len(placed["narrow"].nodes) == 1
 
 
 def test_llc_demand_reads_the_curves_like_fig_10() -> None:

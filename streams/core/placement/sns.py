@@ -66,11 +66,13 @@ def sns_scales(runtime_by_scale: Mapping[int, float]) -> list[int]:
     return fastest_first(runtime_by_scale)
 
 
-def spread(procs: int, cores_per_node: int, scale: int) -> tuple[int, int]:
-    """Seed 001 Section 4.3: ``n = k * ceil(P / T)`` nodes and ``c = ceil(P / n)`` cores on each."""
-    if procs < 1 or cores_per_node < 1 or scale < 1:
-        raise ValueError("processes, cores per node and scale factor must be positive")
-    n = scale * math.ceil(procs / cores_per_node)
+def spread(procs: int, cores_per_node: int, scale: int, min_nodes: int = 1) -> tuple[int, int]:
+    """Seed 001 Section 4.3: ``n = k * ceil(P / T)`` nodes and ``c = ceil(P / n)`` cores on each.
+    A job that asked for more nodes than its processes need (``min_nodes``, Slurm's ``-N``) has
+    those as its compact placement: ``n = k * max(ceil(P / T), min_nodes)``."""
+    if procs < 1 or cores_per_node < 1 or scale < 1 or min_nodes < 1:
+        raise ValueError("processes, cores per node, scale factor and nodes asked for must be positive")
+    n = scale * max(math.ceil(procs / cores_per_node), min_nodes)
     return n, math.ceil(procs / n)
 
 
@@ -205,6 +207,7 @@ class PendingJob:
     submitted: float  # event time, seconds
     profile: JobProfile
     program: str | None = None  # the program's name, for what was measured of it (the learned policy)
+    min_nodes: int = 1  # the fewest nodes it asked for (JobEvent.nodes_requested); a snapshot's older job: 1
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,7 @@ class Scheduler:
         base = runtimes.get(1)
         refused = None
         for k in self.policy.scales(runtimes):
-            n, c = spread(job.procs, self.smallest.cores, k)
+            n, c = spread(job.procs, self.smallest.cores, k, job.min_nodes)
             if n > len(self.loads):
                 continue
             llc = None
@@ -317,7 +320,7 @@ class Scheduler:
         refused = None
         for k in SCALE_FACTORS:  # CS's order, the smallest scale that fits now (see placement.learned)
             ratio = runtimes[k] / base if base and k in runtimes else 1.0
-            n, c = spread(job.procs, self.smallest.cores, k)
+            n, c = spread(job.procs, self.smallest.cores, k, job.min_nodes)
             if n > len(self.loads):
                 continue
             cand = []

@@ -282,7 +282,7 @@ class PlacementManager:
         assert self.scheduler is not None
         submitted = (ev.submit_time or ev.event_time).timestamp()
         self.scheduler.submit(PendingJob(ev.job_id, ev.cores, ev.alpha, submitted, BookProfile(self.book, ev.program),
-                                         ev.program))
+                                         ev.program, ev.nodes_requested or 1))
 
     def _program(self, job_id: str) -> str:
         notes = self.book.jobs.get(job_id)
@@ -343,18 +343,18 @@ class PlacementManager:
         return [self._decision(d, trigger) for d in decisions]
 
     def _pair(self, now: float) -> list[Decision]:
-        """Seed 003 on the waiting queue: the oldest PAIR_WINDOW jobs that fit half a node, paired
-        on the predicted degradation graph; each pair the model deems worth it (``pair_queue``)
-        starts on one node when one holds both and the veto accepts both. Aged jobs block younger
-        ones here as in Spread-n-Share: one that does not fit half a node stops the window, pairs
-        with an aged job start first, and while an aged job of the window waits unpaired no pair of
-        younger jobs starts (Spread-n-Share then places it or stops at it)."""
+        """Seed 003 on the waiting queue: the oldest PAIR_WINDOW jobs that fit half a node (and did not
+        ask for more than one), paired on the predicted degradation graph; each pair the model deems
+        worth it (``pair_queue``) starts on one node when one holds both and the veto accepts both.
+        Aged jobs block younger ones here as in Spread-n-Share: one that does not fit half a node
+        stops the window, pairs with an aged job start first, and while an aged job of the window
+        waits unpaired no pair of younger jobs starts (Spread-n-Share then places it or stops at it)."""
         s = self.scheduler
         if self.pairing == "off" or self.pairs.model is None or s is None or not s.policy.share_nodes:
             return []
         window: list[PendingJob] = []
         for job in s.queue.values():
-            if 2 * job.procs <= s.smallest.cores:
+            if 2 * job.procs <= s.smallest.cores and job.min_nodes == 1:  # a pair shares one node
                 window.append(job)
                 if len(window) == PAIR_WINDOW:
                     break
