@@ -89,9 +89,13 @@ class NetnsCluster:
         _ip("link", "del", self.bridge, check=False)
 
     def command(self, node: str, argv: list[str]) -> list[str]:
-        """``argv`` as run on ``node``: in its namespace, with its host name (a UTS namespace of its own)."""
+        """``argv`` as run on ``node``: in its network namespace, with its host name (a UTS namespace
+        of its own), on the host's file systems. ``nsenter``, not ``ip netns exec``: the latter mounts
+        a sysfs of its own, which hides ``/sys/fs/cgroup`` (slurmd will not start without it, and an
+        agent could not find its jobs' cgroups) and ``/sys/class/powercap``."""
         script = f'hostname {shlex.quote(node)} && exec "$@"'
-        return ["ip", "netns", "exec", self.namespace(node), "unshare", "--uts", "sh", "-c", script, "sh", *argv]
+        return ["nsenter", f"--net=/run/netns/{self.namespace(node)}", "unshare", "--uts", "sh", "-c", script, "sh",
+                *argv]
 
     def cut(self, node: str) -> None:
         """Take the node's link down: nothing goes in or out of it (a cable pulled, a switch port dead)."""

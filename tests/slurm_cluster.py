@@ -1,5 +1,7 @@
-"""A real single-node Slurm (Debian's 22.05) in a temporary directory, as docs/slurm.md
-describes: munged, slurmctld and slurmd started by hand, stopped by PID."""
+"""A real Slurm (Debian's 22.05) in a temporary directory, as docs/slurm.md describes: munged,
+slurmctld and slurmd started by hand, stopped by PID. One node (this machine) by default; over a
+``NetnsCluster``, a slurmd in each node's namespace under its own name and address, and the
+controller on the host's bridge address."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from nodeshare.deploy.netns import NetnsCluster
 
 # This machine has 2 cores for everything. When the application counter's time was wall-clock
 # time, a job descheduled for a window read as slowed by its co-runner: fresh-clone CI saw
@@ -35,12 +39,19 @@ def missing() -> str | None:
         if absent else None
 
 
-def _conf(t: Path, host: str, hooks: Path | None) -> str:
+def _conf(t: Path, host: str, hooks: Path | None, cluster: NetnsCluster | None = None) -> str:
     hook_lines = "" if hooks is None else (
         f"JobCompType=jobcomp/script\nJobCompLoc={hooks}/jobcomp.sh\n"
         f"PrologSlurmctld={hooks}/prolog_ctld.sh\nEpilogSlurmctld={hooks}/epilog_ctld.sh\n")
+    if cluster is None:
+        ctld, names = host, host
+        node_lines = f"NodeName={host} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN"
+    else:  # each node its own name and address; each gets the machine's CPUs (they share them)
+        ctld, names = f"{host}({cluster.host_address})", ",".join(cluster.node_names())
+        node_lines = "\n".join(f"NodeName={n} NodeAddr={cluster.address(n)} NodeHostname={n} CPUs={os.cpu_count()} "
+                               "RealMemory=1000 State=UNKNOWN" for n in cluster.node_names())
     return f"""ClusterName=nodeshare-test
-SlurmctldHost={host}
+SlurmctldHost={ctld}
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=16817
@@ -53,7 +64,7 @@ SlurmdSpoolDir={t}/spool/slurmd-%n
 SlurmctldPidFile={t}/run/slurmctld.pid
 SlurmdPidFile={t}/run/slurmd-%n.pid
 SlurmctldLogFile={t}/log/slurmctld.log
-SlurmdLogFile={t}/log/slurmd.log
+SlurmdLogFile={t}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -64,8 +75,8 @@ ReturnToService=2
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 {hook_lines}MinJobAge=300
-NodeName={host} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
+{node_lines}
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
 """
 
 
@@ -79,14 +90,14 @@ def _wait(predicate: object, timeout_s: float, what: str) -> None:
 
 @contextmanager
 def local_slurm(hooks: Path | None = None, setup: Callable[[Path], None] | None = None,
-                accounting: bool = False) -> Iterator[dict[str, str]]:
+                accounting: bool = False, cluster: NetnsCluster | None = None) -> Iterator[dict[str, str]]:
     """Start munged, slurmctld and slurmd in a fresh directory; yields the environment for Slurm commands.
     The directory is short on purpose: munge's socket path must fit a sockaddr_un (108 bytes).
     ``setup`` gets the directory once ``etc/slurm.conf`` is written, before any daemon starts. With
     ``accounting``, a MariaDB server and slurmdbd too (sacct, sreport, sacctmgr)."""
     with tempfile.TemporaryDirectory(prefix="ns-slurm-") as tmp:
         Path(tmp).chmod(0o755)  # munged wants every directory above its socket searchable by all
-        with _running(Path(tmp), hooks, setup, accounting) as env:
+        with _running(Path(tmp), hooks, setup, accounting, cluster) as env:
             yield env
 
 
@@ -133,13 +144,13 @@ def _accounting(t: Path, env: dict[str, str], dbd_port: int, procs: list[subproc
 
 @contextmanager
 def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None = None,
-             accounting: bool = False) -> Iterator[dict[str, str]]:
+             accounting: bool = False, cluster: NetnsCluster | None = None) -> Iterator[dict[str, str]]:
     host = socket.gethostname().split(".")[0]
     for d in ("etc", "munge", "run", "state", "spool", "log"):
         (t / d).mkdir(parents=True, exist_ok=True)
     (t / "munge").chmod(0o700)
     (t / "run").chmod(0o755)  # munged refuses a socket directory of mode 700
-    conf = _conf(t, host, hooks)
+    conf = _conf(t, host, hooks, cluster)
     dbd_port = 0
     if accounting:
         from nodeshare.deploy.broker import free_port
@@ -167,13 +178,15 @@ def _running(t: Path, hooks: Path | None, setup: Callable[[Path], None] | None =
         procs.append(subprocess.Popen(["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
         _DAEMONS[env["SLURM_CONF"]] = procs
-        procs.append(subprocess.Popen(["slurmd", "-D"], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        slurmds = [["slurmd", "-D"]] if cluster is None else [
+            cluster.command(n, ["slurmd", "-D", "-N", n]) for n in cluster.node_names()]
+        for argv in slurmds:
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
         def idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
-            return out.stdout.strip() == "idle"
-        _wait(idle, 30, "an idle Slurm node")
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+            return out.returncode == 0 and set(out.stdout.split()) == {"idle"}
+        _wait(idle, 30, "idle Slurm nodes")
         yield env
     finally:
         _DAEMONS.pop(env["SLURM_CONF"], None)

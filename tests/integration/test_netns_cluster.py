@@ -6,15 +6,13 @@ node's link cut and joined again takes it off the broker and back."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import time
-import uuid
-import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from netns_nodes import netns_cluster, netns_missing, reaches, reaches_within
 
 from nodeshare.demo import running_pipeline
 from nodeshare.deploy.broker import BundledBroker
@@ -26,36 +24,12 @@ from nodeshare.sinks.ledger import Ledger
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def _netns_works() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        return False
-    probe = f"nsp{uuid.uuid4().hex[:6]}"
-    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ok
-
-
 @pytest.fixture
-def cluster() -> NetnsCluster:
-    if not _netns_works():
-        pytest.skip("needs root and network namespaces (ip netns)")
-    name = f"t{uuid.uuid4().hex[:6]}"
-    with NetnsCluster(nodes=3, name=name, net=100 + zlib.crc32(name.encode()) % 150) as c:
-        yield c  # type: ignore[misc]
-
-
-def reaches(cluster: NetnsCluster, node: str, host: str, port: int) -> bool:
-    probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=1).close()"
-    return subprocess.run(cluster.command(node, [sys.executable, "-c", probe]), capture_output=True,
-                          timeout=30).returncode == 0
-
-
-def reaches_within(cluster: NetnsCluster, node: str, host: str, port: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not reaches(cluster, node, host, port):
-        if time.monotonic() > deadline:
-            return False
-    return True
+def cluster() -> Iterator[NetnsCluster]:
+    if (why := netns_missing()) is not None:
+        pytest.skip(why)
+    with netns_cluster(3) as c:
+        yield c
 
 
 def test_three_nodes_each_with_its_agent_and_address_are_charged(cluster: NetnsCluster, tmp_path: Path) -> None:
