@@ -185,7 +185,10 @@ def demo(
 
 @app.command()
 def broker(port: Annotated[int | None, typer.Option(
-               help="port on 127.0.0.1 (default: a free one; with --data, the one it had last time)")] = None,
+               help="port (default: a free one; with --data, the one it had last time)")] = None,
+           host: Annotated[str, typer.Option(
+               help="address to listen on, and the one clients are given: 127.0.0.1, or e.g. the bridge address "
+                    "of namespace nodes (docs/deployment.md)")] = "127.0.0.1",
            data: Annotated[Path | None, typer.Option(
                help="keep topics, records and committed offsets in this directory across restarts (Tansu's S3 "
                     "engine on a local s3rver, installed with npm on first use); default: in memory, lost at exit")]
@@ -200,7 +203,7 @@ def broker(port: Annotated[int | None, typer.Option(
     try:
         if port is None and saved is not None and saved.exists():
             port, from_file = int(saved.read_text()), True  # the address clients were given last time
-        b = BundledBroker(port=port, data_dir=data).start()
+        b = BundledBroker(port=port, data_dir=data, host=host).start()
         if saved is not None:
             atomic_write_bytes(f"{b.port}\n".encode(), saved)
     except (BrokerError, OSError, ValueError) as exc:

@@ -65,3 +65,21 @@ def test_topics_create_is_idempotent(settings: Settings):
     assert set(first) == wanted and set(first.values()) == {"created"}
     second = create_topics(settings)
     assert set(second.values()) == {"exists"}
+
+
+def test_nodeshare_broker_listens_on_the_host_it_is_given_and_gives_clients_that_address() -> None:
+    """``nodeshare broker --host``: namespace nodes reach the broker on the host's bridge address,
+    not on loopback (docs/deployment.md). 127.0.0.2 is a loopback address no default listens on."""
+    from nodeshare.deploy.broker import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nodeshare", "broker", "--host", "127.0.0.2", "--port", str(port)],
+                            env={**os.environ, "NODESHARE_CONFIG": ""}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert f"127.0.0.2:{port}" in first and f"NODESHARE_BOOTSTRAP=127.0.0.2:{port}" in first, first
+        wait_for_metadata(f"127.0.0.2:{port}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
