@@ -172,7 +172,7 @@ def _event(cluster: str | None, job_id: str, state: JobState, at: datetime, *, u
            account: str | None, program: str | None, cores: str | None, nodes: tuple[str, ...],
            submit: datetime | None = None, start: datetime | None = None, end: datetime | None = None,
            partition: str | None = None, tres: dict[str, float] | None = None,
-           nodes_requested: int | None = None) -> JobEvent:
+           nodes_requested: int | None = None, nodes_max: int | None = None) -> JobEvent:
     cluster = _name(cluster, "slurm")
     if not cores or not cores.isdigit() or int(cores) < 1:
         raise HookFileError(f"job {job_id}: no CPU count ({cores!r})")
@@ -181,6 +181,7 @@ def _event(cluster: str | None, job_id: str, state: JobState, at: datetime, *, u
         job_id=job_id, state=state, user=_name(user, "unknown"), account=_name(account, "default"),
         program=_name(program, "unknown"), cores=int(cores), nodes=nodes, submit_time=submit, start_time=start,
         end_time=end, partition=partition or None, tres=tres or {}, nodes_requested=nodes_requested,
+        nodes_max=nodes_max,
     )
 
 
@@ -268,12 +269,26 @@ class SlurmCommands:
         return dict(line.split("|", 1) for line in text.splitlines() if line.count("|") == 1)
 
     def queue(self) -> list[dict[str, str]]:
-        """Every job the controller still knows, with submit details (``nodes``: squeue's %D, the
-        nodes a pending job asks for at least, those a running one holds). The job name is last:
-        it may hold a ``|``."""
-        keys = ("job_id", "user", "account", "cores", "nodes", "submit", "state", "program")
-        text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%C|%D|%V|%T|%j")
-        return [dict(zip(keys, line.split("|", 7), strict=True)) for line in text.splitlines() if line.count("|") >= 7]
+        """Every job the controller still knows, with submit details. The job name is last: it may
+        hold a ``|``."""
+        keys = ("job_id", "user", "account", "cores", "submit", "state", "program")
+        text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%C|%V|%T|%j")
+        return [dict(zip(keys, line.split("|", 6), strict=True)) for line in text.splitlines() if line.count("|") >= 6]
+
+    def node_range(self, job_id: str) -> tuple[int, int] | None:
+        """The node count a pending job asked for, ``(min, max)``, when it asked for one (``-N``:
+        ``scontrol show job`` prints ``NumNodes=2-2`` for ``-N 2``, ``1-2`` for ``-N 1-3`` of two
+        tasks, and a bare ``NumNodes=1`` for a job that gave none: measured on Slurm 22.05; squeue's
+        %D and MaxNodes read the same for ``-N 1`` and for no ``-N``). None: it gave none, or the
+        controller no longer knows it. Raises ControllerAway when the controller does not answer."""
+        try:
+            line = self._run("scontrol", "show", "job", "-o", job_id)
+        except RuntimeError as exc:
+            if "Invalid job id" in str(exc):
+                return None
+            raise ControllerAway(f"job {job_id}: no node count from the controller: {exc}") from None
+        m = re.search(r"(?:^|\s)NumNodes=(\d+)-(\d+)(?:\s|$)", line)
+        return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
@@ -283,12 +298,21 @@ def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
     return ("sacctmgr", "-i", "modify", "job", "where", f"JobID={job_id}", "set", f"AdminComment={comment}")
 
 
-def submitted_event(row: Mapping[str, str], cluster: str) -> JobEvent:
+def submitted_event(row: Mapping[str, str], cluster: str, node_range: tuple[int, int] | None = None) -> JobEvent:
+    """A squeue row's submission; ``node_range``: the (min, max) node count it asked for, if any (a
+    range Slurm would not run, more nodes than CPUs, is left out, logged: the job is still placed)."""
     submit = datetime.fromisoformat(row["submit"]).astimezone(UTC)  # squeue prints local time
-    asked = row.get("nodes", "")
+    low = high = None
+    if node_range is not None:
+        cores = int(row["cores"]) if row["cores"].isdigit() else 0
+        if 1 <= node_range[0] <= node_range[1] and node_range[0] <= cores:
+            low, high = node_range[0], max(1, min(node_range[1], cores))
+        else:
+            log.warning("job %s: node count %s-%s for %s CPUs left out of its submission", row["job_id"],
+                        *node_range, row["cores"], extra=fields(job_id=row["job_id"]))
     return _event(cluster, row["job_id"], JobState.SUBMITTED, submit, user=row["user"], account=row["account"],
                   program=row["program"], cores=row["cores"], nodes=(), submit=submit,
-                  nodes_requested=int(asked) if asked.isdigit() and int(asked) > 0 else None)
+                  nodes_requested=low, nodes_max=high)
 
 
 #: The started map's file in the events directory: a dot name, which the source's scan skips and no
@@ -335,11 +359,17 @@ class SlurmSource:
         if poll_queue:
             for row in self.commands.queue():
                 if row["job_id"] not in self.seen_submitted:
-                    self.seen_submitted.add(row["job_id"])
                     if row.get("state") in _OVER:
+                        self.seen_submitted.add(row["job_id"])
                         continue  # ended already (a restarted source sees it again): its submission is history
+                    try:  # only a waiting job's request matters to placement
+                        asked = self.commands.node_range(row["job_id"]) if row.get("state") == "PENDING" else None
+                    except ControllerAway as exc:  # asked again at the next poll, not published without it
+                        log.warning("%s", exc, extra=fields(job_id=str(row["job_id"])))
+                        break
+                    self.seen_submitted.add(row["job_id"])
                     try:
-                        events.append(submitted_event(row, self.cluster))
+                        events.append(submitted_event(row, self.cluster, asked))
                     except (HookFileError, ValueError) as exc:
                         log.error("job %s: submission not published: %s", row["job_id"], exc,
                                   extra=fields(job_id=str(row["job_id"])))

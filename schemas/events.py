@@ -63,9 +63,9 @@ from pydantic import (
 #:   ``decisions.placement.nodes`` carries each node's cache shares (``NodePlacementState``). A
 #:   ``JobEvent`` may carry the job's partition and allocated TRES, and a ``Charge`` what its
 #:   standard price multiplied (``billing_units``: Slurm's billing count or a partition's weights).
-#: * 9: a ``JobEvent`` may carry the number of nodes the job asked for (``nodes_requested``, Slurm's
-#:   ``-N``): the placement manager spreads it over no fewer (before, a two-node job of two tasks
-#:   was packed onto one node, against its request).
+#: * 9: a ``JobEvent`` may carry the node count the job asked for (``nodes_requested`` and
+#:   ``nodes_max``, Slurm's ``-N min[-max]``): the placement manager places it on a count in that
+#:   range (before, a two-node job of two tasks was packed onto one node, against its request).
 SCHEMA_VERSION = 9
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
@@ -107,6 +107,17 @@ class Record(BaseModel):
     schema_version: int = SCHEMA_VERSION
     source: Name
     event_time: AwareDatetime
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        """A record pickled by an older build (a decision maker's snapshot holds some) lacks the
+        fields added since: each reads as its default, as it would from JSON, instead of raising
+        AttributeError at its first use."""
+        values = state.get("__dict__")
+        if isinstance(values, dict):
+            state = {**state, "__dict__": {**{name: f.get_default(call_default_factory=True)
+                                              for name, f in type(self).model_fields.items()
+                                              if name not in values and not f.is_required()}, **values}}
+        super().__setstate__(state)
 
     @field_validator("schema_version")
     @classmethod
@@ -409,9 +420,11 @@ class JobEvent(Record):
     #: partition's TRESBillingWeights): what a TRES-aware standard price bills (version 8).
     partition: Name | None = None
     tres: dict[TresName, Annotated[float, Field(ge=0.0)]] = {}
-    #: The fewest nodes the job asked to run on (Slurm's ``-N``; version 9): a placement spreads it
-    #: over at least this many. None: the source does not say (any number that holds its cores).
+    #: The node count the job asked for (Slurm's ``-N min[-max]``; version 9): a placement uses at
+    #: least ``nodes_requested`` and at most ``nodes_max`` nodes. None: the job did not say (any
+    #: count that holds its cores; Slurm's ``-N 2`` is both 2).
     nodes_requested: PosInt | None = None
+    nodes_max: PosInt | None = None
     submit_time: AwareDatetime | None = None
     start_time: AwareDatetime | None = None
     end_time: AwareDatetime | None = None
@@ -438,14 +451,18 @@ class JobEvent(Record):
         if self.nodes_requested is not None and self.nodes_requested > self.cores:
             raise ValueError(f"nodes_requested: {self.nodes_requested} nodes for {self.cores} cores "
                              "(each node holds at least one of the job's cores)")
+        if self.nodes_max is not None and self.nodes_max < (self.nodes_requested or 1):
+            raise ValueError(f"nodes_max: {self.nodes_max} is below nodes_requested ({self.nodes_requested})")
         return self
 
     @model_serializer(mode="wrap")
     def _without_unset_allocation(self, handler: SerializerFunctionWrapHandler) -> Any:
-        """Written without ``partition``, ``tres`` (version 8) and ``nodes_requested`` (version 9)
-        when they say nothing: an event of a source that knows neither reads as before, and so do
-        the worker's saved states that hold it (a worker rolled back across version 8 reads them)."""
-        return without_unset(handler(self), {"partition": None, "tres": {}, "nodes_requested": None})
+        """Written without ``partition``, ``tres`` (version 8), ``nodes_requested`` and ``nodes_max``
+        (version 9) when they say nothing: an event of a source that knows none of them reads as
+        before, and so do the worker's saved states that hold it (a worker rolled back across
+        version 8 reads them)."""
+        return without_unset(handler(self), {"partition": None, "tres": {}, "nodes_requested": None,
+                                             "nodes_max": None})
 
     @property
     def ran(self) -> bool:
@@ -994,7 +1011,7 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
              "priced_at": 6, "prior_degradation_high": 6, "levels": 6,
              "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8, "adjustment_credit": 8,
              "partition": 8, "billing_units": 8, "billing_weights": 8},
-    JobEvent: {"partition": 8, "tres": 8, "nodes_requested": 9},
+    JobEvent: {"partition": 8, "tres": 8, "nodes_requested": 9, "nodes_max": 9},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},
     DeadLetter: {"rows": 3},

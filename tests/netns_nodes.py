@@ -33,7 +33,8 @@ def netns_missing() -> str | None:
 def netns_cluster(nodes: int = 3) -> Iterator[NetnsCluster]:
     """A cluster with interface names and a subnet of its own (tests may run beside each other)."""
     name = f"t{uuid.uuid4().hex[:6]}"
-    with NetnsCluster(nodes=nodes, name=name, net=100 + zlib.crc32(name.encode()) % 150) as c:
+    # 10.100-238.0.0/24: never 239, the default of ``python -m nodeshare.deploy.netns up``
+    with NetnsCluster(nodes=nodes, name=name, net=100 + zlib.crc32(name.encode()) % 139) as c:
         yield c
 
 
@@ -48,6 +49,7 @@ def reaches_within(cluster: NetnsCluster, node: str, host: str, port: int, secon
     while not reaches(cluster, node, host, port):
         if time.monotonic() > deadline:
             return False
+        time.sleep(0.2)
     return True
 
 
@@ -64,10 +66,17 @@ def processes_on(cluster: NetnsCluster, node: str) -> list[int]:
 
 
 def crash(cluster: NetnsCluster, node: str) -> list[int]:
-    """The node dies: every process on it SIGKILLed at once, its link down for good. Returns the PIDs."""
+    """The node dies: its link down for good and every process on it SIGKILLed, again until none is
+    left (one forked between a scan and the kills, an agent's ``scontrol`` say, is found by the
+    next scan). Returns the PIDs killed."""
     cluster.cut(node)
-    pids = processes_on(cluster, node)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
+    killed: list[int] = []
+    deadline = time.monotonic() + 10
+    while pids := processes_on(cluster, node):
+        assert time.monotonic() < deadline, f"processes on {node} outlive SIGKILL: {pids}"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed += [p for p in pids if p not in killed]
+        time.sleep(0.05)
+    return killed

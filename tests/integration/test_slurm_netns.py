@@ -179,7 +179,9 @@ def test_a_node_that_dies_under_a_two_node_job_leaves_its_jobs_charged_as_node_l
         ids = [wide, *beside]
         with lifecycle_source(settings, tmp_path / "events", env) as published:
             until(lambda: set(states(env, ids).values()) == {"RUNNING"}, 60, lambda: states(env, ids))
-            time.sleep(5 * BATCH_AGE_S)  # blocks sent from both nodes (a two-node job's srun task starts later)
+            # blocks sent from both nodes: a two-node job's srun task is shuttered seconds after its
+            # batch script runs (1-11 blocks of it on the node to die after 20 s in four runs)
+            time.sleep(8 * BATCH_AGE_S)
             killed = crash(cluster, third)
             assert killed and running[third].wait(10) is not None  # its agent went with it
             down_at = time.monotonic()

@@ -60,6 +60,9 @@ def test_the_slurm_source_publishes_no_submission_for_a_job_squeue_shows_finishe
         def job_tres(self, job_id: str) -> dict[str, float]:
             return {}
 
+        def node_range(self, job_id: str) -> tuple[int, int] | None:
+            return None
+
         def queue(self) -> list[dict[str, str]]:
             return [dict(job_id=j, user="u", account="a", program="P", cores="4",
                          submit="2026-03-01T00:00:00+00:00", state=state)
@@ -127,7 +130,7 @@ def test_a_job_that_asked_for_two_nodes_is_placed_on_two_and_never_paired() -> N
     m.pairs.matrix = lambda book, progs: np.zeros((len(progs), len(progs)))  # type: ignore[method-assign]
     m.pairs.predict = lambda book, prog, others: [0.0 for _ in others]  # type: ignore[method-assign]
     decisions(m, inventory("n1"), inventory("n2"), ev("R", JobState.STARTED, "PR", ("n1", "n2"), cores=32))
-    wide = ev("W", JobState.SUBMITTED, "PW", (), cores=2).model_copy(update={"nodes_requested": 2})
+    wide = ev("W", JobState.SUBMITTED, "PW", (), cores=2).model_copy(update={"nodes_requested": 2, "nodes_max": 2})
     decisions(m, wide, ev("B", JobState.SUBMITTED, "PB", (), cores=2), ev("C", JobState.SUBMITTED, "PC", (), cores=2))
     out = decisions(m, ev("R", JobState.ENDED, "PR", ("n1", "n2"), cores=32, end_s=100))
     placed = {d.job_id: d for d in out if d.nodes}
@@ -136,22 +139,64 @@ def test_a_job_that_asked_for_two_nodes_is_placed_on_two_and_never_paired() -> N
     assert {placed["B"].action, placed["C"].action} == {PlacementAction.PAIR}  # the others still pair
 
 
-def test_the_slurm_source_says_how_many_nodes_a_pending_job_asked_for(tmp_path: Path) -> None:
-    """squeue's %D (the fewest nodes a pending job asked for) becomes ``nodes_requested``; the job
+def test_the_slurm_source_says_which_node_count_a_pending_job_asked_for(tmp_path: Path) -> None:
+    """``scontrol show job``'s NumNodes=min-max (printed only for a job that gave ``-N``) becomes
+    ``nodes_requested`` and ``nodes_max`` of a pending job's submission; a job that gave none, or
+    one no longer pending, carries neither; a range Slurm would not run is left out, the job still
+    published; a controller that does not answer leaves the submission to the next poll. The job
     name is read last, so a name with a ``|`` does not lose the job."""
     from nodeshare.producers.slurm import SlurmCommands
 
-    class Squeue(SlurmCommands):
+    shown = {"7": "JobId=7 JobName=w NumNodes=2-2 NumCPUs=2 NumTasks=2", "8": "JobId=8 NumNodes=1 NumCPUs=4",
+             "9": "JobId=9 NumNodes=3-3 NumCPUs=2", "10": "JobId=10 NumNodes=1-2 NumCPUs=2"}
+    asked: list[str] = []
+
+    class Slurm(SlurmCommands):
+        away = False
+
         def _run(self, *args: str) -> str:
-            assert args[:2] == ("squeue", "-h") and args[-1] == "%i|%u|%a|%C|%D|%V|%T|%j", args
-            return ("7|u|a|2|2|2026-03-01T00:00:00|PENDING|wide|job\n"
-                    "8|u|a|4|1|2026-03-01T00:00:00|PENDING|narrow\n")
+            if args[:3] == ("scontrol", "show", "job"):
+                asked.append(args[-1])
+                if self.away:
+                    raise RuntimeError("scontrol failed (1): Unable to contact slurm controller")
+                return shown[args[-1]]
+            assert args[:2] == ("squeue", "-h") and args[-1] == "%i|%u|%a|%C|%V|%T|%j", args
+            return ("7|u|a|2|2026-03-01T00:00:00|PENDING|wide|job\n8|u|a|4|2026-03-01T00:00:00|PENDING|narrow\n"
+                    "9|u|a|2|2026-03-01T00:00:00|PENDING|odd\n10|u|a|2|2026-03-01T00:00:00|RUNNING|started\n")
 
         def hostnames(self, expr: str) -> tuple[str, ...]:
             return (expr,)
 
-    events, _ = SlurmSource(tmp_path, Squeue({})).step()
-    assert [(e.job_id, e.program, e.cores, e.nodes_requested) for e in events] == [
-        ("7", "wide|job", 2, 2), ("8", "narrow", 4, 1)]
+    away = Slurm({})
+    away.away = True
+    source = SlurmSource(tmp_path, away)
+    assert source.step()[0] == [] and asked == ["7"]  # not published without its request: asked again
+    source.commands = Slurm({})
+    events, _ = source.step()
+    assert [(e.job_id, e.program, e.cores, e.nodes_requested, e.nodes_max) for e in events] == [
+        ("7", "wide|job", 2, 2, 2), ("8", "narrow", 4, None, None), ("9", "odd", 2, None, None),
+        ("10", "started", 2, None, None)]
+    assert "10" not in asked[1:]  # no question for a job that no longer waits
     with pytest.raises(ValueError, match="nodes_requested: 3 nodes for 2 cores"):
-        JobEvent.model_validate({**events[0].model_dump(), "nodes_requested": 3})
+        JobEvent.model_validate({**events[0].model_dump(), "nodes_requested": 3, "nodes_max": 3})
+    with pytest.raises(ValueError, match="nodes_max: 1 is below nodes_requested"):
+        JobEvent.model_validate({**events[0].model_dump(), "nodes_max": 1})
+
+
+def test_a_node_count_is_written_only_where_the_job_gave_one_and_an_older_pickle_reads_without() -> None:
+    """Version 9's fields are left out of a record that does not use them (an older reader forbids
+    unknown fields), and a JobEvent a schema-8 worker pickled into a placement snapshot reads them
+    as unset rather than failing at their first use."""
+    import json
+    import pickle
+
+    plain = ev("P", JobState.SUBMITTED, "PP", (), cores=2)
+    assert not {"nodes_requested", "nodes_max"} & json.loads(encode(plain)).keys()
+    asked = plain.model_copy(update={"nodes_requested": 2, "nodes_max": 2})
+    assert json.loads(encode(asked))["nodes_requested"] == 2 and json.loads(encode(asked))["nodes_max"] == 2
+    state = plain.__getstate__()
+    added = ("nodes_requested", "nodes_max")
+    older = {**state, "__dict__": {k: v for k, v in state["__dict__"].items() if k not in added}}
+    revived = pickle.loads(pickle.dumps(plain))
+    revived.__setstate__(older)
+    assert revived.nodes_requested is None and revived.nodes_max is None and revived == plain

@@ -61,7 +61,7 @@ def test_this_build_writes_version_9_and_reads_1_to_9():
                                 "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6,
                                 "levels": 6, "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8,
                                 "adjustment_credit": 8, "partition": 8, "billing_units": 8, "billing_weights": 8}
-    assert ADDED_IN[JobEvent] == {"partition": 8, "tres": 8, "nodes_requested": 9}
+    assert ADDED_IN[JobEvent] == {"partition": 8, "tres": 8, "nodes_requested": 9, "nodes_max": 9}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
 

@@ -85,16 +85,40 @@ def test_spread_by_hand() -> None:
 
 
 @pytest.mark.parametrize("policy", [CE, CS, SNS, LEARNED], ids=lambda p: p.name)
-def test_a_job_is_never_placed_on_fewer_nodes_than_it_asked_for(policy: Policy) -> None:
-    """A two-task job submitted with ``-N 2`` fits one 16-core node, but asked for two: every policy
-    spreads it over two (before, each packed it onto one and the Slurm adapter overrode the request)."""
-    s = Scheduler({f"n{i}": NODE for i in range(3)}, policy)
-    s.submit(PendingJob("wide", 2, 0.9, 0.0, Fixed({1: 100.0}), "P", min_nodes=2))
+def test_a_job_is_placed_on_the_node_count_it_asked_for(policy: Policy) -> None:
+    """A two-task job submitted with ``-N 2`` (two nodes at least and at most) fits one 16-core node,
+    but asked for two: every policy places it on two (before, each packed it onto one, and the Slurm
+    adapter's NumNodes=1 overrode the request); a scaling program is not spread past the two either."""
+    s = Scheduler({f"n{i}": NODE for i in range(5)}, policy)
+    scaling = Fixed({1: 100.0, 2: 80.0, 4: 70.0})  # SNS would take scale 4 (the fastest)
+    s.submit(PendingJob("wide", 2, 0.9, 0.0, scaling, "P", min_nodes=2, max_nodes=2))
     s.submit(job("narrow", 2))
     placed = {d.job.job_id: d.placement for d in s.schedule(0.0)}
     assert placed["wide"] is not None and placed["narrow"] is not None
     assert len(set(placed["wide"].nodes)) == 2 and placed["wide"].cores_per_node == 1
     assert len(placed["narrow"].nodes) == 1
+
+
+@pytest.mark.parametrize("policy", [CS, SNS, LEARNED], ids=lambda p: p.name)
+def test_a_job_that_fits_its_node_count_nowhere_waits_rather_than_spreading_past_it(policy: Policy) -> None:
+    """``-N 2 -n 32`` on 16-core nodes each half busy: two nodes cannot hold it now, four could, but
+    it asked for two at most: it waits (before, CS and the learned policy put it on four)."""
+    s = Scheduler({f"n{i}": NODE for i in range(4)}, policy)
+    for i in range(4):
+        s.allocate(f"busy{i}", Placement(1, (f"n{i}",), 8, None, None, 1.0))
+    s.submit(PendingJob("wide", 32, 0.9, 0.0, Fixed({1: 100.0}, ways=1, bw=1.0), "P", min_nodes=2, max_nodes=2))
+    [d] = s.schedule(0.0)
+    assert d.placement is None
+    s.release("busy0")
+    s.release("busy1")
+    [d] = s.schedule(1.0)
+    assert d.placement is not None and sorted(d.placement.nodes) == ["n0", "n1"]
+
+
+def test_a_node_count_bound_keeps_within_the_jobs_cores() -> None:
+    bounded = PendingJob("j", 2, 0.9, 0.0, Fixed({1: 100.0}), min_nodes=1, max_nodes=4)
+    assert [bounded.allows(n) for n in (1, 2, 3)] == [True, True, False]  # never a node without a task
+    assert PendingJob("j", 2, 0.9, 0.0, Fixed({1: 100.0})).allows(8)  # no bound: Seed 001's scale factors
 
 
 def test_llc_demand_reads_the_curves_like_fig_10() -> None:

@@ -208,6 +208,13 @@ class PendingJob:
     profile: JobProfile
     program: str | None = None  # the program's name, for what was measured of it (the learned policy)
     min_nodes: int = 1  # the fewest nodes it asked for (JobEvent.nodes_requested); a snapshot's older job: 1
+    max_nodes: int | None = None  # the most (JobEvent.nodes_max; None: no bound)
+
+    def allows(self, nodes: int) -> bool:
+        """Whether a placement on ``nodes`` nodes keeps within the most the job asked for (and then
+        within one node per core: Slurm runs no node without a task's CPU). A job that gave no bound
+        takes any count, as Seed 001's scale factors give it."""
+        return self.max_nodes is None or nodes <= min(self.max_nodes, self.procs)
 
 
 @dataclass(frozen=True)
@@ -287,7 +294,7 @@ class Scheduler:
         refused = None
         for k in self.policy.scales(runtimes):
             n, c = spread(job.procs, self.smallest.cores, k, job.min_nodes)
-            if n > len(self.loads):
+            if n > len(self.loads) or not job.allows(n):
                 continue
             llc = None
             if self.policy.resource_aware:
@@ -321,7 +328,7 @@ class Scheduler:
         for k in SCALE_FACTORS:  # CS's order, the smallest scale that fits now (see placement.learned)
             ratio = runtimes[k] / base if base and k in runtimes else 1.0
             n, c = spread(job.procs, self.smallest.cores, k, job.min_nodes)
-            if n > len(self.loads):
+            if n > len(self.loads) or not job.allows(n):
                 continue
             cand = []
             for name, load in self.loads.items():

@@ -282,7 +282,7 @@ class PlacementManager:
         assert self.scheduler is not None
         submitted = (ev.submit_time or ev.event_time).timestamp()
         self.scheduler.submit(PendingJob(ev.job_id, ev.cores, ev.alpha, submitted, BookProfile(self.book, ev.program),
-                                         ev.program, ev.nodes_requested or 1))
+                                         ev.program, ev.nodes_requested or 1, ev.nodes_max))
 
     def _program(self, job_id: str) -> str:
         notes = self.book.jobs.get(job_id)
