@@ -68,9 +68,10 @@ def agents(cluster: NetnsCluster, settings: Settings, env: dict[str, str],
     running = {}
     for node in cluster.node_names():
         (home / node).mkdir(parents=True)
+        (home / "progress" / node).mkdir(parents=True)  # a node's own directory (see ``workload``)
         running[node] = subprocess.Popen(cluster.command(node, [
             sys.executable, "-m", "nodeshare", "agent", "--slurm", "--spool", str(home / node / "spool.db"),
-            "--progress-dir", str(home / "progress"), "--drain-timeout", "30"]),
+            "--progress-dir", str(home / "progress" / node), "--drain-timeout", "30"]),
             env=agent_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield running
@@ -92,8 +93,14 @@ def submit(env: dict[str, str], out: Path, name: str, command: str, *args: str) 
     return done.stdout.strip().split(";")[0]
 
 
-def workload(kind: str, seconds: float, srun: bool = False) -> str:
-    return f"{'srun ' if srun else ''}{sys.executable} -m nodeshare workload --kind {kind} --seconds {seconds:g}"
+def workload(progress: Path, kind: str, seconds: float, srun: bool = False) -> str:
+    """The job's command: a task per node (srun) or the batch script's own, counting its progress in
+    the node's own directory under ``progress``, as in a node-local one on a real cluster (a counter
+    file is per job: these nodes share one file system, where a two-node job's tasks would write
+    the same file)."""
+    task = (f"NODESHARE_PROGRESS_DIR={progress}/$(hostname) exec {sys.executable} -m nodeshare workload "
+            f"--kind {kind} --seconds {seconds:g}")
+    return f"{'srun ' if srun else ''}sh -c '{task}'"
 
 
 def where(env: dict[str, str], job: str) -> list[str]:
@@ -120,11 +127,11 @@ def until(done: object, seconds: float, what: object) -> None:
 
 def test_jobs_of_one_and_two_nodes_are_placed_shuttered_and_charged_per_node(tmp_path: Path) -> None:
     with site(tmp_path) as (cluster, settings, env, pipeline), agents(cluster, settings, env, tmp_path) as running:
-        job_env = {**env, "NODESHARE_PROGRESS_DIR": str(tmp_path / "progress")}
-        (tmp_path / "progress").mkdir()
-        ids = [submit(job_env, tmp_path, "stream", workload("stream", 10), "--hold", "-n", "1"),
-               submit(job_env, tmp_path, "compute", workload("compute", 10), "--hold", "-n", "1"),
-               submit(job_env, tmp_path, "wide", workload("compute", 10, srun=True), "--hold", "-N", "2", "-n", "2")]
+        progress = tmp_path / "progress"
+        ids = [submit(env, tmp_path, "stream", workload(progress, "stream", 10), "--hold", "-n", "1"),
+               submit(env, tmp_path, "compute", workload(progress, "compute", 10), "--hold", "-n", "1"),
+               submit(env, tmp_path, "wide", workload(progress, "compute", 10, srun=True), "--hold", "-N", "2",
+                      "-n", "2")]
         stop = threading.Event()
         plans: list = []
         with lifecycle_source(settings, tmp_path / "events", env):
@@ -169,19 +176,16 @@ def test_a_node_that_dies_under_a_two_node_job_leaves_its_jobs_charged_as_node_l
     with site(tmp_path, conf, batch_age_s=BATCH_AGE_S) as (cluster, settings, env, pipeline), \
             agents(cluster, settings, env, tmp_path) as running:
         _, second, third = cluster.node_names()
-        job_env = {**env, "NODESHARE_PROGRESS_DIR": str(tmp_path / "progress")}
-        (tmp_path / "progress").mkdir()
-        wide = submit(job_env, tmp_path, "wide", workload("compute", 300, srun=True), "-N", "2", "-n", "2",
+        progress = tmp_path / "progress"
+        wide = submit(env, tmp_path, "wide", workload(progress, "compute", 300, srun=True), "-N", "2", "-n", "2",
                       "-w", f"{second},{third}")
         # a co-runner on each of its nodes, so both nodes shutter it
-        beside = [submit(job_env, tmp_path, f"beside-{n}", workload("stream", 300), "-n", "1", "-w", n)
+        beside = [submit(env, tmp_path, f"beside-{n}", workload(progress, "stream", 300), "-n", "1", "-w", n)
                   for n in (second, third)]
         ids = [wide, *beside]
         with lifecycle_source(settings, tmp_path / "events", env) as published:
             until(lambda: set(states(env, ids).values()) == {"RUNNING"}, 60, lambda: states(env, ids))
-            # blocks sent from both nodes: a two-node job's srun task is shuttered seconds after its
-            # batch script runs (1-11 blocks of it on the node to die after 20 s in four runs)
-            time.sleep(8 * BATCH_AGE_S)
+            time.sleep(5 * BATCH_AGE_S)  # blocks sent from both nodes
             killed = crash(cluster, third)
             assert killed and running[third].wait(10) is not None  # its agent went with it
             down_at = time.monotonic()
