@@ -68,6 +68,8 @@ case "$cmd" in
     install_once slurmctld "Slurm integration tests" slurmctld slurmd munge slurm-client
     install_once npm "durable-broker tests" npm
     install_once slurmdbd "Slurm accounting test (slurmdbd on MariaDB: sacct, sacctmgr)" slurmdbd mariadb-server
+    # nodes made of network namespaces (deploy/netns.py): ip; unshare and nsenter come with util-linux
+    install_once ip "network-namespace node tests" iproute2
     exec "$venv/bin/python" -m pytest "$@"
     ;;
   demo)

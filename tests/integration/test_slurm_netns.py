@@ -32,7 +32,7 @@ from nodeshare.deploy.netns import NetnsCluster
 from nodeshare.producers.slurm_hooks import install_hooks
 from nodeshare.producers.slurm_scheduler import SchedulerCommands, run_scheduler
 from nodeshare.runtime.config import Settings
-from nodeshare.schemas import JobState
+from nodeshare.schemas import Charge, JobState
 from nodeshare.sinks.audit import audit
 from nodeshare.sinks.ledger import Ledger
 
@@ -118,6 +118,18 @@ def states(env: dict[str, str], ids: list[str]) -> dict[str, str]:
     return dict(line.split() for line in out.splitlines() if line.strip())
 
 
+def charged(pipeline: Pipeline, ids: list[str]) -> dict[str, Charge]:
+    """Each job's charge, one per job and every job charged; printed with its streams (blocks kept,
+    blocks the node said it sent)."""
+    with Ledger(pipeline.ledger_path, read_only=True) as ledger:
+        charges = {c.job_id: c for c in ledger.charges()}
+    assert charges.keys() == set(ids)
+    for j, c in sorted(charges.items()):
+        print(f"job {j} ({c.program}): {[(n.node, n.blocks, n.blocks_sent) for n in c.nodes]}, degradation "
+              f"{c.degradation:.3f}, {c.estimate_status.value}, {c.final_state.value}")
+    return charges
+
+
 def until(done: object, seconds: float, what: object) -> None:
     deadline = time.monotonic() + seconds
     while not done():  # type: ignore[operator]
@@ -151,12 +163,8 @@ def test_jobs_of_one_and_two_nodes_are_placed_shuttered_and_charged_per_node(tmp
     assert applied.keys() == set(ids), plans  # each job placed by a decision the adapter applied
     assert {j: sorted(d.nodes) for j, d in applied.items()} == ran_on  # Slurm ran each where it was placed
     assert len(ran_on[ids[2]]) == 2 and all(len(ran_on[j]) == 1 for j in ids[:2])
-    with Ledger(pipeline.ledger_path, read_only=True) as ledger:
-        charges = {c.job_id: c for c in ledger.charges()}
-    assert charges.keys() == set(ids)
+    charges = charged(pipeline, ids)
     for j, c in charges.items():
-        print(f"job {j} ({c.program}) on {ran_on[j]}: {[(n.node, n.blocks) for n in c.nodes]}, "
-              f"degradation {c.degradation:.3f}, {c.estimate_status.value}")
         assert sorted(n.node for n in c.nodes) == ran_on[j]  # a stream per node it ran on, each closed
         assert c.final_state is JobState.ENDED and c.estimate_status.value != "node_lost"
     report = audit(pipeline.archive_path, pipeline.ledger_path, settings.policy())
@@ -202,12 +210,7 @@ def test_a_node_that_dies_under_a_two_node_job_leaves_its_jobs_charged_as_node_l
             assert running[node].poll() is None, (node, running[node].communicate())
     print(f"node {third} dead; Slurm ended its jobs with NODE_FAIL {failed_after:.1f} s later "
           f"({len(killed)} processes killed)")
-    with Ledger(pipeline.ledger_path, read_only=True) as ledger:
-        charges = {c.job_id: c for c in ledger.charges()}
-    assert charges.keys() == set(ids)
-    for j, c in charges.items():
-        print(f"job {j}: {[(n.node, n.blocks, n.blocks_sent) for n in c.nodes]}, degradation {c.degradation:.3f}, "
-              f"{c.estimate_status.value}, {c.final_state.value}")
+    charges = charged(pipeline, ids)
     lost = {j for j, c in charges.items() if c.estimate_status.value == "node_lost"}
     assert lost == {wide, beside[1]}
     assert sorted(n.node for n in charges[wide].nodes) == [second, third]
