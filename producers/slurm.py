@@ -275,20 +275,25 @@ class SlurmCommands:
         text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%C|%V|%T|%j")
         return [dict(zip(keys, line.split("|", 6), strict=True)) for line in text.splitlines() if line.count("|") >= 6]
 
-    def node_range(self, job_id: str) -> tuple[int, int] | None:
-        """The node count a pending job asked for, ``(min, max)``, when it asked for one (``-N``:
-        ``scontrol show job`` prints ``NumNodes=2-2`` for ``-N 2``, ``1-2`` for ``-N 1-3`` of two
-        tasks, and a bare ``NumNodes=1`` for a job that gave none: measured on Slurm 22.05; squeue's
-        %D and MaxNodes read the same for ``-N 1`` and for no ``-N``). None: it gave none, or the
-        controller no longer knows it. Raises ControllerAway when the controller does not answer."""
+    def node_ranges(self) -> dict[str, tuple[int, int | None]]:
+        """The node count each job the controller knows asked for, ``(min, max)``, from one
+        ``scontrol show job -o`` of every job: ``NumNodes=2-2`` for ``-N 2``, ``1-2`` for ``-N 1-3``
+        of two tasks (max None: unbounded) where the job gave ``-N``, a bare ``NumNodes=1`` where it
+        gave none (measured on Slurm 22.05; squeue's %D and MaxNodes read the same for ``-N 1`` and
+        no ``-N``). Jobs whose count Slurm prints otherwise (24.05's ``1,2,4`` sizes) are left out,
+        as are array jobs' pending tasks (squeue shows ``123_[1-10]``, scontrol ``JobId=123``).
+        Raises ControllerAway when the controller does not answer."""
         try:
-            line = self._run("scontrol", "show", "job", "-o", job_id)
+            text = self._run("scontrol", "show", "job", "-o")
         except RuntimeError as exc:
-            if "Invalid job id" in str(exc):
-                return None
-            raise ControllerAway(f"job {job_id}: no node count from the controller: {exc}") from None
-        m = re.search(r"(?:^|\s)NumNodes=(\d+)-(\d+)(?:\s|$)", line)
-        return (int(m.group(1)), int(m.group(2))) if m else None
+            raise ControllerAway(f"no node counts from the controller: {exc}") from None
+        out: dict[str, tuple[int, int | None]] = {}
+        for line in text.splitlines():
+            job = re.search(r"(?:^|\s)JobId=(\S+)", line)
+            count = re.search(r"(?:^|\s)NumNodes=(\d+)(?:-(\d+))?(?:\s|$)", line)
+            if job and count:
+                out[job.group(1)] = (int(count.group(1)), int(count.group(2)) if count.group(2) else None)
+        return out
 
 
 def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
@@ -298,18 +303,21 @@ def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
     return ("sacctmgr", "-i", "modify", "job", "where", f"JobID={job_id}", "set", f"AdminComment={comment}")
 
 
-def submitted_event(row: Mapping[str, str], cluster: str, node_range: tuple[int, int] | None = None) -> JobEvent:
-    """A squeue row's submission; ``node_range``: the (min, max) node count it asked for, if any (a
-    range Slurm would not run, more nodes than CPUs, is left out, logged: the job is still placed)."""
+def submitted_event(row: Mapping[str, str], cluster: str,
+                    node_range: tuple[int, int | None] | None = None) -> JobEvent:
+    """A squeue row's submission; ``node_range``: the (min, max) node count it asked for (max None:
+    no bound), if known. A count Slurm would not run, more nodes than CPUs, is left out, logged:
+    the job is still placed."""
     submit = datetime.fromisoformat(row["submit"]).astimezone(UTC)  # squeue prints local time
     low = high = None
     if node_range is not None:
         cores = int(row["cores"]) if row["cores"].isdigit() else 0
-        if 1 <= node_range[0] <= node_range[1] and node_range[0] <= cores:
-            low, high = node_range[0], max(1, min(node_range[1], cores))
+        least, most = node_range
+        if 1 <= least <= cores and (most is None or least <= most):
+            low, high = least, None if most is None else min(most, cores)
         else:
             log.warning("job %s: node count %s-%s for %s CPUs left out of its submission", row["job_id"],
-                        *node_range, row["cores"], extra=fields(job_id=row["job_id"]))
+                        least, most, row["cores"], extra=fields(job_id=row["job_id"]))
     return _event(cluster, row["job_id"], JobState.SUBMITTED, submit, user=row["user"], account=row["account"],
                   program=row["program"], cores=row["cores"], nodes=(), submit=submit,
                   nodes_requested=low, nodes_max=high)
@@ -339,6 +347,8 @@ class SlurmSource:
     cluster: str = "slurm"
     terminal_from_epilog: bool = False
     seen_submitted: set[str] = field(default_factory=set)
+    #: the node count each waiting job asked for (``SlurmCommands.node_ranges``; None: not known)
+    node_counts: dict[str, tuple[int, int | None] | None] = field(default_factory=dict)
     started: dict[str, datetime] = field(default_factory=dict)
     state_file: Path | None = None
     #: how long the nodes of a NODE_FAIL job that do not read lost yet are watched (``slurm_lost_nodes``)
@@ -357,19 +367,30 @@ class SlurmSource:
         events: list[JobEvent | NodeDown] = []
         files: list[Path] = []
         if poll_queue:
-            for row in self.commands.queue():
-                if row["job_id"] not in self.seen_submitted:
-                    if row.get("state") in _OVER:
-                        self.seen_submitted.add(row["job_id"])
-                        continue  # ended already (a restarted source sees it again): its submission is history
-                    try:  # only a waiting job's request matters to placement
-                        asked = self.commands.node_range(row["job_id"]) if row.get("state") == "PENDING" else None
-                    except ControllerAway as exc:  # asked again at the next poll, not published without it
-                        log.warning("%s", exc, extra=fields(job_id=str(row["job_id"])))
-                        break
+            rows = self.commands.queue()
+            waiting = {r["job_id"] for r in rows if r.get("state") == "PENDING"}
+            new = [r for r in rows if r["job_id"] not in self.seen_submitted]
+            # only a waiting job's request matters to placement: the counts of every new waiting job
+            # in one call, kept while its submission waits for the broker (and while it waits)
+            self.node_counts = {j: c for j, c in self.node_counts.items() if j in waiting}
+            publish = True
+            if any(r["job_id"] in waiting and r["job_id"] not in self.node_counts for r in new):
+                try:
+                    counts = self.commands.node_ranges()
+                except ControllerAway as exc:  # published at the next poll, not without the counts
+                    log.warning("submissions wait for the next poll: %s", exc)
+                    publish = False
+                else:
+                    self.node_counts.update({r["job_id"]: counts.get(r["job_id"]) for r in new
+                                             if r["job_id"] in waiting})
+            for row in new:
+                if row.get("state") in _OVER:
+                    self.seen_submitted.add(row["job_id"])
+                    continue  # ended already (a restarted source sees it again): its submission is history
+                if publish:
                     self.seen_submitted.add(row["job_id"])
                     try:
-                        events.append(submitted_event(row, self.cluster, asked))
+                        events.append(submitted_event(row, self.cluster, self.node_counts.get(row["job_id"])))
                     except (HookFileError, ValueError) as exc:
                         log.error("job %s: submission not published: %s", row["job_id"], exc,
                                   extra=fields(job_id=str(row["job_id"])))

@@ -60,8 +60,8 @@ def test_the_slurm_source_publishes_no_submission_for_a_job_squeue_shows_finishe
         def job_tres(self, job_id: str) -> dict[str, float]:
             return {}
 
-        def node_range(self, job_id: str) -> tuple[int, int] | None:
-            return None
+        def node_ranges(self) -> dict[str, tuple[int, int | None]]:
+            return {}
 
         def queue(self) -> list[dict[str, str]]:
             return [dict(job_id=j, user="u", account="a", program="P", cores="4",
@@ -140,29 +140,32 @@ def test_a_job_that_asked_for_two_nodes_is_placed_on_two_and_never_paired() -> N
 
 
 def test_the_slurm_source_says_which_node_count_a_pending_job_asked_for(tmp_path: Path) -> None:
-    """``scontrol show job``'s NumNodes=min-max (printed only for a job that gave ``-N``) becomes
-    ``nodes_requested`` and ``nodes_max`` of a pending job's submission; a job that gave none, or
-    one no longer pending, carries neither; a range Slurm would not run is left out, the job still
-    published; a controller that does not answer leaves the submission to the next poll. The job
-    name is read last, so a name with a ``|`` does not lose the job."""
+    """``scontrol show job``'s NumNodes (min-max where the job gave ``-N``, a bare minimum where it
+    gave none) becomes ``nodes_requested`` and ``nodes_max`` of a pending job's submission, asked in
+    one call per poll that has new waiting jobs and not again for them; a job no longer pending
+    carries neither; a count Slurm would not run is left out, the job still published; a controller
+    that does not answer leaves the submissions to the next poll. The job name is read last, so a
+    name with a ``|`` does not lose the job."""
     from nodeshare.producers.slurm import SlurmCommands
 
-    shown = {"7": "JobId=7 JobName=w NumNodes=2-2 NumCPUs=2 NumTasks=2", "8": "JobId=8 NumNodes=1 NumCPUs=4",
-             "9": "JobId=9 NumNodes=3-3 NumCPUs=2", "10": "JobId=10 NumNodes=1-2 NumCPUs=2"}
-    asked: list[str] = []
+    shown = ("JobId=7 JobName=w NumNodes=2-2 NumCPUs=2 NumTasks=2\nJobId=8 NumNodes=1 NumCPUs=4\n"
+             "JobId=9 NumNodes=3-3 NumCPUs=2\nJobId=10 NumNodes=1-2 NumCPUs=2\nJobId=11 NumNodes=2 NumCPUs=8\n")
+    queue = ["7|u|a|2|2026-03-01T00:00:00|PENDING|wide|job", "8|u|a|4|2026-03-01T00:00:00|PENDING|narrow",
+             "9|u|a|2|2026-03-01T00:00:00|PENDING|odd", "10|u|a|2|2026-03-01T00:00:00|RUNNING|started"]
+    asked: list[tuple[str, ...]] = []
 
     class Slurm(SlurmCommands):
         away = False
 
         def _run(self, *args: str) -> str:
+            asked.append(args[:3])
             if args[:3] == ("scontrol", "show", "job"):
-                asked.append(args[-1])
+                assert args == ("scontrol", "show", "job", "-o")  # every job in one call
                 if self.away:
                     raise RuntimeError("scontrol failed (1): Unable to contact slurm controller")
-                return shown[args[-1]]
+                return shown
             assert args[:2] == ("squeue", "-h") and args[-1] == "%i|%u|%a|%C|%V|%T|%j", args
-            return ("7|u|a|2|2026-03-01T00:00:00|PENDING|wide|job\n8|u|a|4|2026-03-01T00:00:00|PENDING|narrow\n"
-                    "9|u|a|2|2026-03-01T00:00:00|PENDING|odd\n10|u|a|2|2026-03-01T00:00:00|RUNNING|started\n")
+            return "\n".join(queue) + "\n"
 
         def hostnames(self, expr: str) -> tuple[str, ...]:
             return (expr,)
@@ -170,17 +173,36 @@ def test_the_slurm_source_says_which_node_count_a_pending_job_asked_for(tmp_path
     away = Slurm({})
     away.away = True
     source = SlurmSource(tmp_path, away)
-    assert source.step()[0] == [] and asked == ["7"]  # not published without its request: asked again
+    assert source.step()[0] == []  # not published without the counts: at the next poll
     source.commands = Slurm({})
     events, _ = source.step()
     assert [(e.job_id, e.program, e.cores, e.nodes_requested, e.nodes_max) for e in events] == [
-        ("7", "wide|job", 2, 2, 2), ("8", "narrow", 4, None, None), ("9", "odd", 2, None, None),
+        ("7", "wide|job", 2, 2, 2), ("8", "narrow", 4, 1, None), ("9", "odd", 2, None, None),
         ("10", "started", 2, None, None)]
-    assert "10" not in asked[1:]  # no question for a job that no longer waits
+    queue.append("11|u|a|8|2026-03-01T00:00:00|PENDING|pinned")  # -w n1,n2: a bare minimum of 2
+    asked.clear()
+    source.seen_submitted.discard("7")  # its publish failed: sent again, with the count kept
+    again, _ = source.step()
+    assert [(e.job_id, e.nodes_requested, e.nodes_max) for e in again] == [("7", 2, 2), ("11", 2, None)]
+    assert asked.count(("scontrol", "show", "job")) == 1
+    asked.clear()
+    source.seen_submitted.discard("7")
+    assert [e.job_id for e in source.step()[0]] == ["7"] and ("scontrol", "show", "job") not in asked
     with pytest.raises(ValueError, match="nodes_requested: 3 nodes for 2 cores"):
         JobEvent.model_validate({**events[0].model_dump(), "nodes_requested": 3, "nodes_max": 3})
     with pytest.raises(ValueError, match="nodes_max: 1 is below nodes_requested"):
         JobEvent.model_validate({**events[0].model_dump(), "nodes_max": 1})
+
+
+def test_the_placement_manager_places_a_job_on_the_node_count_its_submission_carries() -> None:
+    """From the lifecycle event to the decision: ``-N 1 -n 32`` (nodes_requested 1, nodes_max 1) on
+    a 16-core and a 64-core node is placed on the big node alone (sized by the small node it would
+    need two, which it did not ask for)."""
+    m = PlacementManager()
+    decisions(m, inventory("small", cores=16), inventory("big", cores=64))
+    one = ev("J", JobState.SUBMITTED, "PJ", (), cores=32).model_copy(update={"nodes_requested": 1, "nodes_max": 1})
+    [d] = decisions(m, one)
+    assert d.action is PlacementAction.PLACE and d.nodes == ("big",) and d.cores_per_node == 32
 
 
 def test_a_node_count_is_written_only_where_the_job_gave_one_and_an_older_pickle_reads_without() -> None:

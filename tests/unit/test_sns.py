@@ -27,6 +27,7 @@ from nodeshare.streams.core.placement.sns import (
     Scheduler,
     choose_nodes,
     classify,
+    layouts,
     llc_demand,
     sns_scales,
     spread,
@@ -73,15 +74,26 @@ def test_spread_by_hand() -> None:
     assert spread(20, 16, 1) == (2, 10)  # n = 1 * ceil(20/16) = 2, c = ceil(20/2) = 10
     assert spread(20, 16, 4) == (8, 3)  # n = 8, c = ceil(20/8) = 3
     assert spread(16, 16, 8) == (8, 2)
-    # a job that asked for more nodes than its processes need: its request is its compact placement
-    assert spread(2, 16, 1, min_nodes=2) == (2, 1)  # n = 1 * max(ceil(2/16), 2) = 2, c = ceil(2/2) = 1
-    assert spread(20, 16, 1, min_nodes=3) == (3, 7)  # n = max(2, 3) = 3, c = ceil(20/3) = 7
-    assert spread(20, 16, 2, min_nodes=3) == (6, 4)  # n = 2 * 3, c = ceil(20/6) = 4
-    assert spread(20, 16, 1, min_nodes=2) == spread(20, 16, 1)  # asked for what it needs anyway
     with pytest.raises(ValueError, match="positive"):
         spread(0, 16, 1)
-    with pytest.raises(ValueError, match="positive"):
-        spread(2, 16, 1, min_nodes=0)
+
+
+def test_layouts_keep_to_the_node_count_a_job_asked_for_by_hand() -> None:
+    every = (1, 2, 4, 8)
+    # no bound: Seed 001's spread at every scale factor
+    assert layouts(20, 16, every) == [(1, 2, 10), (2, 4, 5), (4, 8, 3), (8, 16, 2)]
+    # -N 2 -n 2 (2 to 2 nodes): scale 2 is n = 2 * ceil(2/16) = 2, c = 1; the others are not 2 nodes
+    assert layouts(2, 16, every, 2, 2) == [(2, 2, 1)]
+    # -N 2-8 -n 20: n in [2, 8]; scale 8's 16 nodes is past it; in the policy's order (SNS: fastest first)
+    assert layouts(20, 16, (4, 2, 1, 8), 2, 8) == [(4, 8, 3), (2, 4, 5), (1, 2, 10)]
+    # -N 3 -n 3: no scale factor gives 3 nodes (1, 2, 4, 8): the count itself, at scale 3 / 1 = 3
+    assert layouts(3, 16, every, 3, 3) == [(3, 3, 1)]
+    # -N 1 -n 32 on nodes of 16 cores at the smallest: compact is 2 nodes, past the 1 asked for; only
+    # a bigger node holds it: 1 node of 32 cores, scale 1
+    assert layouts(32, 16, every, 1, 1) == [(1, 1, 32)]
+    # never more nodes than processes for a bounded job; a minimum alone only cuts the small ones
+    assert layouts(2, 16, every, 1, 4) == [(1, 1, 2), (2, 2, 1)]
+    assert layouts(20, 16, every, 4) == [(2, 4, 5), (4, 8, 3), (8, 16, 2)]
 
 
 @pytest.mark.parametrize("policy", [CE, CS, SNS, LEARNED], ids=lambda p: p.name)
@@ -96,17 +108,19 @@ def test_a_job_is_placed_on_the_node_count_it_asked_for(policy: Policy) -> None:
     placed = {d.job.job_id: d.placement for d in s.schedule(0.0)}
     assert placed["wide"] is not None and placed["narrow"] is not None
     assert len(set(placed["wide"].nodes)) == 2 and placed["wide"].cores_per_node == 1
+    assert placed["wide"].scale == 2  # as its profile will record the run (two nodes for two processes)
     assert len(placed["narrow"].nodes) == 1
 
 
 @pytest.mark.parametrize("policy", [CS, SNS, LEARNED], ids=lambda p: p.name)
-def test_a_job_that_fits_its_node_count_nowhere_waits_rather_than_spreading_past_it(policy: Policy) -> None:
-    """``-N 2 -n 32`` on 16-core nodes each half busy: two nodes cannot hold it now, four could, but
-    it asked for two at most: it waits (before, CS and the learned policy put it on four)."""
+def test_a_job_that_fits_its_node_count_nowhere_now_waits_rather_than_spreading_past_it(policy: Policy) -> None:
+    """``-N 2 -n 32`` on 16-core nodes each half busy: two nodes cannot hold it now, four could (and
+    SNS would pick four for this scaling program), but it asked for two at most: it waits."""
     s = Scheduler({f"n{i}": NODE for i in range(4)}, policy)
     for i in range(4):
         s.allocate(f"busy{i}", Placement(1, (f"n{i}",), 8, None, None, 1.0))
-    s.submit(PendingJob("wide", 32, 0.9, 0.0, Fixed({1: 100.0}, ways=1, bw=1.0), "P", min_nodes=2, max_nodes=2))
+    scaling = Fixed({1: 100.0, 2: 70.0, 4: 80.0}, ways=1, bw=1.0)
+    s.submit(PendingJob("wide", 32, 0.9, 0.0, scaling, "P", min_nodes=2, max_nodes=2))
     [d] = s.schedule(0.0)
     assert d.placement is None
     s.release("busy0")
@@ -115,10 +129,16 @@ def test_a_job_that_fits_its_node_count_nowhere_waits_rather_than_spreading_past
     assert d.placement is not None and sorted(d.placement.nodes) == ["n0", "n1"]
 
 
-def test_a_node_count_bound_keeps_within_the_jobs_cores() -> None:
-    bounded = PendingJob("j", 2, 0.9, 0.0, Fixed({1: 100.0}), min_nodes=1, max_nodes=4)
-    assert [bounded.allows(n) for n in (1, 2, 3)] == [True, True, False]  # never a node without a task
-    assert PendingJob("j", 2, 0.9, 0.0, Fixed({1: 100.0})).allows(8)  # no bound: Seed 001's scale factors
+@pytest.mark.parametrize("policy", [CE, CS, SNS, LEARNED], ids=lambda p: p.name)
+def test_a_one_node_job_bigger_than_the_smallest_node_goes_to_a_big_one(policy: Policy) -> None:
+    """``-N 1 -n 32`` on a cluster of a 16-core and a 64-core node: Slurm runs it on the big node.
+    Sized by the smallest node, it needs two; bounded to one, it gets the one count it asked for and
+    the node that holds it (it must not wait for ever: a held job the manager delays stays held)."""
+    big = NodeCapacity(cores=64, llc_ways=22, bandwidth_gbps=76.0)
+    s = Scheduler({"small": NODE, "big": big}, policy)
+    s.submit(PendingJob("one", 32, 0.9, 0.0, Fixed({1: 100.0}, ways=1, bw=1.0), "P", min_nodes=1, max_nodes=1))
+    [d] = s.schedule(0.0)
+    assert d.placement is not None and d.placement.nodes == ("big",) and d.placement.cores_per_node == 32
 
 
 def test_llc_demand_reads_the_curves_like_fig_10() -> None:

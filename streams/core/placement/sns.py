@@ -66,14 +66,36 @@ def sns_scales(runtime_by_scale: Mapping[int, float]) -> list[int]:
     return fastest_first(runtime_by_scale)
 
 
-def spread(procs: int, cores_per_node: int, scale: int, min_nodes: int = 1) -> tuple[int, int]:
-    """Seed 001 Section 4.3: ``n = k * ceil(P / T)`` nodes and ``c = ceil(P / n)`` cores on each.
-    A job that asked for more nodes than its processes need (``min_nodes``, Slurm's ``-N``) has
-    those as its compact placement: ``n = k * max(ceil(P / T), min_nodes)``."""
-    if procs < 1 or cores_per_node < 1 or scale < 1 or min_nodes < 1:
-        raise ValueError("processes, cores per node, scale factor and nodes asked for must be positive")
-    n = scale * max(math.ceil(procs / cores_per_node), min_nodes)
+def spread(procs: int, cores_per_node: int, scale: int) -> tuple[int, int]:
+    """Seed 001 Section 4.3: ``n = k * ceil(P / T)`` nodes and ``c = ceil(P / n)`` cores on each."""
+    if procs < 1 or cores_per_node < 1 or scale < 1:
+        raise ValueError("processes, cores per node and scale factor must be positive")
+    n = scale * math.ceil(procs / cores_per_node)
     return n, math.ceil(procs / n)
+
+
+def layouts(procs: int, cores_per_node: int, scales: Iterable[int], min_nodes: int = 1,
+            max_nodes: int | None = None) -> list[tuple[int, int, int]]:
+    """The (scale factor, nodes, cores per node) to try, in the order of ``scales``: ``spread``'s for
+    each scale factor whose node count is one the job asked for (``min_nodes`` to ``max_nodes``,
+    Slurm's ``-N min[-max]``; a bounded job never on more nodes than processes). The scale factor
+    counts from ``ceil(P / T)`` nodes, as the profiles do (``profiles.scale_of``), so a run's
+    predicted and recorded scale agree. A bounded job that no scale factor fits gets the one count
+    in its range closest to compact, at the scale it makes (1 below compact: ``-N 1 -n 32`` where
+    the smallest node has 16 cores, a count only a bigger node holds). An unbounded job is Seed
+    001's: every scale factor."""
+    upper = None if max_nodes is None else min(max_nodes, procs)
+    out = []
+    for k in scales:
+        n, c = spread(procs, cores_per_node, k)
+        if n >= min_nodes and (upper is None or n <= upper):
+            out.append((k, n, c))
+    if not out and (min_nodes > 1 or upper is not None):
+        compact = math.ceil(procs / cores_per_node)
+        n = max(min_nodes, compact if upper is None else min(compact, upper))
+        if upper is None or n <= upper:
+            out.append((max(1, n // compact), n, math.ceil(procs / n)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -210,12 +232,6 @@ class PendingJob:
     min_nodes: int = 1  # the fewest nodes it asked for (JobEvent.nodes_requested); a snapshot's older job: 1
     max_nodes: int | None = None  # the most (JobEvent.nodes_max; None: no bound)
 
-    def allows(self, nodes: int) -> bool:
-        """Whether a placement on ``nodes`` nodes keeps within the most the job asked for (and then
-        within one node per core: Slurm runs no node without a task's CPU). A job that gave no bound
-        takes any count, as Seed 001's scale factors give it."""
-        return self.max_nodes is None or nodes <= min(self.max_nodes, self.procs)
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -292,9 +308,9 @@ class Scheduler:
         runtimes = job.profile.runtime_by_scale()
         base = runtimes.get(1)
         refused = None
-        for k in self.policy.scales(runtimes):
-            n, c = spread(job.procs, self.smallest.cores, k, job.min_nodes)
-            if n > len(self.loads) or not job.allows(n):
+        for k, n, c in layouts(job.procs, self.smallest.cores, self.policy.scales(runtimes), job.min_nodes,
+                               job.max_nodes):
+            if n > len(self.loads):
                 continue
             llc = None
             if self.policy.resource_aware:
@@ -325,10 +341,10 @@ class Scheduler:
         base = runtimes.get(1)
         limit = -math.log(job.alpha)
         refused = None
-        for k in SCALE_FACTORS:  # CS's order, the smallest scale that fits now (see placement.learned)
+        # CS's order, the smallest scale that fits now (see placement.learned)
+        for k, n, c in layouts(job.procs, self.smallest.cores, SCALE_FACTORS, job.min_nodes, job.max_nodes):
             ratio = runtimes[k] / base if base and k in runtimes else 1.0
-            n, c = spread(job.procs, self.smallest.cores, k, job.min_nodes)
-            if n > len(self.loads) or not job.allows(n):
+            if n > len(self.loads):
                 continue
             cand = []
             for name, load in self.loads.items():
