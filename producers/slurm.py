@@ -219,7 +219,10 @@ class SlurmCommands:
 
     def _run(self, *args: str) -> str:
         try:
-            out = subprocess.run(list(args), capture_output=True, text=True, timeout=30, env=self.env)
+            # errors="replace": a job's name, path or comment need not be UTF-8, and one that is not
+            # must not stop the source (it reads every job's record in one listing)
+            out = subprocess.run(list(args), capture_output=True, text=True, errors="replace", timeout=30,
+                                 env=self.env)
         except subprocess.TimeoutExpired:  # a controller that does not answer: not reached, tried again
             raise RuntimeError(f"{' '.join(args)} did not answer within 30 s (Socket timed out)") from None
         if out.returncode != 0:
@@ -278,8 +281,9 @@ class SlurmCommands:
     def node_ranges(self) -> dict[str, tuple[int, int | None]]:
         """The node count each job the controller knows asked for, ``(min, max)``, from one
         ``scontrol show job -o`` of every job: ``NumNodes=2-2`` for ``-N 2``, ``1-2`` for ``-N 1-3``
-        of two tasks (max None: unbounded) where the job gave ``-N``, a bare ``NumNodes=1`` where it
-        gave none (measured on Slurm 22.05; squeue's %D and MaxNodes read the same for ``-N 1`` and
+        of two tasks where the job gave ``-N``, a bare ``NumNodes=1`` where it gave none (left out:
+        it bounds nothing), a bare minimum where Slurm worked one out (``-w n1,n2``: 2, max None)
+        (measured on Slurm 22.05; squeue's %D and MaxNodes read the same for ``-N 1`` and
         no ``-N``). Jobs whose count Slurm prints otherwise (24.05's ``1,2,4`` sizes) are left out,
         as are array jobs' pending tasks (squeue shows ``123_[1-10]``, scontrol ``JobId=123``).
         Raises ControllerAway when the controller does not answer."""
@@ -291,7 +295,7 @@ class SlurmCommands:
         for line in text.splitlines():
             job = re.search(r"(?:^|\s)JobId=(\S+)", line)
             count = re.search(r"(?:^|\s)NumNodes=(\d+)(?:-(\d+))?(?:\s|$)", line)
-            if job and count:
+            if job and count and (count.group(2) or int(count.group(1)) > 1):  # a bare 1 says nothing
                 out[job.group(1)] = (int(count.group(1)), int(count.group(2)) if count.group(2) else None)
         return out
 

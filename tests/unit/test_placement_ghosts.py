@@ -177,7 +177,7 @@ def test_the_slurm_source_says_which_node_count_a_pending_job_asked_for(tmp_path
     source.commands = Slurm({})
     events, _ = source.step()
     assert [(e.job_id, e.program, e.cores, e.nodes_requested, e.nodes_max) for e in events] == [
-        ("7", "wide|job", 2, 2, 2), ("8", "narrow", 4, 1, None), ("9", "odd", 2, None, None),
+        ("7", "wide|job", 2, 2, 2), ("8", "narrow", 4, None, None), ("9", "odd", 2, None, None),
         ("10", "started", 2, None, None)]
     queue.append("11|u|a|8|2026-03-01T00:00:00|PENDING|pinned")  # -w n1,n2: a bare minimum of 2
     asked.clear()
@@ -222,3 +222,22 @@ def test_a_node_count_is_written_only_where_the_job_gave_one_and_an_older_pickle
     revived = pickle.loads(pickle.dumps(plain))
     revived.__setstate__(older)
     assert revived.nodes_requested is None and revived.nodes_max is None and revived == plain
+
+
+def test_a_job_record_that_is_not_utf8_does_not_stop_the_source(tmp_path: Path) -> None:
+    """The node counts come from every job's record in one listing, and a user's job name, path or
+    comment need not be UTF-8: the listing is read with those bytes replaced (before, one such byte
+    raised UnicodeDecodeError out of the source's step, and its restart met it again)."""
+    import os
+    import stat
+
+    from nodeshare.producers.slurm import SlurmCommands
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "scontrol"
+    fake.write_bytes(b"#!/bin/sh\nprintf 'JobId=7 JobName=j\\366rg NumNodes=2-2 NumCPUs=2 WorkDir=/home/j\\366rg\\n"
+                     b"JobId=8 NumNodes=1 NumCPUs=1\\n'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    commands = SlurmCommands({**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert commands.node_ranges() == {"7": (2, 2)}  # job 8's bare 1 bounds nothing

@@ -79,21 +79,28 @@ def test_spread_by_hand() -> None:
 
 
 def test_layouts_keep_to_the_node_count_a_job_asked_for_by_hand() -> None:
+    def tried(*args: object) -> list[tuple[int, int, int, bool]]:
+        return [(x.scale, x.nodes, x.cores, x.asked) for x in layouts(*args)]  # type: ignore[arg-type]
+
     every = (1, 2, 4, 8)
-    # no bound: Seed 001's spread at every scale factor
-    assert layouts(20, 16, every) == [(1, 2, 10), (2, 4, 5), (4, 8, 3), (8, 16, 2)]
-    # -N 2 -n 2 (2 to 2 nodes): scale 2 is n = 2 * ceil(2/16) = 2, c = 1; the others are not 2 nodes
-    assert layouts(2, 16, every, 2, 2) == [(2, 2, 1)]
-    # -N 2-8 -n 20: n in [2, 8]; scale 8's 16 nodes is past it; in the policy's order (SNS: fastest first)
-    assert layouts(20, 16, (4, 2, 1, 8), 2, 8) == [(4, 8, 3), (2, 4, 5), (1, 2, 10)]
-    # -N 3 -n 3: no scale factor gives 3 nodes (1, 2, 4, 8): the count itself, at scale 3 / 1 = 3
-    assert layouts(3, 16, every, 3, 3) == [(3, 3, 1)]
-    # -N 1 -n 32 on nodes of 16 cores at the smallest: compact is 2 nodes, past the 1 asked for; only
-    # a bigger node holds it: 1 node of 32 cores, scale 1
-    assert layouts(32, 16, every, 1, 1) == [(1, 1, 32)]
-    # never more nodes than processes for a bounded job; a minimum alone only cuts the small ones
-    assert layouts(2, 16, every, 1, 4) == [(1, 1, 2), (2, 2, 1)]
-    assert layouts(20, 16, every, 4) == [(2, 4, 5), (4, 8, 3), (8, 16, 2)]
+    # no count asked: Seed 001's spread at every scale factor, in the policy's order
+    assert tried(20, 16, every) == [(1, 2, 10, False), (2, 4, 5, False), (4, 8, 3, False), (8, 16, 2, False)]
+    assert tried(20, 16, (4, 2, 1, 8), 1, None, 3) == [(4, 8, 3, False), (2, 4, 5, False), (1, 2, 10, False),
+                                                       (8, 16, 2, False)]  # the cluster's size plays no part
+    # -N 2 -n 2: scale 2 is n = 2 * ceil(2/16) = 2, c = 1; then the count asked nearest compact (2)
+    assert tried(2, 16, every, 2, 2) == [(2, 2, 1, False), (2, 2, 1, True)]
+    # -N 2-8 -n 20 on 10 nodes: scale 8's 16 nodes is past it; the nearest count to compact (2) last
+    assert tried(20, 16, (4, 2, 1, 8), 2, 8, 10) == [(4, 8, 3, False), (2, 4, 5, False), (1, 2, 10, False),
+                                                     (1, 2, 10, True)]
+    # -N 3 -n 3: no scale factor gives 3 nodes: 3 itself, scale 3 // 1
+    assert tried(3, 16, every, 3, 3) == [(3, 3, 1, True)]
+    # -N 1 -n 32, smallest node 16 cores: compact is 2 nodes, past the 1 asked: 1 node of 32 cores
+    assert tried(32, 16, every, 1, 1) == [(1, 1, 32, True)]
+    # -N 5-8 -n 8 on 6 nodes: scale 8's 8 nodes do not exist; 5 nodes of 2 cores do
+    assert tried(8, 16, every, 5, 8, 6) == [(5, 5, 2, True)]
+    # a minimum alone (-w of 5 nodes, -n 5): never more nodes than processes
+    assert tried(5, 16, every, 5, None, 8) == [(5, 5, 1, True)]
+    assert tried(2, 16, every, 3, None) == []  # 3 nodes for 2 processes: none (Slurm would not run it)
 
 
 @pytest.mark.parametrize("policy", [CE, CS, SNS, LEARNED], ids=lambda p: p.name)
@@ -110,6 +117,21 @@ def test_a_job_is_placed_on_the_node_count_it_asked_for(policy: Policy) -> None:
     assert len(set(placed["wide"].nodes)) == 2 and placed["wide"].cores_per_node == 1
     assert placed["wide"].scale == 2  # as its profile will record the run (two nodes for two processes)
     assert len(placed["narrow"].nodes) == 1
+
+
+@pytest.mark.parametrize("policy", [CS, SNS, LEARNED], ids=lambda p: p.name)
+def test_a_job_whose_scale_factors_miss_its_count_still_gets_the_count(policy: Policy) -> None:
+    """``-N 5-8 -n 8`` on 6 empty nodes: the one scale factor in range (8 nodes) does not exist here,
+    5 nodes do; and ``-N 2 -n 2`` of a program its profile finds 1.5 times slower on 2 nodes, which
+    the alpha check refuses as a spread (SNS), but which is the count the job asked for."""
+    s = Scheduler({f"n{i}": NODE for i in range(6)}, policy)
+    s.submit(PendingJob("wide", 8, 0.9, 0.0, Fixed({1: 100.0}, ways=1, bw=1.0), "P", min_nodes=5, max_nodes=8))
+    [d] = s.schedule(0.0)
+    assert d.placement is not None and len(d.placement.nodes) == 5 and d.placement.cores_per_node == 2
+    compact = Fixed({1: 100.0, 2: 150.0}, ways=1, bw=1.0)
+    s.submit(PendingJob("pinned", 2, 0.9, 1.0, compact, "Q", min_nodes=2, max_nodes=2))
+    [d] = s.schedule(1.0)
+    assert d.placement is not None and len(d.placement.nodes) == 2
 
 
 @pytest.mark.parametrize("policy", [CS, SNS, LEARNED], ids=lambda p: p.name)

@@ -74,28 +74,39 @@ def spread(procs: int, cores_per_node: int, scale: int) -> tuple[int, int]:
     return n, math.ceil(procs / n)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A way to lay a job out: ``scale`` (k), ``nodes`` (n) and ``cores`` per node (c). ``asked``:
+    the count the job asked for nearest compact, its own baseline, which the alpha check does not
+    charge for spreading (the job chose it)."""
+
+    scale: int
+    nodes: int
+    cores: int
+    asked: bool = False
+
+
 def layouts(procs: int, cores_per_node: int, scales: Iterable[int], min_nodes: int = 1,
-            max_nodes: int | None = None) -> list[tuple[int, int, int]]:
-    """The (scale factor, nodes, cores per node) to try, in the order of ``scales``: ``spread``'s for
-    each scale factor whose node count is one the job asked for (``min_nodes`` to ``max_nodes``,
-    Slurm's ``-N min[-max]``; a bounded job never on more nodes than processes). The scale factor
-    counts from ``ceil(P / T)`` nodes, as the profiles do (``profiles.scale_of``), so a run's
-    predicted and recorded scale agree. A bounded job that no scale factor fits gets the one count
-    in its range closest to compact, at the scale it makes (1 below compact: ``-N 1 -n 32`` where
-    the smallest node has 16 cores, a count only a bigger node holds). An unbounded job is Seed
-    001's: every scale factor."""
-    upper = None if max_nodes is None else min(max_nodes, procs)
-    out = []
-    for k in scales:
-        n, c = spread(procs, cores_per_node, k)
-        if n >= min_nodes and (upper is None or n <= upper):
-            out.append((k, n, c))
-    if not out and (min_nodes > 1 or upper is not None):
-        compact = math.ceil(procs / cores_per_node)
-        n = max(min_nodes, compact if upper is None else min(compact, upper))
-        if upper is None or n <= upper:
-            out.append((max(1, n // compact), n, math.ceil(procs / n)))
-    return out
+            max_nodes: int | None = None, cluster_nodes: int | None = None) -> list[Layout]:
+    """The layouts to try, in the order of ``scales``: ``spread``'s for each scale factor. A job that
+    asked for a node count (``min_nodes`` above 1 or a ``max_nodes``: Slurm's ``-N min[-max]``) keeps
+    to it, and to at most one node per process and the ``cluster_nodes`` there are: the scale
+    factors whose n falls in that range, then the count in it nearest compact (``ceil(P / T)``),
+    ``asked``, so a job whose scale factors all miss or cannot be placed still has one (``-N 5-8 -n
+    8`` on 6 nodes: 5 nodes; ``-N 1 -n 32`` where the smallest node has 16 cores: 1 node of 32 cores,
+    which only a bigger node holds). Its scale factor counts from ``ceil(P / T)`` nodes, as the
+    profiles do (``profiles.scale_of``); the nearest count's is n // ceil(P / T), at least 1. A job
+    that asked for no count is Seed 001's: every scale factor, unchanged."""
+    plain = [Layout(k, *spread(procs, cores_per_node, k)) for k in scales]
+    if min_nodes <= 1 and max_nodes is None:
+        return plain
+    upper = min([procs, *(x for x in (max_nodes, cluster_nodes) if x is not None)])
+    if min_nodes > upper:
+        return []  # no count it asked for exists here (Slurm would not start it either)
+    compact = math.ceil(procs / cores_per_node)
+    n = min(max(compact, min_nodes), upper)
+    return [x for x in plain if min_nodes <= x.nodes <= upper] + \
+        [Layout(max(1, n // compact), n, math.ceil(procs / n), asked=True)]
 
 
 @dataclass(frozen=True)
@@ -308,15 +319,17 @@ class Scheduler:
         runtimes = job.profile.runtime_by_scale()
         base = runtimes.get(1)
         refused = None
-        for k, n, c in layouts(job.procs, self.smallest.cores, self.policy.scales(runtimes), job.min_nodes,
-                               job.max_nodes):
+        for lay in layouts(job.procs, self.smallest.cores, self.policy.scales(runtimes), job.min_nodes,
+                           job.max_nodes, len(self.loads)):
+            k, n, c = lay.scale, lay.nodes, lay.cores
             if n > len(self.loads):
                 continue
             llc = None
             if self.policy.resource_aware:
                 # alpha bounds the slowdown against the CE run (Seed 001 Section 4.3), and a scale
-                # factor already changes the run time by T_k / T_1: only the rest may go to sharing.
-                share = job.alpha * (runtimes[k] / base if base and k in runtimes else 1.0)
+                # factor already changes the run time by T_k / T_1: only the rest may go to sharing
+                # (not for the count the job asked for: its own baseline).
+                share = job.alpha * (runtimes[k] / base if base and k in runtimes and not lay.asked else 1.0)
                 if share > 1.0:
                     continue  # spreading alone already costs more than alpha allows
                 llc = self._demand(job, c, share)
@@ -342,8 +355,10 @@ class Scheduler:
         limit = -math.log(job.alpha)
         refused = None
         # CS's order, the smallest scale that fits now (see placement.learned)
-        for k, n, c in layouts(job.procs, self.smallest.cores, SCALE_FACTORS, job.min_nodes, job.max_nodes):
-            ratio = runtimes[k] / base if base and k in runtimes else 1.0
+        for lay in layouts(job.procs, self.smallest.cores, SCALE_FACTORS, job.min_nodes, job.max_nodes,
+                           len(self.loads)):
+            k, n, c = lay.scale, lay.nodes, lay.cores
+            ratio = runtimes[k] / base if base and k in runtimes and not lay.asked else 1.0
             if n > len(self.loads):
                 continue
             cand = []
