@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeshare.producers.slurm_lost_nodes import DEFAULT_WAIT_S, WATCH_FILE, LostNodeWatch, nodes_down, watch_key
+from nodeshare.producers.slurm_node_counts import NodeRange, parse_node_ranges, usable_range
 from nodeshare.runtime import metrics
 from nodeshare.runtime.logs import fields
 from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState, NodeDown
@@ -278,26 +279,13 @@ class SlurmCommands:
         text = self._run("squeue", "-h", "-t", "all", "-o", "%i|%u|%a|%C|%V|%T|%j")
         return [dict(zip(keys, line.split("|", 6), strict=True)) for line in text.splitlines() if line.count("|") >= 6]
 
-    def node_ranges(self) -> dict[str, tuple[int, int | None]]:
-        """The node count each job the controller knows asked for, ``(min, max)``, from one
-        ``scontrol show job -o`` of every job: ``NumNodes=2-2`` for ``-N 2``, ``1-2`` for ``-N 1-3``
-        of two tasks where the job gave ``-N``, a bare ``NumNodes=1`` where it gave none (left out:
-        it bounds nothing), a bare minimum where Slurm worked one out (``-w n1,n2``: 2, max None)
-        (measured on Slurm 22.05; squeue's %D and MaxNodes read the same for ``-N 1`` and
-        no ``-N``). Jobs whose count Slurm prints otherwise (24.05's ``1,2,4`` sizes) are left out,
-        as are array jobs' pending tasks (squeue shows ``123_[1-10]``, scontrol ``JobId=123``).
-        Raises ControllerAway when the controller does not answer."""
+    def node_ranges(self) -> dict[str, NodeRange]:
+        """Each job's node count from one ``scontrol show job -o`` (``slurm_node_counts``); raises
+        ControllerAway when the controller does not answer."""
         try:
-            text = self._run("scontrol", "show", "job", "-o")
+            return parse_node_ranges(self._run("scontrol", "show", "job", "-o"))
         except RuntimeError as exc:
             raise ControllerAway(f"no node counts from the controller: {exc}") from None
-        out: dict[str, tuple[int, int | None]] = {}
-        for line in text.splitlines():
-            job = re.search(r"(?:^|\s)JobId=(\S+)", line)
-            count = re.search(r"(?:^|\s)NumNodes=(\d+)(?:-(\d+))?(?:\s|$)", line)
-            if job and count and (count.group(2) or int(count.group(1)) > 1):  # a bare 1 says nothing
-                out[job.group(1)] = (int(count.group(1)), int(count.group(2)) if count.group(2) else None)
-        return out
 
 
 def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
@@ -307,24 +295,17 @@ def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
     return ("sacctmgr", "-i", "modify", "job", "where", f"JobID={job_id}", "set", f"AdminComment={comment}")
 
 
-def submitted_event(row: Mapping[str, str], cluster: str,
-                    node_range: tuple[int, int | None] | None = None) -> JobEvent:
-    """A squeue row's submission; ``node_range``: the (min, max) node count it asked for (max None:
-    no bound), if known. A count Slurm would not run, more nodes than CPUs, is left out, logged:
-    the job is still placed."""
+def submitted_event(row: Mapping[str, str], cluster: str, node_range: NodeRange | None = None) -> JobEvent:
+    """A squeue row's submission, with the node count it asked for if known (one Slurm would not run
+    is logged and left out: the job is still placed)."""
     submit = datetime.fromisoformat(row["submit"]).astimezone(UTC)  # squeue prints local time
-    low = high = None
-    if node_range is not None:
-        cores = int(row["cores"]) if row["cores"].isdigit() else 0
-        least, most = node_range
-        if 1 <= least <= cores and (most is None or least <= most):
-            low, high = least, None if most is None else min(most, cores)
-        else:
-            log.warning("job %s: node count %s-%s for %s CPUs left out of its submission", row["job_id"],
-                        least, most, row["cores"], extra=fields(job_id=row["job_id"]))
+    asked = usable_range(node_range, int(row["cores"]) if row["cores"].isdigit() else 0)
+    if node_range is not None and asked is None:
+        log.warning("job %s: node count %s for %s CPUs left out of its submission", row["job_id"], node_range,
+                    row["cores"], extra=fields(job_id=row["job_id"]))
     return _event(cluster, row["job_id"], JobState.SUBMITTED, submit, user=row["user"], account=row["account"],
                   program=row["program"], cores=row["cores"], nodes=(), submit=submit,
-                  nodes_requested=low, nodes_max=high)
+                  nodes_requested=asked[0] if asked else None, nodes_max=asked[1] if asked else None)
 
 
 #: The started map's file in the events directory: a dot name, which the source's scan skips and no
@@ -352,7 +333,7 @@ class SlurmSource:
     terminal_from_epilog: bool = False
     seen_submitted: set[str] = field(default_factory=set)
     #: the node count each waiting job asked for (``SlurmCommands.node_ranges``; None: not known)
-    node_counts: dict[str, tuple[int, int | None] | None] = field(default_factory=dict)
+    node_counts: dict[str, NodeRange | None] = field(default_factory=dict)
     started: dict[str, datetime] = field(default_factory=dict)
     state_file: Path | None = None
     #: how long the nodes of a NODE_FAIL job that do not read lost yet are watched (``slurm_lost_nodes``)
@@ -374,8 +355,7 @@ class SlurmSource:
             rows = self.commands.queue()
             waiting = {r["job_id"] for r in rows if r.get("state") == "PENDING"}
             new = [r for r in rows if r["job_id"] not in self.seen_submitted]
-            # only a waiting job's request matters to placement: the counts of every new waiting job
-            # in one call, kept while its submission waits for the broker (and while it waits)
+            # a waiting job's count, asked once in one call for all new ones, kept while it waits
             self.node_counts = {j: c for j, c in self.node_counts.items() if j in waiting}
             publish = True
             if any(r["job_id"] in waiting and r["job_id"] not in self.node_counts for r in new):

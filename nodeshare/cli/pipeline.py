@@ -186,9 +186,8 @@ def demo(
 @app.command()
 def broker(port: Annotated[int | None, typer.Option(
                help="port (default: a free one; with --data, the one it had last time)")] = None,
-           host: Annotated[str, typer.Option(
-               help="address to listen on, and the one clients are given: 127.0.0.1, or e.g. the bridge address "
-                    "of namespace nodes (docs/deployment.md)")] = "127.0.0.1",
+           host: Annotated[str, typer.Option(help="address to listen on and give clients (e.g. the bridge "
+                                                  "address of namespace nodes: docs/deployment.md)")] = "127.0.0.1",
            data: Annotated[Path | None, typer.Option(
                help="keep topics, records and committed offsets in this directory across restarts (Tansu's S3 "
                     "engine on a local s3rver, installed with npm on first use); default: in memory, lost at exit")]
