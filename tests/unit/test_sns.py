@@ -85,8 +85,7 @@ def test_layouts_keep_to_the_node_count_a_job_asked_for_by_hand() -> None:
     every = (1, 2, 4, 8)
     # no count asked: Seed 001's spread at every scale factor, in the policy's order
     assert tried(20, 16, every) == [(1, 2, 10, False), (2, 4, 5, False), (4, 8, 3, False), (8, 16, 2, False)]
-    assert tried(20, 16, (4, 2, 1, 8), 1, None, 3) == [(4, 8, 3, False), (2, 4, 5, False), (1, 2, 10, False),
-                                                       (8, 16, 2, False)]  # the cluster's size plays no part
+    assert tried(20, 16, (4, 2, 1, 8), 1, None, 3) == [(1, 2, 10, False)]  # none wider than the 3 nodes there are
     # -N 2 -n 2: scale 2 is n = 2 * ceil(2/16) = 2, c = 1; then the count asked nearest compact (2)
     assert tried(2, 16, every, 2, 2) == [(2, 2, 1, False), (2, 2, 1, True)]
     # -N 2-8 -n 20 on 10 nodes: scale 8's 16 nodes is past it; the nearest count to compact (2) last

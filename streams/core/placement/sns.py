@@ -88,7 +88,8 @@ class Layout:
 
 def layouts(procs: int, cores_per_node: int, scales: Iterable[int], min_nodes: int = 1,
             max_nodes: int | None = None, cluster_nodes: int | None = None) -> list[Layout]:
-    """The layouts to try, in the order of ``scales``: ``spread``'s for each scale factor. A job that
+    """The layouts to try, in the order of ``scales``: ``spread``'s for each scale factor, on no more
+    nodes than the ``cluster_nodes`` there are. A job that
     asked for a node count (``min_nodes`` above 1 or a ``max_nodes``: Slurm's ``-N min[-max]``) keeps
     to it, and to at most one node per process and the ``cluster_nodes`` there are: the scale
     factors whose n falls in that range, then the count in it nearest compact (``ceil(P / T)``),
@@ -97,7 +98,8 @@ def layouts(procs: int, cores_per_node: int, scales: Iterable[int], min_nodes: i
     which only a bigger node holds). Its scale factor counts from ``ceil(P / T)`` nodes, as the
     profiles do (``profiles.scale_of``); the nearest count's is n // ceil(P / T), at least 1. A job
     that asked for no count is Seed 001's: every scale factor, unchanged."""
-    plain = [Layout(k, *spread(procs, cores_per_node, k)) for k in scales]
+    plain = [x for x in (Layout(k, *spread(procs, cores_per_node, k)) for k in scales)
+             if cluster_nodes is None or x.nodes <= cluster_nodes]
     if min_nodes <= 1 and max_nodes is None:
         return plain
     upper = min([procs, *(x for x in (max_nodes, cluster_nodes) if x is not None)])
@@ -322,8 +324,6 @@ class Scheduler:
         for lay in layouts(job.procs, self.smallest.cores, self.policy.scales(runtimes), job.min_nodes,
                            job.max_nodes, len(self.loads)):
             k, n, c = lay.scale, lay.nodes, lay.cores
-            if n > len(self.loads):
-                continue
             llc = None
             if self.policy.resource_aware:
                 # alpha bounds the slowdown against the CE run (Seed 001 Section 4.3), and a scale
@@ -359,8 +359,6 @@ class Scheduler:
                            len(self.loads)):
             k, n, c = lay.scale, lay.nodes, lay.cores
             ratio = runtimes[k] / base if base and k in runtimes and not lay.asked else 1.0
-            if n > len(self.loads):
-                continue
             cand = []
             for name, load in self.loads.items():
                 if not load.fits(c, 0, 0.0, self.policy):
