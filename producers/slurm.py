@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeshare.producers.slurm_lost_nodes import DEFAULT_WAIT_S, WATCH_FILE, LostNodeWatch, nodes_down, watch_key
-from nodeshare.producers.slurm_node_counts import NodeRange, parse_node_ranges, usable_range
+from nodeshare.producers.slurm_node_counts import NodeRange, parse_node_ranges
 from nodeshare.runtime import metrics
 from nodeshare.runtime.logs import fields
 from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState, NodeDown
@@ -296,16 +296,24 @@ def annotate_command(job_id: str, comment: str) -> tuple[str, ...]:
 
 
 def submitted_event(row: Mapping[str, str], cluster: str, node_range: NodeRange | None = None) -> JobEvent:
-    """A squeue row's submission, with the node count it asked for if known (one Slurm would not run
-    is logged and left out: the job is still placed)."""
+    """A squeue row's submission, with the node count it asked for if known. A count the event's own
+    rules refuse (more nodes than CPUs, say) is logged and left out: the job is still placed."""
     submit = datetime.fromisoformat(row["submit"]).astimezone(UTC)  # squeue prints local time
-    asked = usable_range(node_range, int(row["cores"]) if row["cores"].isdigit() else 0)
-    if node_range is not None and asked is None:
-        log.warning("job %s: node count %s for %s CPUs left out of its submission", row["job_id"], node_range,
-                    row["cores"], extra=fields(job_id=row["job_id"]))
-    return _event(cluster, row["job_id"], JobState.SUBMITTED, submit, user=row["user"], account=row["account"],
-                  program=row["program"], cores=row["cores"], nodes=(), submit=submit,
-                  nodes_requested=asked[0] if asked else None, nodes_max=asked[1] if asked else None)
+
+    def event(asked: NodeRange | None) -> JobEvent:
+        return _event(cluster, row["job_id"], JobState.SUBMITTED, submit, user=row["user"], account=row["account"],
+                      program=row["program"], cores=row["cores"], nodes=(), submit=submit,
+                      nodes_requested=asked[0] if asked else None, nodes_max=asked[1] if asked else None)
+    if node_range is None:
+        return event(None)
+    try:
+        return event(node_range)
+    except HookFileError:
+        raise
+    except ValueError as exc:
+        log.warning("job %s: node count %s left out of its submission: %s", row["job_id"], node_range, exc,
+                    extra=fields(job_id=row["job_id"]))
+        return event(None)
 
 
 #: The started map's file in the events directory: a dot name, which the source's scan skips and no

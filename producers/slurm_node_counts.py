@@ -27,13 +27,3 @@ def parse_node_ranges(listing: str) -> dict[str, NodeRange]:
             out[job.group(1)] = (int(count.group(1)), int(count.group(2)) if count.group(2) else None)
     return out
 
-
-def usable_range(asked: NodeRange | None, cores: int) -> NodeRange | None:
-    """``asked`` as a submission carries it: its maximum at most one node per core; None for a count
-    Slurm would not run (more nodes than CPUs, a maximum below the minimum)."""
-    if asked is None:
-        return None
-    least, most = asked
-    if not 1 <= least <= cores or (most is not None and most < least):
-        return None
-    return least, None if most is None else min(most, cores)
