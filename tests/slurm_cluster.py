@@ -219,9 +219,12 @@ def restart_controller(env: dict[str, str], down_s: float = 2.0) -> None:
 
 
 def squeue_states(env: dict[str, str], job_ids: list[str]) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%T"], env=env,
+    """Each job's state, in the order of ``job_ids`` (squeue lists them in an order of its own; a
+    job it no longer shows reads ``?``)."""
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i %T"], env=env,
                          capture_output=True, text=True, check=True)
-    return out.stdout.split()
+    states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+    return [states.get(j, "?") for j in job_ids]
 
 
 def run_agent_until_idle(env: dict[str, str], settings_env: dict[str, str], spool: Path,

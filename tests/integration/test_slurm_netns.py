@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 from netns_nodes import crash, netns_cluster, netns_missing
-from slurm_cluster import SHUTTER, lifecycle_source, local_slurm, missing
+from slurm_cluster import SHUTTER, lifecycle_source, local_slurm, missing, squeue_states
 
 from nodeshare.demo import Pipeline, running_pipeline
 from nodeshare.deploy.broker import BundledBroker
 from nodeshare.deploy.netns import NetnsCluster
+from nodeshare.producers.slurm import SlurmCommands
 from nodeshare.producers.slurm_hooks import install_hooks
 from nodeshare.producers.slurm_scheduler import SchedulerCommands, run_scheduler
 from nodeshare.runtime.config import Settings
@@ -104,18 +105,10 @@ def workload(progress: Path, kind: str, seconds: float, srun: bool = False) -> s
 
 
 def where(env: dict[str, str], job: str) -> list[str]:
-    """The nodes Slurm ran ``job`` on (``scontrol show hostnames`` of its node list)."""
+    """The nodes Slurm ran ``job`` on."""
     listed = subprocess.run(["squeue", "-h", "-t", "all", "-j", job, "-o", "%N"], env=env, capture_output=True,
                             text=True, check=True).stdout.strip()
-    return subprocess.run(["scontrol", "show", "hostnames", listed], env=env, capture_output=True, text=True,
-                          check=True).stdout.split()
-
-
-def states(env: dict[str, str], ids: list[str]) -> dict[str, str]:
-    """Each job's state, by job id (squeue lists them in an order of its own)."""
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", "%i %T"], env=env,
-                         capture_output=True, text=True, check=True).stdout
-    return dict(line.split() for line in out.splitlines() if line.strip())
+    return list(SlurmCommands(env).hostnames(listed))
 
 
 def charged(pipeline: Pipeline, ids: list[str]) -> dict[str, Charge]:
@@ -151,7 +144,8 @@ def test_jobs_of_one_and_two_nodes_are_placed_shuttered_and_charged_per_node(tmp
                 "llc_ways": 11, "mem_bandwidth_gbps": 20.0, "on_plan": lambda d, p: plans.append((d, p))})
             adapter.start()
             try:
-                until(lambda: set(states(env, ids).values()) == {"COMPLETED"}, 180, lambda: (states(env, ids), plans))
+                until(lambda: set(squeue_states(env, ids)) == {"COMPLETED"}, 180,
+                      lambda: (squeue_states(env, ids), plans))
                 pipeline.wait(charges=3, archived=0, timeout_s=120, report=lambda *_: None)
             finally:
                 stop.set()
@@ -192,15 +186,15 @@ def test_a_node_that_dies_under_a_two_node_job_leaves_its_jobs_charged_as_node_l
                   for n in (second, third)]
         ids = [wide, *beside]
         with lifecycle_source(settings, tmp_path / "events", env) as published:
-            until(lambda: set(states(env, ids).values()) == {"RUNNING"}, 60, lambda: states(env, ids))
+            until(lambda: set(squeue_states(env, ids)) == {"RUNNING"}, 60, lambda: squeue_states(env, ids))
             time.sleep(5 * BATCH_AGE_S)  # blocks sent from both nodes
             killed = crash(cluster, third)
             assert killed and running[third].wait(10) is not None  # its agent went with it
             down_at = time.monotonic()
             # Slurm ends the jobs on the dead node with NODE_FAIL once it stops answering, and kills the
             # two-node job's half on the live node; the live node's own job runs on
-            after = {wide: "NODE_FAIL", beside[0]: "RUNNING", beside[1]: "NODE_FAIL"}
-            until(lambda: states(env, ids) == after, 60, lambda: states(env, ids))
+            after = ["NODE_FAIL", "RUNNING", "NODE_FAIL"]  # the two-node job, the live node's, the dead node's
+            until(lambda: squeue_states(env, ids) == after, 60, lambda: squeue_states(env, ids))
             failed_after = time.monotonic() - down_at
             pipeline.wait(charges=2, archived=0, timeout_s=120, report=lambda *_: None)
             subprocess.run(["scancel", beside[0]], env=env, check=True)  # the live node's own job ends
