@@ -142,6 +142,10 @@ class Settings(BaseSettings):
     # the interval's margin for the estimator's bias, margin_abs + margin_rel x D (docs/charges.md)
     margin_abs: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01  # confidence.DEFAULT_MARGIN_ABS
     margin_rel: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05  # confidence.DEFAULT_MARGIN_REL
+    # the short-sample margin: added to the D priced when an estimate rests on samples of S <=
+    # short_sample_us that no longer S checked (docs/charges.md, "The short-sample margin")
+    short_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.015  # confidence.DEFAULT_SHORT_MARGIN
+    short_sample_us: Annotated[int, Field(ge=1, le=1_000_000)] = 3200  # confidence.DEFAULT_SHORT_SAMPLE_US
     # What the standard price multiplies (streams.core.pricing.billed_units): "cores" (POPPA's C), or
     # "tres": Slurm's billing count where the lifecycle event carries it (the Slurm source's), else the
     # partition's TRESBillingWeights below (slurm.conf's syntax, "CPU=1.0,Mem=0.25G,GRES/gpu=2.0")
@@ -230,6 +234,7 @@ class Settings(BaseSettings):
                              rate_function=self.rate_function, estimator=self.estimator,
                              confidence=self.confidence, price_at_bound=self.price_at_bound,
                              prior_high=self.prior_high, margin_abs=self.margin_abs, margin_rel=self.margin_rel,
+                             short_margin=self.short_margin, short_sample_us=self.short_sample_us,
                              standard_units=self.standard_units,
                              billing_weights=tuple(sorted(self.billing_weights.items())), code_version=__version__)
 

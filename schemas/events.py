@@ -66,7 +66,10 @@ from pydantic import (
 #: * 9: a ``JobEvent`` may carry the node count the job asked for (``nodes_requested`` and
 #:   ``nodes_max``, Slurm's ``-N min[-max]``): the placement manager places it on a count in that
 #:   range (before, a two-node job of two tasks was packed onto one node, against its request).
-SCHEMA_VERSION = 9
+#: * 10: ``Charge`` states the short-sample margin it was priced under (``short_margin``,
+#:   ``short_sample_us``) and what it added to the shared-time D (``short_margin_applied``): an
+#:   estimate from short samples that no longer one checked is biased low (streams.core.confidence).
+SCHEMA_VERSION = 10
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
 EARLIEST_EVENT_TIME = datetime(2000, 1, 1, tzinfo=UTC)
@@ -967,6 +970,14 @@ class Charge(Record):
     #: version's charge, whose interval had no margin.
     interval_margin_abs: Fraction01 | None = None
     interval_margin_rel: Fraction01 | None = None
+    #: The short-sample margin (version 10; streams.core.confidence): the policy's margin and the
+    #: longest S it covers (None: an earlier version's charge, priced without), and what it added to
+    #: the shared-time D priced and to the interval's margin (the margin where the estimate rests on
+    #: samples of S <= ``short_sample_us`` that no longer S checked, else 0). ``degradation_point``
+    #: stays the estimate.
+    short_margin: Fraction01 | None = None
+    short_sample_us: PosInt | None = None
+    short_margin_applied: Fraction01 = 0.0
     #: ``mixed_s`` only (version 6): the evidence per sample length S, by S, at most
     #: ``MAX_CHARGE_LEVELS``; empty for the other estimators.
     levels: tuple[LevelEvidence, ...] = ()
@@ -1010,7 +1021,8 @@ ADDED_IN: dict[type[Record], dict[str, int]] = {
              "degradation_high": 6, "interval_method": 6, "interval_blocks": 6, "confidence": 6,
              "priced_at": 6, "prior_degradation_high": 6, "levels": 6,
              "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8, "adjustment_credit": 8,
-             "partition": 8, "billing_units": 8, "billing_weights": 8},
+             "partition": 8, "billing_units": 8, "billing_weights": 8, "short_margin": 10, "short_sample_us": 10,
+             "short_margin_applied": 10},
     JobEvent: {"partition": 8, "tres": 8, "nodes_requested": 9, "nodes_max": 9},
     JobLeftNode: {"alone_us": 4},
     DegradationEstimate: {"corrected": 2, "estimator": 2, "features": 3},

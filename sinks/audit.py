@@ -25,7 +25,7 @@ from nodeshare.schemas.catalog import JOBS_LIFECYCLE, NODE_IPC, spec_for_topic
 from nodeshare.schemas.serde import DecodeError, decode, decode_model
 from nodeshare.schemas.signing import Verifier, identity_problem
 from nodeshare.streams.core.accounting import Message, PricingPolicy, fold_states
-from nodeshare.streams.core.confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH
+from nodeshare.streams.core.confidence import DEFAULT_CONFIDENCE, DEFAULT_PRIOR_HIGH, DEFAULT_SHORT_SAMPLE_US
 
 from .archive import ParquetArchive
 from .fast_audit import Progress, Runner, fast_recompute, in_process
@@ -178,7 +178,8 @@ EVERY_JOB = Window()
 def policy_of(charge: Charge) -> PricingPolicy:
     """The policy a charge was priced under, from what it records (a charge before version 6 was
     priced at its point estimate; one before version 7 had no interval margin; one before version 8
-    by its cores; one of version 8 by the weights it names, if any)."""
+    by its cores; one of version 8 by the weights it names, if any; one before version 10 had no
+    short-sample margin)."""
     bound = charge.priced_at == "upper_bound"
     return PricingPolicy(rate_per_core_hour=charge.rate_per_core_hour, delta=charge.delta,
                          rate_function=charge.rate_function, estimator=charge.estimator,
@@ -187,6 +188,8 @@ def policy_of(charge: Charge) -> PricingPolicy:
                          else charge.prior_degradation_high,
                          prior_without_evidence=charge.confidence is not None,
                          margin_abs=charge.interval_margin_abs or 0.0, margin_rel=charge.interval_margin_rel or 0.0,
+                         short_margin=charge.short_margin or 0.0,
+                         short_sample_us=charge.short_sample_us or DEFAULT_SHORT_SAMPLE_US,
                          standard_units="cores" if charge.billing_weights is None else "tres",
                          billing_weights=((charge.partition or "", charge.billing_weights),)
                          if charge.billing_weights not in (None, "slurm") else ())

@@ -339,15 +339,23 @@ def charge_differences(held: Charge, copy: Charge, provenance: frozenset[str] = 
 
 #: The fields an interval margin moves when the charge is priced at its point estimate.
 _INTERVAL_ENDS = frozenset({"degradation_low", "degradation_high"})
+#: The fields the short-sample margin moves (schema 10): the D priced and everything priced from it.
+_SHORT_PRICED = _INTERVAL_ENDS | {"degradation", "solo_time_s", "solo_price", "price", "dividend", "adjustment_credit",
+                                  "short_margin", "short_sample_us", "short_margin_applied"}
 
 
 def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
-    """Whether ``copy`` differs from ``held`` only in its interval's ends, because it was priced under
-    another interval margin (a worker upgraded across schema 7 re-sending a charge the older build
-    wrote, or a changed margin): the same price, the same point estimate, a stated policy change.
-    Anything else that differs (a price above all) is a divergent row."""
+    """Whether ``copy`` differs from ``held`` only as a stated change of margin makes it differ (a
+    worker upgraded across schema 7 or 10 re-sending a charge the older build wrote, or a changed
+    margin): under another interval margin, only in its interval's ends (the same price, the same
+    point estimate); under another short-sample margin (``short_margin``, ``short_sample_us``),
+    only in the D priced from the same point estimate and what is priced from it. Anything else
+    that differs is a divergent row."""
     margins = (held.interval_margin_abs, held.interval_margin_rel)
-    return set(fields) <= _INTERVAL_ENDS and margins != (copy.interval_margin_abs, copy.interval_margin_rel)
+    if set(fields) <= _INTERVAL_ENDS and margins != (copy.interval_margin_abs, copy.interval_margin_rel):
+        return True
+    short = (held.short_margin, held.short_sample_us)
+    return set(fields) <= _SHORT_PRICED and short != (copy.short_margin, copy.short_sample_us)
 
 
 def _sql_value(v: Any) -> Any:
@@ -405,9 +413,9 @@ class LedgerSink(BatchSink):
             new = ledger.append(rows)
             divergent = ledger.divergent
             if ledger.repriced:
-                log.warning("%d re-sent charges differ from their ledger rows only in the interval's ends, priced "
-                            "under another interval margin (a worker upgraded across schema 7): the rows stay as "
-                            "billed, and the audit checks each under its own", ledger.repriced)
+                log.warning("%d re-sent charges differ from their ledger rows only as another interval or "
+                            "short-sample margin makes them differ (a worker upgraded across schema 7 or 10): the "
+                            "rows stay as billed, and the audit checks each under its own", ledger.repriced)
             ledger.count_shutters(windows)
             due = self.snapshot is not None and (self._snapshot_at is None
                                                  or time.monotonic() - self._snapshot_at >= self.snapshot_every_s)

@@ -33,9 +33,11 @@ from nodeshare.sinks.archive import ArchivedEvent, ParquetArchive
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.accounting import Origin, PricingPolicy, as_read_live, fold_messages
 
-#: Prices at the point estimate, so tests of the markers, the pause credit and Eq. 1-4 check their
-#: arithmetic by hand; pricing at the interval's bound is tested in test_confidence.py.
-POLICY = PricingPolicy(rate_per_core_hour=1.5, price_at_bound=False)
+#: Prices at the point estimate without the short-sample margin (the factories' blocks are all of
+#: 3.2 ms, which would carry it), so tests of the markers, the pause credit and Eq. 1-4 check their
+#: arithmetic by hand; pricing at the interval's bound and with the short-sample margin is tested
+#: in test_confidence.py, and both audit paths with the margin in test_fast_audit.py.
+POLICY = PricingPolicy(rate_per_core_hour=1.5, price_at_bound=False, short_margin=0.0)
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 CYCLES = 1_000_000  # per sample: IPC x CYCLES is an exact instruction count for IPCs with <= 6 decimals

@@ -2,8 +2,9 @@
 in the calibrated simulator.
 
 Every run is charged twice: by the stream fold (``fold``: its point estimate and the price at it,
-with the estimator given, by default ``mixed_s``, which keeps the blocks' sums per S; ``fold_bound``:
-the charge as priced, at its interval's upper end) and by the mixed-S prototype outside the fold
+with the estimator given, by default ``mixed_s``, which keeps the blocks' sums per S; ``charged``:
+the charge as the default policy prices it, the point estimate plus the short-sample margin where it
+applies) and by the mixed-S prototype outside the fold
 (``mixed``: :func:`~nodeshare.streams.core.shutter_policy.mixed_estimate` over the blocks grouped by
 ``sample_us`` in float running sums; the price is recomputed from it with the charge's own rate
 function, run time, pause credit and time alone). With ``mixed_s`` the fold's numbers are the
@@ -41,7 +42,7 @@ from nodeshare.streams.core.shutter_policy import LevelStats, ShutterPolicy, lev
 from .poppa import charges_of
 
 OVER = 1.005  # "charged above the solo baseline by more than 0.5% of it"
-ESTIMATES = ("fold", "fold_bound", "mixed", "every_block")
+ESTIMATES = ("fold", "charged", "mixed", "every_block")
 
 
 def _charged(c: Any, d_shared: float) -> float:
@@ -79,10 +80,10 @@ def score(truth: Sequence[Any], events: Sequence[Any], estimator: str = MIXED_S)
         rows.append({
             "job": t.job_id, "program": t.program, "solo_s": t.solo_time_s, "run_s": t.run_time_s,
             "paused_share": t.paused_s / t.run_time_s if t.run_time_s > 0 else 0.0,
-            "true": true_d, "fold": c.degradation_point, "fold_bound": c.degradation,
+            "true": true_d, "fold": c.degradation_point, "charged": c.degradation,
             "mixed": job_degradation(min(1.0, max(0.0, d_mixed_shared)), c.alone_s, c.billed_time_s),
             "ratio_fold": _charged(c, c.degradation_shared) / base if base > 0 else 1.0,
-            "ratio_fold_bound": c.price / base if base > 0 else 1.0,
+            "ratio_charged": c.price / base if base > 0 else 1.0,
             "ratio_mixed": _charged(c, d_mixed_shared) / base if base > 0 else 1.0,
             "every_block": job_degradation(min(1.0, max(0.0, d_every_shared)), c.alone_s, c.billed_time_s),
             "ratio_every_block": _charged(c, d_every_shared) / base if base > 0 else 1.0,

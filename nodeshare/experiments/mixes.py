@@ -72,6 +72,7 @@ def job_row(mix: str, t: JobTruth, c: Charge) -> dict[str, Any]:
         "run_time_err_pct": 100.0 * (predicted_run_time(t, c, c.degradation) - t.run_time_s) / t.run_time_s,
         "solo_baseline": base, "price": c.price, "standard_price": c.standard_price, "oracle": oracle_price(c, t),
         "degradation_low": low, "degradation_high": high,
+        "short_margin_applied": c.short_margin_applied,
         "covered": None if low is None or high is None else bool(low <= d_true <= high),
         "covered_clamped": None if low is None or high is None else bool(low <= min(1.0, max(0.0, d_true)) <= high),
         "above_interval": None if high is None else bool(d_true > high),

@@ -89,8 +89,11 @@ from .confidence import (
     DEFAULT_MARGIN_ABS,
     DEFAULT_MARGIN_REL,
     DEFAULT_PRIOR_HIGH,
+    DEFAULT_SHORT_MARGIN,
+    DEFAULT_SHORT_SAMPLE_US,
     PRIOR,
     degradation_interval,
+    short_sample_margin,
 )
 from .degradation import (
     DEFAULT_DELTA,
@@ -136,6 +139,11 @@ class PricingPolicy:
     #: streams.core.confidence says how it was calibrated). An older row is audited with 0.
     margin_abs: float = DEFAULT_MARGIN_ABS
     margin_rel: float = DEFAULT_MARGIN_REL
+    #: The short-sample margin (schema 10; streams.core.confidence): added to the shared-time D priced
+    #: when the estimate rests on samples of S <= ``short_sample_us`` that no longer S checked. An
+    #: older row is audited with 0.
+    short_margin: float = DEFAULT_SHORT_MARGIN
+    short_sample_us: int = DEFAULT_SHORT_SAMPLE_US
     #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the
     #: standard price (how the audit reprices an older row).
     prior_without_evidence: bool = True
@@ -928,15 +936,19 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     # The blocks measure D while the job shared a node; its time alone (never shuttered) was undisturbed.
     billed_s = billed_time(run_time_s, credit_s)
     alone_s = alone_time([s.alone_us / 1e6 for _, s in streams], len(end.nodes), billed_s)
+    # An estimate from the shortest samples is biased low: its price and its interval carry a margin.
+    short = short_sample_margin(degradation, policy.short_margin, policy.short_sample_us)
     interval = degradation_interval(degradation, policy.confidence, policy.prior_high, policy.margin_abs,
-                                    policy.margin_rel)
-    point, low, high = (job_degradation(d, alone_s, billed_s)
-                        for d in (degradation.degradation, interval.low, interval.high))
-    # At the point estimate by default; a job that shared without any estimate is always priced at
-    # the prior's upper end over the time it shared, never the standard price in silence.
+                                    policy.margin_rel, short)
+    point, low, high, priced = (job_degradation(d, alone_s, billed_s)
+                                for d in (degradation.degradation, interval.low, interval.high,
+                                          min(1.0, degradation.degradation + short)))
+    # At the point estimate (plus the short-sample margin) by default; a job that shared without any
+    # estimate is always priced at the prior's upper end over the time it shared, never the standard
+    # price in silence.
     no_evidence = (policy.prior_without_evidence and interval.method == PRIOR
                    and degradation.status is not EstimateStatus.OK)
-    applied = high if policy.price_at_bound or no_evidence else point
+    applied = high if policy.price_at_bound or no_evidence else priced
     units, billed_by = billed_units(end.cores, end.tres, dict(policy.billing_weights).get(end.partition or ""),
                                     policy.standard_units == "tres")
     amounts = fair_charge(policy.rate_per_core_hour, units, run_time_s, applied, policy.rate_function, credit_s)
@@ -983,6 +995,7 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
         interval_method=interval.method, interval_blocks=interval.blocks, confidence=policy.confidence,
         priced_at="upper_bound" if policy.price_at_bound else "estimate", prior_degradation_high=policy.prior_high,
         interval_margin_abs=policy.margin_abs, interval_margin_rel=policy.margin_rel,
+        short_margin=policy.short_margin, short_sample_us=policy.short_sample_us, short_margin_applied=short,
         levels=level_evidence(degradation),
         code_version=policy.code_version or UNSTAMPED_VERSION,
     )

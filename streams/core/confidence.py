@@ -27,6 +27,19 @@ stated policy value (the degradation few jobs
 exceed at the site), never the standard price in silence. A job whose blocks show it made no
 progress alone (sleeping, blocked on I/O) has nothing a co-runner could slow: [0, 0].
 
+**The short-sample margin** (schema 10). A sample of the adaptive ladder's shortest S (3.2 ms)
+can end before a cache-hungry job has refilled its share of the cache, so its D is biased low. A
+``mixed_s`` estimate keeps a short sample's D only where a longer S with ``MIXED_N_MIN`` accepted
+blocks does not show it lower; a job with no such longer S (too short to afford its long samples
+within the overhead budget, or whose long samples Alg. 4 kept rejecting) is priced from short
+samples that nothing checked. Such an estimate (``short_samples_unchecked``) adds ``short_margin``
+to the shared-time D it is priced at and to its interval's margin. The margin is calibrated like
+the interval's, on the same jobs: the smallest on a grid of half points for which D + margin held
+the truth for at least 95% of the built-in library's jobs so priced (every mix of ``experiment
+pricing --mix all-mixes``, seed 7: 1,015 of 3,408 jobs; 91.3% at 1 point, 95.4% at 1.5): 1.5
+points. The SPEC programs and the short-job scenario were never used to choose it
+(docs/charges.md, "The short-sample margin").
+
 Every number here is plain float arithmetic on the charge's own inputs, so both audits recompute
 it bit for bit.
 """
@@ -38,7 +51,8 @@ from statistics import NormalDist
 
 from nodeshare.schemas.events import EstimateStatus
 
-from .degradation import DegradationResult
+from .degradation import MIXED_S, DegradationResult
+from .shutter_policy import MIXED_N_MIN
 
 #: The interval methods a charge names.
 T_RATIO = "t_ratio"  # Student's t interval of the ratio estimate
@@ -60,6 +74,12 @@ DEFAULT_PRIOR_HIGH = 0.25
 #: D, and a part relative to D. Schema 7; a charge of an earlier version had none.
 DEFAULT_MARGIN_ABS = 0.01
 DEFAULT_MARGIN_REL = 0.05
+
+#: The short-sample margin (see the module's docstring; schema 10): the longest sample length S
+#: whose estimate it covers (the adaptive ladder's shortest at the defaults, where it was
+#: calibrated) and the margin, in units of D. A charge of an earlier version had none.
+DEFAULT_SHORT_SAMPLE_US = 3200
+DEFAULT_SHORT_MARGIN = 0.015
 
 _NORMAL = NormalDist()
 
@@ -99,23 +119,53 @@ def check_margin(margin_abs: float, margin_rel: float) -> None:
             raise ValueError(f"the interval's {name} must be in [0, 1], got {v}")
 
 
+def check_short_margin(short_margin: float, short_sample_us: int) -> None:
+    """Raises ValueError for a short-sample margin outside [0, 1] or a sample length below 1 us."""
+    if not 0.0 <= short_margin <= 1.0:
+        raise ValueError(f"the short-sample margin must be in [0, 1], got {short_margin}")
+    if short_sample_us < 1:
+        raise ValueError(f"short_sample_us must be >= 1, got {short_sample_us}")
+
+
+def short_samples_unchecked(result: DegradationResult, short_sample_us: int) -> bool:
+    """Whether a ``mixed_s`` estimate pooled accepted blocks taken at 0 < S <= ``short_sample_us``
+    and no longer S with ``MIXED_N_MIN`` accepted blocks (the fewest ``combine_levels`` checks a
+    shorter S against): its short samples are unchecked. False for another estimator, without an
+    estimate, and for blocks folded before the fold kept S (S = 0: unknown)."""
+    if result.estimator != MIXED_S or result.status is not EstimateStatus.OK:
+        return False
+    used = [lv for lv in result.levels if lv.used and lv.blocks_used]
+    return (any(0 < lv.sample_us <= short_sample_us for lv in used)
+            and not any(lv.sample_us > short_sample_us and lv.blocks_used >= MIXED_N_MIN for lv in used))
+
+
+def short_sample_margin(result: DegradationResult, short_margin: float, short_sample_us: int) -> float:
+    """What a charge adds to its shared-time D, and to its interval's margin, for the short samples
+    behind it: ``short_margin`` where they are unchecked (``short_samples_unchecked``), else 0."""
+    check_short_margin(short_margin, short_sample_us)
+    return short_margin if short_samples_unchecked(result, short_sample_us) else 0.0
+
+
 def degradation_interval(result: DegradationResult, confidence: float = DEFAULT_CONFIDENCE,
                          prior_high: float = DEFAULT_PRIOR_HIGH, margin_abs: float = DEFAULT_MARGIN_ABS,
-                         margin_rel: float = DEFAULT_MARGIN_REL) -> Interval:
-    """The interval at ``confidence`` of ``result.degradation`` (see the module's docstring). The
-    prior interval of an estimate from too few blocks reaches at least D + m as well; a job with
-    no estimate gets the prior alone (no estimator, so no estimator bias)."""
+                         margin_rel: float = DEFAULT_MARGIN_REL, short: float = 0.0) -> Interval:
+    """The interval at ``confidence`` of ``result.degradation`` (see the module's docstring), its
+    margin m raised by ``short`` (``short_sample_margin``'s). The prior interval of an estimate from
+    too few blocks reaches at least D + m as well; a job with no estimate gets the prior alone (no
+    estimator, so no estimator bias)."""
     if not 0.0 < confidence <= MAX_CONFIDENCE:
         raise ValueError(f"confidence must be in (0, {MAX_CONFIDENCE}], got {confidence} (t_quantile's expansion "
                          "is accurate up to p = 0.995)")
     if not 0.0 <= prior_high <= 1.0:
         raise ValueError(f"the prior's upper end must be in [0, 1], got {prior_high}")
     check_margin(margin_abs, margin_rel)
+    if not 0.0 <= short <= 1.0:
+        raise ValueError(f"the short-sample margin added must be in [0, 1], got {short}")
     d, n, se = result.degradation, result.interval_blocks, result.standard_error
     if result.status is EstimateStatus.NO_PROGRESS_ALONE or (
             result.unfiltered is None and result.blocks_used + result.blocks_rejected > 0):
         return Interval(0.0, 0.0, NO_INTERVAL, n)  # blocks, and not one instruction retired alone in any
-    margin = margin_abs + margin_rel * d
+    margin = margin_abs + margin_rel * d + short
     if result.status is not EstimateStatus.OK:  # no estimate: no estimator bias to allow for
         return Interval(0.0, max(d, prior_high), PRIOR, n)
     if se is None or n < MIN_INTERVAL_BLOCKS:

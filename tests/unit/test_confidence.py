@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,12 +16,15 @@ from nodeshare.sinks.audit import audit, policy_of
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.accounting import Origin, PricingPolicy, fold_messages
 from nodeshare.streams.core.confidence import (
+    DEFAULT_SHORT_MARGIN,
     MIN_INTERVAL_BLOCKS,
     NO_INTERVAL,
     PRIOR,
     T_RATIO,
     Interval,
     degradation_interval,
+    short_sample_margin,
+    short_samples_unchecked,
     t_quantile,
 )
 from nodeshare.streams.core.degradation import (
@@ -30,6 +34,7 @@ from nodeshare.streams.core.degradation import (
     REFILL_CORRECTED,
     DegradationResult,
     DegradationSums,
+    LevelResult,
     estimate,
     filtered_degradation,
     ratio_standard_error,
@@ -152,14 +157,17 @@ def test_a_charge_carries_its_interval_and_is_priced_at_its_upper_end():
     bound, point = _charge(blocks, BOUND), _charge(blocks, POINT)
     assert bound.interval_method == T_RATIO and bound.interval_blocks == bound.blocks_used == 60
     assert bound.degradation_low < bound.degradation_point < bound.degradation_high
-    assert bound.degradation == bound.degradation_high and point.degradation == point.degradation_point
+    assert bound.degradation == bound.degradation_high
+    # 3.2 ms blocks only, nothing longer to check them: the point estimate plus the short-sample margin
+    assert point.short_margin_applied == bound.short_margin_applied == DEFAULT_SHORT_MARGIN == 0.015
+    assert point.degradation == pytest.approx(point.degradation_point + 0.015, rel=1e-12)
     assert (bound.priced_at, point.priced_at, bound.confidence) == ("upper_bound", "estimate", 0.95)
     # Eq. 4 at the bound, by hand: L * C * T * (1 - D)^2 with L = 1, C = 4, T = 1 h
     assert bound.price == pytest.approx(4 * (1 - bound.degradation_high) ** 2, rel=1e-12)
     assert bound.price < point.price and bound.price + bound.dividend == pytest.approx(bound.standard_price)
     # the half-width is t(0.975, 59) standard errors of the estimate, plus the bias margin
     result = filtered_degradation(blocks, estimator=BOUND.estimator)
-    half = t_quantile(0.975, 59) * result.standard_error + 0.01 + 0.05 * result.degradation
+    half = t_quantile(0.975, 59) * result.standard_error + 0.01 + 0.05 * result.degradation + 0.015
     assert (bound.interval_margin_abs, bound.interval_margin_rel) == (0.01, 0.05)
     assert bound.degradation_high - bound.degradation_point == pytest.approx(half, rel=1e-9)
 
@@ -260,7 +268,7 @@ def test_the_audit_recomputes_the_interval_and_refuses_an_edited_one(tmp_path):
 
 def test_a_charge_made_before_intervals_is_audited_at_its_point_estimate(tmp_path):
     """A version-5 row carries no interval and was priced at its estimate: the audit prices it so."""
-    archive, then = _archived_job(tmp_path, 6, POINT)
+    archive, then = _archived_job(tmp_path, 6, replace(POINT, short_margin=0.0))  # a version-5 build had none
     v5 = as_version(then, 5)  # as a version-5 writer wrote it: without every field added since
     row = decode_model(Charge, v5)
     assert row.priced_at == "estimate" and row.degradation_high is None
@@ -279,7 +287,7 @@ def test_a_job_corrected_after_the_upgrade_audits_each_revision_under_the_policy
 
     from factories import T0
 
-    old_build, new_build = PricingPolicy(margin_abs=0.0, margin_rel=0.0), PricingPolicy()
+    old_build, new_build = PricingPolicy(margin_abs=0.0, margin_rel=0.0, short_margin=0.0), PricingPolicy()
     blocks = _blocks(np.random.default_rng(4), 30, 0.1, 0.02)
     end = job_event("j1", JobState.ENDED, cores=4)
     fix = end.model_copy(update={"event_id": "fix", "end_time": T0 + timedelta(seconds=1800),
@@ -300,3 +308,68 @@ def test_a_job_corrected_after_the_upgrade_audits_each_revision_under_the_policy
     with Ledger(tmp_path / "forged.duckdb") as ledger:
         ledger.append([(forged, encode(forged), 0, 0), (rev1, encode(rev1), 0, 1)])
     assert not audit(archive, tmp_path / "forged.duckdb", new_build, fast=False).ok
+
+
+def _mixed(levels: list[tuple[int, int, bool]], d: float = 0.1, status: EstimateStatus = EstimateStatus.OK,
+           estimator: str = MIXED_S) -> DegradationResult:
+    """A mixed_s estimate with these (S, accepted blocks, used) levels."""
+    n = sum(b for _, b, _ in levels)
+    return DegradationResult(status, d, d, d, n, 0, corrected=d, estimator=estimator, standard_error=0.01,
+                             interval_blocks=n, levels=tuple(LevelResult(s, b, 0, d, 0.01, u) for s, b, u in levels))
+
+
+def test_short_samples_are_unchecked_unless_a_longer_s_has_the_blocks_to_check_them():
+    """By hand, at the default 3.2 ms: a longer S checks the shorter ones with MIXED_N_MIN = 4 accepted
+    blocks (combine_levels' fewest); fewer, or none, or one it left out, leave them unchecked."""
+    short = 3200
+    assert short_samples_unchecked(_mixed([(3200, 30, True)]), short)  # the fixed 3.2 ms schedule
+    assert short_samples_unchecked(_mixed([(3200, 6, True), (51200, 3, True)]), short)  # 3 long blocks: too few
+    assert short_samples_unchecked(_mixed([(3200, 6, True), (12800, 3, True), (51200, 3, True)]), short)
+    assert short_samples_unchecked(_mixed([(3200, 20, True), (51200, 0, False)]), short)  # all rejected
+    assert not short_samples_unchecked(_mixed([(3200, 6, True), (51200, 4, True)]), short)  # checked
+    assert not short_samples_unchecked(_mixed([(3200, 6, False), (51200, 5, True)]), short)  # long only
+    assert not short_samples_unchecked(_mixed([(12800, 9, True)]), short)  # no short sample behind it
+    assert not short_samples_unchecked(_mixed([(0, 30, True)]), short)  # S unknown (folded before S was kept)
+    assert not short_samples_unchecked(_mixed([(3200, 30, True)], estimator=REFILL_CORRECTED), short)
+    assert not short_samples_unchecked(_mixed([], status=EstimateStatus.NO_BLOCKS), short)
+    assert short_samples_unchecked(_mixed([(6400, 8, True)]), 6400)  # a site's own threshold
+    assert short_sample_margin(_mixed([(3200, 30, True)]), 0.02, short) == 0.02
+    assert short_sample_margin(_mixed([(3200, 6, True), (51200, 4, True)]), 0.02, short) == 0.0
+    with pytest.raises(ValueError, match="short-sample margin"):
+        short_sample_margin(_mixed([(3200, 30, True)]), 1.5, short)
+
+
+def test_the_short_sample_margin_raises_the_price_and_the_interval_by_hand():
+    """D = 0.1 from 20 blocks with SE 0.01, all at 3.2 ms: the interval's half-width is t(0.975, 19)
+    x 0.01 + 0.01 + 0.05 x 0.1 + 0.02 = 0.05593 with a margin of 2 points; a job of such blocks, alone
+    for a quarter of its hour, is priced at D = (D_shared + 0.015) x 0.75 under the default margin
+    and Eq. 4 (4 x (1 - D)^2), its point estimate staying D_shared x 0.75."""
+    result = _mixed([(3200, 20, True)])
+    iv = degradation_interval(result, 0.95, short=0.02)
+    assert (iv.low, iv.high) == pytest.approx((0.1 - 0.05593, 0.1 + 0.05593), abs=2e-5)
+    rng = np.random.default_rng(21)
+    c = _charge(_blocks(rng, 30, 0.1, 0.02), POINT, alone_us=900_000_000)
+    assert (c.short_margin, c.short_sample_us, c.short_margin_applied) == (0.015, 3200, 0.015)
+    assert c.degradation == pytest.approx((c.degradation_shared + 0.015) * 0.75, rel=1e-12)
+    assert c.degradation_point == pytest.approx(c.degradation_shared * 0.75, rel=1e-12)  # the estimate itself
+    assert c.price == pytest.approx(4 * (1 - c.degradation) ** 2, rel=1e-12)
+    none = _charge(_blocks(rng, 30, 0.1, 0.02), replace(POINT, short_margin=0.0), alone_us=900_000_000)
+    assert none.short_margin_applied == 0.0 and none.degradation == pytest.approx(none.degradation_point, rel=1e-12)
+
+
+def test_both_audits_recompute_the_short_sample_margin_and_a_row_from_before_it(tmp_path):
+    """The default prices a 3.2 ms-only job with the margin; both audits recompute it, refuse a row
+    that claims no margin over the same numbers, and audit a version-9 row (priced by a build without
+    the margin) under what it records: no margin."""
+    archive, c = _archived_job(tmp_path, 5, POINT)
+    _, then = _archived_job(tmp_path / "old", 5, replace(POINT, short_margin=0.0))
+    assert c.short_margin_applied == 0.015 and c.price < then.price
+    v9 = as_version(then, 9)
+    assert policy_of(decode_model(Charge, v9)).short_margin == 0.0 and policy_of(c) == POINT
+    for name, row, raw in (("good", c, encode(c)), ("claimed", c.model_copy(update={"short_margin": 0.0}), None),
+                           ("v9", decode_model(Charge, v9), v9)):
+        path = tmp_path / f"{name}.duckdb"
+        with Ledger(path) as ledger:
+            ledger.append([(row, raw if raw is not None else encode(row), 0, 0)])
+        for fast in (True, False):
+            assert audit(archive, path, POINT, fast=fast).ok is (name != "claimed"), (name, fast)

@@ -477,3 +477,28 @@ def test_a_copy_re_sent_across_the_margin_upgrade_is_no_divergent_row_but_a_chan
     sink.write([_Msg("ledger.charges", encode(c), i) for i, c in enumerate([held, copy, priced])])
     assert sink.rows_inserted == 1 and metrics.DIVERGENT_CHARGES._value.get() == before + 1
     assert [dl.origin_offset for dl in sent] == [2]  # only the copy with another price
+
+
+def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergent(tmp_path):
+    """The ledger holds a schema-9 row (no short-sample margin); the upgraded worker re-sends it priced
+    with the margin: its D, price and what follows from them differ, under a short-sample policy the
+    copy states. A stated policy change (the row stays as billed), not a divergent charge; the same
+    change without another policy, or one that also moves the blocks, stays divergent."""
+    from nodeshare.sinks.ledger import charge_differences, margin_only
+
+    _, ledger_path, _ = build(tmp_path)
+    with Ledger(ledger_path, read_only=True) as ledger:
+        charge = ledger.charges()[0]
+    held = charge.model_copy(update={"schema_version": 9, "short_margin": None, "short_sample_us": None})
+    d = min(1.0, charge.degradation + 0.02)
+    copy = charge.model_copy(update={
+        "short_margin": 0.02, "short_sample_us": 3200, "short_margin_applied": 0.02, "degradation": d,
+        "price": charge.price * 0.96, "dividend": charge.dividend + charge.price * 0.04,
+        "solo_time_s": charge.solo_time_s * 0.98, "solo_price": charge.solo_price * 0.98,
+        "degradation_high": min(1.0, (charge.degradation_high or 0.0) + 0.02)})
+    fields = [f for f, _, _ in charge_differences(held, copy)]
+    assert {"degradation", "price", "dividend"} <= set(fields) and margin_only(held, copy, fields)
+    same_policy = copy.model_copy(update={"short_margin": None, "short_sample_us": None})
+    assert not margin_only(held, same_policy, [f for f, _, _ in charge_differences(held, same_policy)])
+    more = copy.model_copy(update={"blocks_used": charge.blocks_used + 1})
+    assert not margin_only(held, more, [f for f, _, _ in charge_differences(held, more)])

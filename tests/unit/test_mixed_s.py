@@ -97,7 +97,8 @@ def test_merging_into_fresh_sums_is_exact():
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_blocks_at_one_s_are_charged_as_before(estimator, sample_us):
     """One S: every estimator's result is the one over all blocks (the fold before sums per S), and
-    mixed_s is refill_corrected bit for bit, with one level of evidence."""
+    mixed_s is refill_corrected bit for bit, with one level of evidence (priced with the short-sample
+    margin at the shortest S, which nothing longer checked)."""
     rng = random.Random(2)
     blocks = _blocks(rng, 12, 0.06) + _blocks(rng, 12, 0.04, node="n2")
     n1, n2 = blocks[:12], blocks[12:]
@@ -111,7 +112,13 @@ def test_blocks_at_one_s_are_charged_as_before(estimator, sample_us):
         assert c.levels == ()
         return
     rc = _charge(ipc, ("n1", "n2"), replace(POLICY, estimator=REFILL_CORRECTED))
-    assert c.model_dump(exclude={"estimator", "levels"}) == rc.model_dump(exclude={"estimator", "levels"})
+    # at the shortest S nothing longer checked the estimate: the same estimate, priced with the margin
+    short = sample_us <= POLICY.short_sample_us
+    priced = {"degradation", "degradation_low", "degradation_high", "solo_time_s", "solo_price", "price", "dividend",
+              "short_margin_applied"}
+    skip = {"estimator", "levels"} | (priced if short else set())
+    assert c.model_dump(exclude=skip) == rc.model_dump(exclude=skip)
+    assert c.short_margin_applied == (POLICY.short_margin if short else 0.0) and rc.short_margin_applied == 0.0
     [level] = c.levels
     assert (level.sample_us, level.blocks_used, level.used) == (sample_us, 24, True)
     assert level.degradation == rc.degradation_corrected

@@ -131,10 +131,16 @@ def test_mix_pairs_is_todays_pricing() -> None:
     assert (r["mix"], r["jobs"], r["runs"]) == ("pairs", 4, 8)
     assert r["sop_mean"] == pytest.approx(1.0990722272370643, rel=1e-12)
     assert r["oracle_mean"] == pytest.approx(0.9200210670979101, rel=1e-12)
-    scored = _scored(7, 5 - 4, 3200, 200, ("MILC", "LAMMPS"), BUILTIN, "refill_corrected")
-    old = _pricing_pairs(scored, ("MILC", "LAMMPS"), "refill_corrected", 3200, 200)
-    # the default estimator is mixed_s, the refill-corrected estimate itself on blocks of one S
-    assert {k: v for k, v in r.items() if k in old} == {**old, "estimator": "mixed_s"}
+    scored = _scored(7, 5 - 4, 3200, 200, ("MILC", "LAMMPS"), BUILTIN, "mixed_s")
+    old = _pricing_pairs(scored, ("MILC", "LAMMPS"), "mixed_s", 3200, 200)
+    assert {k: v for k, v in r.items() if k in old} == old
+    # the default estimator, mixed_s, is the refill-corrected estimate itself on blocks of one S; at
+    # 3.2 ms, with nothing longer to check it, priced with the short-sample margin
+    corrected = _scored(7, 5 - 4, 3200, 200, ("MILC", "LAMMPS"), BUILTIN, "refill_corrected")
+    for (*_, m), (*_, c) in zip(scored, corrected, strict=True):
+        assert m.degradation_shared == c.degradation_shared and (m.short_margin_applied, c.short_margin_applied) == (
+            0.015, 0.0)
+        assert m.degradation > c.degradation or c.degradation == 1.0
     assert r["mixes"]["pairs"]["jobs"] == 8 and r["overall"] == r["mixes"]["pairs"]
 
 

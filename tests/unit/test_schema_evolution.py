@@ -51,8 +51,8 @@ def as_version(record: object, version: int, drop: tuple[str, ...] = ()) -> byte
     return json.dumps(d).encode()
 
 
-def test_this_build_writes_version_9_and_reads_1_to_9():
-    assert SCHEMA_VERSION == 9
+def test_this_build_writes_version_10_and_reads_1_to_10():
+    assert SCHEMA_VERSION == 10
     assert ADDED_IN[PowerDecision] == {"node_caps": 6, "resumes": 6}
     assert ADDED_IN[NodeInventory] == {"usable": 5, "processors_only": 6}
     assert ADDED_IN[Charge] == {"degradation_corrected": 2, "estimator": 2, "degradation_shared": 4, "alone_s": 4,
@@ -60,7 +60,8 @@ def test_this_build_writes_version_9_and_reads_1_to_9():
                                 "degradation_low": 6, "degradation_high": 6, "interval_method": 6,
                                 "interval_blocks": 6, "confidence": 6, "priced_at": 6, "prior_degradation_high": 6,
                                 "levels": 6, "interval_margin_abs": 7, "interval_margin_rel": 7, "adjustment": 8,
-                                "adjustment_credit": 8, "partition": 8, "billing_units": 8, "billing_weights": 8}
+                                "adjustment_credit": 8, "partition": 8, "billing_units": 8, "billing_weights": 8,
+                                "short_margin": 10, "short_sample_us": 10, "short_margin_applied": 10}
     assert ADDED_IN[JobEvent] == {"partition": 8, "tres": 8, "nodes_requested": 9, "nodes_max": 9}
     assert ADDED_IN[DeadLetter] == {"rows": 3}
     assert ADDED_IN[JobLeftNode] == {"alone_us": 4}
