@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -34,6 +35,7 @@ from nodeshare.schemas.catalog import LEDGER_CHARGES, NODE_SHUTTER
 from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.events import carried
 from nodeshare.schemas.signing import AUTH_FIELD, header_value, identity_problem
+from nodeshare.streams.core.pricing import fair_charge, job_degradation
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +137,11 @@ VIEWS: dict[str, str] = {
     "degradation_by_pair": """CREATE OR REPLACE VIEW degradation_by_pair AS
         SELECT a.program, b.program AS co_program, count(DISTINCT a.job_id) AS jobs,
                sum(p.shutters) AS shutters,
-               -- D while sharing (schema 4's degradation_shared; D applied is never above it, and a
-               -- row before version 4 has 0 there and its D applied was the shared-time estimate)
-               sum(p.shutters * greatest(a.degradation, a.degradation_shared)) / sum(p.shutters) AS degradation
+               -- D while sharing (schema 4's degradation_shared; the point estimate is never above it,
+               -- and a row before version 4 has 0 there and its D applied was the shared-time
+               -- estimate; D applied may carry a margin, schema 10, and a row before version 6 no point)
+               sum(p.shutters * greatest(coalesce(a.degradation_point, a.degradation), a.degradation_shared))
+                   / sum(p.shutters) AS degradation
         FROM co_runners p
         JOIN charges_current a ON a.job_id = p.job_id
         JOIN charges_current b ON b.job_id = p.co_job_id
@@ -355,7 +359,24 @@ def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
     if set(fields) <= _INTERVAL_ENDS and margins != (copy.interval_margin_abs, copy.interval_margin_rel):
         return True
     short = (held.short_margin, held.short_sample_us)
-    return set(fields) <= _SHORT_PRICED and short != (copy.short_margin, copy.short_sample_us)
+    return (set(fields) <= _SHORT_PRICED and short != (copy.short_margin, copy.short_sample_us)
+            and _priced_from_its_margin(held, copy))
+
+
+def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:
+    """Whether ``copy`` applied another short-sample margin than ``held`` and its D and price are
+    what that margin gives from the estimate both share (at the point estimate, no adjustment):
+    a re-sent copy that claims a margin change but prices otherwise stays divergent."""
+    applied = held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
+    if copy.priced_at != "estimate" or copy.adjustment is not None or copy.short_margin_applied == applied:
+        return False
+    d = job_degradation(min(1.0, copy.degradation_shared + copy.short_margin_applied), copy.alone_s,
+                        copy.billed_time_s)
+    amounts = fair_charge(copy.rate_per_core_hour, copy.units, copy.run_time_s, d, copy.rate_function,
+                          copy.pause_credit_s)
+    return all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12) for a, b in (
+        (copy.degradation, d), (copy.price, amounts.price), (copy.dividend, amounts.dividend),
+        (copy.solo_price, amounts.solo_price)))
 
 
 def _sql_value(v: Any) -> Any:

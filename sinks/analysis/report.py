@@ -62,9 +62,11 @@ def pair_degradation(charges: list[Charge], counts: dict[tuple[str, str], int]) 
     """Programs and the matrix M[a, b]: mean degradation of program a's jobs while they shared a
     node, weighted by how many of their shutters had a job of program b paused beside them (NaN
     where never co-located). The shared-time D is ``degradation_shared`` (schema 4); a charge before
-    it has 0 there, and its D applied was that estimate: the larger of the two is the one."""
+    it has 0 there, and its D applied was that estimate: the larger of the two is the one (the
+    point estimate where the charge has one: D applied may carry the short-sample margin)."""
     program = {c.job_id: c.program for c in charges}
-    d = {c.job_id: max(c.degradation, c.degradation_shared) for c in charges if c.estimate_status.value == "ok"}
+    d = {c.job_id: max(c.degradation if c.degradation_point is None else c.degradation_point, c.degradation_shared)
+         for c in charges if c.estimate_status.value == "ok"}
     programs = sorted(set(program.values()))
     index = {p: i for i, p in enumerate(programs)}
     weight = np.zeros((len(programs), len(programs)))

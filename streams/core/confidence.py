@@ -29,15 +29,17 @@ progress alone (sleeping, blocked on I/O) has nothing a co-runner could slow: [0
 
 **The short-sample margin** (schema 10). A sample of the adaptive ladder's shortest S (3.2 ms)
 can end before a cache-hungry job has refilled its share of the cache, so its D is biased low. A
-``mixed_s`` estimate keeps a short sample's D only where a longer S with ``MIXED_N_MIN`` accepted
-blocks does not show it lower; a job with no such longer S (too short to afford its long samples
-within the overhead budget, or whose long samples Alg. 4 kept rejecting) is priced from short
-samples that nothing checked. Such an estimate (``short_samples_unchecked``) adds ``short_margin``
-to the shared-time D it is priced at and to its interval's margin. The margin is calibrated like
-the interval's, on the same jobs: the smallest on a grid of half points for which D + margin held
-the truth for at least 95% of the built-in library's jobs so priced (every mix of ``experiment
-pricing --mix all-mixes``, seed 7: 1,015 of 3,408 jobs; 91.3% at 1 point, 95.4% at 1.5): 1.5
-points. The SPEC programs and the short-job scenario were never used to choose it
+``mixed_s`` estimate keeps a short sample's D only where its longest S does not show it lower,
+and checks with full strength only where that S has ``MIXED_N_MIN`` accepted blocks; a job whose
+longest S has fewer (too short to afford its long samples within the overhead budget, or whose
+long samples Alg. 4 kept rejecting) is priced from short samples that nothing checked. Such an
+estimate (``short_samples_unchecked``) adds ``short_margin`` to the shared-time D it is priced at
+and to its interval's margin, unless evidence is missing or was set aside (a lost node, blocks
+that never arrived, a refused marker: ``accounting.build_charge``), which never buys a discount.
+The margin is calibrated like the interval's, on the same jobs: the smallest on a grid of half
+points for which D + margin held the truth for at least 95% of the built-in library's jobs so
+priced (every mix of ``experiment pricing --mix all-mixes``, seed 7: 1,015 of 3,408 jobs; 91.3% at
+1 point, 95.4% at 1.5): 1.5 points. The SPEC programs and the short-job scenario were never used to choose it
 (docs/charges.md, "The short-sample margin").
 
 Every number here is plain float arithmetic on the charge's own inputs, so both audits recompute
@@ -129,14 +131,18 @@ def check_short_margin(short_margin: float, short_sample_us: int) -> None:
 
 def short_samples_unchecked(result: DegradationResult, short_sample_us: int) -> bool:
     """Whether a ``mixed_s`` estimate pooled accepted blocks taken at 0 < S <= ``short_sample_us``
-    and no longer S with ``MIXED_N_MIN`` accepted blocks (the fewest ``combine_levels`` checks a
-    shorter S against): its short samples are unchecked. False for another estimator, without an
-    estimate, and for blocks folded before the fold kept S (S = 0: unknown)."""
+    that nothing checked: ``combine_levels`` checks each shorter S against the longest S with an
+    accepted block, and with full strength only where that level has ``MIXED_N_MIN`` of them (else
+    at ``MIXED_Z_FEW``, or not at all when no level has ``MIXED_N_MIN`` and every block is pooled).
+    So they are checked only when the longest S is longer than ``short_sample_us`` and has
+    ``MIXED_N_MIN`` accepted blocks. False for another estimator, without an estimate, and for
+    blocks folded before the fold kept S (S = 0: unknown)."""
     if result.estimator != MIXED_S or result.status is not EstimateStatus.OK:
         return False
-    used = [lv for lv in result.levels if lv.used and lv.blocks_used]
-    return (any(0 < lv.sample_us <= short_sample_us for lv in used)
-            and not any(lv.sample_us > short_sample_us and lv.blocks_used >= MIXED_N_MIN for lv in used))
+    if not any(lv.used and lv.blocks_used and 0 < lv.sample_us <= short_sample_us for lv in result.levels):
+        return False
+    top = max((lv for lv in result.levels if lv.blocks_used), key=lambda lv: lv.sample_us)
+    return not (top.sample_us > short_sample_us and top.blocks_used >= MIXED_N_MIN)
 
 
 def short_sample_margin(result: DegradationResult, short_margin: float, short_sample_us: int) -> float:

@@ -326,6 +326,8 @@ def test_short_samples_are_unchecked_unless_a_longer_s_has_the_blocks_to_check_t
     assert short_samples_unchecked(_mixed([(3200, 6, True), (51200, 3, True)]), short)  # 3 long blocks: too few
     assert short_samples_unchecked(_mixed([(3200, 6, True), (12800, 3, True), (51200, 3, True)]), short)
     assert short_samples_unchecked(_mixed([(3200, 20, True), (51200, 0, False)]), short)  # all rejected
+    # the shorter S are compared with the longest only: a middle level's blocks check nothing
+    assert short_samples_unchecked(_mixed([(3200, 6, True), (12800, 6, True), (51200, 1, True)]), short)
     assert not short_samples_unchecked(_mixed([(3200, 6, True), (51200, 4, True)]), short)  # checked
     assert not short_samples_unchecked(_mixed([(3200, 6, False), (51200, 5, True)]), short)  # long only
     assert not short_samples_unchecked(_mixed([(12800, 9, True)]), short)  # no short sample behind it
@@ -373,3 +375,30 @@ def test_both_audits_recompute_the_short_sample_margin_and_a_row_from_before_it(
             ledger.append([(row, raw if raw is not None else encode(row), 0, 0)])
         for fast in (True, False):
             assert audit(archive, path, POINT, fast=fast).ok is (name != "claimed"), (name, fast)
+
+
+def test_missing_evidence_never_buys_the_short_sample_margin():
+    """A job whose fourth long block never arrived, or which lost a node, is priced without the
+    margin: every rule fails toward the higher price (with the block it was checked, no margin)."""
+    from factories import batch as batch_of
+
+    from nodeshare.schemas import CounterSource, ShutterBlock
+
+    def at(b: ShutterBlock, s_us: int) -> ShutterBlock:
+        return b.model_copy(update={"sample_us": s_us, "counter": CounterSource.SIMULATED})
+
+    rng = np.random.default_rng(31)
+    short = _blocks(rng, 12, 0.1, 0.02)
+    long = [at(b.model_copy(update={"cycle": 100 + i}), 51200) for i, b in enumerate(_blocks(rng, 4, 0.1, 0.02))]
+    end = job_event("j1", JobState.ENDED, cores=4)
+
+    def charge(longs: list, sent: int) -> Charge:
+        ipc = [batch_of(*short), batch_of(*longs, seq=1), left("j1", "n1", sent, 103)]
+        [c] = fold_messages(as_messages(ipc, IPC) + as_messages([end], LIFE), POINT)
+        return c
+
+    assert charge(long, 16).short_margin_applied == 0.0  # checked by its 4 long blocks
+    assert charge(long[:3], 15).short_margin_applied == 0.015  # three long blocks, all it sent: unchecked
+    lost = charge(long[:3], 16)  # the fourth was sent and never arrived
+    assert lost.evidence_problems and lost.short_margin_applied == 0.0
+    assert lost.degradation == lost.degradation_point

@@ -602,3 +602,39 @@ def test_a_block_exactly_at_the_clock_limit_is_judged_by_the_same_arithmetic_in_
     assert at.timestamp() - (1073741824005 - 3_600_000) / 1000 > 3600  # clock_problem's verdict: too far ahead
     fast, reference = _both(archive)
     assert "j" in fast.ineligible and reference[("j", 0)].blocks_used + reference[("j", 0)].blocks_rejected == 1
+
+
+def test_both_paths_price_the_short_sample_margin_alike(tmp_path):
+    """At the default short-sample margin: a simulated cluster (3.2 ms blocks only: every job gets
+    it), and jobs on two nodes with a long level of 3 blocks (unchecked: the margin) or 4 (checked:
+    none), the 4 split between the nodes. The fast path's charges are the reference's, field by field."""
+    from dataclasses import replace
+
+    from nodeshare.schemas import CounterSource
+    from nodeshare.schemas.events import EstimateStatus
+
+    margin = replace(POLICY, short_margin=0.015)
+    archive, _, n = build(tmp_path / "sim")
+    fast = fast_recompute(archive, {}, margin)
+    reference = recompute(archived_messages(ParquetArchive(archive)), {}, margin)
+    assert len(reference) == n and fast.charges == reference and not fast.ineligible
+    assert all(c.short_margin_applied == (0.015 if c.estimate_status is EstimateStatus.OK and not c.evidence_problems
+                                          else 0.0) for c in reference.values())
+    assert sum(c.short_margin_applied > 0 for c in reference.values()) >= n // 2
+
+    def long(job: str, node: str, first: int, count: int) -> list:
+        return [block(1.0, 1.3 + 0.01 * i, 1.0, job=job, node=node, cycle=first + i).model_copy(
+            update={"sample_us": 51200, "counter": CounterSource.SIMULATED}) for i in range(count)]
+
+    records = []
+    for job, longs in (("three", 3), ("four", 4)):
+        for node, share in (("n1", longs // 2), ("n2", longs - longs // 2)):
+            short = [block(1.0, 1.25 + 0.01 * i, 1.0, job=job, node=node, cycle=i) for i in range(10)]
+            records += [batch(*short), batch(*long(job, node, 10, share), seq=1),
+                        left(job, node, 10 + share, 9 + share)]
+        records.append(job_event(job, JobState.ENDED, nodes=("n1", "n2")))
+    archive, _, _ = archive_records(tmp_path / "levels", records)
+    fast = fast_recompute(archive, {}, margin)
+    reference = recompute(archived_messages(ParquetArchive(archive)), {}, margin)
+    assert fast.charges == reference and not fast.ineligible
+    assert {j: c.short_margin_applied for (j, _), c in reference.items()} == {"three": 0.015, "four": 0.0}

@@ -479,26 +479,37 @@ def test_a_copy_re_sent_across_the_margin_upgrade_is_no_divergent_row_but_a_chan
     assert [dl.origin_offset for dl in sent] == [2]  # only the copy with another price
 
 
-def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergent(tmp_path):
+def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergent():
     """The ledger holds a schema-9 row (no short-sample margin); the upgraded worker re-sends it priced
     with the margin: its D, price and what follows from them differ, under a short-sample policy the
-    copy states. A stated policy change (the row stays as billed), not a divergent charge; the same
-    change without another policy, or one that also moves the blocks, stays divergent."""
-    from nodeshare.sinks.ledger import charge_differences, margin_only
+    copy states. A stated policy change (the row stays as billed), not a divergent charge; a copy
+    that claims the change but prices otherwise (any price, or a margin it did not apply), or that
+    also moves the blocks, stays divergent."""
+    from dataclasses import replace
 
-    _, ledger_path, _ = build(tmp_path)
-    with Ledger(ledger_path, read_only=True) as ledger:
-        charge = ledger.charges()[0]
-    held = charge.model_copy(update={"schema_version": 9, "short_margin": None, "short_sample_us": None})
-    d = min(1.0, charge.degradation + 0.02)
-    copy = charge.model_copy(update={
-        "short_margin": 0.02, "short_sample_us": 3200, "short_margin_applied": 0.02, "degradation": d,
-        "price": charge.price * 0.96, "dividend": charge.dividend + charge.price * 0.04,
-        "solo_time_s": charge.solo_time_s * 0.98, "solo_price": charge.solo_price * 0.98,
-        "degradation_high": min(1.0, (charge.degradation_high or 0.0) + 0.02)})
+    from factories import batch, block, job_event, left
+
+    from nodeshare.schemas import JobState
+    from nodeshare.sinks.ledger import charge_differences, margin_only
+    from nodeshare.streams.core.accounting import Origin, fold_messages
+
+    records = [batch(*[block(1.0, 1.25, 1.0, cycle=c) for c in range(12)]), left("j1", "n1", 12, 11),
+               job_event("j1", JobState.ENDED)]
+    messages = [(Origin("jobs.lifecycle" if i == 2 else "node.ipc", 0, i), b"j1", encode(r), 0.0)
+                for i, r in enumerate(records)]
+    [before] = fold_messages(messages, POLICY)  # POLICY: no short-sample margin
+    [copy] = fold_messages(messages, replace(POLICY, short_margin=0.015))
+    held = before.model_copy(update={"schema_version": 9, "short_margin": None, "short_sample_us": None})
     fields = [f for f, _, _ in charge_differences(held, copy)]
-    assert {"degradation", "price", "dividend"} <= set(fields) and margin_only(held, copy, fields)
-    same_policy = copy.model_copy(update={"short_margin": None, "short_sample_us": None})
-    assert not margin_only(held, same_policy, [f for f, _, _ in charge_differences(held, same_policy)])
-    more = copy.model_copy(update={"blocks_used": charge.blocks_used + 1})
-    assert not margin_only(held, more, [f for f, _, _ in charge_differences(held, more)])
+    assert copy.short_margin_applied == 0.015 and {"degradation", "price", "dividend"} <= set(fields)
+    assert margin_only(held, copy, fields)
+
+    def forgiven(update: dict) -> bool:
+        c = copy.model_copy(update=update)
+        return margin_only(held, c, [f for f, _, _ in charge_differences(held, c)])
+
+    assert not forgiven({"price": copy.price * 0.5})  # any price
+    assert not forgiven({"short_sample_us": 3201, "price": 0.0})
+    assert not forgiven({"short_margin_applied": 0.0, "price": copy.price * 0.9})  # no margin applied
+    assert not forgiven({"short_margin": None, "short_sample_us": None})  # no policy change stated
+    assert not forgiven({"blocks_used": copy.blocks_used + 1})
