@@ -359,8 +359,10 @@ def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
     if set(fields) <= _INTERVAL_ENDS and margins != (copy.interval_margin_abs, copy.interval_margin_rel):
         return True
     short = (held.short_margin, held.short_sample_us)
-    return (set(fields) <= _SHORT_PRICED and short != (copy.short_margin, copy.short_sample_us)
-            and _priced_from_its_margin(held, copy))
+    if short == (copy.short_margin, copy.short_sample_us) or not set(fields) <= _SHORT_PRICED:
+        return False
+    # only the stated policy differs (a job the margin does not touch), or the price follows from it
+    return set(fields) <= {"short_margin", "short_sample_us"} or _priced_from_its_margin(held, copy)
 
 
 def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:
@@ -368,7 +370,8 @@ def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:
     what that margin gives from the estimate both share (at the point estimate, no adjustment):
     a re-sent copy that claims a margin change but prices otherwise stays divergent."""
     applied = held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
-    if copy.priced_at != "estimate" or copy.adjustment is not None or copy.short_margin_applied == applied:
+    if (copy.priced_at != "estimate" or copy.adjustment is not None or copy.adjustment_credit != 0.0
+            or copy.short_margin_applied == applied or copy.short_margin_applied not in (0.0, copy.short_margin)):
         return False
     d = job_degradation(min(1.0, copy.degradation_shared + copy.short_margin_applied), copy.alone_s,
                         copy.billed_time_s)
@@ -376,7 +379,7 @@ def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:
                           copy.pause_credit_s)
     return all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12) for a, b in (
         (copy.degradation, d), (copy.price, amounts.price), (copy.dividend, amounts.dividend),
-        (copy.solo_price, amounts.solo_price)))
+        (copy.solo_price, amounts.solo_price), (copy.solo_time_s, amounts.solo_time_s)))
 
 
 def _sql_value(v: Any) -> Any:

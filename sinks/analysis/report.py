@@ -213,7 +213,10 @@ def _html(charges: list[Charge], truth: dict[str, float], pngs: list[Path]) -> s
         rows += [("priced at the interval's upper end", f"{len(bound)} of {len(sure)} jobs with an interval "
                   f"(confidence {', '.join(sorted({f'{c.confidence:.0%}' for c in sure}))})"),
                  ("charged at the point estimates (SU)", f"{at_point:.4f}"),
-                 ("given up for the confidence (SU)",  # the computed prices: operators' adjustments aside
+                 ("jobs priced with the short-sample margin (schema 10)",
+                  f"{sum(c.short_margin_applied > 0 for c in sure)}"),
+                 # the computed prices, operators' adjustments aside: the bound's and the short-sample margin's
+                 ("given up for the confidence and the short-sample margin (SU)",
                   f"{at_point - math.fsum(c.price + c.adjustment_credit for c in sure):.4f}"),
                  ("jobs priced by the prior (too few blocks)", f"{sum(c.interval_method == 'prior' for c in sure)}")]
     # priced without a lost node's marker (``NodeDown``): the operator's list (``nodeshare charges --incomplete``)

@@ -32,7 +32,7 @@ CHARGE_COLUMNS: dict[str, str] = {
     "End": "end_time",
     "Elapsed": "run_time_s",
     "Paused": "pause_credit_s",  # seconds
-    "Degradation": "degradation",  # what the price applies (the interval's upper end by default)
+    "Degradation": "degradation",  # what the price applies (the estimate, with the short-sample margin if any)
     "DegradationEstimate": "coalesce(degradation_point, degradation)",
     "DegradationLow": "degradation_low",
     "DegradationHigh": "degradation_high",

@@ -402,3 +402,6 @@ def test_missing_evidence_never_buys_the_short_sample_margin():
     lost = charge(long[:3], 16)  # the fourth was sent and never arrived
     assert lost.evidence_problems and lost.short_margin_applied == 0.0
     assert lost.degradation == lost.degradation_point
+    bad = long[3].model_copy(update={"during": tuple(x.model_copy(update={"cycles": 0}) for x in long[3].during)})
+    refused = charge([*long[:3], bad], 16)  # the fourth arrived with a bad value: refused, not counted
+    assert refused.blocks_used == 15 and refused.short_margin_applied == 0.0

@@ -513,3 +513,7 @@ def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergen
     assert not forgiven({"short_margin_applied": 0.0, "price": copy.price * 0.9})  # no margin applied
     assert not forgiven({"short_margin": None, "short_sample_us": None})  # no policy change stated
     assert not forgiven({"blocks_used": copy.blocks_used + 1})
+    assert not forgiven({"short_margin_applied": 0.4})  # a margin the policy does not state
+    # a job the margin did not touch: only the stated policy differs (an upgrade, a rollback, a new value)
+    untouched = before.model_copy(update={"short_margin": 0.02})
+    assert margin_only(before, untouched, [f for f, _, _ in charge_differences(before, untouched)])

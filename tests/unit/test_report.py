@@ -66,8 +66,10 @@ def test_report_writes_pictures_and_a_page(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5_000
     page = files.html.read_text()
     assert all(f'src="{p.name}"' in page for p in files.pngs) and "dividend (SU)" in page
-    # the test ledger is priced at the point estimates (factories.POLICY): nothing given up for the bound
-    assert "<th>given up for the confidence (SU)</th><td>0.0000</td>" in page
+    # the test ledger is priced at the point estimates without the short-sample margin (factories.POLICY):
+    # nothing given up for the bound or the margin
+    assert "<th>given up for the confidence and the short-sample margin (SU)</th><td>0.0000</td>" in page
+    assert "<th>jobs priced with the short-sample margin (schema 10)</th><td>0</td>" in page
     assert "<th>priced at the interval&#x27;s upper end</th><td>0 of " in page
 
 
