@@ -1,5 +1,8 @@
 """The ledger: charges in a DuckDB file, one row per (job id, revision), never updated in place.
 
+Longer than 500 lines because the chain, the re-send check that tells a redelivery or a stated
+repricing from a divergent charge, and the sink that applies them are one contract with the audit.
+
 Rows are chained: ``row_hash = sha256(prev_hash || record)`` in insertion order (``seq``), so
 editing, deleting or reordering any row breaks the chain. The chain assumes one writer per
 ledger file (one ledger sink), which is how the sink is deployed.
