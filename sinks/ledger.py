@@ -347,8 +347,8 @@ def charge_differences(held: Charge, copy: Charge, provenance: frozenset[str] = 
 #: The fields an interval margin moves when the charge is priced at its point estimate.
 _INTERVAL_ENDS = frozenset({"degradation_low", "degradation_high"})
 #: The fields the short-sample margin moves (schema 10): the D priced and everything priced from it.
-_SHORT_PRICED = _INTERVAL_ENDS | {"degradation", "solo_time_s", "solo_price", "price", "dividend", "adjustment_credit",
-                                  "short_margin", "short_sample_us", "short_margin_applied"}
+_SHORT_PRICED = _INTERVAL_ENDS | {"degradation", "solo_time_s", "solo_price", "price", "dividend", "short_margin",
+                                  "short_sample_us", "short_margin_applied"}
 
 
 def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
@@ -373,7 +373,7 @@ def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:
     what that margin gives from the estimate both share (at the point estimate, no adjustment):
     a re-sent copy that claims a margin change but prices otherwise stays divergent."""
     applied = held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
-    if (copy.priced_at != "estimate" or copy.adjustment is not None or copy.adjustment_credit != 0.0
+    if (copy.priced_at != "estimate" or copy.adjustment is not None
             or copy.short_margin_applied == applied or copy.short_margin_applied not in (0.0, copy.short_margin)):
         return False
     d = job_degradation(min(1.0, copy.degradation_shared + copy.short_margin_applied), copy.alone_s,

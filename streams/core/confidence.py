@@ -35,12 +35,12 @@ longest S has fewer (too short to afford its long samples within the overhead bu
 long samples Alg. 4 kept rejecting) is priced from short samples that nothing checked. Such an
 estimate (``short_samples_unchecked``) adds ``short_margin`` to the shared-time D it is priced at
 and to its interval's margin, unless evidence is missing or was set aside (a lost node, blocks
-that never arrived, a refused marker: ``accounting.build_charge``), which never buys a discount.
-The margin is calibrated like the interval's, on the same jobs: the smallest on a grid of half
-points for which D + margin held the truth for at least 95% of the built-in library's jobs so
-priced (every mix of ``experiment pricing --mix all-mixes``, seed 7: 1,015 of 3,408 jobs; 91.3% at
-1 point, 95.4% at 1.5): 1.5 points. The SPEC programs and the short-job scenario were never used to choose it
-(docs/charges.md, "The short-sample margin").
+that never arrived or were refused for a bad value, a refused marker: ``accounting.build_charge``),
+which never buys a discount. The margin is calibrated like the interval's, on the same jobs: the
+smallest on a grid of half points for which D + margin held the truth for at least 95% of the
+built-in library's jobs so priced (every mix of ``experiment pricing --mix all-mixes``, seed 7:
+1,015 of 3,408 jobs; 91.3% at 1 point, 95.4% at 1.5): 1.5 points. The SPEC programs and the
+short-job scenario were never used to choose it (docs/charges.md, "The short-sample margin").
 
 Every number here is plain float arithmetic on the charge's own inputs, so both audits recompute
 it bit for bit.
@@ -48,13 +48,14 @@ it bit for bit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
 from nodeshare.schemas.events import EstimateStatus
 
 from .degradation import MIXED_S, DegradationResult
-from .shutter_policy import MIXED_N_MIN
+from .shutter_policy import has_own_spread
 
 #: The interval methods a charge names.
 T_RATIO = "t_ratio"  # Student's t interval of the ratio estimate
@@ -132,17 +133,18 @@ def check_short_margin(short_margin: float, short_sample_us: int) -> None:
 def short_samples_unchecked(result: DegradationResult, short_sample_us: int) -> bool:
     """Whether a ``mixed_s`` estimate pooled accepted blocks taken at 0 < S <= ``short_sample_us``
     that nothing checked: ``combine_levels`` checks each shorter S against the longest S with an
-    accepted block, and with full strength only where that level has ``MIXED_N_MIN`` of them (else
-    at ``MIXED_Z_FEW``, or not at all when no level has ``MIXED_N_MIN`` and every block is pooled).
-    So they are checked only when the longest S is longer than ``short_sample_us`` and has
-    ``MIXED_N_MIN`` accepted blocks. False for another estimator, without an estimate, and for
+    accepted block, and with full strength only where that level has a spread of its own
+    (``has_own_spread``: ``MIXED_N_MIN`` of them; else at ``MIXED_Z_FEW``, or not at all when no
+    level has one and every block is pooled). So they are checked only when the longest S is longer
+    than ``short_sample_us`` and has a spread of its own. False for another estimator, without an estimate, and for
     blocks folded before the fold kept S (S = 0: unknown)."""
     if result.estimator != MIXED_S or result.status is not EstimateStatus.OK:
         return False
     if not any(lv.used and lv.blocks_used and 0 < lv.sample_us <= short_sample_us for lv in result.levels):
         return False
     top = max((lv for lv in result.levels if lv.blocks_used), key=lambda lv: lv.sample_us)
-    return not (top.sample_us > short_sample_us and top.blocks_used >= MIXED_N_MIN)
+    se = math.inf if top.standard_error is None else top.standard_error
+    return not (top.sample_us > short_sample_us and has_own_spread(top.blocks_used, se))
 
 
 def short_sample_margin(result: DegradationResult, short_margin: float, short_sample_us: int) -> float:

@@ -145,13 +145,20 @@ def _higher(a: LevelStats, b: LevelStats, z: float, tol: float) -> bool:
 MIXED_N_MIN, MIXED_Z, MIXED_Z_FEW, MIXED_TOL = 4, 1.0, 2.0, 0.002
 
 
+def has_own_spread(n: int, se: float, n_min: int = MIXED_N_MIN) -> bool:
+    """Whether a level of ``n`` accepted blocks and standard error ``se`` (inf below two blocks) has
+    a spread of its own: ``combine_levels`` checks shorter levels against the longest at full
+    strength (``MIXED_Z``) only when it has."""
+    return n >= n_min and math.isfinite(se)
+
+
 def combine_levels(levels: Mapping[int, tuple[int, float, float]], n_min: int = MIXED_N_MIN, z: float = MIXED_Z,
                    z_few: float = MIXED_Z_FEW, tol: float = MIXED_TOL) -> tuple[float, float, tuple[int, ...]] | None:
     """``mixed_estimate``'s rule on per-S (accepted blocks n >= 1, D, standard error; inf below two
     blocks): (D, its standard error, the levels used), or None when no level has ``n_min`` blocks and
     a finite error (the caller then pools every block). Plain float arithmetic in a fixed order, so
     the same inputs give the same bits everywhere. One level used: its own D and error, unchanged."""
-    full = [s for s, (n, _, se) in levels.items() if n >= n_min and math.isfinite(se)]
+    full = [s for s, (n, _, se) in levels.items() if has_own_spread(n, se, n_min)]
     if not full:
         return None
     spread = max(levels[s][2] * math.sqrt(levels[s][0]) for s in full)
