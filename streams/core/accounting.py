@@ -938,9 +938,10 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     alone_s = alone_time([s.alone_us / 1e6 for _, s in streams], len(end.nodes), billed_s)
     # An estimate from unchecked short samples is biased low: its price and its interval carry a
     # margin. Not where evidence is missing or was set aside (a lost node, blocks that never
-    # arrived or were refused for a bad value, a refused marker): every rule fails toward the
-    # higher price, and a long block that went missing must not buy the margin.
-    short = 0.0 if problems or any(s.lost or s.refused for _, s in streams) else short_sample_margin(
+    # arrived, a refused marker): every rule fails toward the higher price, and a long block that
+    # went missing must not buy the margin. A block refused for a bad value is dead-lettered and,
+    # like every bad record, changes no charge (tests/unit/test_bad_input.py).
+    short = 0.0 if problems or any(s.lost for _, s in streams) else short_sample_margin(
         degradation, policy.short_margin, policy.short_sample_us)
     interval = degradation_interval(degradation, policy.confidence, policy.prior_high, policy.margin_abs,
                                     policy.margin_rel, short)

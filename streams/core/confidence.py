@@ -35,12 +35,12 @@ longest S has fewer (too short to afford its long samples within the overhead bu
 long samples Alg. 4 kept rejecting) is priced from short samples that nothing checked. Such an
 estimate (``short_samples_unchecked``) adds ``short_margin`` to the shared-time D it is priced at
 and to its interval's margin, unless evidence is missing or was set aside (a lost node, blocks
-that never arrived or were refused for a bad value, a refused marker: ``accounting.build_charge``),
-which never buys a discount. The margin is calibrated like the interval's, on the same jobs: the
-smallest on a grid of half points for which D + margin held the truth for at least 95% of the
-built-in library's jobs so priced (every mix of ``experiment pricing --mix all-mixes``, seed 7:
-1,015 of 3,408 jobs; 91.3% at 1 point, 95.4% at 1.5): 1.5 points. The SPEC programs and the
-short-job scenario were never used to choose it (docs/charges.md, "The short-sample margin").
+that never arrived, a refused marker: ``accounting.build_charge``), which never buys a discount.
+The margin is calibrated like the interval's, on the same jobs: the smallest on a grid of half
+points for which D + margin held the truth for at least 95% of the built-in library's jobs so
+priced (every mix of ``experiment pricing --mix all-mixes``, seed 7: 1,015 of 3,408 jobs; 91.3% at
+1 point, 95.4% at 1.5): 1.5 points. The SPEC programs and the short-job scenario were never used
+to choose it (docs/charges.md, "The short-sample margin").
 
 Every number here is plain float arithmetic on the charge's own inputs, so both audits recompute
 it bit for bit.

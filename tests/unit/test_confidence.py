@@ -378,8 +378,9 @@ def test_both_audits_recompute_the_short_sample_margin_and_a_row_from_before_it(
 
 
 def test_missing_evidence_never_buys_the_short_sample_margin():
-    """A job whose fourth long block never arrived, or which lost a node, is priced without the
-    margin: every rule fails toward the higher price (with the block it was checked, no margin)."""
+    """A job whose fourth long block never arrived is priced without the margin: every rule fails
+    toward the higher price (with the block it was checked, no margin). One that arrived with a bad
+    value is a bad record, which changes no charge."""
     from factories import batch as batch_of
 
     from nodeshare.schemas import CounterSource, ShutterBlock
@@ -403,5 +404,8 @@ def test_missing_evidence_never_buys_the_short_sample_margin():
     assert lost.evidence_problems and lost.short_margin_applied == 0.0
     assert lost.degradation == lost.degradation_point
     bad = long[3].model_copy(update={"during": tuple(x.model_copy(update={"cycles": 0}) for x in long[3].during)})
-    refused = charge([*long[:3], bad], 16)  # the fourth arrived with a bad value: refused, not counted
-    assert refused.blocks_used == 15 and refused.short_margin_applied == 0.0
+    # the fourth arrived with a bad value: dead-lettered and, like every bad record, changing no charge
+    # (test_bad_input): priced as if it had never been sent, three long blocks, the margin
+    refused, three = charge([*long[:3], bad], 16), charge(long[:3], 15)
+    assert refused.blocks_used == 15 and (refused.degradation, refused.price) == (three.degradation, three.price)
+    assert refused.short_margin_applied == 0.015
