@@ -347,8 +347,9 @@ def charge_differences(held: Charge, copy: Charge, provenance: frozenset[str] = 
 #: The fields an interval margin moves when the charge is priced at its point estimate.
 _INTERVAL_ENDS = frozenset({"degradation_low", "degradation_high"})
 #: The fields the short-sample margin moves (schema 10): the D priced and everything priced from it.
-_SHORT_PRICED = _INTERVAL_ENDS | {"degradation", "solo_time_s", "solo_price", "price", "dividend", "short_margin",
-                                  "short_sample_us", "short_margin_applied"}
+_SHORT_POLICY = frozenset({"short_margin", "short_sample_us"})
+_SHORT_PRICED = _INTERVAL_ENDS | _SHORT_POLICY | {"degradation", "solo_time_s", "solo_price", "price", "dividend",
+                                                  "short_margin_applied"}
 
 
 def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
@@ -364,8 +365,10 @@ def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
     short = (held.short_margin, held.short_sample_us)
     if short == (copy.short_margin, copy.short_sample_us) or not set(fields) <= _SHORT_PRICED:
         return False
-    # only the stated policy differs (a job the margin does not touch), or the price follows from it
-    return set(fields) <= {"short_margin", "short_sample_us"} or _priced_from_its_margin(held, copy)
+    # only the stated policy differs (a job the margin does not touch), or with it the interval of an
+    # unchecked estimate the price does not follow (its long samples taken: the margin widens the
+    # interval only; priced at the bound, the price would differ too), or the price follows from it
+    return set(fields) <= _SHORT_POLICY | _INTERVAL_ENDS or _priced_from_its_margin(held, copy)
 
 
 def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:

@@ -94,6 +94,7 @@ from .confidence import (
     PRIOR,
     degradation_interval,
     short_sample_margin,
+    short_sample_widening,
 )
 from .degradation import (
     DEFAULT_DELTA,
@@ -936,15 +937,17 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     # The blocks measure D while the job shared a node; its time alone (never shuttered) was undisturbed.
     billed_s = billed_time(run_time_s, credit_s)
     alone_s = alone_time([s.alone_us / 1e6 for _, s in streams], len(end.nodes), billed_s)
-    # An estimate from unchecked short samples is biased low: its price and its interval carry a
-    # margin. Not where evidence is missing or was set aside (a lost node, blocks that never
-    # arrived, a refused marker): every rule fails toward the higher price, and a long block that
-    # went missing must not buy the margin. A block refused for a bad value is dead-lettered and,
-    # like every bad record, changes no charge (tests/unit/test_bad_input.py).
-    short = 0.0 if problems or any(s.lost for _, s in streams) else short_sample_margin(
-        degradation, policy.short_margin, policy.short_sample_us)
+    # An estimate from unchecked short samples is unsure: its interval is wider, and where its long
+    # samples were never taken (biased low by the refill) its price carries a margin. Not where
+    # evidence is missing or was set aside (a lost node, blocks that never arrived, a refused
+    # marker): every rule fails toward the higher price, and a long block that went missing must
+    # not buy the margin. A block refused for a bad value is dead-lettered and, like every bad
+    # record, changes no charge (tests/unit/test_bad_input.py).
+    whole = not (problems or any(s.lost for _, s in streams))
+    short = short_sample_margin(degradation, policy.short_margin, policy.short_sample_us) if whole else 0.0
+    widen = short_sample_widening(degradation, policy.short_margin, policy.short_sample_us) if whole else 0.0
     interval = degradation_interval(degradation, policy.confidence, policy.prior_high, policy.margin_abs,
-                                    policy.margin_rel, short)
+                                    policy.margin_rel, widen)
     point, low, high, priced = (job_degradation(d, alone_s, billed_s)
                                 for d in (degradation.degradation, interval.low, interval.high,
                                           min(1.0, degradation.degradation + short)))

@@ -55,7 +55,7 @@ from statistics import NormalDist
 from nodeshare.schemas.events import EstimateStatus
 
 from .degradation import MIXED_S, DegradationResult
-from .shutter_policy import has_own_spread
+from .shutter_policy import MIXED_N_MIN, has_own_spread
 
 #: The interval methods a charge names.
 T_RATIO = "t_ratio"  # Student's t interval of the ratio estimate
@@ -82,7 +82,7 @@ DEFAULT_MARGIN_REL = 0.05
 #: whose estimate it covers (the adaptive ladder's shortest at the defaults, where it was
 #: calibrated) and the margin, in units of D. A charge of an earlier version had none.
 DEFAULT_SHORT_SAMPLE_US = 3200
-DEFAULT_SHORT_MARGIN = 0.015
+DEFAULT_SHORT_MARGIN = 0.03
 
 _NORMAL = NormalDist()
 
@@ -147,9 +147,30 @@ def short_samples_unchecked(result: DegradationResult, short_sample_us: int) -> 
     return not (top.sample_us > short_sample_us and has_own_spread(top.blocks_used, se))
 
 
+def long_samples_untaken(result: DegradationResult, short_sample_us: int) -> bool:
+    """Whether the job took fewer than ``MIXED_N_MIN`` blocks at S longer than ``short_sample_us``,
+    counting those Alg. 4 rejected: its long samples were never taken in full, as happens to a job
+    too short to afford them within the overhead budget. A job that took them and had them rejected
+    (its IPC moves within a long window: bursts, co-runners arriving and leaving) was measured at
+    the long S, and there Alg. 4's selection of its short blocks (each kept only when its solo IPC
+    beats the IPC around it) biases D high, not low (docs/charges.md, "The short-sample margin")."""
+    taken = sum(lv.blocks_used + lv.blocks_rejected for lv in result.levels if lv.sample_us > short_sample_us)
+    return taken < MIXED_N_MIN
+
+
 def short_sample_margin(result: DegradationResult, short_margin: float, short_sample_us: int) -> float:
-    """What a charge adds to its shared-time D, and to its interval's margin, for the short samples
-    behind it: ``short_margin`` where they are unchecked (``short_samples_unchecked``), else 0."""
+    """What a charge adds to its shared-time D for the short samples behind it: ``short_margin`` where
+    they are unchecked (``short_samples_unchecked``) because its long samples were never taken
+    (``long_samples_untaken``), else 0."""
+    check_short_margin(short_margin, short_sample_us)
+    unpriced = short_samples_unchecked(result, short_sample_us) and long_samples_untaken(result, short_sample_us)
+    return short_margin if unpriced else 0.0
+
+
+def short_sample_widening(result: DegradationResult, short_margin: float, short_sample_us: int) -> float:
+    """What a charge adds to its interval's margin for the short samples behind it: ``short_margin``
+    wherever they are unchecked (``short_samples_unchecked``), taken long samples or not: such an
+    estimate is no surer either way, biased low by the refill or high by Alg. 4's selection."""
     check_short_margin(short_margin, short_sample_us)
     return short_margin if short_samples_unchecked(result, short_sample_us) else 0.0
 

@@ -17,7 +17,12 @@ from nodeshare.sinks.analysis.report import co_runner_counts
 from nodeshare.sinks.archive import ParquetArchive
 from nodeshare.sinks.ledger import Ledger
 from nodeshare.streams.core.blocks import block_rows
-from nodeshare.streams.core.confidence import degradation_interval, short_sample_margin
+from nodeshare.streams.core.confidence import (
+    DEFAULT_SHORT_MARGIN,
+    degradation_interval,
+    short_sample_margin,
+    short_sample_widening,
+)
 from nodeshare.streams.core.degradation import DegradationSums, estimate
 from nodeshare.streams.core.pricing import alone_time, billed_time, fair_charge, job_degradation
 
@@ -95,14 +100,17 @@ def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult
         point = job_degradation(d.degradation, alone_s, billed)
         # priced at the point estimate, or at the upper end of D's interval (streams.core.confidence) when
         # the policy says so or the job has no estimate at all
-        # an estimate from 3.2 ms samples that its longest S did not check carries the short-sample
-        # margin (schema 10) in its price and interval, unless evidence is missing
-        short = 0.0 if c.evidence_problems else short_sample_margin(d, c.short_margin or 0.0, c.short_sample_us or 1)
-        interval = degradation_interval(d, c.confidence, c.prior_degradation_high, short=short)
+        # an estimate from 3.2 ms samples that its longest S did not check has a wider interval, and
+        # carries the short-sample margin (schema 10) in its price where its long samples were never
+        # taken, unless evidence is missing
+        m, s_us = c.short_margin or 0.0, c.short_sample_us or 1
+        short, widen = (0.0, 0.0) if c.evidence_problems else (short_sample_margin(d, m, s_us),
+                                                               short_sample_widening(d, m, s_us))
+        interval = degradation_interval(d, c.confidence, c.prior_degradation_high, short=widen)
         no_evidence = interval.method == "prior" and d.status.value != "ok"
         applied = job_degradation(interval.high, alone_s, billed) if c.priced_at == "upper_bound" or no_evidence \
             else job_degradation(min(1.0, d.degradation + short), alone_s, billed)
-        assert c.short_margin_applied == short and (c.short_margin, c.short_sample_us) == (0.015, 3200)
+        assert c.short_margin_applied == short and (c.short_margin, c.short_sample_us) == (DEFAULT_SHORT_MARGIN, 3200)
         amounts = fair_charge(c.rate_per_core_hour, c.cores, c.run_time_s, applied, pause_credit_s=credit)
         assert c.pause_credit_s == credit and c.alone_s == alone_s
         assert (c.degradation_shared, c.blocks_used, c.blocks_rejected) == (d.degradation, d.blocks_used,

@@ -23,7 +23,9 @@ from nodeshare.streams.core.confidence import (
     T_RATIO,
     Interval,
     degradation_interval,
+    long_samples_untaken,
     short_sample_margin,
+    short_sample_widening,
     short_samples_unchecked,
     t_quantile,
 )
@@ -159,15 +161,15 @@ def test_a_charge_carries_its_interval_and_is_priced_at_its_upper_end():
     assert bound.degradation_low < bound.degradation_point < bound.degradation_high
     assert bound.degradation == bound.degradation_high
     # 3.2 ms blocks only, nothing longer to check them: the point estimate plus the short-sample margin
-    assert point.short_margin_applied == bound.short_margin_applied == DEFAULT_SHORT_MARGIN == 0.015
-    assert point.degradation == pytest.approx(point.degradation_point + 0.015, rel=1e-12)
+    assert point.short_margin_applied == bound.short_margin_applied == DEFAULT_SHORT_MARGIN == 0.03
+    assert point.degradation == pytest.approx(point.degradation_point + 0.03, rel=1e-12)
     assert (bound.priced_at, point.priced_at, bound.confidence) == ("upper_bound", "estimate", 0.95)
     # Eq. 4 at the bound, by hand: L * C * T * (1 - D)^2 with L = 1, C = 4, T = 1 h
     assert bound.price == pytest.approx(4 * (1 - bound.degradation_high) ** 2, rel=1e-12)
     assert bound.price < point.price and bound.price + bound.dividend == pytest.approx(bound.standard_price)
-    # the half-width is t(0.975, 59) standard errors of the estimate, plus the bias margin
+    # the half-width is t(0.975, 59) standard errors of the estimate, plus the bias and short-sample margins
     result = filtered_degradation(blocks, estimator=BOUND.estimator)
-    half = t_quantile(0.975, 59) * result.standard_error + 0.01 + 0.05 * result.degradation + 0.015
+    half = t_quantile(0.975, 59) * result.standard_error + 0.01 + 0.05 * result.degradation + 0.03
     assert (bound.interval_margin_abs, bound.interval_margin_rel) == (0.01, 0.05)
     assert bound.degradation_high - bound.degradation_point == pytest.approx(half, rel=1e-9)
 
@@ -310,12 +312,13 @@ def test_a_job_corrected_after_the_upgrade_audits_each_revision_under_the_policy
     assert not audit(archive, tmp_path / "forged.duckdb", new_build, fast=False).ok
 
 
-def _mixed(levels: list[tuple[int, int, bool]], d: float = 0.1, status: EstimateStatus = EstimateStatus.OK,
+def _mixed(levels: list[tuple], d: float = 0.1, status: EstimateStatus = EstimateStatus.OK,
            estimator: str = MIXED_S) -> DegradationResult:
-    """A mixed_s estimate with these (S, accepted blocks, used) levels."""
-    n = sum(b for _, b, _ in levels)
-    return DegradationResult(status, d, d, d, n, 0, corrected=d, estimator=estimator, standard_error=0.01,
-                             interval_blocks=n, levels=tuple(LevelResult(s, b, 0, d, 0.01, u) for s, b, u in levels))
+    """A mixed_s estimate with these (S, accepted blocks, used[, blocks Alg. 4 rejected]) levels."""
+    full = [(lv[0], lv[1], lv[2], lv[3] if len(lv) > 3 else 0) for lv in levels]
+    n, r = sum(b for _, b, _, _ in full), sum(x for *_, x in full)
+    return DegradationResult(status, d, d, d, n, r, corrected=d, estimator=estimator, standard_error=0.01,
+                             interval_blocks=n, levels=tuple(LevelResult(s, b, x, d, 0.01, u) for s, b, u, x in full))
 
 
 def test_short_samples_are_unchecked_unless_a_longer_s_has_the_blocks_to_check_them():
@@ -339,20 +342,45 @@ def test_short_samples_are_unchecked_unless_a_longer_s_has_the_blocks_to_check_t
     assert short_sample_margin(_mixed([(3200, 6, True), (51200, 4, True)]), 0.02, short) == 0.0
     with pytest.raises(ValueError, match="short-sample margin"):
         short_sample_margin(_mixed([(3200, 30, True)]), 1.5, short)
+    with pytest.raises(ValueError, match="short-sample margin"):
+        short_sample_widening(_mixed([(3200, 30, True)]), -0.1, short)
+
+
+@pytest.mark.parametrize(("levels", "untaken"), [
+    ([(3200, 30, True)], True),  # the fixed 3.2 ms schedule: never a long sample
+    ([(3200, 6, True), (51200, 3, True)], True),  # three long blocks, all accepted: too short for a fourth
+    ([(3200, 6, True), (12800, 1, True), (51200, 2, True)], True),  # three, over two longer S
+    ([(3200, 6, True), (51200, 3, True, 1)], False),  # four taken, one rejected by Alg. 4
+    ([(3200, 20, True), (51200, 0, False, 6)], False),  # six taken, every one rejected
+    ([(3200, 6, True), (12800, 0, False, 2), (51200, 1, True, 1)], False),  # four taken over two S
+    ([(3200, 20, True, 40)], True),  # rejected short blocks are not long ones
+])
+def test_only_unchecked_short_samples_whose_long_ones_were_never_taken_are_priced_with_the_margin(levels, untaken):
+    """By hand: every estimate here is unchecked (no longer S with 4 accepted blocks), so its interval
+    widens by the margin; its price carries it only where fewer than MIXED_N_MIN = 4 blocks were taken
+    at S > 3.2 ms, counting those Alg. 4 rejected. A job that took its long samples and had them
+    rejected was measured there (Alg. 4's selection then biases its short blocks high)."""
+    result = _mixed(levels)
+    assert short_samples_unchecked(result, 3200) and long_samples_untaken(result, 3200) is untaken
+    assert short_sample_widening(result, 0.02, 3200) == 0.02
+    assert short_sample_margin(result, 0.02, 3200) == (0.02 if untaken else 0.0)
+    # a checked estimate gets neither, taken or not
+    checked = _mixed([(3200, 6, True), (51200, 4, True, 3)])
+    assert (short_sample_margin(checked, 0.02, 3200), short_sample_widening(checked, 0.02, 3200)) == (0.0, 0.0)
 
 
 def test_the_short_sample_margin_raises_the_price_and_the_interval_by_hand():
     """D = 0.1 from 20 blocks with SE 0.01, all at 3.2 ms: the interval's half-width is t(0.975, 19)
     x 0.01 + 0.01 + 0.05 x 0.1 + 0.02 = 0.05593 with a margin of 2 points; a job of such blocks, alone
-    for a quarter of its hour, is priced at D = (D_shared + 0.015) x 0.75 under the default margin
+    for a quarter of its hour, is priced at D = (D_shared + 0.03) x 0.75 under the default margin
     and Eq. 4 (4 x (1 - D)^2), its point estimate staying D_shared x 0.75."""
     result = _mixed([(3200, 20, True)])
     iv = degradation_interval(result, 0.95, short=0.02)
     assert (iv.low, iv.high) == pytest.approx((0.1 - 0.05593, 0.1 + 0.05593), abs=2e-5)
     rng = np.random.default_rng(21)
     c = _charge(_blocks(rng, 30, 0.1, 0.02), POINT, alone_us=900_000_000)
-    assert (c.short_margin, c.short_sample_us, c.short_margin_applied) == (0.015, 3200, 0.015)
-    assert c.degradation == pytest.approx((c.degradation_shared + 0.015) * 0.75, rel=1e-12)
+    assert (c.short_margin, c.short_sample_us, c.short_margin_applied) == (0.03, 3200, 0.03)
+    assert c.degradation == pytest.approx((c.degradation_shared + 0.03) * 0.75, rel=1e-12)
     assert c.degradation_point == pytest.approx(c.degradation_shared * 0.75, rel=1e-12)  # the estimate itself
     assert c.price == pytest.approx(4 * (1 - c.degradation) ** 2, rel=1e-12)
     none = _charge(_blocks(rng, 30, 0.1, 0.02), replace(POINT, short_margin=0.0), alone_us=900_000_000)
@@ -365,7 +393,7 @@ def test_both_audits_recompute_the_short_sample_margin_and_a_row_from_before_it(
     the margin) under what it records: no margin."""
     archive, c = _archived_job(tmp_path, 5, POINT)
     _, then = _archived_job(tmp_path / "old", 5, replace(POINT, short_margin=0.0))
-    assert c.short_margin_applied == 0.015 and c.price < then.price
+    assert c.short_margin_applied == 0.03 and c.price < then.price
     v9 = as_version(then, 9)
     assert policy_of(decode_model(Charge, v9)).short_margin == 0.0 and policy_of(c) == POINT
     for name, row, raw in (("good", c, encode(c)), ("claimed", c.model_copy(update={"short_margin": 0.0}), None),
@@ -375,6 +403,43 @@ def test_both_audits_recompute_the_short_sample_margin_and_a_row_from_before_it(
             ledger.append([(row, raw if raw is not None else encode(row), 0, 0)])
         for fast in (True, False):
             assert audit(archive, path, POINT, fast=fast).ok is (name != "claimed"), (name, fast)
+
+
+def test_a_job_whose_long_samples_were_rejected_has_a_wider_interval_and_no_margin_in_its_price():
+    """Twelve 3.2 ms blocks and four 51.2 ms blocks of which Alg. 4 rejects two (the job's solo IPC
+    during the window below the IPC around it): the long S was probed, so the price is the point
+    estimate's, the same as with no short-sample margin at all; the estimate is still unchecked (two
+    accepted long blocks), so its interval is wider by the margin at both ends. With all four
+    accepted, it is checked: neither."""
+    from factories import batch as batch_of
+
+    from nodeshare.schemas import CounterSource
+
+    rng = np.random.default_rng(41)
+    short = _blocks(rng, 12, 0.1, 0.02)
+    good = [b.model_copy(update={"cycle": 100 + i, "sample_us": 51200, "counter": CounterSource.SIMULATED})
+            for i, b in enumerate(_blocks(rng, 4, 0.1, 0.02))]
+    low = [block(1.1, 1.0, 1.1, cycle=200 + i).model_copy(update={"sample_us": 51200,
+                                                                  "counter": CounterSource.SIMULATED})
+           for i in range(2)]
+    end = job_event("j1", JobState.ENDED, cores=4)
+
+    def charge(longs: list, policy: PricingPolicy) -> Charge:
+        ipc = [batch_of(*short), batch_of(*longs, seq=1), left("j1", "n1", 12 + len(longs), 201)]
+        [c] = fold_messages(as_messages(ipc, IPC) + as_messages([end], LIFE), policy)
+        return c
+
+    none = replace(POINT, short_margin=0.0)
+    rejected, bare = charge([*good[:2], *low], POINT), charge([*good[:2], *low], none)
+    assert (rejected.blocks_used, rejected.blocks_rejected) == (14, 2) and rejected.short_margin_applied == 0.0
+    assert (rejected.degradation, rejected.price) == (bare.degradation, bare.price)
+    assert rejected.degradation == rejected.degradation_point
+    assert rejected.degradation_high - bare.degradation_high == pytest.approx(DEFAULT_SHORT_MARGIN, abs=1e-12)
+    assert bare.degradation_low - rejected.degradation_low == pytest.approx(DEFAULT_SHORT_MARGIN, abs=1e-12)
+    checked, plain = charge(good, POINT), charge(good, none)
+    assert checked.short_margin_applied == 0.0
+    assert (checked.price, checked.degradation_low, checked.degradation_high) == (
+        plain.price, plain.degradation_low, plain.degradation_high)
 
 
 def test_missing_evidence_never_buys_the_short_sample_margin():
@@ -399,7 +464,7 @@ def test_missing_evidence_never_buys_the_short_sample_margin():
         return c
 
     assert charge(long, 16).short_margin_applied == 0.0  # checked by its 4 long blocks
-    assert charge(long[:3], 15).short_margin_applied == 0.015  # three long blocks, all it sent: unchecked
+    assert charge(long[:3], 15).short_margin_applied == 0.03  # three long blocks, all it sent: unchecked
     lost = charge(long[:3], 16)  # the fourth was sent and never arrived
     assert lost.evidence_problems and lost.short_margin_applied == 0.0
     assert lost.degradation == lost.degradation_point
@@ -408,4 +473,4 @@ def test_missing_evidence_never_buys_the_short_sample_margin():
     # (test_bad_input): priced as if it had never been sent, three long blocks, the margin
     refused, three = charge([*long[:3], bad], 16), charge(long[:3], 15)
     assert refused.blocks_used == 15 and (refused.degradation, refused.price) == (three.degradation, three.price)
-    assert refused.short_margin_applied == 0.015
+    assert refused.short_margin_applied == 0.03

@@ -606,28 +606,31 @@ def test_a_block_exactly_at_the_clock_limit_is_judged_by_the_same_arithmetic_in_
 
 def test_both_paths_price_the_short_sample_margin_alike(tmp_path):
     """At the default short-sample margin: a simulated cluster (3.2 ms blocks only: every job gets
-    it), and jobs on two nodes with a long level of 3 blocks (unchecked: the margin) or 4 (checked:
-    none), the 4 split between the nodes. The fast path's charges are the reference's, field by field."""
+    it), and jobs on two nodes with a long level of 3 blocks (unchecked: the margin), 4 (checked:
+    none), or 4 of which Alg. 4 rejects 2 (unchecked but probed: none in the price), split between
+    the nodes. The fast path's charges are the reference's, field by field."""
     from dataclasses import replace
 
     from nodeshare.schemas import CounterSource
     from nodeshare.schemas.events import EstimateStatus
 
-    margin = replace(POLICY, short_margin=0.015)
+    margin = replace(POLICY, short_margin=0.03)
     archive, _, n = build(tmp_path / "sim")
     fast = fast_recompute(archive, {}, margin)
     reference = recompute(archived_messages(ParquetArchive(archive)), {}, margin)
     assert len(reference) == n and fast.charges == reference and not fast.ineligible
-    assert all(c.short_margin_applied == (0.015 if c.estimate_status is EstimateStatus.OK and not c.evidence_problems
+    assert all(c.short_margin_applied == (0.03 if c.estimate_status is EstimateStatus.OK and not c.evidence_problems
                                           else 0.0) for c in reference.values())
     assert sum(c.short_margin_applied > 0 for c in reference.values()) >= n // 2
 
     def long(job: str, node: str, first: int, count: int) -> list:
-        return [block(1.0, 1.3 + 0.01 * i, 1.0, job=job, node=node, cycle=first + i).model_copy(
-            update={"sample_us": 51200, "counter": CounterSource.SIMULATED}) for i in range(count)]
+        # the job "probed" took four long samples; Alg. 4 rejects its first on each node (solo IPC low)
+        return [block(1.0, 0.9 if job == "probed" and i == 0 else 1.3 + 0.01 * i, 1.0, job=job, node=node,
+                      cycle=first + i).model_copy(update={"sample_us": 51200, "counter": CounterSource.SIMULATED})
+                for i in range(count)]
 
     records = []
-    for job, longs in (("three", 3), ("four", 4)):
+    for job, longs in (("three", 3), ("four", 4), ("probed", 4)):
         for node, share in (("n1", longs // 2), ("n2", longs - longs // 2)):
             short = [block(1.0, 1.25 + 0.01 * i, 1.0, job=job, node=node, cycle=i) for i in range(10)]
             records += [batch(*short), batch(*long(job, node, 10, share), seq=1),
@@ -637,4 +640,7 @@ def test_both_paths_price_the_short_sample_margin_alike(tmp_path):
     fast = fast_recompute(archive, {}, margin)
     reference = recompute(archived_messages(ParquetArchive(archive)), {}, margin)
     assert fast.charges == reference and not fast.ineligible
-    assert {j: c.short_margin_applied for (j, _), c in reference.items()} == {"three": 0.015, "four": 0.0}
+    assert {j: c.short_margin_applied for (j, _), c in reference.items()} == {"three": 0.03, "four": 0.0,
+                                                                               "probed": 0.0}
+    probed = reference[("probed", 0)]  # two long blocks accepted: unchecked, its interval widened, not its price
+    assert probed.blocks_rejected == 2 and probed.degradation == probed.degradation_point

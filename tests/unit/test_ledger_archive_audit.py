@@ -517,3 +517,20 @@ def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergen
     # a job the margin did not touch: only the stated policy differs (an upgrade, a rollback, a new value)
     untouched = before.model_copy(update={"short_margin": 0.02})
     assert margin_only(before, untouched, [f for f, _, _ in charge_differences(before, untouched)])
+    # a job whose long samples Alg. 4 rejected: the margin widens its interval, never its price, so
+    # a copy under another margin differs in the interval's ends only; with another price it does not
+    from nodeshare.schemas import CounterSource
+
+    longs = [block(1.0, 1.25 if c < 102 else 0.9, 1.0, cycle=c).model_copy(
+        update={"sample_us": 51200, "counter": CounterSource.SIMULATED}) for c in range(100, 104)]
+    probed = [(Origin("node.ipc", 0, 0), b"j1", encode(records[0]), 0.0),
+              (Origin("node.ipc", 0, 1), b"j1", encode(batch(*longs, seq=1)), 0.0),
+              (Origin("node.ipc", 0, 2), b"j1", encode(left("j1", "n1", 16, 103)), 0.0),
+              (Origin("jobs.lifecycle", 0, 3), b"j1", encode(records[2]), 0.0)]
+    [then] = fold_messages(probed, replace(POLICY, short_margin=0.015))
+    [now] = fold_messages(probed, replace(POLICY, short_margin=0.03))
+    assert then.short_margin_applied == now.short_margin_applied == 0.0 and now.blocks_rejected == 2
+    assert {f for f, _, _ in charge_differences(then, now)} == {"short_margin", "degradation_low", "degradation_high"}
+    assert margin_only(then, now, [f for f, _, _ in charge_differences(then, now)])
+    cheaper = now.model_copy(update={"price": now.price * 0.9})
+    assert not margin_only(then, cheaper, [f for f, _, _ in charge_differences(then, cheaper)])

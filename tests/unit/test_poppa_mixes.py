@@ -25,6 +25,7 @@ from nodeshare.producers.mixes import (
 )
 from nodeshare.producers.workloads import BUILTIN, PAIRWISE
 from nodeshare.schemas import Charge, JobLeftNode
+from nodeshare.streams.core.confidence import DEFAULT_SHORT_MARGIN
 
 #: Every program's run shortened, so a mix simulates in seconds.
 FAST = {k: replace(w, solo_s=8.0) for k, w in BUILTIN.items()}
@@ -139,7 +140,7 @@ def test_mix_pairs_is_todays_pricing() -> None:
     corrected = _scored(7, 5 - 4, 3200, 200, ("MILC", "LAMMPS"), BUILTIN, "refill_corrected")
     for (*_, m), (*_, c) in zip(scored, corrected, strict=True):
         assert m.degradation_shared == c.degradation_shared and (m.short_margin_applied, c.short_margin_applied) == (
-            0.015, 0.0)
+            DEFAULT_SHORT_MARGIN, 0.0)
         assert m.degradation > c.degradation or c.degradation == 1.0
     assert r["mixes"]["pairs"]["jobs"] == 8 and r["overall"] == r["mixes"]["pairs"]
 
