@@ -142,8 +142,9 @@ class Settings(BaseSettings):
     # the interval's margin for the estimator's bias, margin_abs + margin_rel x D (docs/charges.md)
     margin_abs: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01  # confidence.DEFAULT_MARGIN_ABS
     margin_rel: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05  # confidence.DEFAULT_MARGIN_REL
-    # the short-sample margin: added to the D priced when an estimate rests on samples of S <=
-    # short_sample_us that no longer S checked (docs/charges.md, "The short-sample margin")
+    # the short-sample margin: widens the interval of an estimate from samples of S <= short_sample_us
+    # that no longer S checked, and is added to its D priced where the job never took its long
+    # samples (docs/charges.md, "The short-sample margin")
     short_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.03  # confidence.DEFAULT_SHORT_MARGIN
     short_sample_us: Annotated[int, Field(ge=1, le=1_000_000)] = 3200  # confidence.DEFAULT_SHORT_SAMPLE_US
     # What the standard price multiplies (streams.core.pricing.billed_units): "cores" (POPPA's C), or

@@ -68,7 +68,8 @@ from pydantic import (
 #:   range (before, a two-node job of two tasks was packed onto one node, against its request).
 #: * 10: ``Charge`` states the short-sample margin it was priced under (``short_margin``,
 #:   ``short_sample_us``) and what it added to the shared-time D (``short_margin_applied``): an
-#:   estimate from short samples that no longer one checked is biased low (streams.core.confidence).
+#:   estimate from short samples that no longer one checked has a wider interval, and where the job
+#:   never took its long samples is biased low (streams.core.confidence).
 SCHEMA_VERSION = 10
 
 #: No event of a system built in 2026 happened before this: an earlier event_time is a broken clock.
@@ -972,9 +973,11 @@ class Charge(Record):
     interval_margin_rel: Fraction01 | None = None
     #: The short-sample margin (version 10; streams.core.confidence): the policy's margin and the
     #: longest S it covers (None: an earlier version's charge, priced without), and what it added to
-    #: the shared-time D priced and to the interval's margin (the margin where the estimate rests on
-    #: samples of S <= ``short_sample_us`` that no longer S checked, else 0). ``degradation_point``
-    #: stays the estimate.
+    #: the shared-time D priced at the estimate (the margin where the estimate rests on samples of
+    #: S <= ``short_sample_us`` that no longer S checked and the job took fewer than 4 longer ones,
+    #: else 0). The interval of every such unchecked estimate is wider by the margin, whether or not
+    #: its price carries it (so a charge priced at the bound pays less by it); the audit recomputes
+    #: both from the levels. ``degradation_point`` stays the estimate.
     short_margin: Fraction01 | None = None
     short_sample_us: PosInt | None = None
     short_margin_applied: Fraction01 = 0.0

@@ -366,9 +366,26 @@ def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
     if short == (copy.short_margin, copy.short_sample_us) or not set(fields) <= _SHORT_PRICED:
         return False
     # only the stated policy differs (a job the margin does not touch), or with it the interval of an
-    # unchecked estimate the price does not follow (its long samples taken: the margin widens the
-    # interval only; priced at the bound, the price would differ too), or the price follows from it
-    return set(fields) <= _SHORT_POLICY | _INTERVAL_ENDS or _priced_from_its_margin(held, copy)
+    # unchecked estimate whose price it does not move, or the price follows from it
+    return (set(fields) <= _SHORT_POLICY or (set(fields) <= _SHORT_POLICY | _INTERVAL_ENDS
+                                             and _widened_by_its_margin(held, copy))
+            or _priced_from_its_margin(held, copy))
+
+
+def _widened_by_its_margin(held: Charge, copy: Charge) -> bool:
+    """Whether ``copy``'s interval is ``held``'s moved by the change of short-sample margin alone,
+    for a job whose price carries the margin in neither (an unchecked estimate whose long samples
+    were taken, priced at its point estimate): each end moves away from the point by at most the
+    change (less where it meets 0 or 1), toward it when the margin shrank."""
+    applied = held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
+    if applied or copy.short_margin_applied or held.priced_at != "estimate" or copy.priced_at != "estimate":
+        return False
+    step = job_degradation((copy.short_margin or 0.0) - (held.short_margin or 0.0), copy.alone_s,
+                           copy.billed_time_s)
+    sign, tol = (1.0 if step >= 0.0 else -1.0), 1e-12
+    moves = (held.degradation_low - copy.degradation_low, copy.degradation_high - held.degradation_high)
+    return (all(-tol <= sign * m <= abs(step) + tol for m in moves)
+            and copy.degradation_low <= copy.degradation_point <= copy.degradation_high)
 
 
 def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:

@@ -140,9 +140,10 @@ class PricingPolicy:
     #: streams.core.confidence says how it was calibrated). An older row is audited with 0.
     margin_abs: float = DEFAULT_MARGIN_ABS
     margin_rel: float = DEFAULT_MARGIN_REL
-    #: The short-sample margin (schema 10; streams.core.confidence): added to the shared-time D priced
-    #: when the estimate rests on samples of S <= ``short_sample_us`` that no longer S checked. An
-    #: older row is audited with 0.
+    #: The short-sample margin (schema 10; streams.core.confidence): widens the interval of an
+    #: estimate that rests on samples of S <= ``short_sample_us`` no longer S checked, and is added
+    #: to the shared-time D priced where the job also never took its long samples. An older row is
+    #: audited with 0.
     short_margin: float = DEFAULT_SHORT_MARGIN
     short_sample_us: int = DEFAULT_SHORT_SAMPLE_US
     #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the

@@ -116,6 +116,8 @@ def test_charges_equal_the_pure_functions_on_the_archived_blocks(run: DemoResult
         assert (c.degradation_shared, c.blocks_used, c.blocks_rejected) == (d.degradation, d.blocks_used,
                                                                             d.blocks_rejected)
         assert (c.degradation_point, c.degradation) == (point, applied)
+        assert (c.degradation_low, c.degradation_high) == (job_degradation(interval.low, alone_s, billed),
+                                                           job_degradation(interval.high, alone_s, billed))
         assert c.degradation_low <= point <= c.degradation_high
         assert (c.standard_price, c.price, c.dividend) == (amounts.standard_price, amounts.price, amounts.dividend)
     assert sum(c.dividend for c in run.charges) > 0  # co-located jobs were measured and discounted

@@ -458,9 +458,9 @@ def test_missing_evidence_never_buys_the_short_sample_margin():
     long = [at(b.model_copy(update={"cycle": 100 + i}), 51200) for i, b in enumerate(_blocks(rng, 4, 0.1, 0.02))]
     end = job_event("j1", JobState.ENDED, cores=4)
 
-    def charge(longs: list, sent: int) -> Charge:
+    def charge(longs: list, sent: int, policy: PricingPolicy = POINT) -> Charge:
         ipc = [batch_of(*short), batch_of(*longs, seq=1), left("j1", "n1", sent, 103)]
-        [c] = fold_messages(as_messages(ipc, IPC) + as_messages([end], LIFE), POINT)
+        [c] = fold_messages(as_messages(ipc, IPC) + as_messages([end], LIFE), policy)
         return c
 
     assert charge(long, 16).short_margin_applied == 0.0  # checked by its 4 long blocks
@@ -468,6 +468,10 @@ def test_missing_evidence_never_buys_the_short_sample_margin():
     lost = charge(long[:3], 16)  # the fourth was sent and never arrived
     assert lost.evidence_problems and lost.short_margin_applied == 0.0
     assert lost.degradation == lost.degradation_point
+    # nor a wider interval (priced at the bound, its upper end would lower the price)
+    bare = charge(long[:3], 16, replace(POINT, short_margin=0.0))
+    assert (lost.degradation_low, lost.degradation_high) == (bare.degradation_low, bare.degradation_high)
+    assert charge(long[:3], 16, BOUND).price == charge(long[:3], 16, replace(BOUND, short_margin=0.0)).price
     bad = long[3].model_copy(update={"during": tuple(x.model_copy(update={"cycles": 0}) for x in long[3].during)})
     # the fourth arrived with a bad value: dead-lettered and, like every bad record, changing no charge
     # (test_bad_input): priced as if it had never been sent, three long blocks, the margin

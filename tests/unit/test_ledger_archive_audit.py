@@ -532,5 +532,9 @@ def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergen
     assert then.short_margin_applied == now.short_margin_applied == 0.0 and now.blocks_rejected == 2
     assert {f for f, _, _ in charge_differences(then, now)} == {"short_margin", "degradation_low", "degradation_high"}
     assert margin_only(then, now, [f for f, _, _ in charge_differences(then, now)])
-    cheaper = now.model_copy(update={"price": now.price * 0.9})
-    assert not margin_only(then, cheaper, [f for f, _, _ in charge_differences(then, cheaper)])
+    for update in ({"price": now.price * 0.9}, {"degradation_low": 0.0, "degradation_high": 1.0},
+                   {"degradation_low": 0.5, "degradation_high": 0.2},  # ends moved further than the margin
+                   {"degradation_high": then.degradation_high - 0.01}):  # inward, the margin grown
+        forged = now.model_copy(update=update)
+        assert not margin_only(then, forged, [f for f, _, _ in charge_differences(then, forged)]), update
+    assert margin_only(now, then, [f for f, _, _ in charge_differences(now, then)])  # a rollback: inward
