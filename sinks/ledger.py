@@ -373,25 +373,36 @@ def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
 
 
 def _widened_by_its_margin(held: Charge, copy: Charge) -> bool:
-    """Whether ``copy``'s interval is ``held``'s moved by the change of short-sample margin alone,
+    """Whether ``copy``'s interval is ``held``'s moved by the change of short-sample policy alone,
     for a job whose price carries the margin in neither (an unchecked estimate whose long samples
-    were taken, priced at its point estimate): each end moves away from the point by at most the
-    change (less where it meets 0 or 1), toward it when the margin shrank."""
+    were taken, priced at its point estimate)."""
     applied = held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
     if applied or copy.short_margin_applied or held.priced_at != "estimate" or copy.priced_at != "estimate":
         return False
-    step = job_degradation((copy.short_margin or 0.0) - (held.short_margin or 0.0), copy.alone_s,
-                           copy.billed_time_s)
-    sign, tol = (1.0 if step >= 0.0 else -1.0), 1e-12
-    moves = (held.degradation_low - copy.degradation_low, copy.degradation_high - held.degradation_high)
-    return (all(-tol <= sign * m <= abs(step) + tol for m in moves)
+    return _ends_follow_the_margin(held, copy)
+
+
+def _ends_follow_the_margin(held: Charge, copy: Charge) -> bool:
+    """Whether ``copy``'s interval ends are ``held``'s moved no further than a change of short-sample
+    policy can move them: each end away from the point by at most the change of margin (less where
+    it meets 0 or 1), toward it when the margin shrank; either way by up to the larger margin where
+    the longest S it covers changed too (an estimate checked under one may be unchecked under the
+    other). A row from before the margin (no ``short_sample_us``) had none. The ledger bounds the
+    ends; the audit recomputes them from the archive."""
+    old, new = held.short_margin or 0.0, copy.short_margin or 0.0
+    low, high = (sorted((0.0, new - old)) if held.short_sample_us in (None, copy.short_sample_us)
+                 else (-max(old, new), max(old, new)))
+    scale, tol = job_degradation(1.0, copy.alone_s, copy.billed_time_s), 1e-12
+    outward = (held.degradation_low - copy.degradation_low, copy.degradation_high - held.degradation_high)
+    return (all(low * scale - tol <= m <= high * scale + tol for m in outward)
             and copy.degradation_low <= copy.degradation_point <= copy.degradation_high)
 
 
 def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:
     """Whether ``copy`` applied another short-sample margin than ``held`` and its D and price are
-    what that margin gives from the estimate both share (at the point estimate, no adjustment):
-    a re-sent copy that claims a margin change but prices otherwise stays divergent."""
+    what that margin gives from the estimate both share (at the point estimate, no adjustment),
+    its interval's ends moved no further than the margin moves them: a re-sent copy that claims a
+    margin change but prices otherwise, or states another interval, stays divergent."""
     applied = held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
     if (copy.priced_at != "estimate" or copy.adjustment is not None
             or copy.short_margin_applied == applied or copy.short_margin_applied not in (0.0, copy.short_margin)):
@@ -400,7 +411,7 @@ def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:
                         copy.billed_time_s)
     amounts = fair_charge(copy.rate_per_core_hour, copy.units, copy.run_time_s, d, copy.rate_function,
                           copy.pause_credit_s)
-    return all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12) for a, b in (
+    return _ends_follow_the_margin(held, copy) and all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12) for a, b in (
         (copy.degradation, d), (copy.price, amounts.price), (copy.dividend, amounts.dividend),
         (copy.solo_price, amounts.solo_price), (copy.solo_time_s, amounts.solo_time_s)))
 

@@ -514,6 +514,7 @@ def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergen
     assert not forgiven({"short_margin": None, "short_sample_us": None})  # no policy change stated
     assert not forgiven({"blocks_used": copy.blocks_used + 1})
     assert not forgiven({"short_margin_applied": 0.4})  # a margin the policy does not state
+    assert not forgiven({"degradation_low": 0.0, "degradation_high": 1.0})  # priced right, another interval
     # a job the margin did not touch: only the stated policy differs (an upgrade, a rollback, a new value)
     untouched = before.model_copy(update={"short_margin": 0.02})
     assert margin_only(before, untouched, [f for f, _, _ in charge_differences(before, untouched)])
@@ -538,3 +539,9 @@ def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergen
         forged = now.model_copy(update=update)
         assert not margin_only(then, forged, [f for f, _, _ in charge_differences(then, forged)]), update
     assert margin_only(now, then, [f for f, _, _ in charge_differences(now, then)])  # a rollback: inward
+    # the longest S the margin covers changed alone: at 1.6 ms the 3.2 ms samples are not short, so
+    # the estimate is no longer unchecked and its interval narrows by the whole margin
+    [moved] = fold_messages(probed, replace(POLICY, short_margin=0.03, short_sample_us=1600))
+    assert {f for f, _, _ in charge_differences(now, moved)} == {"short_sample_us", "degradation_low",
+                                                                 "degradation_high"}
+    assert margin_only(now, moved, [f for f, _, _ in charge_differences(now, moved)])
