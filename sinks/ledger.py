@@ -372,12 +372,16 @@ def margin_only(held: Charge, copy: Charge, fields: list[str]) -> bool:
             or _priced_from_its_margin(held, copy))
 
 
+def _held_margin(held: Charge) -> float:
+    """The short-sample margin ``held`` applied to its price (0 for a row from before the margin)."""
+    return held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
+
+
 def _widened_by_its_margin(held: Charge, copy: Charge) -> bool:
     """Whether ``copy``'s interval is ``held``'s moved by the change of short-sample policy alone,
     for a job whose price carries the margin in neither (an unchecked estimate whose long samples
     were taken, priced at its point estimate)."""
-    applied = held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
-    if applied or copy.short_margin_applied or held.priced_at != "estimate" or copy.priced_at != "estimate":
+    if _held_margin(held) or copy.short_margin_applied or held.priced_at != "estimate" or copy.priced_at != "estimate":
         return False
     return _ends_follow_the_margin(held, copy)
 
@@ -403,9 +407,8 @@ def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:
     what that margin gives from the estimate both share (at the point estimate, no adjustment),
     its interval's ends moved no further than the margin moves them: a re-sent copy that claims a
     margin change but prices otherwise, or states another interval, stays divergent."""
-    applied = held.short_margin_applied if carried(held, "short_margin_applied") else 0.0
-    if (copy.priced_at != "estimate" or copy.adjustment is not None
-            or copy.short_margin_applied == applied or copy.short_margin_applied not in (0.0, copy.short_margin)):
+    if (copy.priced_at != "estimate" or copy.adjustment is not None or copy.short_margin_applied == _held_margin(held)
+            or copy.short_margin_applied not in (0.0, copy.short_margin)):
         return False
     d = job_degradation(min(1.0, copy.degradation_shared + copy.short_margin_applied), copy.alone_s,
                         copy.billed_time_s)

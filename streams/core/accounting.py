@@ -945,8 +945,8 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     # not buy the margin. A block refused for a bad value is dead-lettered and, like every bad
     # record, changes no charge (tests/unit/test_bad_input.py).
     whole = not (problems or any(s.lost for _, s in streams))
-    short = short_sample_margin(degradation, policy.short_margin, policy.short_sample_us) if whole else 0.0
     widen = short_sample_widening(degradation, policy.short_margin, policy.short_sample_us) if whole else 0.0
+    short = short_sample_margin(degradation, policy.short_margin, policy.short_sample_us) if whole else 0.0
     interval = degradation_interval(degradation, policy.confidence, policy.prior_high, policy.margin_abs,
                                     policy.margin_rel, widen)
     point, low, high, priced = (job_degradation(d, alone_s, billed_s)

@@ -141,8 +141,8 @@ def short_samples_unchecked(result: DegradationResult, short_sample_us: int) -> 
     accepted block, and with full strength only where that level has a spread of its own
     (``has_own_spread``: ``MIXED_N_MIN`` of them; else at ``MIXED_Z_FEW``, or not at all when no
     level has one and every block is pooled). So they are checked only when the longest S is longer
-    than ``short_sample_us`` and has a spread of its own. False for another estimator, without an estimate, and for
-    blocks folded before the fold kept S (S = 0: unknown)."""
+    than ``short_sample_us`` and has a spread of its own. False for another estimator, without an
+    estimate, and for blocks folded before the fold kept S (S = 0: unknown)."""
     if result.estimator != MIXED_S or result.status is not EstimateStatus.OK:
         return False
     if not any(lv.used and lv.blocks_used and 0 < lv.sample_us <= short_sample_us for lv in result.levels):
@@ -166,10 +166,9 @@ def long_samples_untaken(result: DegradationResult, short_sample_us: int) -> boo
 def short_sample_margin(result: DegradationResult, short_margin: float, short_sample_us: int) -> float:
     """What a charge adds to its shared-time D for the short samples behind it: ``short_margin`` where
     they are unchecked (``short_samples_unchecked``) because its long samples were never taken
-    (``long_samples_untaken``), else 0."""
-    check_short_margin(short_margin, short_sample_us)
-    unpriced = short_samples_unchecked(result, short_sample_us) and long_samples_untaken(result, short_sample_us)
-    return short_margin if unpriced else 0.0
+    (``long_samples_untaken``), else 0: the interval's widening, where the long samples are missing."""
+    widen = short_sample_widening(result, short_margin, short_sample_us)
+    return widen if widen and long_samples_untaken(result, short_sample_us) else 0.0
 
 
 def short_sample_widening(result: DegradationResult, short_margin: float, short_sample_us: int) -> float:

@@ -344,6 +344,9 @@ def test_short_samples_are_unchecked_unless_a_longer_s_has_the_blocks_to_check_t
         short_sample_margin(_mixed([(3200, 30, True)]), 1.5, short)
     with pytest.raises(ValueError, match="short-sample margin"):
         short_sample_widening(_mixed([(3200, 30, True)]), -0.1, short)
+    # a checked estimate gets neither, its long samples taken or not
+    checked = _mixed([(3200, 6, True), (51200, 4, True, 3)])
+    assert (short_sample_margin(checked, 0.02, short), short_sample_widening(checked, 0.02, short)) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize(("levels", "untaken"), [
@@ -364,9 +367,6 @@ def test_only_unchecked_short_samples_whose_long_ones_were_never_taken_are_price
     assert short_samples_unchecked(result, 3200) and long_samples_untaken(result, 3200) is untaken
     assert short_sample_widening(result, 0.02, 3200) == 0.02
     assert short_sample_margin(result, 0.02, 3200) == (0.02 if untaken else 0.0)
-    # a checked estimate gets neither, taken or not
-    checked = _mixed([(3200, 6, True), (51200, 4, True, 3)])
-    assert (short_sample_margin(checked, 0.02, 3200), short_sample_widening(checked, 0.02, 3200)) == (0.0, 0.0)
 
 
 def test_the_short_sample_margin_raises_the_price_and_the_interval_by_hand():
