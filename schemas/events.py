@@ -957,7 +957,9 @@ class Charge(Record):
     #: method (t_ratio | prior | none) and the blocks behind it; ``priced_at`` says which of the
     #: point estimate and the interval's upper end ``degradation`` is; ``prior_degradation_high``
     #: is the prior interval's upper end the policy states. A charge of an earlier version was
-    #: priced at the point estimate and carries no interval.
+    #: priced at the point estimate and carries no interval. Since version 10 the lower end of a
+    #: ``mixed_s`` estimate whose kept short samples read higher than its longest S beyond noise
+    #: reaches down to that level's own interval (``confidence.trusted_level_low``).
     degradation_point: Fraction01 | None = None
     degradation_low: Fraction01 | None = None
     degradation_high: Fraction01 | None = None

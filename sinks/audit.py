@@ -179,7 +179,7 @@ def policy_of(charge: Charge) -> PricingPolicy:
     """The policy a charge was priced under, from what it records (a charge before version 6 was
     priced at its point estimate; one before version 7 had no interval margin; one before version 8
     by its cores; one of version 8 by the weights it names, if any; one before version 10 had no
-    short-sample margin)."""
+    short-sample margin, and its interval's lower end never reached the trusted level's)."""
     bound = charge.priced_at == "upper_bound"
     return PricingPolicy(rate_per_core_hour=charge.rate_per_core_hour, delta=charge.delta,
                          rate_function=charge.rate_function, estimator=charge.estimator,
@@ -190,6 +190,7 @@ def policy_of(charge: Charge) -> PricingPolicy:
                          margin_abs=charge.interval_margin_abs or 0.0, margin_rel=charge.interval_margin_rel or 0.0,
                          short_margin=charge.short_margin or 0.0,
                          short_sample_us=charge.short_sample_us or DEFAULT_SHORT_SAMPLE_US,
+                         trusted_level_low=charge.short_sample_us is not None,
                          standard_units="cores" if charge.billing_weights is None else "tres",
                          billing_weights=((charge.partition or "", charge.billing_weights),)
                          if charge.billing_weights not in (None, "slurm") else ())

@@ -38,6 +38,8 @@ from nodeshare.schemas.catalog import LEDGER_CHARGES, NODE_SHUTTER
 from nodeshare.schemas.dead_letters import dead_letter
 from nodeshare.schemas.events import carried
 from nodeshare.schemas.signing import AUTH_FIELD, header_value, identity_problem
+from nodeshare.streams.core.confidence import levels_low
+from nodeshare.streams.core.degradation import MIXED_S
 from nodeshare.streams.core.pricing import fair_charge, job_degradation
 
 log = logging.getLogger(__name__)
@@ -398,8 +400,23 @@ def _ends_follow_the_margin(held: Charge, copy: Charge) -> bool:
                  else (-max(old, new), max(old, new)))
     scale, tol = job_degradation(1.0, copy.alone_s, copy.billed_time_s), 1e-12
     outward = (held.degradation_low - copy.degradation_low, copy.degradation_high - held.degradation_high)
-    return (all(low * scale - tol <= m <= high * scale + tol for m in outward)
+    return ((all(low * scale - tol <= m <= high * scale + tol for m in outward)
+             or (low * scale - tol <= outward[1] <= high * scale + tol and _low_at_its_trusted_level(copy, tol)))
             and copy.degradation_low <= copy.degradation_point <= copy.degradation_high)
+
+
+def _low_at_its_trusted_level(copy: Charge, tol: float) -> bool:
+    """Whether ``copy``'s lower end is its longest level's own (``confidence.levels_low`` over the
+    levels it carries, at its confidence and margins), which an estimate whose shorter samples read
+    higher reaches since schema 10: a build before it (schema 9) ended the interval at the point's
+    symmetric end, further up than any margin change explains."""
+    if copy.estimator != MIXED_S or not copy.levels or None in (copy.confidence, copy.interval_margin_abs,
+                                                                copy.interval_margin_rel):
+        return False
+    low = levels_low(copy.levels, 0.5 * (1.0 + copy.confidence), copy.interval_margin_abs or 0.0,
+                     copy.interval_margin_rel or 0.0)
+    return low is not None and abs(copy.degradation_low - job_degradation(max(0.0, low), copy.alone_s,
+                                                                           copy.billed_time_s)) <= tol
 
 
 def _priced_from_its_margin(held: Charge, copy: Charge) -> bool:

@@ -146,6 +146,10 @@ class PricingPolicy:
     #: audited with 0.
     short_margin: float = DEFAULT_SHORT_MARGIN
     short_sample_us: int = DEFAULT_SHORT_SAMPLE_US
+    #: Schema 10's interval rule (streams.core.confidence, "The trusted level's lower end"): a
+    #: ``mixed_s`` interval reaches down to its longest S's own where kept shorter samples read higher
+    #: beyond noise. A row from before schema 10 (no ``short_sample_us``) is audited without it.
+    trusted_level_low: bool = True
     #: A job that shared without any estimate pays the prior's upper end (schema 6); before, the
     #: standard price (how the audit reprices an older row).
     prior_without_evidence: bool = True
@@ -948,7 +952,7 @@ def build_charge(job_id: str, revision: int, terminal: TerminalEvent, streams: l
     widen = short_sample_widening(degradation, policy.short_margin, policy.short_sample_us) if whole else 0.0
     short = short_sample_margin(degradation, policy.short_margin, policy.short_sample_us) if whole else 0.0
     interval = degradation_interval(degradation, policy.confidence, policy.prior_high, policy.margin_abs,
-                                    policy.margin_rel, widen)
+                                    policy.margin_rel, widen, policy.trusted_level_low)
     point, low, high, priced = (job_degradation(d, alone_s, billed_s)
                                 for d in (degradation.degradation, interval.low, interval.high,
                                           min(1.0, degradation.degradation + short)))

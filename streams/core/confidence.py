@@ -47,6 +47,19 @@ at least 95% of the built-in library's jobs it prices, seed 7 (every mix of ``ex
 90.3% at 2 points, 93.4% at 2.5, 95.9% at 3): 3 points. The SPEC programs and the other seeds were
 never used to choose it (docs/charges.md, "The short-sample margin").
 
+**The trusted level's lower end** (schema 10). ``mixed_s`` trusts its longest S and keeps a shorter
+S unless that reads *lower* beyond noise (the refill biases short samples low, and a low D
+overcharges). A shorter S that reads *higher* is kept, and where phases are shorter than a long
+sample it does: Alg. 4 keeps the short blocks whose solo IPC beats the IPC around them. The
+combined D then sits above what the trusted level measured, and the truth below the interval:
+with the symmetric interval alone, 83-91% of the built-in library's short-phases jobs (seeds 7, 11,
+23) and 86-89% of the SPEC ones were covered. So where a kept shorter level reads higher than the
+longest by more than the noise for which a lower one is left out
+(``shutter_policy.trusted_level_below``), the lower end reaches down to the trusted level's own
+t interval's (its accepted blocks' degrees of freedom, its standard error as the rule takes it,
+the same bias margin). No parameter is fitted: it is the estimator's own test, read both ways.
+The price is not moved: the point and the upper end are unchanged.
+
 Every number here is plain float arithmetic on the charge's own inputs, so both audits recompute
 it bit for bit.
 """
@@ -54,13 +67,29 @@ it bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import Protocol
 
 from nodeshare.schemas.events import EstimateStatus
 
 from .degradation import MIXED_S, DegradationResult
-from .shutter_policy import MIXED_N_MIN, has_own_spread
+from .shutter_policy import MIXED_N_MIN, has_own_spread, trusted_level_below
+
+
+class LevelLike(Protocol):
+    """One sample length's evidence, as the fold keeps it and a charge carries it."""
+
+    @property
+    def sample_us(self) -> int: ...
+    @property
+    def blocks_used(self) -> int: ...
+    @property
+    def degradation(self) -> float | None: ...
+    @property
+    def standard_error(self) -> float | None: ...
+
 
 #: The interval methods a charge names.
 T_RATIO = "t_ratio"  # Student's t interval of the ratio estimate
@@ -92,14 +121,54 @@ DEFAULT_SHORT_MARGIN = 0.03
 _NORMAL = NormalDist()
 
 
+#: Below this many degrees of freedom ``t_quantile`` inverts the exact distribution instead of the
+#: expansion (11% short at 1 degree of freedom and p = 0.975, 36% at p = 0.995).
+EXACT_T_BELOW = 7
+
+
+def t_central(t: float, dof: int) -> float:
+    """P(|T| <= t) for Student's t with ``dof`` >= 1 degrees of freedom, t >= 0, exactly: the finite
+    series of Abramowitz and Stegun 26.7.3 (odd dof) and 26.7.4 (even dof) in theta = atan(t / sqrt(dof))."""
+    theta = math.atan(t / math.sqrt(dof))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if dof % 2 == 0:
+        term, total = 1.0, 1.0
+        for k in range(2, dof, 2):  # (1 3 ... (k - 1)) / (2 4 ... k) cos^k
+            term *= (k - 1) / k * c2
+            total += term
+        return s * total
+    if dof == 1:
+        return 2.0 / math.pi * theta
+    term = math.cos(theta)
+    total = term
+    for k in range(3, dof, 2):  # (2 4 ... (k - 1)) / (3 5 ... k) cos^k
+        term *= (k - 1) / k * c2
+        total += term
+    return 2.0 / math.pi * (theta + s * total)
+
+
 def t_quantile(p: float, dof: int) -> float:
-    """Student's t quantile by the Cornish-Fisher expansion in 1 / dof (Abramowitz and Stegun 26.7.5),
-    four terms: within 2e-3 of the exact quantile for dof >= 7 and p <= 0.995, and exact as dof grows.
-    Plain arithmetic on the normal quantile, so every machine and both audits get the same bits."""
+    """Student's t quantile. From ``EXACT_T_BELOW`` degrees of freedom on, by the Cornish-Fisher
+    expansion in 1 / dof (Abramowitz and Stegun 26.7.5), four terms: within 2e-3 of the exact quantile
+    for dof >= 7 and p <= 0.995, and exact as dof grows. Below, by bisecting the exact distribution
+    (``t_central``) to the last bit. Plain arithmetic in a fixed order, so every machine and both
+    audits get the same bits."""
     if not 0.5 <= p < 1.0:
         raise ValueError(f"a one-sided quantile needs 0.5 <= p < 1, got {p}")
     if dof < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    if dof < EXACT_T_BELOW:
+        target, lo, hi = 2.0 * p - 1.0, 0.0, 1.0
+        if target <= 0.0:
+            return 0.0
+        while t_central(hi, dof) < target:
+            hi *= 2.0
+        for _ in range(200):  # halves [lo, hi] until it cannot (about 60 steps)
+            mid = 0.5 * (lo + hi)
+            if mid in (lo, hi):
+                break
+            lo, hi = (mid, hi) if t_central(mid, dof) < target else (lo, mid)
+        return hi
     z = _NORMAL.inv_cdf(p)
     z2 = z * z
     g1 = (z2 + 1.0) * z / 4.0
@@ -181,11 +250,13 @@ def short_sample_widening(result: DegradationResult, short_margin: float, short_
 
 def degradation_interval(result: DegradationResult, confidence: float = DEFAULT_CONFIDENCE,
                          prior_high: float = DEFAULT_PRIOR_HIGH, margin_abs: float = DEFAULT_MARGIN_ABS,
-                         margin_rel: float = DEFAULT_MARGIN_REL, short: float = 0.0) -> Interval:
+                         margin_rel: float = DEFAULT_MARGIN_REL, short: float = 0.0,
+                         trusted_low: bool = True) -> Interval:
     """The interval at ``confidence`` of ``result.degradation`` (see the module's docstring), its
-    margin m raised by ``short`` (``short_sample_widening``'s). The prior interval of an estimate from
-    too few blocks reaches at least D + m as well; a job with no estimate gets the prior alone (no
-    estimator, so no estimator bias)."""
+    margin m raised by ``short`` (``short_sample_widening``'s), its lower end reaching the trusted
+    level's (``trusted_level_low``) unless ``trusted_low`` is False (a charge from before schema
+    10). The prior interval of an estimate from too few blocks reaches at least D + m as well; a job
+    with no estimate gets the prior alone (no estimator, so no estimator bias)."""
     if not 0.0 < confidence <= MAX_CONFIDENCE:
         raise ValueError(f"confidence must be in (0, {MAX_CONFIDENCE}], got {confidence} (t_quantile's expansion "
                          "is accurate up to p = 0.995)")
@@ -203,5 +274,38 @@ def degradation_interval(result: DegradationResult, confidence: float = DEFAULT_
         return Interval(0.0, max(d, prior_high), PRIOR, n)
     if se is None or n < MIN_INTERVAL_BLOCKS:
         return Interval(0.0, max(min(1.0, d + margin), prior_high), PRIOR, n)
-    half = t_quantile(0.5 * (1.0 + confidence), n - 1) * se + margin
-    return Interval(max(0.0, d - half), min(1.0, d + half), T_RATIO, n)
+    p = 0.5 * (1.0 + confidence)
+    half = t_quantile(p, n - 1) * se + margin
+    low = d - half
+    if trusted_low and (below := trusted_level_low(result, p, margin_abs, margin_rel)) is not None:
+        low = min(low, below)
+    return Interval(max(0.0, low), min(1.0, d + half), T_RATIO, n)
+
+
+def trusted_level_low(result: DegradationResult, p: float, margin_abs: float = DEFAULT_MARGIN_ABS,
+                      margin_rel: float = DEFAULT_MARGIN_REL) -> float | None:
+    """The lower end (unclamped) of the trusted level's own interval, where a ``mixed_s`` estimate
+    kept shorter samples that read higher than its longest S beyond noise; None otherwise (another
+    estimator, no estimate). See ``levels_low``."""
+    if result.estimator != MIXED_S or result.status is not EstimateStatus.OK:
+        return None
+    return levels_low(result.levels, p, margin_abs, margin_rel)
+
+
+def levels_low(levels: Iterable[LevelLike], p: float, margin_abs: float, margin_rel: float) -> float | None:
+    """Over a ``mixed_s`` estimate's per-S evidence (the fold's ``LevelResult`` or a charge's
+    ``LevelEvidence``): where ``shutter_policy.trusted_level_below`` finds a kept shorter level higher
+    than the longest beyond noise, D_top - (t_{p, n_top - 1} SE_top + margin_abs + margin_rel
+    max(0, D_top)), with n_top the level's accepted blocks (one degree of freedom at least: a single
+    long block, whose error is borrowed, reaches far down; ``t_quantile`` is exact there) and SE_top
+    as ``combine_levels`` takes it. None otherwise. A charge carries at most ``MAX_CHARGE_LEVELS``
+    levels (the used ones first): over more sample lengths than that (the default ladder has 3) the
+    ledger's reading of a charge's own levels may differ from the fold's; the audits recompute from
+    the archive, never from the charge's levels."""
+    got = trusted_level_below({lv.sample_us: (lv.blocks_used, lv.degradation,
+                                              math.inf if lv.standard_error is None else lv.standard_error)
+                               for lv in levels if lv.blocks_used and lv.degradation is not None})
+    if got is None:
+        return None
+    d_top, se_top, n_top = got
+    return d_top - (t_quantile(p, max(1, n_top - 1)) * se_top + margin_abs + margin_rel * max(0.0, d_top))

@@ -152,26 +152,60 @@ def has_own_spread(n: int, se: float, n_min: int = MIXED_N_MIN) -> bool:
     return n >= n_min and math.isfinite(se)
 
 
+def _level_errors(levels: Mapping[int, tuple[int, float, float]], n_min: int, z: float,
+                  z_few: float) -> tuple[dict[int, float], float] | None:
+    """``combine_levels``' standard error of each level (its own, or the largest per-block spread
+    of the levels with one of their own, over sqrt(n)) and the z its shorter levels are tested at;
+    None when no level has a spread of its own."""
+    full = [s for s, (n, _, se) in levels.items() if has_own_spread(n, se, n_min)]
+    if not full:
+        return None
+    spread = max(levels[s][2] * math.sqrt(levels[s][0]) for s in full)
+    se = {s: e if s in full else spread / math.sqrt(n) for s, (n, _, e) in levels.items()}
+    return se, z if max(levels) in full else z_few
+
+
 def combine_levels(levels: Mapping[int, tuple[int, float, float]], n_min: int = MIXED_N_MIN, z: float = MIXED_Z,
                    z_few: float = MIXED_Z_FEW, tol: float = MIXED_TOL) -> tuple[float, float, tuple[int, ...]] | None:
     """``mixed_estimate``'s rule on per-S (accepted blocks n >= 1, D, standard error; inf below two
     blocks): (D, its standard error, the levels used), or None when no level has ``n_min`` blocks and
     a finite error (the caller then pools every block). Plain float arithmetic in a fixed order, so
     the same inputs give the same bits everywhere. One level used: its own D and error, unchanged."""
-    full = [s for s, (n, _, se) in levels.items() if has_own_spread(n, se, n_min)]
-    if not full:
+    errors = _level_errors(levels, n_min, z, z_few)
+    if errors is None:
         return None
-    spread = max(levels[s][2] * math.sqrt(levels[s][0]) for s in full)
-    se = {s: e if s in full else spread / math.sqrt(n) for s, (n, _, e) in levels.items()}
+    se, zz = errors
     d = {s: v[1] for s, v in levels.items()}
     top = max(levels)
-    zz = z if top in full else z_few
     used = [s for s in sorted(levels) if s == top or not d[top] - d[s] > zz * math.hypot(se[top], se[s]) + tol]
     if len(used) == 1:
         return d[top], se[top], (top,)
     w = [1.0 / max(se[s], 1e-6) ** 2 for s in used]
     est = math.fsum(wi * d[s] for wi, s in zip(w, used, strict=True)) / math.fsum(w)
     return est, 1.0 / math.sqrt(math.fsum(w)), tuple(used)
+
+
+def trusted_level_below(levels: Mapping[int, tuple[int, float, float]], n_min: int = MIXED_N_MIN,
+                        z: float = MIXED_Z, z_few: float = MIXED_Z_FEW,
+                        tol: float = MIXED_TOL) -> tuple[float, float, int] | None:
+    """The longest level's (D, standard error as ``combine_levels`` takes it, accepted blocks) when
+    ``combine_levels`` kept a shorter level that reads *higher* than it by more than the noise for
+    which it would have left a lower one out; else None (one level, nothing kept, or all agree).
+    The rule keeps such a level (a shorter S is only ever biased low by the refill, and a high D
+    undercharges), so the combined D sits above what the trusted level measured: where phases are
+    shorter than a long sample, Alg. 4 keeps the short blocks whose solo IPC beats the IPC around
+    them, and those read high. The interval then reaches down to the trusted level's own
+    (``confidence.degradation_interval``)."""
+    errors = _level_errors(levels, n_min, z, z_few)
+    if errors is None or len(levels) < 2:
+        return None
+    se, zz = errors
+    top = max(levels)
+    n_top, d_top, _ = levels[top]
+    for s, (_, d_s, _) in levels.items():
+        if s != top and d_s - d_top > zz * math.hypot(se[top], se[s]) + tol:
+            return d_top, se[top], n_top
+    return None
 
 
 def mixed_estimate(levels: Mapping[int, LevelStats], n_min: int = MIXED_N_MIN, z: float = MIXED_Z,

@@ -28,6 +28,7 @@ from nodeshare.streams.core.confidence import (
     short_sample_widening,
     short_samples_unchecked,
     t_quantile,
+    trusted_level_low,
 )
 from nodeshare.streams.core.degradation import (
     ESTIMATORS,
@@ -41,6 +42,7 @@ from nodeshare.streams.core.degradation import (
     filtered_degradation,
     ratio_standard_error,
 )
+from nodeshare.streams.core.shutter_policy import trusted_level_below
 
 IPC, LIFE = "node.ipc", "jobs.lifecycle"
 
@@ -57,6 +59,15 @@ POINT = PricingPolicy(rate_per_core_hour=1.0)  # the default: at the point estim
     (0.995, 20, 2.845340), (0.975, 10**6, 1.959966)])
 def test_t_quantiles_match_the_tables(p, dof, exact):
     assert t_quantile(p, dof) == pytest.approx(exact, abs=2e-3)
+
+
+@pytest.mark.parametrize(("p", "dof", "exact"), [
+    (0.975, 1, 12.706205), (0.975, 2, 4.302653), (0.975, 3, 3.182446), (0.995, 1, 63.656741),
+    (0.995, 5, 4.032143), (0.9, 6, 1.439756), (0.5, 4, 0.0)])
+def test_t_quantiles_below_seven_degrees_of_freedom_are_exact(p, dof, exact):
+    """Below 7 degrees of freedom the expansion is 11% short at 1 (p = 0.975) and 36% at p = 0.995;
+    there the exact distribution is inverted: the tables' values to their six decimals."""
+    assert t_quantile(p, dof) == pytest.approx(exact, abs=1e-6)
 
 
 def test_a_confidence_beyond_what_the_quantile_can_give_is_refused():
@@ -478,3 +489,116 @@ def test_missing_evidence_never_buys_the_short_sample_margin():
     refused, three = charge([*long[:3], bad], 16), charge(long[:3], 15)
     assert refused.blocks_used == 15 and (refused.degradation, refused.price) == (three.degradation, three.price)
     assert refused.short_margin_applied == 0.03
+
+
+def _two_levels(d_short: float, se_short: float, n_short: int, d_long: float, se_long: float | None,
+                n_long: int) -> DegradationResult:
+    """A mixed_s estimate of 3.2 ms and 51.2 ms levels, combined as the fold combines them."""
+    from nodeshare.streams.core.shutter_policy import combine_levels
+
+    levels = {3200: (n_short, d_short, se_short), 51200: (n_long, d_long, math.inf if se_long is None else se_long)}
+    d, se, used = combine_levels(levels)
+    return DegradationResult(EstimateStatus.OK, d, d, d, n_short + n_long, 0, corrected=d, estimator=MIXED_S,
+                             standard_error=se, interval_blocks=sum(levels[s][0] for s in used),
+                             levels=(LevelResult(3200, n_short, 0, d_short, se_short, 3200 in used),
+                                     LevelResult(51200, n_long, 0, d_long, se_long, True)))
+
+
+def test_kept_short_samples_that_read_higher_than_the_trusted_level_lower_the_interval_by_hand():
+    """36 blocks at 3.2 ms read D = 0.10 (SE 0.004), 4 at 51.2 ms read 0.06 (SE 0.006). The short level
+    is higher, so combine_levels keeps it: weights 62,500 and 27,777.8 give D = 0.087692, SE 0.0033282.
+    It is higher than the trusted level by 0.04, more than 1 x hypot(0.006, 0.004) + 0.002 = 0.009211,
+    so the interval's lower end reaches the 51.2 ms level's own: 0.06 - (t(0.975, 3) = 3.182446 x 0.006
+    + 0.01 + 0.05 x 0.06) = 0.027905, not the combined 0.087692 - (t(0.975, 39) = 2.0227 x 0.0033282
+    + 0.01 + 0.05 x 0.087692) = 0.066575. The upper end, the point and so the price are unchanged."""
+    r = _two_levels(0.10, 0.004, 36, 0.06, 0.006, 4)
+    assert r.degradation == pytest.approx(0.087692, abs=1e-6) and r.standard_error == pytest.approx(0.0033282, abs=1e-7)
+    assert trusted_level_below({3200: (36, 0.10, 0.004), 51200: (4, 0.06, 0.006)}) == (0.06, 0.006, 4)
+    got = degradation_interval(r)
+    assert got.low == pytest.approx(0.027905, abs=1e-6)
+    assert trusted_level_low(r, 0.975) == pytest.approx(got.low, abs=1e-15)
+    plain = 0.087692 - (2.0227 * 0.0033282 + 0.01 + 0.05 * 0.087692)
+    assert plain == pytest.approx(0.066575, abs=1e-6)
+    assert got.high == pytest.approx(0.087692 + (0.087692 - 0.066575), abs=1e-5)
+
+
+@pytest.mark.parametrize(("d_long", "se_long", "n_long", "why"), [
+    (0.095, 0.006, 4, "within noise: 0.005 < 0.009211"),
+    (0.0915, 0.006, 4, "within noise and tol: 0.0085 < 1 x 0.007211 + 0.002"),
+    (0.06, None, 1, "one long block is tested at z_few: 0.04 < 2 x hypot(0.024, 0.004) + 0.002 = 0.0507"),
+    (0.14, 0.006, 10, "the short level is lower: left out, the estimate is the trusted level's alone"),
+])
+def test_the_interval_is_symmetric_where_the_levels_agree_or_the_short_one_was_left_out(d_long, se_long, n_long, why):
+    r = _two_levels(0.10, 0.004, 36, d_long, se_long, n_long)
+    assert trusted_level_low(r, 0.975) is None, why
+    got = degradation_interval(r)
+    assert got.high - r.degradation == pytest.approx(r.degradation - got.low, abs=1e-12), why
+
+
+def test_a_single_long_block_below_the_short_ones_takes_the_lower_end_to_zero():
+    """One 51.2 ms block (its error borrowed: 0.004 x sqrt(36) = 0.024) at 0.02 against 36 short
+    blocks at 0.10: the test is at z_few = 2 (0.08 > 2 x hypot(0.024, 0.004) + 0.002 = 0.0507),
+    and one degree of freedom reaches below zero: the interval starts at 0."""
+    r = _two_levels(0.10, 0.004, 36, 0.02, None, 1)
+    d_top, se_top, n_top = trusted_level_below({3200: (36, 0.10, 0.004), 51200: (1, 0.02, math.inf)})
+    assert (d_top, n_top) == (0.02, 1) and se_top == pytest.approx(0.024, abs=1e-15)
+    assert degradation_interval(r).low == 0.0
+    assert degradation_interval(r).high < 0.25
+
+
+def test_the_lower_end_is_the_lower_of_the_two():
+    """Where the trusted level's own lower end is above the combined interval's, the combined one
+    stands: 100 short blocks at 0.10 (SE 0.0005) and 3 long ones at 0.09 (too few for a spread of
+    their own: 0.005 / sqrt(3) = 0.002887, tested at z_few = 2: 0.01 > 0.007865), an unchecked
+    estimate whose interval is 3 points wider: its lower end 0.0537 is below the trusted level's
+    0.09 - (4.3027 x 0.002887 + 0.01 + 0.0045) = 0.0631."""
+    r = _two_levels(0.10, 0.0005, 100, 0.09, 0.004, 3)
+    below = trusted_level_low(r, 0.975)
+    assert below == pytest.approx(0.09 - (4.302653 * 0.005 / math.sqrt(3) + 0.0145), abs=1e-6)
+    got = degradation_interval(r, short=DEFAULT_SHORT_MARGIN)
+    half = t_quantile(0.975, r.interval_blocks - 1) * r.standard_error + 0.01 + 0.05 * r.degradation + 0.03
+    assert got.low == pytest.approx(r.degradation - half, abs=1e-15) and got.low < below - 0.009
+
+
+def test_a_charge_whose_short_blocks_read_high_carries_the_trusted_levels_lower_end_and_both_audits_agree(tmp_path):
+    """Through the fold: 30 short blocks of D 0.15 and 6 long blocks of D 0.05 (the long blocks left
+    to Alg. 4 as they are). The charge's lower end is the long level's own, the price the point's;
+    the archive audits clean, and a charge whose lower end is edited back up is refused."""
+    from factories import batch as batch_of
+
+    rng = np.random.default_rng(5)
+    short = _blocks(rng, 30, 0.15, 0.01)
+    longs = [b.model_copy(update={"cycle": 100 + i, "sample_us": 51200})
+             for i, b in enumerate(_blocks(rng, 6, 0.05, 0.01))]
+    ipc = [batch_of(*short), batch_of(*longs, seq=1), left("j1", "n1", 36, 201)]
+    end = job_event("j1", JobState.ENDED, cores=4)
+    [c] = fold_messages(as_messages(ipc, IPC) + as_messages([end], LIFE), POINT)
+    levels = {lv.sample_us: lv for lv in c.levels}
+    assert levels[3200].used and levels[3200].degradation > levels[51200].degradation + 0.05
+    lo_long = levels[51200].degradation - (t_quantile(0.975, levels[51200].blocks_used - 1)
+                                           * levels[51200].standard_error + 0.01 + 0.05 * levels[51200].degradation)
+    assert c.degradation_low == pytest.approx(max(0.0, lo_long), abs=1e-12)
+    assert c.degradation_point - c.degradation_low > c.degradation_high - c.degradation_point + 0.02
+    assert c.degradation == c.degradation_point
+    (archive, _, _), path = archive_records(tmp_path, [*ipc, end]), tmp_path / "ledger.duckdb"
+    with Ledger(path) as ledger:
+        ledger.append([(c, encode(c), 0, 0)])
+    for fast in (True, False):
+        assert audit(archive, path, POINT, fast=fast).ok, fast
+    symmetric = c.degradation_point - (c.degradation_high - c.degradation_point)
+    edited = c.model_copy(update={"degradation_low": symmetric})
+    with Ledger(tmp_path / "edited.duckdb") as ledger:
+        ledger.append([(edited, encode(edited), 0, 0)])
+    for fast in (True, False):
+        assert not audit(archive, tmp_path / "edited.duckdb", POINT, fast=fast).ok, fast
+    # a version-9 row, priced by a build without the rule: its symmetric end is what it records, and
+    # what both audits recompute for it (the rule is selected by the schema-10 fields it lacks)
+    [then] = fold_messages(as_messages(ipc, IPC) + as_messages([end], LIFE),
+                           replace(POINT, short_margin=0.0, trusted_level_low=False))
+    assert then.degradation_low == pytest.approx(symmetric, abs=1e-12) and then.price == c.price
+    v9 = as_version(then, 9)
+    assert not policy_of(decode_model(Charge, v9)).trusted_level_low and policy_of(c) == POINT
+    with Ledger(tmp_path / "v9.duckdb") as ledger:
+        ledger.append([(decode_model(Charge, v9), v9, 0, 0)])
+    for fast in (True, False):
+        assert audit(archive, tmp_path / "v9.duckdb", POINT, fast=fast).ok, fast

@@ -545,3 +545,33 @@ def test_a_copy_re_sent_across_the_short_margin_upgrade_is_repriced_not_divergen
     assert {f for f, _, _ in charge_differences(now, moved)} == {"short_sample_us", "degradation_low",
                                                                  "degradation_high"}
     assert margin_only(now, moved, [f for f, _, _ in charge_differences(now, moved)])
+
+
+def test_a_resent_charge_whose_lower_end_moved_to_its_trusted_level_is_forgiven_and_a_forged_one_is_not():
+    """A schema-9 build ended every interval at the point's symmetric end; since schema 10 an
+    estimate whose kept short samples read higher than its longest S reaches down to that level's
+    own interval (streams.core.confidence, "The trusted level's lower end"). A worker upgraded
+    across it re-sends such a charge: the ledger finds the lower end where the copy's own levels put
+    it, and forgives it; a lower end anywhere else that no margin change explains stays divergent."""
+    from factories import batch, block, job_event, left
+
+    from nodeshare.schemas import CounterSource, JobState
+    from nodeshare.sinks.ledger import charge_differences, margin_only
+    from nodeshare.streams.core.accounting import Origin, fold_messages
+
+    shorts = [block(1.0, 1.25 + 0.01 * (c % 3), 1.0, cycle=c) for c in range(30)]
+    longs = [block(1.0, 1.11 + 0.01 * (c % 2), 1.0, cycle=c).model_copy(
+        update={"sample_us": 51200, "counter": CounterSource.SIMULATED}) for c in range(100, 106)]
+    records = [batch(*shorts), batch(*longs, seq=1), left("j1", "n1", 36, 105), job_event("j1", JobState.ENDED)]
+    messages = [(Origin("jobs.lifecycle" if i == 3 else "node.ipc", 0, i), b"j1", encode(r), 0.0)
+                for i, r in enumerate(records)]
+    [copy] = fold_messages(messages, POLICY)
+    assert all(lv.used for lv in copy.levels) and copy.short_margin_applied == 0.0
+    symmetric = copy.degradation_point - (copy.degradation_high - copy.degradation_point)
+    assert copy.degradation_low < symmetric - 0.05  # the long level's own lower end
+    held = copy.model_copy(update={"schema_version": 9, "short_margin": None, "short_sample_us": None,
+                                   "degradation_low": symmetric})
+    assert margin_only(held, copy, [f for f, _, _ in charge_differences(held, copy)])
+    for low in (copy.degradation_low - 0.01, 0.0):
+        forged = copy.model_copy(update={"degradation_low": low})
+        assert not margin_only(held, forged, [f for f, _, _ in charge_differences(held, forged)]), low
