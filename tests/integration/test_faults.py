@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from topic_reading import read_until
 
-from nodeshare.demo import publish, running_pipeline
+from nodeshare.demo import DemoError, publish, running_pipeline
 from nodeshare.deploy.broker import BrokerError, BundledBroker
 from nodeshare.deploy.local_s3 import s3rver_binary
 from nodeshare.deploy.processes import start_nodeshare, start_worker, stop_process
@@ -395,6 +395,31 @@ def test_sinks_killed_mid_write_leave_no_partial_file_and_no_duplicate(kafka_boo
 OUTAGE_S = 30.0
 
 
+class _AckedOffsets(EventProducer):
+    """The simulator's producer, keeping the (topic, partition, offset) of every acknowledgement: a
+    broker that acknowledges two records at one offset has overwritten the first (docs/broker.md)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.acked: list[tuple[str, int, int]] = []
+
+    def _on_delivery(self, err, msg) -> None:
+        super()._on_delivery(err, msg)
+        if err is None:
+            with self._lock:
+                self.acked.append((msg.topic(), msg.partition(), msg.offset()))
+
+    def reused(self) -> dict[tuple[str, int], int]:
+        """(topic, partition) -> how many of its offsets were acknowledged more than once."""
+        seen: set[tuple[str, int, int]] = set()
+        twice: dict[tuple[str, int], int] = {}
+        for ack in self.acked:
+            if ack in seen:
+                twice[ack[:2]] = twice.get(ack[:2], 0) + 1
+            seen.add(ack)
+        return twice
+
+
 @contextmanager
 def _first_half_charged(broker: BundledBroker, tmp_path: Path, letter: str, seed: int) -> Iterator[tuple]:
     """The pipeline running on this broker, the simulator's first half acknowledged and 3 charged:
@@ -403,7 +428,7 @@ def _first_half_charged(broker: BundledBroker, tmp_path: Path, letter: str, seed
     sim = simulate(SimConfig(nodes=8, jobs=60, seed=seed))
     half = len(sim.events) // 2
     with running_pipeline(settings, tmp_path) as pipeline, \
-            EventProducer(settings, client_id="nodeshare-simulator") as producer:
+            _AckedOffsets(settings, client_id="nodeshare-simulator") as producer:
         producer.send_all(sim.events[:half])
         producer.flush()
         deadline = time.monotonic() + 120
@@ -458,7 +483,11 @@ def test_a_durable_broker_killed_and_restarted_mid_run_loses_nothing(tmp_path: P
             assert broker.pid != before
             producer.send_all(sim.events[half:])
             producer.flush(120)
-            pipeline.wait(len(sim.truth), len(sim.events), 240, lambda *_: None)
+            try:
+                pipeline.wait(len(sim.truth), len(sim.events), 240, lambda *_: None)
+            except DemoError:
+                _xfail_if_offsets_reused(producer)
+                raise
             deadline = time.monotonic() + 30  # a refused commit is retried within COMMIT_RETRY_S
             while pipeline.ledger_sink.pending_offsets or pipeline.archive_sink.pending_offsets:
                 assert time.monotonic() < deadline, (pipeline.ledger_sink.pending_offsets,
@@ -467,12 +496,20 @@ def test_a_durable_broker_killed_and_restarted_mid_run_loses_nothing(tmp_path: P
         print(f"broker SIGKILLed and restarted with {half}/{len(sim.events)} events acknowledged")
         assert producer.delivered == len(sim.events) and not producer.failed
         restarted = sorted(p.parent.name for p in (Path(pipeline.archive_path) / "epochs").glob("*/p*.json"))
-        if restarted:  # the archive saw the broker hand out acknowledged offsets again (a new epoch)
-            # Tansu 0.6.0's S3 engine does this after some SIGKILLs even between acknowledged writes
-            # (1 fresh-clone CI run in about 10 here; docs/broker.md): the broker's defect, which no
-            # consumer can repair; the archive kept both lives of the log apart, as it must
-            pytest.xfail(f"the broker reused acknowledged offsets of {restarted} after its SIGKILL (docs/broker.md)")
+        _xfail_if_offsets_reused(producer)
+        assert not restarted, f"the archive started a new epoch of {restarted} but no offset was acknowledged twice"
         _check(pipeline, sim, settings, 0)
+
+
+def _xfail_if_offsets_reused(producer: _AckedOffsets) -> None:
+    """Tansu 0.6.0's S3 engine hands out acknowledged offsets again after some SIGKILLs, even
+    between acknowledged writes (2 fresh-clone CI runs in about 12; docs/broker.md): the broker's
+    defect, which no consumer can repair. A consumer already past those offsets never sees the
+    records written over them (a CI run of 2026-11-28 waited 240 s for 122 of them), and one that
+    reads them again sees a second log (the archive starts an epoch). Shown by the acknowledgements
+    themselves, it is an expected failure; anything else fails."""
+    if reused := producer.reused():
+        pytest.xfail(f"the broker acknowledged offsets twice after its SIGKILL: {reused} (docs/broker.md)")
 
 
 def test_the_memory_broker_loses_its_topics_when_restarted(tmp_path: Path) -> None:
