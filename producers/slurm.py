@@ -481,8 +481,25 @@ def run_source(source: SlurmSource, publish: Callable[[list[JobEvent | NodeDown]
     every event. Returns how many were published. Files stay until their events are acknowledged."""
     pause = sleep or time.sleep
     published = 0
+    away = False
     while not stop():
-        events, files = source.step()
+        try:
+            events, files = source.step()
+        except RuntimeError as exc:
+            # squeue failed (a loaded or restarting controller: "Socket timed out", "Unable to
+            # contact"): ``step`` asks it first, before it changes anything, and every later question
+            # is handled inside it. Nothing was read, so nothing is settled: the hook files stay
+            # and the same poll is made again. Before, the source stopped on it for good, and every
+            # job that ended after was never charged.
+            if not away:
+                log.error("squeue failed: lifecycle events wait until it answers (asked every %.0f s): %s",
+                          poll_s, exc)
+            away = True
+            pause(poll_s)
+            continue
+        if away:
+            log.warning("squeue answers again: lifecycle events resume")
+            away = False
         if events:
             try:
                 publish(events)

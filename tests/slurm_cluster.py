@@ -263,11 +263,21 @@ def lifecycle_source(settings: object, events: Path, env: dict[str, str]) -> Ite
             producer.send_all(batch)
             producer.flush(30)
 
-        thread = threading.Thread(target=lambda: published.append(
-            run_source(source, publish, poll_s=0.5, stop=stop.is_set)))
+        died: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                published.append(run_source(source, publish, poll_s=0.5, stop=stop.is_set))
+            except BaseException as exc:  # a thread's error is only printed: the test must hear it
+                died.append(exc)
+                raise
+
+        thread = threading.Thread(target=run, name="slurm-source")
         thread.start()
         try:
             yield published
         finally:
             stop.set()
             thread.join(30)
+            if died:
+                raise RuntimeError("the Slurm source stopped during the test") from died[0]

@@ -351,3 +351,41 @@ def test_the_cli_s_lost_node_wait_is_the_watch_s() -> None:
     slurm = typer.main.get_command(app).commands["slurm"].commands["source"]  # type: ignore[attr-defined]
     (option,) = [p for p in slurm.params if p.name == "lost_node_wait"]
     assert option.default == DEFAULT_WAIT_S and option.max == MAX_WAIT_S
+
+
+def test_the_source_keeps_going_when_squeue_fails_and_publishes_what_waited(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A CI run lost two charges when one failing squeue (a loaded controller) ended the source's
+    loop: every job that ended after went unpublished. Now the poll is made again; the hook file
+    waits, and the outage is said once, and its end once."""
+    from nodeshare.producers.slurm import run_source
+
+    events = tmp_path / "events"
+    events.mkdir()
+    (events / "124-prolog_ctld-9").write_bytes(b"\0".join(
+        f"{k}={v}".encode() for k, v in recorded("prolog_ctld").env.items()))
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def hostnames(self, expr: str) -> tuple[str, ...]:
+            return one_node(expr)
+
+        def job_tres(self, job_id: str) -> dict[str, float]:
+            return {}
+
+        def queue(self) -> list[dict[str, str]]:
+            self.calls += 1
+            if self.calls <= 3:
+                raise RuntimeError("squeue failed (1): slurm_load_jobs error: Socket timed out on send/recv operation")
+            return []
+
+    slurm, sent = Flaky(), []
+    source = SlurmSource(events, slurm)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="nodeshare.slurm"):
+        n = run_source(source, sent.append, poll_s=0.0, stop=lambda: slurm.calls >= 5, sleep=lambda _: None)
+    assert n == 1 and [[e.state for e in batch] for batch in sent] == [[JobState.STARTED]]
+    assert not list(events.iterdir())  # published, so its file is gone
+    said = [r.getMessage().split(":")[0] for r in caplog.records]
+    assert said == ["squeue failed", "squeue answers again"]
