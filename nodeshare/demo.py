@@ -31,6 +31,17 @@ from nodeshare.streams.worker.cursor import unconsumed, worker_groups
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
+def complaints(log_path: Path, last: int = 3) -> str:
+    """The last ``last`` warnings and errors of a log, for a message that names the log: whoever
+    reads the message (a CI run's report) may not have the file."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = [line.strip() for line in lines if "WARNING" in line or "ERROR" in line][-last:]
+    return "".join(f"\n  {line[:300]}" for line in said)
+
+
 class DemoError(RuntimeError):
     pass
 
@@ -153,7 +164,8 @@ class Pipeline:
             if time.monotonic() > deadline:
                 raise DemoError(
                     f"timed out after {timeout_s:.0f} s with {self.ledger_sink.rows_inserted}/{charges} charges and "
-                    f"{self.archive_sink.messages_written}/{archived} events archived; see {self.out / 'worker.log'}")
+                    f"{self.archive_sink.messages_written}/{archived} events archived; see {self.out / 'worker.log'}"
+                    + complaints(self.out / "worker.log"))
             time.sleep(0.2)
 
     def close(self) -> None:

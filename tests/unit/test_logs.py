@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,16 @@ def test_the_faust_worker_gets_the_same_configuration():
     formatter = config["formatters"]["nodeshare"]
     assert formatter["()"] is logs.JsonFormatter and formatter["secrets"] == [SECRET]
     assert config["root"] == {"level": "WARNING", "handlers": ["stderr"]}
+
+
+def test_a_pipeline_timeout_says_the_worker_log_s_lastcomplaints(tmp_path: Path) -> None:
+    """A CI report carries the message, not the log it names: the last warnings and errors come with it."""
+    from nodeshare.demo import complaints
+
+    log = tmp_path / "worker.log"
+    said = ["INFO fine"] * 5 + ["WARNING first", "INFO between", "ERROR second", "WARNING third", "ERROR " + "x" * 400]
+    log.write_text("\n".join(f"t nodeshare.x {line}" for line in said))
+    said = complaints(log).splitlines()
+    assert said[0] == "" and [line.split()[2] for line in said[1:]] == ["ERROR", "WARNING", "ERROR"]
+    assert said[2].endswith("third") and len(said[3]) == 302  # indent, then 300 characters at most
+    assert complaints(tmp_path / "missing.log") == ""
