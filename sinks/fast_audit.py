@@ -31,6 +31,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -641,13 +642,36 @@ def in_process(threads: int | None = None) -> Runner:
     return Runner(n, run)
 
 
+#: Seconds per step of a recomputation, added up (``fast_recompute``'s ``timings``): the bench
+#: reads from them how much of the audit is the driver's, which more workers do not shorten.
+Timings = dict[str, float]
+
+
+@contextlib.contextmanager
+def lap(timings: Timings | None, step: str) -> Iterator[None]:
+    """Add the block's wall seconds to ``timings[step]`` (nothing when ``timings`` is None)."""
+    if timings is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[step] = timings.get(step, 0.0) + time.perf_counter() - start
+
+
+def _lapped(timings: Timings | None, step: str, fn: Callable[..., Any], *args: Any) -> Any:
+    with lap(timings, step):
+        return fn(*args)
+
+
 #: Reports progress: (tasks done, tasks, shutter samples folded so far).
 Progress = Callable[[int, int, int], None]
 
 
 def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delta: float,
-                 runner: Runner | None = None, progress: Progress | None = None, dedupe: bool = False
-                 ) -> tuple[list[StreamRow], Suspects]:
+                 runner: Runner | None = None, progress: Progress | None = None, dedupe: bool = False,
+                 timings: Timings | None = None) -> tuple[list[StreamRow], Suspects]:
     """The archive's node.ipc records folded per (job, node) stream by tasks (``runner``: default,
     threads of this process), each on a chunk of the files' row groups: every row's typed columns
     are re-encoded and compared with its value (``_suspects``), the rows are folded from their
@@ -655,19 +679,23 @@ def read_streams(archive: ParquetArchive, deltas: dict[str, float], default_delt
     are checked across chunks. For jobs with no suspect row the typed columns *are* the values'
     fields, so that fold stands; the streams of jobs a suspect row may belong to are left out (the
     reference path, which decodes every value with the models, recomputes them). Returns the
-    streams and the suspects."""
+    streams and the suspects; ``timings`` adds the seconds of its steps (``lap``)."""
     runner = runner if runner is not None else in_process(archive.threads)
-    chunks = plan_chunks(archive, runner.tasks, dedupe)
+    with lap(timings, "plan_s"):
+        chunks = plan_chunks(archive, runner.tasks, dedupe)
     folds: list[ChunkFold] = []
-    for fold in runner.map(fold_chunk, [(archive.location, c, deltas, default_delta) for c in chunks]):
-        folds.append(fold)
-        if progress is not None:
-            progress(len(folds), len(chunks), 3 * sum(f.blocks for f in folds))
-    suspects = Suspects(set().union(*(f.suspects.keys for f in folds)), set().union(*(f.suspects.jobs for f in folds)),
-                        sum(f.suspects.rows for f in folds), sum(f.suspects.verified_rows for f in folds))
-    out_of_order = backwards(e for f in folds for e in f.edges)
-    streams = [replace(s, increasing=(s.job, s.node) not in out_of_order)
-               for s in merge_streams(r for f in folds for r in f.streams) if s.job not in suspects.jobs]
+    with lap(timings, "tasks_s"):
+        for fold in runner.map(fold_chunk, [(archive.location, c, deltas, default_delta) for c in chunks]):
+            folds.append(fold)
+            if progress is not None:
+                progress(len(folds), len(chunks), 3 * sum(f.blocks for f in folds))
+    with lap(timings, "merge_s"):
+        suspects = Suspects(set().union(*(f.suspects.keys for f in folds)),
+                            set().union(*(f.suspects.jobs for f in folds)),
+                            sum(f.suspects.rows for f in folds), sum(f.suspects.verified_rows for f in folds))
+        out_of_order = backwards(e for f in folds for e in f.edges)
+        streams = [replace(s, increasing=(s.job, s.node) not in out_of_order)
+                   for s in merge_streams(r for f in folds for r in f.streams) if s.job not in suspects.jobs]
     return streams, suspects
 
 
@@ -696,11 +724,21 @@ def terminal_events(archive: ParquetArchive, con: duckdb.DuckDBPyConnection | No
 
 def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy], default: PricingPolicy,
                    partitions: Iterable[int] | None = None, threads: int | None = None, *,
-                   runner: Runner | None = None, progress: Progress | None = None) -> FastResult:
+                   runner: Runner | None = None, progress: Progress | None = None,
+                   timings: Timings | None = None) -> FastResult:
     """Every charge the vectorized path can recompute from the archive (of ``partitions``, default
     all), and the jobs it leaves to the reference path. The node.ipc fold runs as tasks on
     ``runner`` (default: ``threads`` threads of this process, one per core when None);
-    ``progress`` hears of each task done."""
+    ``progress`` hears of each task done; ``timings`` (when given) gets the seconds of each step:
+    plan_s, tasks_s and merge_s of the fold, terminals_s and duplicates_s (beside the tasks, on
+    threads of their own), charges_s and total_s."""
+    with lap(timings, "total_s"):
+        return _fast_recompute(archive_root, policies, default, partitions, threads, runner, progress, timings)
+
+
+def _fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy], default: PricingPolicy,
+                    partitions: Iterable[int] | None, threads: int | None, runner: Runner | None,
+                    progress: Progress | None, timings: Timings | None) -> FastResult:
     archive = ParquetArchive(archive_root, partitions, threads)
     # The most common delta is the query's constant; only the others need a per-row lookup.
     common = Counter(p.delta for p in policies.values()).most_common(1)
@@ -714,28 +752,31 @@ def fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy],
         ends, _ = terminal_events(archive)
         return FastResult(ineligible=set(ends) | set(archive.keys([NODE_IPC.name])))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        held_twice = pool.submit(archive.duplicates, [NODE_IPC.name, JOBS_LIFECYCLE.name])
-        terminals = pool.submit(terminal_events, archive, archive.connect())
+        held_twice = pool.submit(_lapped, timings, "duplicates_s", archive.duplicates,
+                                 [NODE_IPC.name, JOBS_LIFECYCLE.name])
+        terminals = pool.submit(_lapped, timings, "terminals_s", terminal_events, archive, archive.connect())
         # folded as if every offset were held once (the common case), while the check runs beside
-        streams, suspects = read_streams(archive, deltas, default_delta, runner, progress)
+        streams, suspects = read_streams(archive, deltas, default_delta, runner, progress, timings=timings)
         duplicates = held_twice.result()
         if any(topic == NODE_IPC.name for topic, *_ in duplicates):  # copies: folded again, one of each offset
-            streams, suspects = read_streams(archive, deltas, default_delta, runner, progress, dedupe=True)
+            streams, suspects = read_streams(archive, deltas, default_delta, runner, progress, dedupe=True,
+                                             timings=timings)
         ends, to_reference = terminals.result()
     result = FastResult(typed_rows=suspects.verified_rows, suspect_rows=suspects.rows, duplicates=duplicates,
                         ineligible=set(suspects.jobs))
     by_job: dict[str, dict[str | None, list[StreamRow]]] = defaultdict(lambda: defaultdict(list))
-    for row in streams:
-        by_job[row.job][row.node].append(row)  # a row per S of the node's blocks, and one for its marker
-    for job, nodes in by_job.items():
-        charge = None if job in to_reference else _job_charge(job, nodes, ends.get(job, []),
-                                                               policies.get(job, default))
-        if charge is None:
-            result.ineligible.add(job)
-        else:
-            result.charges[(job, 0)] = charge
-            counted = charge.node_summary.blocks if charge.node_summary else sum(n.blocks for n in charge.nodes)
-            result.samples += 3 * int(counted)
+    with lap(timings, "charges_s"):
+        for row in streams:
+            by_job[row.job][row.node].append(row)  # a row per S of the node's blocks, and one for its marker
+        for job, nodes in by_job.items():
+            charge = None if job in to_reference else _job_charge(job, nodes, ends.get(job, []),
+                                                                   policies.get(job, default))
+            if charge is None:
+                result.ineligible.add(job)
+            else:
+                result.charges[(job, 0)] = charge
+                counted = charge.node_summary.blocks if charge.node_summary else sum(n.blocks for n in charge.nodes)
+                result.samples += 3 * int(counted)
     # Jobs with a terminal event but no node.ipc record at all: only the reference path can say.
     result.ineligible |= {j for j in ends if j not in by_job}
     return result

@@ -65,6 +65,14 @@ class AuditBench:
     by_workers: dict[str, dict[str, float]] = field(default_factory=dict)
     speedup_2_workers: float | None = None  # 2 Dask workers over the single thread
     efficiency_1_worker: float | None = None
+    # the one-thread run's seconds per step (medians; ``fast_recompute``'s timings): what the tasks
+    # take (tasks_s), what runs beside them (terminals_s, duplicates_s) and what the driver does
+    # alone before and after (plan_s, merge_s, charges_s, the rest of total_s)
+    steps_s: dict[str, float] = field(default_factory=dict)
+    serial_fraction: float | None = None  # the driver's part alone, of total_s (Amdahl's law)
+    # per worker count: the most any number of perfect workers could speed the one thread up by
+    # while the driver stays one thread (an upper bound: merging more chunks costs more)
+    speedup_bound: dict[str, float] = field(default_factory=dict)
 
 
 #: A broker appends a record a few milliseconds after the agent stamped it (the archive keeps the
@@ -174,17 +182,32 @@ def _timed_rounds(root: Path, rounds: int) -> tuple[list[float], list[float], Fa
     return scan, runs, result
 
 
-def _timed(root: Path, runner: Runner, rounds: int) -> tuple[float, int]:
+def _timed(root: Path, runner: Runner, rounds: int, steps: dict[str, float] | None = None) -> tuple[float, int]:
     """Median seconds of the recomputation on ``runner`` (a first round warms it up and is not
-    counted), and the samples it checked."""
+    counted), and the samples it checked; ``steps`` gets the median seconds of each of its steps."""
     runs = []
     samples = 0
+    laps: list[dict[str, float]] = []
     for r in range(rounds + 1):
+        timings: dict[str, float] = {}
         t = time.perf_counter()
-        samples = fast_recompute(root, {}, PricingPolicy(), runner=runner).samples
+        samples = fast_recompute(root, {}, PricingPolicy(), runner=runner, timings=timings).samples
         if r:
             runs.append(time.perf_counter() - t)
+            laps.append(timings)
+    if steps is not None:
+        steps.update({k: round(float(np.median([lp.get(k, 0.0) for lp in laps])), 4) for k in sorted(laps[0])})
     return float(np.median(runs)), samples
+
+
+def speedup_bound(steps: dict[str, float], workers: int) -> float:
+    """How much faster than one thread the audit can be on ``workers`` perfect slots while its driver
+    stays one thread: the tasks shrink to tasks_s / workers, but no further than what runs beside
+    them (the lifecycle decoding, the duplicate check); the plan, the merge, the charges and the
+    rest do not shrink at all (Amdahl's law)."""
+    total, tasks = steps["total_s"], steps.get("tasks_s", 0.0)
+    beside = max(steps.get("terminals_s", 0.0), steps.get("duplicates_s", 0.0))
+    return total / (total - tasks + max(tasks / workers, beside))
 
 
 def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
@@ -199,7 +222,8 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
         archive_mb = round(sum(f.stat().st_size for f in files) / 1e6, 1)
         scan, runs, result = _timed_rounds(root, rounds)
         tasks = len(plan_chunks(view, in_process().tasks))
-        single_s, single_samples = _timed(root, in_process(1), max(3, rounds // 2))
+        steps: dict[str, float] = {}
+        single_s, single_samples = _timed(root, in_process(1), max(3, rounds // 2), steps)
         single = single_samples / single_s
         for n in workers or []:
             with dask_client(workers=n) as client:
@@ -230,4 +254,6 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
         tasks=tasks, single_thread_samples_per_s=round(single), by_workers=by_workers,
         speedup_2_workers=round(by_workers["2"]["samples_per_s"] / single, 3) if "2" in by_workers else None,
         efficiency_1_worker=by_workers["1"]["efficiency"] if "1" in by_workers else None,
+        steps_s=steps, serial_fraction=round(1.0 - steps["tasks_s"] / steps["total_s"], 4),
+        speedup_bound={str(n): round(speedup_bound(steps, n), 2) for n in (2, 4, 16)},
     )
