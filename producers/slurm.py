@@ -26,9 +26,7 @@ between the ack and the delete) is de-duplicated downstream.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 import subprocess
 import time
@@ -40,6 +38,7 @@ from typing import Any
 
 from nodeshare.producers.slurm_lost_nodes import DEFAULT_WAIT_S, WATCH_FILE, LostNodeWatch, nodes_down, watch_key
 from nodeshare.producers.slurm_node_counts import NodeRange, parse_node_ranges
+from nodeshare.producers.slurm_started import load_started, save_started
 from nodeshare.runtime import metrics
 from nodeshare.runtime.logs import fields
 from nodeshare.schemas import TERMINAL_STATES, JobEvent, JobState, NodeDown
@@ -448,31 +447,6 @@ class SlurmSource:
             self._ended.clear()
             if self.terminal_from_epilog and self.state_file is not None:
                 save_started(self.state_file, self.started)
-
-
-def load_started(path: Path) -> dict[str, datetime]:
-    """The started map a previous source saved (none: empty). An unreadable file is moved aside
-    with an error: the jobs it named then end in ``bad/``, as before the map was kept."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}
-    try:
-        return {job: datetime.fromisoformat(at) for job, at in json.loads(text).items()}
-    except (ValueError, AttributeError, TypeError) as exc:
-        aside = path.with_name(path.name + ".unreadable")
-        os.replace(path, aside)
-        log.error("%s is not a started map (%s): moved to %s; epilogs of jobs started before this "
-                  "source will go to bad/", path, exc, aside)
-        return {}
-
-
-def save_started(path: Path, started: Mapping[str, datetime]) -> None:
-    """Write the started map whole or not at all, durably (a temporary, fsynced, renamed over the
-    file, the directory fsynced): the archive's one way of doing it."""
-    from nodeshare.runtime.files import atomic_write_bytes
-
-    atomic_write_bytes(json.dumps({job: at.isoformat() for job, at in sorted(started.items())}).encode(), path)
 
 
 def run_source(source: SlurmSource, publish: Callable[[list[JobEvent | NodeDown]], None], *, poll_s: float = 2.0,
