@@ -329,8 +329,11 @@ def test_an_application_counter_times_threads_and_processes_the_job_starts_later
     own CPU time when done; the child then exits at once (``os._exit``: no interpreter teardown),
     and the parent, once it has reaped the child and printed, waits for the test to read the
     counter. The counter holds the exited child's time and the parent's (less the interpreter's
-    start, before the counter opened). The parent's interpreter teardown is not in the bound: a CI
-    run measured both interpreters' exits at 59 ms, past the 50 ms this test then allowed."""
+    start, before the counter opened). The task clock runs on the scheduler's local clock, which on
+    a virtual machine includes what the hypervisor stole and interrupts took, where the process
+    clock leaves them out: two CI runs counted 2.6% and 3.0% above the processes' own times (59 ms
+    before the child exited at once, 52.7 ms after). The bound allows 5% over, which still refuses a
+    child counted twice (+50%) or the parent's 0.3 s of sleep."""
     # one write(2) a line: two print()s to one pipe interleaved their pieces in a CI run
     script = ("import os, sys, time\ntime.sleep(0.3)\nchild = os.fork()\nend = time.monotonic() + 1.0\n"
               "while time.monotonic() < end: pass\n"
@@ -348,8 +351,10 @@ def test_an_application_counter_times_threads_and_processes_the_job_starts_later
     finally:
         job.communicate(timeout=30)
     assert own["child"] > 50_000_000  # it ran
-    # the upper end allows for the child's exit in the kernel and the parent's two system calls after it printed
-    assert own["parent"] + 0.5 * own["child"] < counted <= own["parent"] + own["child"] + 50_000_000
+    # the upper end allows for time the VM's host stole, the child's exit in the kernel and the
+    # parent's two system calls after it printed
+    both = own["parent"] + own["child"]
+    assert own["parent"] + 0.5 * own["child"] < counted <= 1.05 * both + 10_000_000
 
 
 def test_a_job_is_timed_once_per_thread_and_too_many_threads_fall_back_to_the_process_clock(tmp_path, monkeypatch):
