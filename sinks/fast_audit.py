@@ -768,9 +768,13 @@ def _fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy]
     with lap(timings, "charges_s"):
         for row in streams:
             by_job[row.job][row.node].append(row)  # a row per S of the node's blocks, and one for its marker
-        for job, nodes in by_job.items():
-            charge = None if job in to_reference else _job_charge(job, nodes, ends.get(job, []),
-                                                                   policies.get(job, default))
+        work = [(job, dict(nodes), ends.get(job, []), policies.get(job, default))
+                for job, nodes in by_job.items() if job not in to_reference]
+        built = dict(_charge_jobs(work) if runner is None or not runner.processes or runner.slots < 2 else
+                     (c for group in runner.map(_charge_jobs, [(work[i::runner.slots],) for i in range(runner.slots)])
+                      for c in group))
+        for job in by_job:  # in the archive's order, however the groups ran
+            charge = built.get(job)
             if charge is None:
                 result.ineligible.add(job)
             else:
@@ -780,6 +784,15 @@ def _fast_recompute(archive_root: Path | str, policies: dict[str, PricingPolicy]
     # Jobs with a terminal event but no node.ipc record at all: only the reference path can say.
     result.ineligible |= {j for j in ends if j not in by_job}
     return result
+
+
+def _charge_jobs(work: list[tuple[str, dict[str | None, list[StreamRow]], list[TerminalEvent], PricingPolicy]]
+                 ) -> list[tuple[str, Charge | None]]:
+    """Each job's charge from its folded streams (None: the reference path's). On a runner of
+    processes the driver hands these out in groups, one per slot: building a charge is Python (its
+    models, its estimate), and left to the driver alone it was most of what more workers cannot
+    shorten (``bench audit``'s ``steps_s``)."""
+    return [(job, _job_charge(job, nodes, terminals, policy)) for job, nodes, terminals, policy in work]
 
 
 def _job_charge(job: str, nodes: dict[str | None, list[StreamRow]], terminals: list[TerminalEvent],

@@ -69,7 +69,7 @@ class AuditBench:
     # take (tasks_s), what runs beside them (terminals_s, duplicates_s) and what the driver does
     # alone before and after (plan_s, merge_s, charges_s, the rest of total_s)
     steps_s: dict[str, float] = field(default_factory=dict)
-    serial_fraction: float | None = None  # the driver's part alone, of total_s (Amdahl's law)
+    serial_fraction: float | None = None  # what workers do not shorten, of total_s (Amdahl's law)
     # per worker count: the most any number of perfect workers could speed the one thread up by
     # while the driver stays one thread (an upper bound: merging more chunks costs more)
     speedup_bound: dict[str, float] = field(default_factory=dict)
@@ -201,13 +201,14 @@ def _timed(root: Path, runner: Runner, rounds: int, steps: dict[str, float] | No
 
 
 def speedup_bound(steps: dict[str, float], workers: int) -> float:
-    """How much faster than one thread the audit can be on ``workers`` perfect slots while its driver
-    stays one thread: the tasks shrink to tasks_s / workers, but no further than what runs beside
-    them (the lifecycle decoding, the duplicate check); the plan, the merge, the charges and the
-    rest do not shrink at all (Amdahl's law)."""
-    total, tasks = steps["total_s"], steps.get("tasks_s", 0.0)
+    """How much faster than one thread the audit can be on ``workers`` perfect worker processes
+    while its driver stays one thread: the tasks shrink to tasks_s / workers, but no further than
+    what runs beside them (the lifecycle decoding, the duplicate check); the charges, built in
+    groups on the workers, to charges_s / workers; the plan, the merge and the rest do not shrink
+    at all (Amdahl's law)."""
+    total, tasks, charges = steps["total_s"], steps.get("tasks_s", 0.0), steps.get("charges_s", 0.0)
     beside = max(steps.get("terminals_s", 0.0), steps.get("duplicates_s", 0.0))
-    return total / (total - tasks + max(tasks / workers, beside))
+    return total / (total - tasks - charges + charges / workers + max(tasks / workers, beside))
 
 
 def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
@@ -254,6 +255,6 @@ def run_audit_bench(workdir: Path, blocks: int, rounds: int = 11,
         tasks=tasks, single_thread_samples_per_s=round(single), by_workers=by_workers,
         speedup_2_workers=round(by_workers["2"]["samples_per_s"] / single, 3) if "2" in by_workers else None,
         efficiency_1_worker=by_workers["1"]["efficiency"] if "1" in by_workers else None,
-        steps_s=steps, serial_fraction=round(1.0 - steps["tasks_s"] / steps["total_s"], 4),
+        steps_s=steps, serial_fraction=round(1.0 - (steps["tasks_s"] + steps["charges_s"]) / steps["total_s"], 4),
         speedup_bound={str(n): round(speedup_bound(steps, n), 2) for n in (2, 4, 16)},
     )
